@@ -1,0 +1,39 @@
+# Two commands do everything on a fresh machine with Python >= 3.11:
+#   make serve   install, then run the gateway in front of 4 local reference workers
+#   make test    install what the tests need (redis-server too), lint, type-check, run the suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: serve test lint typecheck redis clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m infra local serve --workers 4
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing redis-server (Debian package)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "redis-server missing and not root: Redis tests will be skipped"; fi; }
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: $(STAMP) redis lint typecheck
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

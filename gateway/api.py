@@ -1,0 +1,128 @@
+"""HTTP handlers: the OpenAI-compatible surface of the gateway, plus health and admin views."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.errors import ModelNotFound, NoWorkerAvailable
+from gateway.fingerprint import Namespace, fingerprint
+from gateway.normalize import NormalizeOptions
+from gateway.openai_schema import ParsedRequest, decode_json_object, parse_chat, parse_completion
+from gateway.proxy import dispatch
+from gateway.routing.types import RouteRequest
+from gateway.state import GatewayState
+
+STATE = web.AppKey("state", GatewayState)
+
+Parser = Callable[[dict[str, Any], NormalizeOptions], ParsedRequest]
+
+
+def tenant_of(request: web.Request) -> str:
+    """The tenant is a hash of the bearer key: namespaces differ per key, the key is never kept."""
+    auth = request.headers.get("Authorization", "")
+    if auth.lower().startswith("bearer ") and auth[7:].strip():
+        return xxhash.xxh3_64_hexdigest(auth[7:].strip().encode("utf-8"))
+    return ""
+
+
+async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamResponse:
+    state = request.app[STATE]
+    settings = state.settings
+    body = decode_json_object(await request.read())
+    parsed = parse(body, settings.normalize_options())
+    models = state.pool.models()
+    if parsed.model not in models:
+        if not state.pool.any_healthy():
+            raise NoWorkerAvailable("no healthy worker right now; retry shortly")
+        raise ModelNotFound(
+            f"the model {parsed.model!r} does not exist; available: {', '.join(sorted(models))}",
+            param="model",
+        )
+    namespace = Namespace(
+        tenant=tenant_of(request), model=parsed.model, cache_salt=parsed.cache_salt
+    )
+    key = fingerprint(parsed.fingerprint_text, namespace, settings.fingerprint_options())
+    prompt_tokens = math.ceil(len(parsed.fingerprint_text) / settings.chars_per_token)
+    cost = prompt_tokens + (parsed.max_tokens or settings.default_max_tokens)
+    route_request = RouteRequest(key=key, model=parsed.model, cost_tokens=cost)
+    return await dispatch(state, request, path, parsed.body, route_request)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _routed(request, "/v1/completions", parse_completion)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _routed(request, "/v1/chat/completions", parse_chat)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    models = sorted(request.app[STATE].pool.models())
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "affinity-gateway"}
+                for m in models
+            ],
+        }
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    pool = request.app[STATE].pool
+    healthy = sum(1 for s in pool.states() if s.healthy)
+    status = 200 if healthy else 503
+    return web.json_response(
+        {"ready": healthy > 0, "healthy_workers": healthy, "workers": len(pool.states())},
+        status=status,
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    payload = generate_latest(request.app[STATE].metrics.registry)
+    return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def admin_workers(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    workers = []
+    for s in state.pool.states():
+        workers.append(
+            {
+                "id": s.worker.id,
+                "url": s.worker.url,
+                "healthy": s.healthy,
+                "models": sorted(s.worker.models),
+                "inflight_requests": s.inflight_requests,
+                "inflight_tokens": s.inflight_tokens,
+                "routed": s.routed,
+                "input_tokens": s.input_tokens,
+                "matched_tokens": s.matched_tokens,
+                "hit_ratio": s.matched_tokens / s.input_tokens if s.input_tokens else 0.0,
+                "last_error": s.last_error,
+            }
+        )
+    return web.json_response(
+        {"policy": state.engine.name, "index_blocks": len(state.index), "workers": workers}
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/workers", admin_workers)

@@ -1,0 +1,127 @@
+"""Builds the gateway's aiohttp application: routes, the error middleware, owned resources."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from gateway.api import STATE, add_routes
+from gateway.backends.openai_http import OpenAIHTTPBackend
+from gateway.errors import (
+    GatewayError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
+from gateway.pool import WorkerPool
+from gateway.routing.policies import build_engine
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.settings import GatewaySettings
+from gateway.state import GatewayState
+from gateway.telemetry import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error_response(error: GatewayError) -> web.Response:
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+
+def _from_http_exception(exc: web.HTTPException) -> GatewayError:
+    match exc.status:
+        case 404:
+            return NotFound(f"no route for this path: {exc.reason}")
+        case 405:
+            return MethodNotAllowed("method not allowed on this path")
+        case 413:
+            return PayloadTooLarge(f"request body too large: {exc.text or exc.reason}")
+        case 415:
+            return UnsupportedMediaType(exc.text or exc.reason)
+    error = GatewayError(exc.text or exc.reason)
+    error.status = exc.status
+    error.type = "invalid_request_error" if 400 <= exc.status < 500 else "server_error"
+    return error
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place where exceptions become OpenAI-shaped error responses."""
+    try:
+        return await handler(request)
+    except GatewayError as exc:
+        return _error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error_response(_from_http_exception(exc))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        return _error_response(GatewayError("internal error in the gateway"))
+
+
+async def _probe_all(state: GatewayState) -> None:
+    workers = state.pool.states()
+    probes = await asyncio.gather(*(state.backend.probe(s.worker) for s in workers))
+    for s, probe in zip(workers, probes, strict=True):
+        if probe.healthy:
+            state.pool.mark_up(s.worker.id, probe.models)
+        else:
+            state.pool.mark_down(s.worker.id, probe.error)
+
+
+async def _health_loop(state: GatewayState) -> None:
+    while True:
+        await asyncio.sleep(state.settings.health_interval_s)
+        try:
+            await _probe_all(state)
+        except Exception:
+            log.exception("health check round failed")
+
+
+def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        await state.backend.start()
+        await _probe_all(state)
+        task = asyncio.create_task(_health_loop(state), name="gateway-health")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await state.backend.close()
+
+    return ctx
+
+
+def create_app(settings: GatewaySettings) -> web.Application:
+    index = PrefixIndex(capacity=settings.index_capacity, ttl_s=settings.index_ttl_s)
+    pool = WorkerPool(settings.worker, index)
+    backend = OpenAIHTTPBackend(
+        connect_timeout_s=settings.connect_timeout_s,
+        read_timeout_s=settings.read_timeout_s,
+        max_connections=settings.max_connections,
+        max_connections_per_worker=settings.max_connections_per_worker,
+    )
+    state = GatewayState(
+        settings=settings,
+        pool=pool,
+        index=index,
+        engine=build_engine(settings.policy, settings.policy_options()),
+        backend=backend,
+        metrics=GatewayMetrics(pool),
+    )
+    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
+    app[STATE] = state
+    app.cleanup_ctx.append(_resources(state))
+    add_routes(app)
+    return app

@@ -1,0 +1,54 @@
+"""The contract between the gateway and a kind of inference target.
+
+A backend opens one upstream exchange and hands back an :class:`UpstreamReply` as soon as the
+status and headers are known, before the body: the caller decides from the status whether to
+retry on another worker (nothing has reached the client yet) or to start relaying the body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.routing.types import Worker
+
+
+class BackendUnavailable(Exception):
+    """The worker could not be reached (refused, reset, timed out) before any reply."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerProbe:
+    healthy: bool
+    models: frozenset[str]
+    error: str = ""
+
+
+class UpstreamReply(Protocol):
+    status: int
+    headers: Mapping[str, str]
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, chunk by chunk."""
+        ...
+
+    async def read(self) -> bytes: ...
+
+    def release(self) -> None: ...
+
+
+class Backend(Protocol):
+    async def start(self) -> None:
+        """Open pooled resources; called once inside the running event loop."""
+        ...
+
+    async def open(
+        self, worker: Worker, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> UpstreamReply:
+        """Send one request; raise :class:`BackendUnavailable` if the worker is unreachable."""
+        ...
+
+    async def probe(self, worker: Worker) -> WorkerProbe: ...
+
+    async def close(self) -> None: ...

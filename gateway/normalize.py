@@ -1,0 +1,156 @@
+"""Prompt normalization and the canonical rendering of chat requests.
+
+Two prompts that differ only in characters a reader cannot see should share a prefix cache
+entry. Clients produce such differences all the time: NBSP from a rich-text editor, a zero-width
+space pasted from a web page, CRLF from Windows, a trailing newline added by a template. Each one
+silently changes the token sequence and costs a full prefill on the worker.
+
+The gateway therefore rewrites every prompt with :func:`normalize_text` *before* it is
+fingerprinted, and forwards the rewritten prompt to the worker: what is fingerprinted is what the
+worker receives, so the routing key and the worker's cache key never disagree.
+
+Rules (each can be switched off in :class:`NormalizeOptions`):
+
+* ``unicode_spaces``: every space separator (Unicode category Zs: NBSP, thin space, ideographic
+  space, ...) becomes U+0020; line and paragraph separators (U+2028/U+2029) become ``\\n``.
+* ``invisible``: invisible format characters (category Cf: zero-width space, word joiner, BOM,
+  soft hyphen, bidi controls, tag characters) are removed, except ZWJ and ZWNJ (U+200D, U+200C),
+  which change how emoji sequences and Indic/Persian scripts render.
+* ``newlines``: CRLF and lone CR become LF.
+* ``trailing_whitespace``: trailing whitespace is trimmed from each prompt / message content.
+
+Chat requests are fingerprinted over :func:`render_chat`, one canonical rendering of the tools
+and messages (role, name, content parts, tool calls), so that two requests with the same
+conversation produce the same text whatever JSON key order or content-part split they used.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import unicodedata
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_KEEP_FORMAT_CHARS = frozenset({0x200C, 0x200D})
+
+
+@dataclass(frozen=True, slots=True)
+class NormalizeOptions:
+    enabled: bool = True
+    unicode_spaces: bool = True
+    invisible: bool = True
+    newlines: bool = True
+    trailing_whitespace: bool = True
+
+
+@functools.cache
+def _translation_table(unicode_spaces: bool, invisible: bool) -> dict[int, str | None]:
+    """Code point -> replacement, built once per option set (about 0.2 s, then cached)."""
+    table: dict[int, str | None] = {}
+    for cp in range(sys.maxunicode + 1):
+        if cp < 0x80:
+            continue
+        cat = unicodedata.category(chr(cp))
+        if unicode_spaces and cat == "Zs":
+            table[cp] = " "
+        elif unicode_spaces and cat in ("Zl", "Zp"):
+            table[cp] = "\n"
+        elif invisible and cat == "Cf" and cp not in _KEEP_FORMAT_CHARS:
+            table[cp] = None
+    return table
+
+
+def normalize_text(text: str, opts: NormalizeOptions = NormalizeOptions()) -> str:
+    """Apply the normalization rules to one prompt or message content."""
+    if not opts.enabled:
+        return text
+    if (opts.unicode_spaces or opts.invisible) and not text.isascii():
+        text = text.translate(_translation_table(opts.unicode_spaces, opts.invisible))
+    if opts.newlines and "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if opts.trailing_whitespace:
+        text = text.rstrip()
+    return text
+
+
+def normalize_content(content: Any, opts: NormalizeOptions) -> Any:
+    """Normalize a chat message ``content``: a string or a list of content parts."""
+    if isinstance(content, str):
+        return normalize_text(content, opts)
+    if isinstance(content, list):
+        parts: list[Any] = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(
+                part.get("text"), str
+            ):
+                parts.append({**part, "text": normalize_text(part["text"], opts)})
+            else:
+                parts.append(part)
+        return parts
+    return content
+
+
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], opts: NormalizeOptions
+) -> list[dict[str, Any]]:
+    """A copy of ``messages`` with every text content normalized (other fields untouched)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        copy = dict(message)
+        if "content" in copy:
+            copy["content"] = normalize_content(copy["content"], opts)
+        out.append(copy)
+    return out
+
+
+# Separators that cannot be confused with message text: ASCII record / unit separators.
+_RS = "\x1e"
+_US = "\x1f"
+
+
+def _canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _render_content(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        pieces: list[str] = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                pieces.append(str(part.get("text", "")))
+            else:
+                pieces.append(_canonical_json(part))
+        # Adjacent text parts render as one text: ["ab"] and ["a", "b"] give the same prompt.
+        return "".join(pieces)
+    return _canonical_json(content)
+
+
+def render_chat(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+) -> str:
+    """The canonical text of a chat request, the input to the prefix fingerprint.
+
+    Tools come first (they sit at the top of every chat template), then each message as
+    ``RS role[:name] US content`` with tool calls and tool-call ids appended in canonical JSON.
+    """
+    out: list[str] = []
+    if tools:
+        out.append(f"{_RS}tools{_US}{_canonical_json(list(tools))}")
+    for message in messages:
+        role = str(message.get("role", ""))
+        name = message.get("name")
+        head = f"{role}:{name}" if isinstance(name, str) and name else role
+        body = _render_content(message.get("content"))
+        if message.get("tool_calls"):
+            body += _US + _canonical_json(message["tool_calls"])
+        if message.get("tool_call_id"):
+            body += _US + str(message["tool_call_id"])
+        out.append(f"{_RS}{head}{_US}{body}")
+    return "".join(out)

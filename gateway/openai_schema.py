@@ -1,0 +1,150 @@
+"""Validation of OpenAI-compatible request bodies (pure functions, no HTTP).
+
+Each parser checks the fields the gateway relies on, raises :class:`InvalidRequest` naming the
+offending ``param``, normalizes the prompt text in place of the client's, and returns a
+:class:`ParsedRequest`: the body to forward, and the canonical text to fingerprint. Fields the
+gateway does not interpret are forwarded untouched, so worker-specific extensions keep working.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import InvalidRequest
+from gateway.normalize import NormalizeOptions, normalize_messages, normalize_text, render_chat
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    model: str
+    body: dict[str, Any]
+    fingerprint_text: str
+    stream: bool
+    max_tokens: int | None
+    cache_salt: str
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(value, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    return value
+
+
+def _expect(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise InvalidRequest(message, param=param, code="invalid_type")
+
+
+def _common(body: Mapping[str, Any]) -> tuple[str, bool, int | None, str]:
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest("missing required parameter 'model'", param="model",
+                             code="missing_required_parameter")
+    _expect(isinstance(model, str) and model != "", "'model' must be a non-empty string", "model")
+    stream = body.get("stream", False)
+    _expect(stream is None or isinstance(stream, bool), "'stream' must be a boolean", "stream")
+    max_tokens: Any = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None:
+            _expect(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                    f"'{name}' must be an integer >= 1", name)
+            max_tokens = value
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        _expect(value is None or (isinstance(value, int | float) and not isinstance(value, bool)),
+                f"'{name}' must be a number", name)
+    n = body.get("n")
+    _expect(n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
+            "'n' must be an integer >= 1", "n")
+    salt = body.get("cache_salt", "")
+    _expect(salt is None or isinstance(salt, str), "'cache_salt' must be a string", "cache_salt")
+    options = body.get("stream_options")
+    _expect(options is None or isinstance(options, dict), "'stream_options' must be an object",
+            "stream_options")
+    return str(model), bool(stream), max_tokens, salt or ""
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
+
+
+def parse_completion(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequest:
+    """``POST /v1/completions``: ``prompt`` is a string, strings, token ids or lists of ids."""
+    model, stream, max_tokens, salt = _common(body)
+    if "prompt" not in body or body["prompt"] is None:
+        raise InvalidRequest("missing required parameter 'prompt'", param="prompt",
+                             code="missing_required_parameter")
+    prompt = body["prompt"]
+    forwarded = dict(body)
+    if isinstance(prompt, str):
+        forwarded["prompt"] = text = normalize_text(prompt, opts)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        forwarded["prompt"] = normalized = [normalize_text(p, opts) for p in prompt]
+        text = normalized[0]
+    elif isinstance(prompt, list) and prompt and _is_token_list(prompt):
+        text = " ".join(map(str, prompt))
+    elif isinstance(prompt, list) and prompt and all(_is_token_list(p) and p for p in prompt):
+        text = " ".join(map(str, prompt[0]))
+    else:
+        raise InvalidRequest(
+            "'prompt' must be a string, a non-empty list of strings, a list of token ids "
+            "or a list of token-id lists", param="prompt", code="invalid_type")
+    return ParsedRequest(model, forwarded, text, stream, max_tokens, salt)
+
+
+def _check_message(i: int, message: Any) -> None:
+    param = f"messages[{i}]"
+    _expect(isinstance(message, dict), f"'{param}' must be an object", param)
+    role = message.get("role")
+    _expect(isinstance(role, str) and role in CHAT_ROLES,
+            f"'{param}.role' must be one of {', '.join(sorted(CHAT_ROLES))}", f"{param}.role")
+    content = message.get("content")
+    if content is None:
+        _expect(role == "assistant" and bool(message.get("tool_calls")),
+                f"'{param}.content' is required", f"{param}.content")
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            _expect(isinstance(part, dict) and isinstance(part.get("type"), str),
+                    f"'{param}.content[{j}]' must be an object with a 'type'",
+                    f"{param}.content[{j}]")
+            if part["type"] == "text":
+                _expect(isinstance(part.get("text"), str),
+                        f"'{param}.content[{j}].text' must be a string",
+                        f"{param}.content[{j}].text")
+    else:
+        _expect(isinstance(content, str), f"'{param}.content' must be a string or a list of parts",
+                f"{param}.content")
+    name = message.get("name")
+    _expect(name is None or isinstance(name, str), f"'{param}.name' must be a string",
+            f"{param}.name")
+
+
+def parse_chat(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequest:
+    """``POST /v1/chat/completions``: ``messages`` is a non-empty list of role/content objects."""
+    model, stream, max_tokens, salt = _common(body)
+    messages = body.get("messages")
+    if messages is None:
+        raise InvalidRequest("missing required parameter 'messages'", param="messages",
+                             code="missing_required_parameter")
+    _expect(isinstance(messages, list) and len(messages) > 0,
+            "'messages' must be a non-empty list", "messages")
+    for i, message in enumerate(messages):
+        _check_message(i, message)
+    tools = body.get("tools")
+    _expect(tools is None or isinstance(tools, list), "'tools' must be a list", "tools")
+    forwarded = dict(body)
+    forwarded["messages"] = normalized = normalize_messages(messages, opts)
+    text = render_chat(normalized, tools)
+    return ParsedRequest(model, forwarded, text, stream, max_tokens, salt)

@@ -1,0 +1,135 @@
+"""The gateway's live view of its workers: membership, health, load, and the ring.
+
+Mutable state lives here (and in the prefix index), owned by one object per application; the
+routing engine only ever sees an immutable :class:`Snapshot` built from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.ring import Ring
+from gateway.routing.types import Snapshot, Worker, WorkerView
+
+log = logging.getLogger(__name__)
+
+
+def worker_id_for(url: str) -> str:
+    """A stable, readable id for a worker URL: ``host:port``."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"worker URL must look like http://host:port, got {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.hostname}:{port}"
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker: Worker
+    healthy: bool = False
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    last_error: str = ""
+    routed: int = 0
+    input_tokens: int = 0
+    matched_tokens: int = 0
+    models: frozenset[str] = field(default_factory=frozenset)
+
+    def view(self) -> WorkerView:
+        return WorkerView(self.worker, self.healthy, self.inflight_requests, self.inflight_tokens)
+
+
+class WorkerPool:
+    def __init__(self, urls: Iterable[str], index: PrefixIndex) -> None:
+        self._workers: dict[str, WorkerState] = {}
+        self._index = index
+        self._ring = Ring({})
+        for url in urls:
+            self.add(url)
+
+    # -- membership ---------------------------------------------------------------------------
+    def add(self, url: str, weight: float = 1.0) -> str:
+        url = url.rstrip("/")
+        wid = worker_id_for(url)
+        if wid not in self._workers:
+            self._workers[wid] = WorkerState(Worker(wid, url, weight=weight))
+            self._rebuild_ring()
+        return wid
+
+    def remove(self, wid: str) -> None:
+        if self._workers.pop(wid, None) is not None:
+            self._index.forget_worker(wid)
+            self._rebuild_ring()
+
+    def _rebuild_ring(self) -> None:
+        self._ring = Ring({wid: s.worker.weight for wid, s in self._workers.items()})
+
+    def __contains__(self, wid: str) -> bool:
+        return wid in self._workers
+
+    def states(self) -> list[WorkerState]:
+        return list(self._workers.values())
+
+    def get(self, wid: str) -> WorkerState:
+        return self._workers[wid]
+
+    # -- health -------------------------------------------------------------------------------
+    def mark_up(self, wid: str, models: frozenset[str]) -> None:
+        state = self._workers.get(wid)
+        if state is None:
+            return
+        if not state.healthy:
+            log.info("worker %s is up (models: %s)", wid, ", ".join(sorted(models)) or "?")
+        state.healthy = True
+        state.last_error = ""
+        if models != state.worker.models:
+            state.worker = Worker(wid, state.worker.url, models, state.worker.weight)
+
+    def mark_down(self, wid: str, reason: str) -> None:
+        state = self._workers.get(wid)
+        if state is None:
+            return
+        if state.healthy:
+            log.warning("worker %s is down: %s", wid, reason)
+            # Whatever it held is unknown now; a restarted worker comes back with a cold cache.
+            self._index.forget_worker(wid)
+        state.healthy = False
+        state.last_error = reason
+
+    def models(self) -> set[str]:
+        out: set[str] = set()
+        for state in self._workers.values():
+            if state.healthy:
+                out |= state.worker.models
+        return out
+
+    def any_healthy(self) -> bool:
+        return any(s.healthy for s in self._workers.values())
+
+    # -- load ---------------------------------------------------------------------------------
+    def acquire(self, wid: str, tokens: int) -> None:
+        state = self._workers[wid]
+        state.inflight_requests += 1
+        state.inflight_tokens += tokens
+        state.routed += 1
+
+    def release(self, wid: str, tokens: int) -> None:
+        state = self._workers.get(wid)
+        if state is not None:
+            state.inflight_requests -= 1
+            state.inflight_tokens -= tokens
+
+    def record_cache_stats(self, wid: str, input_tokens: int, matched_tokens: int) -> None:
+        state = self._workers.get(wid)
+        if state is not None:
+            state.input_tokens += input_tokens
+            state.matched_tokens += matched_tokens
+
+    # -- routing input ------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        views = tuple(s.view() for s in self._workers.values())
+        return Snapshot(workers=views, index=self._index, ring=self._ring)

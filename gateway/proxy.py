@@ -1,0 +1,160 @@
+"""Send one routed request to a worker and relay its answer to the client.
+
+The attempt loop: route, send, and if the worker cannot be reached or answers 429/5xx before any
+byte went to the client, exclude it and route again (at most ``max_attempts`` workers). Once the
+relay has started nothing is retried: a failure mid-stream ends the stream with an SSE error
+event, so the client is never left with a silently truncated answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+
+import aiohttp
+from aiohttp import web
+
+from gateway.backends.base import BackendUnavailable, UpstreamReply
+from gateway.errors import NoWorkerAvailable, UpstreamError
+from gateway.routing.types import Decision, NoCandidates, RouteRequest
+from gateway.state import GatewayState
+from gateway.telemetry import reason_kind
+
+log = logging.getLogger(__name__)
+
+CACHE_HEADERS = (
+    "x-cache-input-tokens",
+    "x-cache-matched-tokens",
+    "x-cache-matched-blocks",
+    "x-cache-hit-ratio",
+)
+_RELAYED_HEADERS = ("Content-Type", "x-request-id", *CACHE_HEADERS)
+
+
+def route_headers(decision: Decision, request: RouteRequest) -> dict[str, str]:
+    """The ``x-route-*`` headers that explain a decision to the client.
+
+    ``x-route-load`` is the chosen worker's in-flight tokens including this request and, for
+    bounded policies, the most it may hold (its bound plus this request).
+    """
+    load = f"tokens={decision.worker.inflight_tokens + request.cost_tokens}"
+    if decision.load_bound is not None:
+        load += f";bound={math.floor(decision.load_bound + request.cost_tokens)}"
+    return {
+        "x-route-worker": decision.worker_id,
+        "x-route-policy": decision.policy,
+        "x-route-reason": decision.reason,
+        "x-route-load": load,
+        "x-prefix-anchor": request.key.anchor_hex,
+        "x-prefix-match-blocks": str(decision.match_blocks),
+    }
+
+
+def _int_header(reply: UpstreamReply, name: str) -> int:
+    try:
+        return int(reply.headers.get(name, "0"))
+    except ValueError:
+        return 0
+
+
+async def dispatch(
+    state: GatewayState,
+    http_request: web.Request,
+    path: str,
+    body: dict[str, object],
+    route_request: RouteRequest,
+) -> web.StreamResponse:
+    settings = state.settings
+    pool = state.pool
+    excluded: set[str] = set()
+    problems: list[str] = []
+    forward = {"x-request-id": http_request.headers.get("x-request-id", "")}
+    forward = {k: v for k, v in forward.items() if v}
+    for _ in range(settings.max_attempts):
+        started = time.perf_counter()
+        state.index.set_time(time.monotonic())
+        try:
+            decision = state.engine.route(route_request, pool.snapshot(), frozenset(excluded))
+        except NoCandidates:
+            break
+        wid = decision.worker_id
+        if state.engine.profile.uses_prefix_index:
+            state.index.record(route_request.key.blocks, wid)
+        state.metrics.decision_seconds.observe(time.perf_counter() - started)
+        state.metrics.decisions.labels(decision.policy, reason_kind(decision.reason)).inc()
+        pool.acquire(wid, route_request.cost_tokens)
+        try:
+            try:
+                reply = await state.backend.open(decision.worker.worker, path, body, forward)
+            except BackendUnavailable as exc:
+                pool.mark_down(wid, str(exc))
+                problems.append(f"{wid}: {exc}")
+            else:
+                if reply.status != 429 and reply.status < 500:
+                    state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
+                    return await _relay(state, http_request, reply, decision, route_request)
+                detail = (await reply.read())[:200].decode("utf-8", "replace")
+                reply.release()
+                problems.append(f"{wid}: HTTP {reply.status} {detail}")
+            excluded.add(wid)
+            state.metrics.retries.labels(wid).inc()
+        finally:
+            pool.release(wid, route_request.cost_tokens)
+    state.metrics.requests.labels(state.engine.name, "unavailable").inc()
+    if not problems:
+        raise NoWorkerAvailable("no healthy worker serves this request right now; retry shortly")
+    log.warning("request failed on every worker tried: %s", "; ".join(problems))
+    raise UpstreamError(
+        f"{len(problems)} worker(s) failed this request before replying: " + "; ".join(problems)
+    )
+
+
+async def _relay(
+    state: GatewayState,
+    http_request: web.Request,
+    reply: UpstreamReply,
+    decision: Decision,
+    route_request: RouteRequest,
+) -> web.StreamResponse:
+    headers = route_headers(decision, route_request)
+    for name in _RELAYED_HEADERS:
+        value = reply.headers.get(name)
+        if value is not None:
+            headers[name] = value
+    state.pool.record_cache_stats(
+        decision.worker_id,
+        _int_header(reply, "x-cache-input-tokens"),
+        _int_header(reply, "x-cache-matched-tokens"),
+    )
+    content_type = reply.headers.get("Content-Type", "")
+    if not content_type.startswith("text/event-stream"):
+        try:
+            payload = await reply.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(f"{decision.worker_id} broke off its reply: {exc}") from exc
+        finally:
+            reply.release()
+        return web.Response(body=payload, status=reply.status, headers=headers)
+    response = web.StreamResponse(status=reply.status, headers=headers)
+    await response.prepare(http_request)
+    try:
+        async for chunk in reply.chunks():
+            await response.write(chunk)
+    except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
+        log.warning("stream from %s broke off: %s", decision.worker_id, exc)
+        error = {
+            "error": {
+                "message": f"the worker {decision.worker_id} broke off the stream: {exc}",
+                "type": "upstream_error",
+                "param": None,
+                "code": "stream_interrupted",
+            }
+        }
+        await response.write(f"data: {json.dumps(error)}\n\n".encode())
+    finally:
+        reply.release()
+    await response.write_eof()
+    return response

@@ -1,0 +1,87 @@
+"""Value objects the routing engine works on. Frozen; no I/O anywhere in ``gateway.routing``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.fingerprint import PrefixKey
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """A routing target. ``models`` empty means "not known yet": it may serve any model."""
+
+    id: str
+    url: str
+    models: frozenset[str] = frozenset()
+    weight: float = 1.0
+
+    def serves(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A worker as the router sees it at one instant: health and load."""
+
+    worker: Worker
+    healthy: bool = True
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.worker.id
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What routing needs to know about one request; never the prompt text itself."""
+
+    key: PrefixKey
+    model: str
+    cost_tokens: int
+
+
+class PrefixMatcher(Protocol):
+    """Read side of a prefix index: worker id -> number of leading blocks it holds."""
+
+    def match(self, blocks: Sequence[int]) -> dict[str, int]: ...
+
+
+class RingOrder(Protocol):
+    """Consistent-hash ring: worker ids in ring order starting at ``anchor``."""
+
+    def walk(self, anchor: int) -> Iterator[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything a policy may look at for one decision."""
+
+    workers: tuple[WorkerView, ...]
+    index: PrefixMatcher
+    ring: RingOrder
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The outcome of routing one request, with the reason a human can read."""
+
+    worker: WorkerView
+    policy: str
+    reason: str
+    match_blocks: int = 0
+    scores: Mapping[str, float] = field(default_factory=dict)
+    # The chosen worker's load bound in tokens (before this request), when the policy has one.
+    load_bound: float | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.id
+
+
+class NoCandidates(Exception):
+    """Every worker was filtered out (none healthy, or none serves the model)."""

@@ -1,0 +1,103 @@
+"""The gateway's settings: one frozen object, built once from flags and ``GATEWAY_*`` variables."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gateway.config import load_settings
+from gateway.fingerprint import FingerprintOptions
+from gateway.normalize import NormalizeOptions
+from gateway.routing.policies import POLICY_NAMES, PolicyOptions
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
+    port: int = field(default=8000, metadata=_help("port to listen on"))
+    worker: tuple[str, ...] = field(
+        default=(), metadata=_help("base URL of a worker, e.g. http://127.0.0.1:8001")
+    )
+    policy: str = field(
+        default="prefix_affinity", metadata=_help(f"routing policy: {', '.join(POLICY_NAMES)}")
+    )
+    load_factor: float = field(
+        default=1.25, metadata=_help("bounded-load factor c: no worker above c x mean load")
+    )
+    normalize: bool = field(default=True, metadata=_help("normalize prompts before routing"))
+    block_chars: int = field(default=64, metadata=_help("fingerprint block size in characters"))
+    max_blocks: int = field(default=256, metadata=_help("fingerprint at most this many blocks"))
+    anchor_blocks: int = field(
+        default=4, metadata=_help("blocks that form the ring anchor of a prefix")
+    )
+    index_capacity: int = field(
+        default=1_000_000, metadata=_help("prefix index size bound, in block entries")
+    )
+    index_ttl_s: float = field(
+        default=600.0, metadata=_help("seconds a recorded prefix counts as held by its worker")
+    )
+    chars_per_token: float = field(
+        default=4.0, metadata=_help("characters per token, to estimate request cost in tokens")
+    )
+    default_max_tokens: int = field(
+        default=256, metadata=_help("decode budget counted as load when a request sets none")
+    )
+    max_body_bytes: int = field(
+        default=8 * 1024 * 1024, metadata=_help("largest request body accepted (413 above)")
+    )
+    max_attempts: int = field(
+        default=3, metadata=_help("workers tried per request before giving up")
+    )
+    connect_timeout_s: float = field(
+        default=2.0, metadata=_help("timeout to connect to a worker")
+    )
+    read_timeout_s: float = field(
+        default=300.0, metadata=_help("timeout between bytes read from a worker")
+    )
+    max_connections: int = field(
+        default=1024, metadata=_help("connection pool limit towards all workers")
+    )
+    max_connections_per_worker: int = field(
+        default=256, metadata=_help("connection pool limit towards one worker")
+    )
+    health_interval_s: float = field(
+        default=5.0, metadata=_help("seconds between active health checks of workers")
+    )
+    shutdown_timeout_s: float = field(
+        default=30.0, metadata=_help("seconds in-flight requests get to finish on shutdown")
+    )
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(
+                f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
+            )
+        if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
+            raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
+        self.fingerprint_options()  # validates the block settings
+
+    def fingerprint_options(self) -> FingerprintOptions:
+        return FingerprintOptions(self.block_chars, self.max_blocks, self.anchor_blocks)
+
+    def normalize_options(self) -> NormalizeOptions:
+        return NormalizeOptions(enabled=self.normalize)
+
+    def policy_options(self) -> PolicyOptions:
+        return PolicyOptions(load_factor=self.load_factor)
+
+
+def parse_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> GatewaySettings:
+    return load_settings(
+        GatewaySettings,
+        argv,
+        env_prefix="GATEWAY_",
+        prog="python -m gateway",
+        description="Cache-affinity routing gateway for OpenAI-compatible LLM servers.",
+        environ=environ,
+    )

@@ -1,0 +1,159 @@
+"""Local clusters: reference workers (and a gateway) as child processes on this machine.
+
+``python -m infra local serve --workers 4`` is the project's main job: four ``python -m worker``
+processes and one ``python -m gateway`` in front of them on the embedded metadata store, served
+until Ctrl-C, then stopped cleanly (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCluster:
+    host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    worker_base_port: int = 8001
+    workers: int = 4
+    policy: str = "prefix_affinity"
+    model: str = "sim-model"
+    cache_blocks: int = 2048
+    worker_args: tuple[str, ...] = field(default_factory=tuple)
+    gateway_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def worker_urls(self) -> list[str]:
+        return [f"http://{self.host}:{self.worker_base_port + i}" for i in range(self.workers)]
+
+    def worker_commands(self) -> list[list[str]]:
+        return [
+            [
+                sys.executable, "-m", "worker", "--host", self.host,
+                "--port", str(self.worker_base_port + i), "--model", self.model,
+                "--cache-blocks", str(self.cache_blocks), *self.worker_args,
+            ]
+            for i in range(self.workers)
+        ]
+
+    def gateway_command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "gateway", "--host", self.host,
+            "--port", str(self.gateway_port), "--policy", self.policy, *self.gateway_args,
+        ]
+        for url in self.worker_urls():
+            cmd += ["--worker", url]
+        return cmd
+
+
+async def wait_healthy(url: str, timeout_s: float = 30.0) -> None:
+    """Poll ``url``/health until it answers 200; raise TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(url + "/health") as response:
+                    if response.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f}s")
+            await asyncio.sleep(0.1)
+
+
+async def stop_processes(
+    procs: Sequence[asyncio.subprocess.Process], grace_s: float = 10.0
+) -> None:
+    for proc in procs:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+def sample_curl(base: str, model: str) -> str:
+    return (
+        f"curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"system\", \"content\": "
+        f"\"You are a helpful assistant.\"}}, {{\"role\": \"user\", \"content\": \"Hello!\"}}]}}' "
+        f"-D - -o /dev/null | grep -i '^x-'"
+    )
+
+
+async def _start_and_wait(
+    cmd: Sequence[str], url: str, procs: list[asyncio.subprocess.Process]
+) -> None:
+    """Start one server and wait until it is healthy; fail fast if it exits first."""
+    proc = await asyncio.create_subprocess_exec(*cmd)
+    procs.append(proc)
+    healthy = asyncio.create_task(wait_healthy(url))
+    exited = asyncio.create_task(proc.wait())
+    done, _ = await asyncio.wait([healthy, exited], return_when=asyncio.FIRST_COMPLETED)
+    healthy.cancel()
+    exited.cancel()
+    if healthy in done:
+        healthy.result()  # re-raises a timeout
+    else:
+        raise RuntimeError(f"{' '.join(cmd[1:4])} exited with code {proc.returncode}")
+
+
+async def _run_until_stopped(cluster: LocalCluster, procs: list[asyncio.subprocess.Process],
+                             stop: asyncio.Event) -> int:
+    await asyncio.gather(*(
+        _start_and_wait(cmd, url, procs)
+        for cmd, url in zip(cluster.worker_commands(), cluster.worker_urls(), strict=True)
+    ))
+    base = f"http://{cluster.host}:{cluster.gateway_port}"
+    await _start_and_wait(cluster.gateway_command(), base, procs)
+    print(
+        f"\nGateway ready at {base}/v1 (OpenAI-compatible), policy {cluster.policy}, "
+        f"{cluster.workers} workers on ports {cluster.worker_base_port}-"
+        f"{cluster.worker_base_port + cluster.workers - 1}.\n"
+        f"Try:\n{sample_curl(base, cluster.model)}\n"
+        f"Worker view: curl -s {base}/admin/workers   Metrics: {base}/metrics\n"
+        "Press Ctrl-C to stop.\n",
+        flush=True,
+    )
+    waiters = [asyncio.create_task(p.wait()) for p in procs]
+    await asyncio.wait([asyncio.create_task(stop.wait()), *waiters],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        return 0
+    print("a server exited on its own; stopping the cluster", file=sys.stderr)
+    return 1
+
+
+async def serve(cluster: LocalCluster) -> int:
+    """Start the cluster, print how to use it, and wait for Ctrl-C / SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    procs: list[asyncio.subprocess.Process] = []
+    main = asyncio.create_task(_run_until_stopped(cluster, procs, stop))
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([main, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if main.done():
+            return main.result()
+        main.cancel()
+        return 0
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"python -m infra: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stopper.cancel()
+        print("stopping...", flush=True)
+        await stop_processes(procs)

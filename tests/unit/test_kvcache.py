@@ -1,0 +1,233 @@
+"""PrefixCache: hand-computed answers on tiny pools (block_size 4 unless stated)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from worker.kvcache import CacheFullError, PrefixCache, block_hashes
+
+
+def toks(start: int, n: int) -> list[int]:
+    """``n`` distinct token ids starting at ``start``."""
+    return list(range(start, start + n))
+
+
+A12 = toks(100, 12)  # three full blocks
+B8 = toks(200, 8)  # two full blocks
+C8 = toks(300, 8)
+
+
+def run(cache: PrefixCache, rid: str, tokens: list[int], namespace: str = "") -> None:
+    """Allocate and release at once (a finished request)."""
+    cache.allocate(rid, tokens, namespace)
+    cache.release(rid)
+
+
+# -- hits and misses -----------------------------------------------------------------------
+
+Setup = Callable[[PrefixCache], None]
+
+
+def nothing(cache: PrefixCache) -> None:
+    pass
+
+
+def seen_a12(cache: PrefixCache) -> None:
+    run(cache, "a", A12)
+
+
+def seen_a7(cache: PrefixCache) -> None:
+    run(cache, "a", A12[:7])
+
+
+def seen_a12_in_ns1(cache: PrefixCache) -> None:
+    run(cache, "a", A12, "ns1")
+
+
+def running_a12(cache: PrefixCache) -> None:
+    cache.allocate("a", A12)
+
+
+@pytest.mark.parametrize(
+    ("setup", "query", "namespace", "expected"),
+    [
+        pytest.param(nothing, A12, "", 0, id="empty-cache-miss"),
+        pytest.param(seen_a12, A12, "", 12, id="identical-prompt-hits-all-full-blocks"),
+        pytest.param(seen_a12, A12[:10], "", 8, id="shorter-query-partial-block-not-counted"),
+        pytest.param(seen_a12, [*A12, 1, 2, 3], "", 12, id="longer-query-hits-cached-prefix"),
+        pytest.param(seen_a12, [*A12[:4], 999, *A12[5:]], "", 4, id="diverges-in-block-2"),
+        pytest.param(seen_a12, [999, *A12[1:]], "", 0, id="diverges-in-block-1"),
+        pytest.param(seen_a7, A12, "", 4, id="partial-last-block-never-cached"),
+        pytest.param(seen_a12_in_ns1, A12, "", 0, id="default-namespace-misses-ns1"),
+        pytest.param(seen_a12_in_ns1, A12, "ns2", 0, id="other-namespace-misses"),
+        pytest.param(seen_a12_in_ns1, A12, "ns1", 12, id="same-namespace-hits"),
+        pytest.param(running_a12, A12, "", 12, id="running-request-blocks-are-shared"),
+        pytest.param(seen_a12, [], "", 0, id="empty-prompt"),
+    ],
+)
+def test_lookup(setup: Setup, query: list[int], namespace: str, expected: int) -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    setup(cache)
+    assert cache.lookup(query, namespace) == expected
+
+
+def test_allocate_reports_matched_and_new_blocks() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    first = cache.allocate("a", A12[:10])  # 10 tokens: 2 full blocks + 1 partial
+    assert (first.matched_blocks, first.matched_tokens, first.new_blocks) == (0, 0, 3)
+    assert len(first.block_ids) == 3
+    assert len(first.block_hashes) == 2
+    assert first.uncached_tokens == 10
+    cache.release("a")
+    second = cache.allocate("b", A12[:10])
+    assert (second.matched_blocks, second.matched_tokens, second.new_blocks) == (2, 8, 1)
+    assert second.block_ids[:2] == first.block_ids[:2]
+    assert second.uncached_tokens == 2
+
+
+def test_concurrent_requests_share_blocks_and_refcount() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    a = cache.allocate("a", A12)
+    b = cache.allocate("b", A12)
+    assert b.block_ids == a.block_ids
+    assert cache.referenced_blocks == 3
+    cache.release("a")
+    assert cache.referenced_blocks == 3  # still held by b
+    cache.release("b")
+    assert (cache.referenced_blocks, cache.cached_blocks, cache.free_blocks) == (0, 3, 5)
+
+
+def test_lookup_changes_nothing() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    run(cache, "a", A12)
+    before = cache.stats()
+    assert cache.lookup(A12) == 12
+    assert cache.lookup(B8) == 0
+    assert cache.stats() == before
+
+
+# -- eviction ------------------------------------------------------------------------------
+
+
+def test_lru_evicts_least_recently_used_chain() -> None:
+    cache = PrefixCache(num_blocks=4, block_size=4)
+    run(cache, "a", B8)  # blocks for B8
+    run(cache, "c", C8)  # pool now full of cached content
+    assert (cache.free_blocks, cache.cached_blocks) == (0, 4)
+    run(cache, "a2", B8)  # touch B8: C8 is now least recently used
+    run(cache, "d", toks(400, 8))  # needs 2 blocks: evicts C8's chain
+    assert cache.lookup(B8) == 8
+    assert cache.lookup(C8) == 0
+    assert cache.lookup(toks(400, 8)) == 8
+    assert cache.evicted_blocks == 2
+
+
+def test_eviction_takes_the_deepest_block_of_a_chain_first() -> None:
+    cache = PrefixCache(num_blocks=4, block_size=4)
+    run(cache, "a", A12)  # 3 cached blocks, 1 free
+    run(cache, "b", B8)  # needs 2: the free one + A12's last block
+    assert cache.lookup(A12) == 8
+    assert cache.lookup(B8) == 8
+
+
+def test_referenced_blocks_are_never_evicted() -> None:
+    cache = PrefixCache(num_blocks=4, block_size=4)
+    cache.allocate("a", A12)  # running: 3 referenced blocks, 1 free
+    before = cache.stats()
+    with pytest.raises(CacheFullError):
+        cache.allocate("b", B8)  # needs 2 new blocks, only 1 obtainable
+    assert cache.stats() == before  # a failed allocation changes nothing
+    assert cache.allocation("b") is None
+    assert cache.lookup(A12) == 12
+    cache.release("a")
+    b = cache.allocate("b", B8)  # now A12's blocks are evictable
+    assert b.new_blocks == 2
+    assert cache.lookup(A12) == 8
+
+
+def test_reusing_evictable_blocks_does_not_count_them_as_free() -> None:
+    cache = PrefixCache(num_blocks=4, block_size=4)
+    run(cache, "a", A12)  # 3 cached, 1 free
+    # A12 + one more block: 3 matched (taken out of the evictable set) + 1 new = fits exactly.
+    alloc = cache.allocate("b", [*A12, 1, 2, 3, 4])
+    assert (alloc.matched_blocks, alloc.new_blocks) == (3, 1)
+    with pytest.raises(CacheFullError):
+        cache.allocate("c", [5])
+
+
+def test_chain_with_missing_middle_reports_only_intact_leading_part() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    run(cache, "a", A12)
+    h2 = block_hashes(A12, 4)[1]
+    assert cache.discard(h2)
+    assert cache.lookup(A12) == 4  # block 3 is still stored but unreachable
+    again = cache.allocate("b", A12)
+    assert (again.matched_blocks, again.new_blocks) == (1, 2)
+    cache.release("b")
+    assert cache.lookup(A12) == 12
+    assert cache.used_blocks == 3  # the stale copy of block 3 was replaced, not duplicated
+    assert not cache.discard(12345)
+
+
+def test_discard_refuses_referenced_blocks() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    cache.allocate("a", A12)
+    assert not cache.discard(block_hashes(A12, 4)[0])
+    assert cache.lookup(A12) == 12
+
+
+def test_clear_keeps_running_requests() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    run(cache, "a", B8)
+    cache.allocate("b", A12)
+    cache.clear()
+    assert cache.lookup(B8) == 0
+    assert cache.lookup(A12) == 12
+
+
+# -- accounting ----------------------------------------------------------------------------
+
+
+def test_counters_and_usage() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    cache.allocate("a", A12[:10])  # 10 queried, 0 hit, 3 blocks referenced
+    assert cache.usage() == pytest.approx(3 / 8)
+    assert cache.occupancy() == pytest.approx(3 / 8)
+    cache.release("a")  # 2 full blocks stay cached, the partial one is freed
+    assert cache.usage() == 0.0
+    assert cache.occupancy() == pytest.approx(2 / 8)
+    assert cache.used_blocks == 2
+    cache.allocate("b", A12)  # 12 queried, 8 hit
+    cache.lookup(A12)  # lookups are not counted
+    assert (cache.queries_tokens, cache.hit_tokens) == (22, 8)
+    stats = cache.stats()
+    assert (stats.referenced_blocks, stats.cached_blocks, stats.free_blocks) == (3, 0, 5)
+    assert stats.running_requests == 1
+
+
+def test_request_ids_are_checked() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    cache.allocate("a", B8)
+    with pytest.raises(ValueError, match="already holds"):
+        cache.allocate("a", B8)
+    cache.release("a")
+    with pytest.raises(KeyError):
+        cache.release("a")
+
+
+@pytest.mark.parametrize(("tokens", "blocks"), [(0, 0), (1, 1), (4, 1), (5, 2), (16, 4)])
+def test_blocks_needed(tokens: int, blocks: int) -> None:
+    assert PrefixCache(num_blocks=8, block_size=4).blocks_needed(tokens) == blocks
+
+
+def test_block_hashes_are_chained_and_namespaced() -> None:
+    full = block_hashes(A12, 4)
+    assert len(full) == 3
+    assert block_hashes(A12[:8], 4) == full[:2]
+    assert block_hashes(A12[:11], 4) == full[:2]  # partial block has no hash
+    changed_first = block_hashes([0, *A12[1:]], 4)
+    assert all(a != b for a, b in zip(changed_first, full, strict=True))  # chain propagates
+    assert block_hashes(A12, 4, "x")[0] != full[0]
+    assert block_hashes(A12, 4) == block_hashes(list(A12), 4)  # deterministic

@@ -1,0 +1,222 @@
+"""A SIMULATED inference engine: real prefix-cache bookkeeping, no model.
+
+:class:`SimEngine` admits requests exactly like a real engine would account for them: at most
+``max_running`` run at once, the rest wait in a FIFO queue (head-of-line: a request that cannot get
+KV blocks keeps the ones behind it waiting too), and each admitted request allocates its prompt's
+blocks in a :class:`~worker.kvcache.PrefixCache`, reusing the longest cached prefix. What it does
+NOT do is run a model. Time follows a cost model (:class:`SimCosts`):
+
+* prefill: ``uncached_tokens * prefill_us_per_token + cached_tokens * prefill_us_per_cached_token``;
+  the first output token is emitted right after prefill;
+* decode: ``decode_ms_per_token`` before each further output token.
+
+Running requests do not slow each other down (no batching model). The output is ``max_tokens``
+deterministic pseudo-words chosen by a PRNG seeded with the prompt's hash; the finish reason is
+always ``"length"``. Only prompt blocks are allocated (decode tokens take no KV blocks here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import xxhash
+
+from worker.engines.base import (
+    Admission,
+    EngineStats,
+    GenerationRequest,
+    RequestRejectedError,
+)
+from worker.kvcache import Allocation, CacheFullError, PrefixCache
+
+WORDS = (
+    "the", "of", "and", "cache", "block", "token", "prefix", "route", "worker", "model",
+    "a", "to", "in", "is", "that", "for", "it", "as", "with", "on", "was", "by", "at", "from",
+    "query", "answer", "memory", "page", "hash", "load", "queue", "time", "value", "state",
+    "river", "stone", "light", "paper", "green", "quick", "small", "large", "north", "quiet",
+)
+
+
+@dataclass(frozen=True)
+class SimCosts:
+    """The simulated cost model (see module docstring)."""
+
+    prefill_us_per_token: float = 200.0
+    prefill_us_per_cached_token: float = 5.0
+    decode_ms_per_token: float = 5.0
+
+    def prefill_seconds(self, uncached_tokens: int, cached_tokens: int) -> float:
+        micros = (
+            uncached_tokens * self.prefill_us_per_token
+            + cached_tokens * self.prefill_us_per_cached_token
+        )
+        return micros / 1e6
+
+    def decode_seconds(self, output_tokens: int) -> float:
+        """Decode time of ``output_tokens`` tokens (the first one is free: it ends prefill)."""
+        return max(output_tokens - 1, 0) * self.decode_ms_per_token / 1e3
+
+
+def pseudo_words(prompt_tokens: Sequence[int], count: int) -> list[str]:
+    """``count`` deterministic pseudo-words (each a leading-space piece), seeded by the prompt."""
+    seed = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(prompt_tokens)}q", *prompt_tokens))
+    rng = random.Random(seed)
+    return [" " + rng.choice(WORDS) for _ in range(count)]
+
+
+class SimGeneration:
+    """One admitted request of the simulated engine."""
+
+    def __init__(self, engine: SimEngine, request: GenerationRequest, admission: Admission):
+        self._engine = engine
+        self._request = request
+        self._admission = admission
+
+    @property
+    def admission(self) -> Admission:
+        return self._admission
+
+    async def tokens(self) -> AsyncIterator[str]:
+        costs = self._engine.costs
+        await asyncio.sleep(self._admission.prefill_seconds)
+        words = pseudo_words(self._request.prompt_tokens, self._request.max_tokens)
+        for i, word in enumerate(words):
+            if i:
+                await asyncio.sleep(costs.decode_ms_per_token / 1e3)
+                self._engine.decode_seconds += costs.decode_ms_per_token / 1e3
+            self._engine.generation_tokens += 1
+            yield word
+
+
+@dataclass
+class _Waiter:
+    request: GenerationRequest
+    future: asyncio.Future[Allocation]
+
+
+class SimEngine:
+    """Simulated engine over a real :class:`PrefixCache` (see module docstring)."""
+
+    def __init__(self, cache: PrefixCache, *, max_running: int, costs: SimCosts) -> None:
+        if max_running < 1:
+            raise ValueError("max_running must be >= 1")
+        self.cache = cache
+        self.max_running = max_running
+        self.costs = costs
+        self._waiting: deque[_Waiter] = deque()
+        self._running = 0
+        self.requests_admitted = 0
+        self.requests_finished = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
+
+    @property
+    def name(self) -> str:
+        return "sim"
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.cache.num_blocks * self.cache.block_size
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def admission_for(self, alloc: Allocation) -> Admission:
+        """The admission record (with its modelled prefill cost) of an allocation."""
+        return Admission(
+            request_id=alloc.request_id,
+            input_tokens=alloc.num_tokens,
+            matched_tokens=alloc.matched_tokens,
+            matched_blocks=alloc.matched_blocks,
+            prefill_seconds=self.costs.prefill_seconds(alloc.uncached_tokens, alloc.matched_tokens),
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=self._running,
+            waiting=len(self._waiting),
+            max_running=self.max_running,
+            requests_admitted=self.requests_admitted,
+            requests_finished=self.requests_finished,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            prefill_seconds=self.prefill_seconds,
+            decode_seconds=self.decode_seconds,
+            cache=self.cache.stats(),
+        )
+
+    @asynccontextmanager
+    async def admit(self, request: GenerationRequest) -> AsyncIterator[SimGeneration]:
+        if request.max_tokens < 1:
+            raise RequestRejectedError("max_tokens must be >= 1")
+        if self.cache.blocks_needed(len(request.prompt_tokens)) > self.cache.num_blocks:
+            raise RequestRejectedError(
+                f"prompt of {len(request.prompt_tokens)} tokens exceeds the KV cache "
+                f"({self.capacity_tokens} tokens)"
+            )
+        alloc = await self._acquire(request)
+        admission = self.admission_for(alloc)
+        self.requests_admitted += 1
+        self.prompt_tokens += alloc.num_tokens
+        self.prefill_seconds += admission.prefill_seconds
+        try:
+            yield SimGeneration(self, request, admission)
+        finally:
+            self._release(request.request_id)
+
+    async def _acquire(self, request: GenerationRequest) -> Allocation:
+        if not self._waiting and self._running < self.max_running:
+            try:
+                alloc = self.cache.allocate(
+                    request.request_id, request.prompt_tokens, request.namespace
+                )
+            except CacheFullError:
+                pass
+            else:
+                self._running += 1
+                return alloc
+        waiter = _Waiter(request, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiter)
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                # Admitted in the same tick as the cancellation: give the slot back.
+                self._release(request.request_id)
+            else:
+                self._waiting.remove(waiter)
+                self._pump()
+            raise
+
+    def _release(self, request_id: str) -> None:
+        self.cache.release(request_id)
+        self._running -= 1
+        self.requests_finished += 1
+        self._pump()
+
+    def _pump(self) -> None:
+        """Admit waiting requests in FIFO order while slots and blocks allow."""
+        while self._waiting and self._running < self.max_running:
+            head = self._waiting[0]
+            try:
+                alloc = self.cache.allocate(
+                    head.request.request_id, head.request.prompt_tokens, head.request.namespace
+                )
+            except CacheFullError:
+                return
+            self._waiting.popleft()
+            self._running += 1
+            head.future.set_result(alloc)

@@ -1,0 +1,322 @@
+"""Paged KV block pool with a prefix cache (pure bookkeeping: no asyncio, no HTTP, no clock).
+
+The pool holds ``num_blocks`` blocks of ``block_size`` token slots. A request's prompt is cut into
+blocks; every *full* block gets a chained hash::
+
+    h1 = xxh3_64(ROOT || len(namespace) || namespace || token_ids(block 1))
+    hk = xxh3_64(h(k-1) || token_ids(block k))
+
+so a block hash identifies the whole prefix up to and including that block, and requests in
+different namespaces (``cache_salt``, tenant) never share a block. This mirrors vLLM's V1 scheme
+(parent hash + token ids + extra keys on the first block) with xxh3-64.
+
+Block states:
+
+* **free**: no content, on the free list;
+* **referenced**: in the block table of at least one running request (``ref_count > 0``); never
+  evicted;
+* **cached**: a full block with a registered hash and ``ref_count == 0``; reusable by a later
+  request with the same prefix, and evictable in LRU order (least recently released first).
+
+Full blocks are registered in the hash table as soon as they are allocated (like vLLM, which
+caches blocks at scheduling time), so a concurrent request with the same prefix can share them.
+A partial last block is private to its request and goes back to the free list on release.
+
+Eviction only removes cached (unreferenced) blocks. When a request releases its blocks they enter
+the LRU queue tail-first, so among blocks released together the deepest ones go first and the
+leading part of a chain survives longest. If a middle block is evicted while its descendants are
+still cached, the descendants become unreachable: :meth:`PrefixCache.lookup` walks the chain from
+the first block and stops at the first missing hash, so it never reports a prefix whose blocks are
+not all present. (An unreachable block stays evictable and can become reachable again if its
+parent is recomputed, which is correct because its hash covers the whole prefix.)
+
+Every operation costs O(blocks of the request) plus O(1) per evicted block.
+
+A future real engine can read K/V from ``Allocation.block_ids``; a cluster simulator can drive the
+same class with synthetic token ids.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+_ROOT = b"kvcache-root-v1"
+
+
+class CacheFullError(RuntimeError):
+    """Not enough free or evictable blocks: the rest are referenced by running requests."""
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}q", *tokens)
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, namespace: str = "") -> list[int]:
+    """Chained hashes of the full blocks of ``tokens`` (a trailing partial block has none)."""
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    hashes: list[int] = []
+    ns = namespace.encode("utf-8", "surrogatepass")
+    parent: bytes = _ROOT + struct.pack("<I", len(ns)) + ns
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = xxhash.xxh3_64_intdigest(parent + _token_bytes(tokens[start : start + block_size]))
+        hashes.append(h)
+        parent = struct.pack("<Q", h)
+    return hashes
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The block table of one admitted request.
+
+    ``block_ids[:matched_blocks]`` were reused from the cache; the rest were freshly allocated
+    (``new_blocks`` of them, the last one possibly partial).
+    """
+
+    request_id: str
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    matched_blocks: int
+    matched_tokens: int
+    new_blocks: int
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.num_tokens - self.matched_tokens
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of the pool; see :class:`PrefixCache` for the definitions."""
+
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    referenced_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    usage: float
+    occupancy: float
+    queries_tokens: int
+    hit_tokens: int
+    evicted_blocks: int
+    running_requests: int
+
+
+class PrefixCache:
+    """Paged block pool with prefix reuse, reference counts and LRU eviction.
+
+    Metrics definitions:
+
+    * ``used_blocks``: blocks that are referenced or hold cached content (``num_blocks - free``);
+    * ``usage()``: ``referenced_blocks / num_blocks``, the fraction of blocks held by running
+      requests. This is what vLLM reports as ``kv_cache_usage_perc`` (its free queue includes
+      cached-but-unreferenced blocks), so it measures load, not how full the cache is;
+    * ``occupancy()``: ``used_blocks / num_blocks``, how full the cache is (tends to 1.0);
+    * ``queries_tokens`` / ``hit_tokens``: prompt tokens looked up / found cached by
+      :meth:`allocate` (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``).
+      :meth:`lookup` does not count.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._block_of: dict[int, int] = {}
+        # Cached, unreferenced blocks; first = least recently used = next victim.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._requests: dict[str, Allocation] = {}
+        self.queries_tokens = 0
+        self.hit_tokens = 0
+        self.evicted_blocks = 0
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a prompt of ``num_tokens`` occupies (the last one may be partial)."""
+        return -(-num_tokens // self.block_size)
+
+    def hashes(self, tokens: Sequence[int], namespace: str = "") -> list[int]:
+        return block_hashes(tokens, self.block_size, namespace)
+
+    def _match(self, hashes: Sequence[int]) -> list[int]:
+        matched: list[int] = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            matched.append(block)
+        return matched
+
+    def lookup(self, tokens: Sequence[int], namespace: str = "") -> int:
+        """Leading tokens of ``tokens`` that are cached (whole blocks only). No state change."""
+        return len(self._match(self.hashes(tokens, namespace))) * self.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks with cached content and no running request (evictable)."""
+        return len(self._evictable)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def referenced_blocks(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._evictable)
+
+    def usage(self) -> float:
+        return self.referenced_blocks / self.num_blocks
+
+    def occupancy(self) -> float:
+        return self.used_blocks / self.num_blocks
+
+    def allocation(self, request_id: str) -> Allocation | None:
+        return self._requests.get(request_id)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            free_blocks=self.free_blocks,
+            referenced_blocks=self.referenced_blocks,
+            cached_blocks=self.cached_blocks,
+            used_blocks=self.used_blocks,
+            usage=self.usage(),
+            occupancy=self.occupancy(),
+            queries_tokens=self.queries_tokens,
+            hit_tokens=self.hit_tokens,
+            evicted_blocks=self.evicted_blocks,
+            running_requests=len(self._requests),
+        )
+
+    # -- mutations -------------------------------------------------------------------------
+
+    def allocate(self, request_id: str, tokens: Sequence[int], namespace: str = "") -> Allocation:
+        """Give ``request_id`` a block table for ``tokens``, reusing the longest cached prefix.
+
+        Raises :class:`CacheFullError` (and changes nothing) when the missing blocks cannot be
+        found among free and evictable blocks, and ``ValueError`` for a duplicate request id.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        hashes = self.hashes(tokens, namespace)
+        matched = self._match(hashes)
+        total = self.blocks_needed(len(tokens))
+        needed = total - len(matched)
+        # Matched blocks that are evictable now will be referenced, so they do not count.
+        reusable_evictable = sum(1 for b in matched if self._ref[b] == 0)
+        available = len(self._free) + len(self._evictable) - reusable_evictable
+        if needed > available:
+            raise CacheFullError(
+                f"request {request_id!r} needs {needed} new blocks, {available} available "
+                f"({self.referenced_blocks} of {self.num_blocks} referenced)"
+            )
+        for block in matched:
+            if self._ref[block] == 0:
+                del self._evictable[block]
+            self._ref[block] += 1
+        fresh: list[int] = []
+        for i in range(len(matched), total):
+            block = self._take_block()
+            self._ref[block] = 1
+            if i < len(hashes):
+                self._register(block, hashes[i])
+            fresh.append(block)
+        matched_tokens = len(matched) * self.block_size
+        self.queries_tokens += len(tokens)
+        self.hit_tokens += matched_tokens
+        alloc = Allocation(
+            request_id=request_id,
+            num_tokens=len(tokens),
+            block_ids=tuple(matched + fresh),
+            block_hashes=tuple(hashes),
+            matched_blocks=len(matched),
+            matched_tokens=matched_tokens,
+            new_blocks=len(fresh),
+        )
+        self._requests[request_id] = alloc
+        return alloc
+
+    def release(self, request_id: str) -> None:
+        """Drop the request's references. Full blocks stay cached; partial ones are freed."""
+        alloc = self._requests.pop(request_id, None)
+        if alloc is None:
+            raise KeyError(request_id)
+        # Deepest block first so that it is evicted before its ancestors.
+        for block in reversed(alloc.block_ids):
+            self._ref[block] -= 1
+            if self._ref[block] > 0:
+                continue
+            if self._hash_of[block] is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = None
+                self._evictable.move_to_end(block)
+
+    def discard(self, block_hash: int) -> bool:
+        """Drop one cached, unreferenced block by hash (a priority-eviction or KV-event hook).
+
+        Returns False when no such block is cached or a running request references it. Its
+        descendants stay cached but become unreachable until it is recomputed.
+        """
+        block = self._block_of.get(block_hash)
+        if block is None or self._ref[block] > 0:
+            return False
+        del self._evictable[block]
+        del self._block_of[block_hash]
+        self._hash_of[block] = None
+        self._free.append(block)
+        self.evicted_blocks += 1
+        return True
+
+    def clear(self) -> None:
+        """Drop all cached (unreferenced) content; referenced blocks are untouched."""
+        while self._evictable:
+            self._evict_one()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _take_block(self) -> int:
+        if not self._free:
+            self._evict_one()
+        return self._free.popleft()
+
+    def _evict_one(self) -> None:
+        block, _ = self._evictable.popitem(last=False)
+        h = self._hash_of[block]
+        if h is not None:
+            del self._block_of[h]
+            self._hash_of[block] = None
+        self._free.append(block)
+        self.evicted_blocks += 1
+
+    def _register(self, block: int, h: int) -> None:
+        old = self._block_of.get(h)
+        if old is not None:
+            if self._ref[old] > 0:
+                # Same content held by a running request (only possible on a hash collision
+                # or an unreachable duplicate); keep the new block private.
+                return
+            # An unreachable cached copy (its parent was evicted): replace it.
+            del self._evictable[old]
+            self._hash_of[old] = None
+            self._free.append(old)
+        self._block_of[h] = block
+        self._hash_of[block] = h

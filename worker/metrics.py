@@ -1,0 +1,80 @@
+"""Prometheus metrics with vLLM's names, in a per-app registry.
+
+Counters and gauges are read from the engine at scrape time (one source of truth); only the
+time-to-first-token histogram is observed by the HTTP layer. All carry the label ``model_name``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from worker.engines.base import Engine
+
+# vLLM's buckets for vllm:time_to_first_token_seconds.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class EngineCollector:
+    """Exposes an engine's counters and gauges under vLLM's metric names."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self._engine = engine
+        self._model = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._engine.stats()
+        labels = ["model_name"]
+        values = [self._model]
+        counters = (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, tokens.", s.cache.queries_tokens),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.cache.hit_tokens),
+            ("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens),
+            ("vllm:generation_tokens", "Generation tokens processed.", s.generation_tokens),
+            ("vllm:request_success", "Requests finished.", s.requests_finished),
+        )
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric(values, value)
+            yield counter
+        gauges = (
+            ("vllm:num_requests_running", "Requests running (holding KV blocks).", s.running),
+            ("vllm:num_requests_waiting", "Requests waiting for admission.", s.waiting),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV cache usage, 0-1: fraction of blocks referenced by running requests.",
+                s.cache.usage,
+            ),
+        )
+        for name, doc, gvalue in gauges:
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, gvalue)
+            yield gauge
+
+
+class WorkerMetrics:
+    """The per-app registry plus the TTFT histogram."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(engine, model_name))
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token, seconds (arrival to first generated token).",
+            labelnames=["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self._ttft_child = self._ttft.labels(model_name=model_name)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft_child.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,174 @@
+"""Validation of OpenAI request bodies into frozen values (pure; raises :class:`ApiError`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from worker.chat import ChatFormatError, render_chat
+from worker.errors import ApiError
+
+DEFAULT_MAX_TOKENS = 16
+MAX_TOKEN_ID = 2**32 - 1
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CommonParams:
+    model: str
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    cache_salt: str
+
+
+@dataclass(frozen=True)
+class CompletionParams:
+    common: CommonParams
+    prompts: tuple[Prompt, ...]
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    common: CommonParams
+    prompt: str
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ApiError(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise ApiError("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_error(param: str, expected: str) -> ApiError:
+    return ApiError(f"'{param}' must be {expected}", param=param, code="invalid_type")
+
+
+def _optional_positive_int(body: Mapping[str, Any], param: str) -> int | None:
+    value = body.get(param)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise _type_error(param, "an integer")
+    if value < 1:
+        raise ApiError(f"'{param}' must be >= 1, got {value}", param=param, code="invalid_value")
+    return int(value)
+
+
+def parse_common(
+    body: Mapping[str, Any], served_model: str, *, max_tokens_params: tuple[str, ...]
+) -> CommonParams:
+    model = body.get("model")
+    if model is None:
+        raise ApiError(
+            "you must provide a model parameter", param="model", code="missing_required_parameter"
+        )
+    if not isinstance(model, str):
+        raise _type_error("model", "a string")
+    if model != served_model:
+        raise ApiError(
+            f"The model '{model}' does not exist; this worker serves '{served_model}'",
+            status=404, param="model", code="model_not_found",
+        )
+    max_tokens = DEFAULT_MAX_TOKENS
+    for param in max_tokens_params:
+        value = _optional_positive_int(body, param)
+        if value is not None:
+            max_tokens = value
+            break
+    n = _optional_positive_int(body, "n")
+    if n is not None and n != 1:
+        raise ApiError("only n=1 is supported", param="n", code="unsupported_value")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _type_error("stream", "a boolean")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _type_error("stream_options", "an object")
+        flag = options.get("include_usage")
+        if flag is not None and not isinstance(flag, bool):
+            raise _type_error("stream_options.include_usage", "a boolean")
+        include_usage = bool(flag)
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise _type_error("cache_salt", "a string")
+    return CommonParams(
+        model=model,
+        max_tokens=max_tokens,
+        stream=bool(stream),
+        include_usage=include_usage,
+        cache_salt=salt or "",
+    )
+
+
+def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:
+    for tok in value:
+        if not _is_int(tok) or not 0 <= tok <= MAX_TOKEN_ID:
+            raise ApiError(
+                f"'{param}' token ids must be integers in [0, {MAX_TOKEN_ID}]",
+                param=param, code="invalid_type",
+            )
+    return tuple(value)
+
+
+def parse_prompts(value: Any) -> tuple[Prompt, ...]:
+    """``prompt`` as str, list[str], list[int] or list[list[int]] -> one entry per choice."""
+    if value is None:
+        raise ApiError(
+            "you must provide a prompt", param="prompt", code="missing_required_parameter"
+        )
+    if isinstance(value, str):
+        return (value,)
+    expected = "a string, a list of strings, a list of token ids or a list of token id lists"
+    if not isinstance(value, list):
+        raise _type_error("prompt", expected)
+    if not value:
+        raise ApiError("'prompt' must not be an empty list", param="prompt", code="invalid_value")
+    if all(isinstance(p, str) for p in value):
+        return tuple(value)
+    if all(_is_int(p) for p in value):
+        return (_token_ids(value, "prompt"),)
+    if all(isinstance(p, list) for p in value):
+        return tuple(_token_ids(p, f"prompt[{i}]") for i, p in enumerate(value))
+    raise _type_error("prompt", expected)
+
+
+def parse_completion(body: Mapping[str, Any], served_model: str) -> CompletionParams:
+    common = parse_common(body, served_model, max_tokens_params=("max_tokens",))
+    return CompletionParams(common=common, prompts=parse_prompts(body.get("prompt")))
+
+
+def parse_chat(body: Mapping[str, Any], served_model: str) -> ChatParams:
+    common = parse_common(
+        body, served_model, max_tokens_params=("max_completion_tokens", "max_tokens")
+    )
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(
+            "you must provide messages", param="messages", code="missing_required_parameter"
+        )
+    if not isinstance(messages, list):
+        raise _type_error("messages", "a list of messages")
+    if not messages:
+        raise ApiError("'messages' must not be empty", param="messages", code="invalid_value")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _type_error("tools", "a list")
+    try:
+        prompt = render_chat(messages, tools)
+    except ChatFormatError as exc:
+        raise ApiError(str(exc), param=exc.param, code="invalid_value") from exc
+    return ChatParams(common=common, prompt=prompt)

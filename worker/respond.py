@@ -1,0 +1,286 @@
+"""Running a validated request on the engine and shaping the OpenAI response (whole or SSE).
+
+The cache report (summed over the request's prompts) goes into ``usage`` and the ``x-cache-*``
+headers; a streaming response sends its headers once every prompt is admitted, before the first
+token. When the client goes away mid-stream, the producers are cancelled and their KV blocks
+released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from worker.engines.base import Admission, Engine, GenerationRequest
+from worker.metrics import WorkerMetrics
+from worker.parsing import CommonParams
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    index: int
+    admission: Admission
+
+
+@dataclass(frozen=True)
+class _Piece:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class _Done:
+    index: int
+
+
+_Event = _Admitted | _Piece | _Done
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """Cache statistics of one response (summed over its prompts)."""
+
+    input_tokens: int
+    matched_tokens: int
+    matched_blocks: int
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        return self.matched_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @classmethod
+    def of(cls, admissions: Sequence[Admission]) -> CacheReport:
+        return cls(
+            input_tokens=sum(a.input_tokens for a in admissions),
+            matched_tokens=sum(a.matched_tokens for a in admissions),
+            matched_blocks=sum(a.matched_blocks for a in admissions),
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "x-cache-input-tokens": str(self.input_tokens),
+            "x-cache-matched-tokens": str(self.matched_tokens),
+            "x-cache-matched-blocks": str(self.matched_blocks),
+            "x-cache-hit-ratio": f"{self.cache_hit_ratio:.6f}",
+        }
+
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.input_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.input_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.matched_tokens},
+            "input_tokens": self.input_tokens,
+            "matched_tokens": self.matched_tokens,
+            "matched_blocks": self.matched_blocks,
+            "cache_hit_ratio": self.cache_hit_ratio,
+        }
+
+
+async def _produce(
+    engine: Engine,
+    request: GenerationRequest,
+    index: int,
+    events: asyncio.Queue[_Event],
+    on_first_token: Callable[[], None],
+) -> None:
+    async with engine.admit(request) as generation:
+        events.put_nowait(_Admitted(index, generation.admission))
+        first = True
+        async for piece in generation.tokens():
+            if first:
+                on_first_token()
+                first = False
+            events.put_nowait(_Piece(index, piece))
+    events.put_nowait(_Done(index))
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated request, ready to run."""
+
+    kind: str  # "completion" or "chat"
+    response_id: str
+    created: int
+    model: str
+    common: CommonParams
+    token_lists: tuple[list[int], ...]
+    namespace: str
+
+    @property
+    def object_name(self) -> str:
+        return "text_completion" if self.kind == "completion" else "chat.completion"
+
+    def envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+
+async def _run_prompts(
+    engine: Engine,
+    metrics: WorkerMetrics,
+    job: Job,
+    handle: Callable[[_Event], Awaitable[None]],
+) -> None:
+    """Run a job's prompts concurrently on the engine, passing each event to ``handle``.
+
+    ``handle`` runs inside the task group, so when it raises (client gone) the producers are
+    cancelled and their KV blocks released.
+    """
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+
+    def first_token() -> None:
+        metrics.observe_ttft(loop.time() - t0)
+
+    queue: asyncio.Queue[_Event] = asyncio.Queue()
+    async with asyncio.TaskGroup() as group:
+        for i, tokens in enumerate(job.token_lists):
+            request = GenerationRequest(
+                request_id=f"{job.response_id}-{i}",
+                prompt_tokens=tokens,
+                max_tokens=job.common.max_tokens,
+                namespace=job.namespace,
+            )
+            group.create_task(_produce(engine, request, i, queue, first_token))
+        remaining = len(job.token_lists)
+        while remaining:
+            event = await queue.get()
+            if isinstance(event, _Done):
+                remaining -= 1
+            await handle(event)
+
+
+async def respond_whole(
+    request: web.Request, job: Job, headers: dict[str, str], engine: Engine,
+    metrics: WorkerMetrics,
+) -> web.Response:
+    n = len(job.token_lists)
+    admissions: list[Admission] = []
+    texts: list[list[str]] = [[] for _ in range(n)]
+
+    async def collect(event: _Event) -> None:
+        if isinstance(event, _Admitted):
+            admissions.append(event.admission)
+        elif isinstance(event, _Piece):
+            texts[event.index].append(event.text)
+
+    await _run_prompts(engine, metrics, job, collect)
+    report = CacheReport.of(admissions)
+    choices: list[dict[str, Any]] = []
+    for i, pieces in enumerate(texts):
+        text = "".join(pieces)
+        choice: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": "length"}
+        if job.kind == "completion":
+            choice["text"] = text
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        choices.append(choice)
+    body = job.envelope(job.object_name, choices)
+    body["usage"] = report.usage(sum(len(t) for t in texts))
+    return web.json_response(body, headers={**headers, **report.headers()})
+
+
+def _chunk_choice(job: Job, index: int, text: str | None, finish: str | None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
+    if job.kind == "completion":
+        choice["text"] = text or ""
+    else:
+        choice["delta"] = {"content": text} if text is not None else {}
+    return choice
+
+
+class _SseWriter:
+    """Streams a job as server-sent events; headers go out once every prompt is admitted."""
+
+    def __init__(self, request: web.Request, job: Job, headers: dict[str, str]) -> None:
+        self._request = request
+        self._job = job
+        self._headers = headers
+        self._object = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
+        self._admissions: list[Admission] = []
+        self._pending: list[_Event] = []
+        self.response: web.StreamResponse | None = None
+        self.report = CacheReport(0, 0, 0)
+        self.completion_tokens = 0
+
+    async def _write(self, payload: dict[str, Any]) -> None:
+        assert self.response is not None
+        await self.response.write(_sse(payload))
+
+    async def _start(self) -> None:
+        self.report = CacheReport.of(self._admissions)
+        self.response = web.StreamResponse(
+            headers={
+                **self._headers,
+                **self.report.headers(),
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+            }
+        )
+        await self.response.prepare(self._request)
+        if self._job.kind == "chat":
+            for i in range(len(self._job.token_lists)):
+                role = {"index": i, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}
+                await self._write(self._job.envelope(self._object, [role]))
+
+    async def handle(self, event: _Event) -> None:
+        if self.response is None:
+            if isinstance(event, _Admitted):
+                self._admissions.append(event.admission)
+            else:
+                self._pending.append(event)
+            if len(self._admissions) < len(self._job.token_lists):
+                return
+            await self._start()
+            backlog, self._pending = self._pending, []
+        else:
+            backlog = [event]
+        for item in backlog:
+            if isinstance(item, _Piece):
+                self.completion_tokens += 1
+                choice = _chunk_choice(self._job, item.index, item.text, None)
+            elif isinstance(item, _Done):
+                choice = _chunk_choice(self._job, item.index, None, "length")
+            else:
+                continue
+            await self._write(self._job.envelope(self._object, [choice]))
+
+    async def finish(self) -> None:
+        if self._job.common.include_usage:
+            final = self._job.envelope(self._object, [])
+            final["usage"] = self.report.usage(self.completion_tokens)
+            await self._write(final)
+        assert self.response is not None
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+
+
+async def respond_stream(
+    request: web.Request, job: Job, headers: dict[str, str], engine: Engine,
+    metrics: WorkerMetrics,
+) -> web.StreamResponse:
+    writer = _SseWriter(request, job, headers)
+    try:
+        await _run_prompts(engine, metrics, job, writer.handle)
+        await writer.finish()
+    except* ConnectionResetError:
+        pass  # the client went away; the engine released the blocks on the way out
+    if writer.response is None:  # only if the client vanished before the headers went out
+        return web.Response(status=499)
+    return writer.response
