@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off"}
 
 
 class SettingsError(ValueError):
@@ -82,7 +82,7 @@ def load_settings(
         factory: Any = field.default_factory
         if default is dataclasses.MISSING and factory is not dataclasses.MISSING:
             default = factory()
-        if env_name in env:
+        if env.get(env_name, "").strip():  # an empty variable leaves the default
             default = _from_env(env[env_name], kind, env_name)
         help_text = str(field.metadata.get("help", "")) + f" [env {env_name}]"
         if kind is bool:

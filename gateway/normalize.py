@@ -26,6 +26,7 @@ conversation produce the same text whatever JSON key order or content-part split
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -81,16 +82,24 @@ def normalize_content(content: Any, opts: NormalizeOptions) -> Any:
     if isinstance(content, str):
         return normalize_text(content, opts)
     if isinstance(content, list):
+        # Parts render as one text, so only the end of the whole content is trimmed.
+        inner = dataclasses.replace(opts, trailing_whitespace=False)
         parts: list[Any] = []
         for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(
-                part.get("text"), str
-            ):
-                parts.append({**part, "text": normalize_text(part["text"], opts)})
+            if _is_text_part(part):
+                parts.append({**part, "text": normalize_text(part["text"], inner)})
             else:
                 parts.append(part)
+        if opts.enabled and opts.trailing_whitespace and parts and _is_text_part(parts[-1]):
+            parts[-1]["text"] = parts[-1]["text"].rstrip()
         return parts
     return content
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(
+        part.get("text"), str
+    )
 
 
 def normalize_messages(

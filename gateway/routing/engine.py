@@ -88,7 +88,7 @@ class RoutingEngine:
         matches = snapshot.index.match(request.key.blocks) if profile.uses_prefix_index else {}
         ctx = Context(request=request, snapshot=snapshot, matches=matches)
         candidates = [w for w in snapshot.workers if w.id not in exclude]
-        dropped: dict[str, str] = {}
+        dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
         for flt in profile.filters:
             kept = flt.apply(ctx, candidates)
             if not kept:

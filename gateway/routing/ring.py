@@ -13,12 +13,18 @@ from collections.abc import Iterator, Mapping
 
 from uhashring import HashRing
 
+_VNODES = 40  # ketama points per unit of weight (x4 hashes each in ketama)
+
 
 class Ring:
     def __init__(self, weights: Mapping[str, float]) -> None:
         self._ids = tuple(sorted(weights))
-        # ketama gives each node points in proportion to its weight (an int in uhashring).
-        nodes = {wid: {"weight": max(1, round(w * 10))} for wid, w in weights.items()}
+        # Points per node in proportion to its own weight. (uhashring's "weight" would scale
+        # each node's points by weight / sum of weights, so any membership change would move
+        # anchors between the workers that stay.)
+        nodes = {
+            wid: {"vnodes": max(1, round(_VNODES * w)), "weight": 1} for wid, w in weights.items()
+        }
         self._ring = HashRing(nodes=nodes, hash_fn="ketama")
 
     @property

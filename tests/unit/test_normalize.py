@@ -1,0 +1,291 @@
+"""Table-driven tests for gateway.normalize: normalize_text, normalize_messages, render_chat."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from gateway.normalize import NormalizeOptions, normalize_messages, normalize_text, render_chat
+
+DEFAULT = NormalizeOptions()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param("a\u00a0b", "a b", id="nbsp"),
+        pytest.param("a\u2009b", "a b", id="thin-space"),
+        pytest.param("a\u3000b", "a b", id="ideographic-space"),
+        pytest.param("a\u202fb", "a b", id="narrow-nbsp"),
+        pytest.param("a\u200bb", "ab", id="zero-width-space"),
+        pytest.param("\ufeffhello", "hello", id="bom"),
+        pytest.param("co\u00adop", "coop", id="soft-hyphen"),
+        pytest.param("a\u2060b", "ab", id="word-joiner"),
+        pytest.param("a\u202eb\u202c", "ab", id="bidi-controls"),
+        pytest.param("\U0001f468\u200d\U0001f4bb", "\U0001f468\u200d\U0001f4bb", id="zwj-kept"),
+        pytest.param("\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",
+                     "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645", id="zwnj-kept"),
+        pytest.param("a\r\nb\r\nc", "a\nb\nc", id="crlf"),
+        pytest.param("a\rb", "a\nb", id="lone-cr"),
+        pytest.param("a\r\r\nb", "a\n\nb", id="cr-then-crlf"),
+        pytest.param("a\u2028b", "a\nb", id="line-separator"),
+        pytest.param("a\u2029b", "a\nb", id="paragraph-separator"),
+        pytest.param("hello   ", "hello", id="trailing-spaces"),
+        pytest.param("hello\n\n\n", "hello", id="trailing-newlines"),
+        pytest.param("hello \t\r\n \n", "hello", id="trailing-mixed"),
+        pytest.param("hello\u00a0\u200b", "hello", id="trailing-invisible-and-nbsp"),
+        pytest.param("  \n\thello", "  \n\thello", id="leading-whitespace-kept"),
+        pytest.param("a  b\n\nc", "a  b\n\nc", id="inner-whitespace-kept"),
+        pytest.param("plain ASCII text, 123!", "plain ASCII text, 123!", id="ascii-unchanged"),
+        pytest.param("caf\u00e9 \u65e5\u672c", "caf\u00e9 \u65e5\u672c", id="non-ascii-letters"),
+        pytest.param("", "", id="empty"),
+        pytest.param(" \u00a0\u200b\r\n", "", id="only-whitespace"),
+    ],
+)
+def test_normalize_text_defaults(text: str, expected: str) -> None:
+    assert normalize_text(text) == expected
+    assert normalize_text(text, DEFAULT) == expected
+
+
+@pytest.mark.parametrize(
+    ("opts", "text", "expected"),
+    [
+        pytest.param(NormalizeOptions(enabled=False), "a\u00a0b\u200b\r\n  ",
+                     "a\u00a0b\u200b\r\n  ", id="disabled-leaves-everything"),
+        pytest.param(NormalizeOptions(unicode_spaces=False), "a\u00a0b\u3000c\u2028d\u200be",
+                     "a\u00a0b\u3000c\u2028de", id="unicode-spaces-off"),
+        pytest.param(NormalizeOptions(invisible=False), "a\u200bb\u00adc\ufeff\u00a0d",
+                     "a\u200bb\u00adc\ufeff d", id="invisible-off"),
+        pytest.param(NormalizeOptions(newlines=False), "a\r\nb\rc\u00a0d",
+                     "a\r\nb\rc d", id="newlines-off"),
+        pytest.param(NormalizeOptions(trailing_whitespace=False), "a\u00a0b  \n\n",
+                     "a b  \n\n", id="trailing-whitespace-off"),
+        pytest.param(NormalizeOptions(trailing_whitespace=False), "a\r\n",
+                     "a\n", id="trailing-off-crlf-still-converted"),
+        pytest.param(NormalizeOptions(unicode_spaces=False, invisible=False), "a\u00a0\u200bb",
+                     "a\u00a0\u200bb", id="spaces-and-invisible-off"),
+    ],
+)
+def test_normalize_text_options(opts: NormalizeOptions, text: str, expected: str) -> None:
+    assert normalize_text(text, opts) == expected
+
+
+def test_normalize_text_is_idempotent() -> None:
+    text = "\ufeffa\u00a0b\u200b\r\nc\u2028d  \n"
+    once = normalize_text(text)
+    assert normalize_text(once) == once
+
+
+# -- normalize_messages -------------------------------------------------------------------------
+
+
+def _image_part() -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA\u00a0 "}}
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        pytest.param(
+            {"role": "user", "content": "hi\u00a0there  "},
+            {"role": "user", "content": "hi there"},
+            id="string-content",
+        ),
+        pytest.param(
+            {"role": "user", "content": [{"type": "text", "text": "a\u200bb "}, _image_part()]},
+            # The text is not at the end of the content, so its trailing space stays.
+            {"role": "user", "content": [{"type": "text", "text": "ab "}, _image_part()]},
+            id="image-part-untouched",
+        ),
+        pytest.param(
+            {"role": "user", "content": [{"type": "text", "text": "x ", "cache_control": "ep"}]},
+            {"role": "user", "content": [{"type": "text", "text": "x", "cache_control": "ep"}]},
+            id="text-part-extra-keys-kept",
+        ),
+        pytest.param(
+            {"role": "user", "content": [{"type": "text", "text": 7}, "raw\u00a0 "]},
+            {"role": "user", "content": [{"type": "text", "text": 7}, "raw\u00a0 "]},
+            id="malformed-parts-untouched",
+        ),
+        pytest.param(
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "function": {"arguments": "{\"q\": \"a\u00a0 \"}"}}]},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "function": {"arguments": "{\"q\": \"a\u00a0 \"}"}}]},
+            id="tool-calls-untouched",
+        ),
+        pytest.param(
+            {"role": "user", "name": "bob\u00a0 ", "weird": "x\u200b ", "content": "y "},
+            {"role": "user", "name": "bob\u00a0 ", "weird": "x\u200b ", "content": "y"},
+            id="other-keys-untouched",
+        ),
+        pytest.param(
+            {"role": "tool", "tool_call_id": "c1"},
+            {"role": "tool", "tool_call_id": "c1"},
+            id="no-content-key-not-added",
+        ),
+    ],
+)
+def test_normalize_messages(message: dict[str, Any], expected: dict[str, Any]) -> None:
+    original = copy.deepcopy(message)
+    out = normalize_messages([message], DEFAULT)
+    assert out == [expected]
+    assert message == original, "input must not be mutated"
+    assert out[0] is not message
+
+
+def test_normalize_messages_does_not_mutate_nested_parts() -> None:
+    part = {"type": "text", "text": "a\u00a0 "}
+    messages = [{"role": "user", "content": [part]}]
+    out = normalize_messages(messages, DEFAULT)
+    assert part == {"type": "text", "text": "a\u00a0 "}
+    assert messages[0]["content"] == [{"type": "text", "text": "a\u00a0 "}]
+    assert out[0]["content"] == [{"type": "text", "text": "a"}]
+
+
+def test_normalize_messages_disabled_is_identity_copy() -> None:
+    messages = [{"role": "user", "content": "a\u00a0b  "}]
+    out = normalize_messages(messages, NormalizeOptions(enabled=False))
+    assert out == messages
+    assert out[0] is not messages[0]
+
+
+def test_split_text_parts_normalize_like_joined_text() -> None:
+    joined = [{"role": "user", "content": "Hello world"}]
+    split = [{"role": "user", "content": [
+        {"type": "text", "text": "Hello "},
+        {"type": "text", "text": "world"},
+    ]}]
+    assert render_chat(normalize_messages(split, DEFAULT)) == render_chat(
+        normalize_messages(joined, DEFAULT)
+    )
+
+
+# -- render_chat ----------------------------------------------------------------------------------
+
+BASE: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2?"},
+]
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        pytest.param(
+            [{"role": "user", "content": "hi"}],
+            [{"content": "hi", "role": "user"}],
+            id="key-order",
+        ),
+        pytest.param(
+            [{"role": "user", "content": "hello world"}],
+            [{"role": "user", "content": [{"type": "text", "text": "hello "},
+                                          {"type": "text", "text": "world"}]}],
+            id="split-text-parts-vs-string",
+        ),
+        pytest.param(
+            [{"role": "user", "content": [{"type": "text", "text": "abc"}]}],
+            [{"role": "user", "content": [{"text": "a", "type": "text"},
+                                          {"type": "text", "text": "bc"}]}],
+            id="split-text-parts-and-part-key-order",
+        ),
+        pytest.param(
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u",
+                                                                              "detail": "low"}}]}],
+            [{"role": "user", "content": [{"image_url": {"detail": "low", "url": "u"},
+                                           "type": "image_url"}]}],
+            id="non-text-part-key-order",
+        ),
+        pytest.param(
+            [{"role": "assistant", "content": None,
+              "tool_calls": [{"id": "1", "type": "function",
+                              "function": {"name": "f", "arguments": "{}"}}]}],
+            [{"tool_calls": [{"function": {"arguments": "{}", "name": "f"}, "type": "function",
+                              "id": "1"}], "content": None, "role": "assistant"}],
+            id="tool-calls-key-order",
+        ),
+        pytest.param(
+            [{"role": "assistant", "content": None}],
+            [{"role": "assistant", "content": ""}],
+            id="none-content-is-empty",
+        ),
+        pytest.param(
+            [{"role": "user", "content": "x", "name": ""}],
+            [{"role": "user", "content": "x"}],
+            id="empty-name-ignored",
+        ),
+    ],
+)
+def test_render_chat_same_conversation(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    assert render_chat(a) == render_chat(b)
+
+
+def test_render_chat_tools_key_order() -> None:
+    t1 = [{"type": "function", "function": {"name": "f", "parameters": {"a": 1, "b": 2}}}]
+    t2 = [{"function": {"parameters": {"b": 2, "a": 1}, "name": "f"}, "type": "function"}]
+    assert render_chat(BASE, t1) == render_chat(BASE, t2)
+
+
+@pytest.mark.parametrize(
+    ("b", "tools"),
+    [
+        pytest.param([{**BASE[0], "role": "developer"}, BASE[1]], None, id="role"),
+        pytest.param([BASE[0], {**BASE[1], "name": "alice"}], None, id="name"),
+        pytest.param(
+            [BASE[0], {**BASE[1], "name": "bob"}],
+            None,
+            id="other-name",
+        ),
+        pytest.param(
+            [*BASE, {"role": "assistant", "content": None,
+                     "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]}],
+            None,
+            id="tool-calls-appended",
+        ),
+        pytest.param([BASE[0], {**BASE[1], "tool_call_id": "c1"}], None, id="tool-call-id"),
+        pytest.param(BASE, [{"type": "function", "function": {"name": "f"}}], id="tools"),
+        pytest.param([BASE[1], BASE[0]], None, id="message-order"),
+        pytest.param([BASE[0]], None, id="fewer-messages"),
+        pytest.param([BASE[0], {**BASE[1], "content": "What is 2+3?"}], None, id="content"),
+    ],
+)
+def test_render_chat_differences_change_text(
+    b: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> None:
+    assert render_chat(b, tools) != render_chat(BASE)
+
+
+def test_render_chat_distinguishes_tool_call_variants() -> None:
+    def msg(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": None, "tool_calls": calls}]
+
+    a = msg([{"id": "1", "function": {"name": "f", "arguments": "{}"}}])
+    b = msg([{"id": "1", "function": {"name": "g", "arguments": "{}"}}])
+    assert render_chat(a) != render_chat(b)
+    assert render_chat([{"role": "tool", "tool_call_id": "c1", "content": "r"}]) != render_chat(
+        [{"role": "tool", "tool_call_id": "c2", "content": "r"}]
+    )
+
+
+def test_render_chat_message_boundaries_matter() -> None:
+    # One message "ab" is not two messages "a" + "b", nor a role change inside the text.
+    one = [{"role": "user", "content": "ab"}]
+    two = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert render_chat(one) != render_chat(two)
+
+
+def test_render_chat_prefix_property() -> None:
+    # Appending a turn extends the rendering: earlier turns form a prefix (what caching needs).
+    longer = [*BASE, {"role": "assistant", "content": "4"}]
+    assert render_chat(longer).startswith(render_chat(BASE))
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert render_chat(longer, tools).startswith(render_chat(BASE, tools))
+
+
+def test_render_chat_does_not_mutate() -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}]}]
+    original = copy.deepcopy(messages)
+    render_chat(messages, [{"b": 1, "a": 2}])
+    assert messages == original

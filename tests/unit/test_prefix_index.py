@@ -1,0 +1,151 @@
+"""Tests for gateway.routing.prefix_index.PrefixIndex (chain matching, TTL, capacity)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from gateway.routing.prefix_index import PrefixIndex
+
+Recording = tuple[Sequence[int], str]
+
+
+@pytest.mark.parametrize(
+    ("recordings", "query", "expected"),
+    [
+        pytest.param([], [1, 2, 3], {}, id="empty-index"),
+        pytest.param([([1, 2, 3], "w1")], [], {}, id="empty-query"),
+        pytest.param([([1, 2, 3], "w1")], [1, 2, 3], {"w1": 3}, id="full-match"),
+        pytest.param([([1, 2, 3], "w1")], [1, 2, 3, 4, 5], {"w1": 3}, id="query-longer"),
+        pytest.param([([1, 2, 3, 4, 5], "w1")], [1, 2], {"w1": 2}, id="query-shorter"),
+        pytest.param([([1, 2, 3], "w1")], [9, 2, 3], {}, id="first-block-unknown"),
+        pytest.param([([1, 2, 4, 5], "w1")], [1, 2, 3, 4, 5], {"w1": 2}, id="stops-at-first-gap"),
+        pytest.param(
+            [([1, 2], "w1"), ([3, 4], "w2")], [1, 2, 3, 4], {"w1": 2},
+            id="later-holder-without-head-does-not-count",
+        ),
+        pytest.param(
+            [([1, 2, 3], "w1"), ([1], "w2"), ([1, 2, 3, 4, 5], "w3")],
+            [1, 2, 3, 4],
+            {"w1": 3, "w2": 1, "w3": 4},
+            id="several-holders-different-depths",
+        ),
+        pytest.param(
+            [([1, 2], "w1"), ([1, 2], "w2")], [1, 2], {"w1": 2, "w2": 2}, id="equal-holders",
+        ),
+        pytest.param(
+            [([1, 2, 3], "w1"), ([1, 3], "w2")], [1, 2, 3], {"w1": 3, "w2": 1},
+            id="holder-with-hole-stops-at-hole",
+        ),
+    ],
+)
+def test_match(
+    recordings: list[Recording], query: list[int], expected: dict[str, int]
+) -> None:
+    index = PrefixIndex()
+    for blocks, wid in recordings:
+        index.record(blocks, wid)
+    assert index.match(query) == expected
+
+
+def test_record_is_idempotent() -> None:
+    index = PrefixIndex()
+    index.record([1, 2, 3], "w1")
+    index.record([1, 2, 3], "w1")
+    assert len(index) == 3
+    assert index.match([1, 2, 3]) == {"w1": 3}
+
+
+@pytest.mark.parametrize(
+    ("events", "now", "expected"),
+    [
+        pytest.param([(0.0, [1, 2, 3], "w1")], 5.0, {"w1": 3}, id="fresh"),
+        pytest.param([(0.0, [1, 2, 3], "w1")], 10.0, {"w1": 3}, id="exactly-ttl-still-counts"),
+        pytest.param([(0.0, [1, 2, 3], "w1")], 10.5, {}, id="expired"),
+        pytest.param(
+            [(0.0, [1, 2, 3], "w1"), (8.0, [1, 2, 3], "w1")], 15.0, {"w1": 3},
+            id="re-record-refreshes",
+        ),
+        pytest.param(
+            [(0.0, [1, 2, 3], "w1"), (8.0, [1], "w1")], 15.0, {"w1": 1},
+            id="partial-refresh-shortens-match",
+        ),
+        pytest.param(
+            [(0.0, [1, 2, 3], "w1"), (8.0, [1, 2], "w2")], 15.0, {"w2": 2},
+            id="one-holder-expired-other-fresh",
+        ),
+        pytest.param(
+            [(0.0, [1, 2, 3], "w1"), (8.0, [1, 2], "w2")], 19.0, {},
+            id="both-expired",
+        ),
+    ],
+)
+def test_ttl(
+    events: list[tuple[float, list[int], str]], now: float, expected: dict[str, int]
+) -> None:
+    index = PrefixIndex(ttl_s=10.0)
+    for t, blocks, wid in events:
+        index.set_time(t)
+        index.record(blocks, wid)
+    index.set_time(now)
+    assert index.match([1, 2, 3]) == expected
+
+
+def test_capacity_bound_evicts_least_recently_recorded() -> None:
+    index = PrefixIndex(capacity=3)
+    for h in (1, 2, 3):
+        index.record([h], "w1")
+    assert len(index) == 3
+    index.record([1], "w2")  # refreshes block 1: block 2 is now the oldest
+    index.record([4], "w1")
+    assert len(index) == 3
+    assert index.match([2]) == {}
+    assert index.match([1]) == {"w1": 1, "w2": 1}
+    assert index.match([3]) == {"w1": 1}
+    assert index.match([4]) == {"w1": 1}
+    index.record([5, 6], "w1")
+    assert len(index) == 3
+    assert index.match([1]) == {}
+    assert index.match([3]) == {}
+    assert index.match([4]) == {"w1": 1}
+
+
+def test_capacity_never_exceeded() -> None:
+    index = PrefixIndex(capacity=50)
+    for i in range(40):
+        index.record(range(i * 7, i * 7 + 7), f"w{i % 3}")
+        assert len(index) <= 50
+    assert len(index) == 50
+
+
+@pytest.mark.parametrize("capacity", [0, -1])
+def test_capacity_must_be_positive(capacity: int) -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixIndex(capacity=capacity)
+
+
+def test_forget_worker() -> None:
+    index = PrefixIndex()
+    index.record([1, 2, 3], "w1")
+    index.record([1, 2], "w2")
+    index.record([7, 8], "w1")
+    assert len(index) == 5
+    index.forget_worker("w1")
+    assert index.match([1, 2, 3]) == {"w2": 2}
+    assert index.match([7, 8]) == {}
+    assert len(index) == 2  # blocks nobody holds any more are dropped
+    index.forget_worker("w1")  # forgetting twice is harmless
+    index.forget_worker("unknown")
+    assert len(index) == 2
+    index.forget_worker("w2")
+    assert len(index) == 0
+    assert index.match([1, 2]) == {}
+
+
+def test_forgotten_worker_can_record_again() -> None:
+    index = PrefixIndex()
+    index.record([1, 2], "w1")
+    index.forget_worker("w1")
+    index.record([1], "w1")
+    assert index.match([1, 2]) == {"w1": 1}
