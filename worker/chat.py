@@ -17,6 +17,10 @@ Format (each block ends with ``<|end|>\\n``; a generation prompt ``<|assistant|>
 * ``name`` renders as ``<|user name=alice|>``; an assistant's ``tool_calls`` follow its content as
   ``<|tool_calls|>`` + canonical JSON; a tool message's ``tool_call_id`` as ``<|tool id=...|>``.
 
+:func:`render_system_prefix` renders only the leading system/developer messages (and tools): a
+string prefix of the full rendering, whose tokens the KV cache tags as system prompt (evicted
+last).
+
 The rendering of a conversation is a string prefix of the rendering of the same conversation with
 more turns appended, so multi-turn chats reuse their cached prefix.
 """
@@ -105,4 +109,19 @@ def render_chat(
     parts.extend(render_message(m, i) for i, m in enumerate(messages))
     if add_generation_prompt:
         parts.append(GENERATION_PROMPT)
+    return "".join(parts)
+
+
+SYSTEM_ROLES = frozenset({"system", "developer"})
+
+
+def render_system_prefix(messages: Sequence[Any], tools: Sequence[Any] | None = None) -> str:
+    """The tools and leading system/developer messages, rendered as in :func:`render_chat`."""
+    parts: list[str] = []
+    if tools:
+        parts.append(f"<|system|>\n# tools\n{canonical_json(list(tools))}{END}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or message.get("role") not in SYSTEM_ROLES:
+            break
+        parts.append(render_message(message, i))
     return "".join(parts)

@@ -16,24 +16,38 @@ Block states:
 * **referenced**: in the block table of at least one running request (``ref_count > 0``); never
   evicted;
 * **cached**: a full block with a registered hash and ``ref_count == 0``; reusable by a later
-  request with the same prefix, and evictable in LRU order (least recently released first).
+  request with the same prefix, and evictable (see *Eviction* below).
 
 Full blocks are registered in the hash table as soon as they are allocated (like vLLM, which
 caches blocks at scheduling time), so a concurrent request with the same prefix can share them.
 A partial last block is private to its request and goes back to the free list on release.
 
-Eviction only removes cached (unreferenced) blocks. When a request releases its blocks they enter
-the LRU queue tail-first, so among blocks released together the deepest ones go first and the
-leading part of a chain survives longest. If a middle block is evicted while its descendants are
-still cached, the descendants become unreachable: :meth:`PrefixCache.lookup` walks the chain from
-the first block and stops at the first missing hash, so it never reports a prefix whose blocks are
-not all present. (An unreachable block stays evictable and can become reachable again if its
-parent is recomputed, which is correct because its hash covers the whole prefix.)
+Eviction only removes cached (unreferenced) blocks, by **priority class** first, then LRU. A block
+is tagged :class:`Priority` ``CONVERSATION`` (the default, lowest), ``DOCUMENT`` or ``SYSTEM``
+(highest): under pressure all cached conversation blocks go before any document block, and those
+before any system block; within a class the least recently released goes first. A request tags
+its prompt with one class, and may mark its leading ``system_tokens`` tokens (the chat's system
+messages) as ``SYSTEM``; a block counts as system only when it lies entirely inside them. A block
+shared by several requests keeps the highest class any of them gave it (until it is evicted).
+With no tags at all every block is ``CONVERSATION`` and eviction is plain LRU.
+
+When a request releases its blocks they enter their class's LRU queue tail-first, so among blocks
+released together the deepest ones go first and the leading part of a chain survives longest. If a
+middle block is evicted while its descendants are still cached, the descendants become unreachable:
+:meth:`PrefixCache.lookup` walks the chain from the first block and stops at the first missing hash,
+so it never reports a prefix whose blocks are not all present. (An unreachable block stays evictable
+and can become reachable again if its parent is recomputed, which is correct because its hash covers
+the whole prefix.)
 
 Every operation costs O(blocks of the request) plus O(1) per evicted block.
 
-A future real engine can read K/V from ``Allocation.block_ids``; a cluster simulator can drive the
-same class with synthetic token ids.
+A request may also *reserve* extra private slots after its prompt (``reserve_tokens``, for the
+tokens a real engine decodes); they are part of ``Allocation.block_ids``, never hashed, and freed on
+release. The torch engine keeps K/V for block ``i`` at index ``i`` of its pool tensor; a cluster
+simulator can drive the same class with synthetic token ids.
+
+Namespaces are also remembered per block, so :meth:`PrefixCache.flush` can empty one tenant's
+cache (or all of it) after a model or tokenizer upgrade.
 """
 
 from __future__ import annotations
@@ -42,10 +56,28 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import xxhash
 
 _ROOT = b"kvcache-root-v1"
+
+
+class Priority(IntEnum):
+    """Eviction class of a cached block: lower values are evicted first."""
+
+    CONVERSATION = 0
+    DOCUMENT = 1
+    SYSTEM = 2
+
+    @classmethod
+    def parse(cls, name: str) -> Priority:
+        """``"system"`` / ``"document"`` / ``"conversation"`` (case-insensitive)."""
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            choices = ", ".join(p.name.lower() for p in cls)
+            raise ValueError(f"unknown cache priority {name!r}; choose one of: {choices}") from None
 
 
 class CacheFullError(RuntimeError):
@@ -75,7 +107,8 @@ class Allocation:
     """The block table of one admitted request.
 
     ``block_ids[:matched_blocks]`` were reused from the cache; the rest were freshly allocated
-    (``new_blocks`` of them, the last one possibly partial).
+    (``new_blocks`` of them, the last prompt block possibly partial, followed by the private
+    blocks reserved for ``reserved_tokens`` more tokens).
     """
 
     request_id: str
@@ -85,6 +118,7 @@ class Allocation:
     matched_blocks: int
     matched_tokens: int
     new_blocks: int
+    reserved_tokens: int = 0
 
     @property
     def uncached_tokens(self) -> int:
@@ -135,8 +169,14 @@ class PrefixCache:
         self._ref = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
         self._block_of: dict[int, int] = {}
-        # Cached, unreferenced blocks; first = least recently used = next victim.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._namespace_of: list[str | None] = [None] * num_blocks
+        self._priority = [Priority.CONVERSATION] * num_blocks
+        # Cached, unreferenced blocks, one LRU queue per priority class;
+        # first = least recently released = next victim of its class.
+        self._evictable: tuple[OrderedDict[int, None], ...] = tuple(
+            OrderedDict() for _ in Priority
+        )
+        self._num_evictable = 0
         self._requests: dict[str, Allocation] = {}
         self.queries_tokens = 0
         self.hit_tokens = 0
@@ -171,7 +211,7 @@ class PrefixCache:
     @property
     def cached_blocks(self) -> int:
         """Blocks with cached content and no running request (evictable)."""
-        return len(self._evictable)
+        return self._num_evictable
 
     @property
     def used_blocks(self) -> int:
@@ -179,13 +219,19 @@ class PrefixCache:
 
     @property
     def referenced_blocks(self) -> int:
-        return self.num_blocks - len(self._free) - len(self._evictable)
+        return self.num_blocks - len(self._free) - self._num_evictable
 
     def usage(self) -> float:
         return self.referenced_blocks / self.num_blocks
 
     def occupancy(self) -> float:
         return self.used_blocks / self.num_blocks
+
+    def priority_of(self, block: int) -> Priority:
+        return self._priority[block]
+
+    def cached_blocks_by_priority(self) -> dict[str, int]:
+        return {p.name.lower(): len(self._evictable[p]) for p in Priority}
 
     def allocation(self, request_id: str) -> Allocation | None:
         return self._requests.get(request_id)
@@ -208,36 +254,55 @@ class PrefixCache:
 
     # -- mutations -------------------------------------------------------------------------
 
-    def allocate(self, request_id: str, tokens: Sequence[int], namespace: str = "") -> Allocation:
+    def allocate(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        namespace: str = "",
+        *,
+        priority: Priority = Priority.CONVERSATION,
+        system_tokens: int = 0,
+        reserve_tokens: int = 0,
+    ) -> Allocation:
         """Give ``request_id`` a block table for ``tokens``, reusing the longest cached prefix.
+
+        ``priority`` tags the prompt's blocks, except the blocks lying entirely within the first
+        ``system_tokens`` tokens, which are tagged :attr:`Priority.SYSTEM`. ``reserve_tokens``
+        adds private slots after the prompt (for decoded tokens).
 
         Raises :class:`CacheFullError` (and changes nothing) when the missing blocks cannot be
         found among free and evictable blocks, and ``ValueError`` for a duplicate request id.
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks")
+        if reserve_tokens < 0:
+            raise ValueError("reserve_tokens must be >= 0")
         hashes = self.hashes(tokens, namespace)
         matched = self._match(hashes)
-        total = self.blocks_needed(len(tokens))
+        total = self.blocks_needed(len(tokens) + reserve_tokens)
         needed = total - len(matched)
         # Matched blocks that are evictable now will be referenced, so they do not count.
         reusable_evictable = sum(1 for b in matched if self._ref[b] == 0)
-        available = len(self._free) + len(self._evictable) - reusable_evictable
+        available = len(self._free) + self._num_evictable - reusable_evictable
         if needed > available:
             raise CacheFullError(
                 f"request {request_id!r} needs {needed} new blocks, {available} available "
                 f"({self.referenced_blocks} of {self.num_blocks} referenced)"
             )
-        for block in matched:
+        system_blocks = min(system_tokens, len(tokens)) // self.block_size
+        for i, block in enumerate(matched):
             if self._ref[block] == 0:
-                del self._evictable[block]
+                self._unlist(block)
             self._ref[block] += 1
+            tag = Priority.SYSTEM if i < system_blocks else priority
+            self._priority[block] = max(self._priority[block], tag)
         fresh: list[int] = []
         for i in range(len(matched), total):
             block = self._take_block()
             self._ref[block] = 1
+            self._priority[block] = Priority.SYSTEM if i < system_blocks else priority
             if i < len(hashes):
-                self._register(block, hashes[i])
+                self._register(block, hashes[i], namespace)
             fresh.append(block)
         matched_tokens = len(matched) * self.block_size
         self.queries_tokens += len(tokens)
@@ -250,6 +315,7 @@ class PrefixCache:
             matched_blocks=len(matched),
             matched_tokens=matched_tokens,
             new_blocks=len(fresh),
+            reserved_tokens=reserve_tokens,
         )
         self._requests[request_id] = alloc
         return alloc
@@ -267,8 +333,8 @@ class PrefixCache:
             if self._hash_of[block] is None:
                 self._free.append(block)
             else:
-                self._evictable[block] = None
-                self._evictable.move_to_end(block)
+                self._evictable[self._priority[block]][block] = None
+                self._num_evictable += 1
 
     def discard(self, block_hash: int) -> bool:
         """Drop one cached, unreferenced block by hash (a priority-eviction or KV-event hook).
@@ -279,17 +345,46 @@ class PrefixCache:
         block = self._block_of.get(block_hash)
         if block is None or self._ref[block] > 0:
             return False
-        del self._evictable[block]
-        del self._block_of[block_hash]
-        self._hash_of[block] = None
+        self._unlist(block)
+        self._unregister(block)
         self._free.append(block)
         self.evicted_blocks += 1
         return True
 
     def clear(self) -> None:
         """Drop all cached (unreferenced) content; referenced blocks are untouched."""
-        while self._evictable:
+        while self._num_evictable:
             self._evict_one()
+
+    def flush(self, namespace: str | None = None) -> int:
+        """Forget all cached content (of one ``namespace``, or of every namespace).
+
+        Unreferenced blocks are freed at once; blocks of running requests lose their hash, so
+        nobody else can match them and they are freed when their requests finish. Returns the
+        number of blocks whose content was dropped. Use after a model or tokenizer upgrade.
+        """
+        dropped = 0
+        for block in range(self.num_blocks):
+            if self._hash_of[block] is None:
+                continue
+            if namespace is not None and self._namespace_of[block] != namespace:
+                continue
+            if self._ref[block] == 0:
+                self._unlist(block)
+                self._free.append(block)
+            self._unregister(block)
+            dropped += 1
+        return dropped
+
+    def forget(self, request_id: str) -> None:
+        """Unregister the blocks a running request computes itself (their content is invalid,
+        e.g. its prefill failed), so that no later request matches them."""
+        alloc = self._requests.get(request_id)
+        if alloc is None:
+            raise KeyError(request_id)
+        for block in alloc.block_ids[alloc.matched_blocks :]:
+            if self._hash_of[block] is not None:
+                self._unregister(block)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -299,15 +394,27 @@ class PrefixCache:
         return self._free.popleft()
 
     def _evict_one(self) -> None:
-        block, _ = self._evictable.popitem(last=False)
-        h = self._hash_of[block]
-        if h is not None:
-            del self._block_of[h]
-            self._hash_of[block] = None
+        queue = next(q for q in self._evictable if q)  # lowest priority class first
+        block, _ = queue.popitem(last=False)
+        self._num_evictable -= 1
+        self._unregister(block)
         self._free.append(block)
         self.evicted_blocks += 1
 
-    def _register(self, block: int, h: int) -> None:
+    def _unlist(self, block: int) -> None:
+        """Take a cached block out of its eviction queue."""
+        del self._evictable[self._priority[block]][block]
+        self._num_evictable -= 1
+
+    def _unregister(self, block: int) -> None:
+        h = self._hash_of[block]
+        if h is not None and self._block_of.get(h) == block:
+            del self._block_of[h]
+        self._hash_of[block] = None
+        self._namespace_of[block] = None
+        self._priority[block] = Priority.CONVERSATION
+
+    def _register(self, block: int, h: int, namespace: str) -> None:
         old = self._block_of.get(h)
         if old is not None:
             if self._ref[old] > 0:
@@ -315,8 +422,9 @@ class PrefixCache:
                 # or an unreachable duplicate); keep the new block private.
                 return
             # An unreachable cached copy (its parent was evicted): replace it.
-            del self._evictable[old]
-            self._hash_of[old] = None
+            self._unlist(old)
+            self._unregister(old)
             self._free.append(old)
         self._block_of[h] = block
         self._hash_of[block] = h
+        self._namespace_of[block] = namespace

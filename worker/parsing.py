@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from worker.chat import ChatFormatError, render_chat
+from worker.chat import ChatFormatError, render_chat, render_system_prefix
 from worker.errors import ApiError
+from worker.kvcache import Priority
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TOKEN_ID = 2**32 - 1
@@ -23,6 +24,8 @@ class CommonParams:
     stream: bool
     include_usage: bool
     cache_salt: str
+    cache_priority: Priority = Priority.CONVERSATION
+    """Extension field ``cache_priority``: eviction class of the prompt's cached blocks."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class CompletionParams:
 class ChatParams:
     common: CommonParams
     prompt: str
+    system_prefix: str = ""
+    """The leading system messages (and tools) as rendered: a string prefix of ``prompt``."""
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -105,12 +110,22 @@ def parse_common(
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _type_error("cache_salt", "a string")
+    priority = Priority.CONVERSATION
+    raw_priority = body.get("cache_priority")
+    if raw_priority is not None:
+        if not isinstance(raw_priority, str):
+            raise _type_error("cache_priority", "a string")
+        try:
+            priority = Priority.parse(raw_priority)
+        except ValueError as exc:
+            raise ApiError(str(exc), param="cache_priority", code="invalid_value") from exc
     return CommonParams(
         model=model,
         max_tokens=max_tokens,
         stream=bool(stream),
         include_usage=include_usage,
         cache_salt=salt or "",
+        cache_priority=priority,
     )
 
 
@@ -169,6 +184,7 @@ def parse_chat(body: Mapping[str, Any], served_model: str) -> ChatParams:
         raise _type_error("tools", "a list")
     try:
         prompt = render_chat(messages, tools)
+        system_prefix = render_system_prefix(messages, tools)
     except ChatFormatError as exc:
         raise ApiError(str(exc), param=exc.param, code="invalid_value") from exc
-    return ChatParams(common=common, prompt=prompt)
+    return ChatParams(common=common, prompt=prompt, system_prefix=system_prefix)

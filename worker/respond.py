@@ -115,6 +115,8 @@ class Job:
     common: CommonParams
     token_lists: tuple[list[int], ...]
     namespace: str
+    system_tokens: int = 0
+    """Leading tokens of the (single) prompt that are the chat's system messages."""
 
     @property
     def object_name(self) -> str:
@@ -155,6 +157,8 @@ async def _run_prompts(
                 prompt_tokens=tokens,
                 max_tokens=job.common.max_tokens,
                 namespace=job.namespace,
+                priority=job.common.cache_priority,
+                system_tokens=job.system_tokens,
             )
             group.create_task(_produce(engine, request, i, queue, first_token))
         remaining = len(job.token_lists)

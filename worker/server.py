@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` as
 server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, vLLM
-names), ``GET /stats`` (the same numbers as JSON).
+names), ``GET /stats`` (the same numbers as JSON, plus ``engine_info``), ``POST /admin/flush``
+(drop cached prefixes: all, or one namespace with ``{"namespace": "..."}``; for model or
+tokenizer upgrades).
 
 Cache report: every completion response carries, summed over its prompts,
 
@@ -15,6 +17,11 @@ Cache report: every completion response carries, summed over its prompts,
 
 Cache namespace: the ``cache_salt`` body field and/or the ``x-cache-namespace`` header; requests
 in different namespaces share no blocks.
+
+Cache priority: the ``cache_priority`` body field (``system`` / ``document`` / ``conversation``,
+default ``conversation``) tags the prompt's cached blocks; in a chat request the blocks of the
+leading system messages are tagged ``system``. Under memory pressure conversation blocks are
+evicted first and system blocks last (see :mod:`worker.kvcache`).
 """
 
 from __future__ import annotations
@@ -22,13 +29,15 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
 
-from worker.engines.base import Engine
-from worker.engines.sim import SimCosts, SimEngine
+from gateway.store.base import WorkerRecord
+from worker.engines.base import Engine, EngineUnavailableError
+from worker.engines.sim import WORDS, SimCosts, SimEngine
 from worker.errors import ApiError, error_middleware
 from worker.kvcache import PrefixCache
 from worker.metrics import CONTENT_TYPE, WorkerMetrics
@@ -39,9 +48,10 @@ from worker.parsing import (
     parse_chat,
     parse_completion,
 )
+from worker.register import registration
 from worker.respond import Job, respond_stream, respond_whole
-from worker.settings import WorkerSettings
-from worker.tokenizer import Tokenizer, load_tokenizer
+from worker.settings import SIM_DEFAULT_CACHE_BLOCKS, WorkerSettings
+from worker.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 SETTINGS_KEY = web.AppKey("worker_settings", WorkerSettings)
 ENGINE_KEY = web.AppKey("worker_engine", Engine)
@@ -96,12 +106,26 @@ def _check_length(
             f"request has {len(tokens)} prompt tokens and asks for {max_tokens} more",
             param=param, code="context_length_exceeded",
         )
-    if len(tokens) > engine.capacity_tokens:
+    if engine.slots_needed(len(tokens), max_tokens) > engine.capacity_tokens:
         raise ApiError(
-            f"the prompt has {len(tokens)} tokens; the KV cache holds at most "
+            f"the request needs {engine.slots_needed(len(tokens), max_tokens)} KV slots "
+            f"({len(tokens)} prompt tokens); the KV cache holds at most "
             f"{engine.capacity_tokens}",
             param=param, code="context_length_exceeded",
         )
+
+
+async def _system_tokens(tokenizer: Tokenizer, system_prefix: str, tokens: list[int]) -> int:
+    """How many leading tokens of ``tokens`` the rendered system messages account for."""
+    if not system_prefix:
+        return 0
+    prefix = await _encode(tokenizer, system_prefix, "messages")
+    count = 0
+    for a, b in zip(prefix, tokens, strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
 
 
 async def _run(request: web.Request, job: Job) -> web.StreamResponse:
@@ -152,6 +176,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         common=params.common,
         token_lists=(tokens,),
         namespace=_namespace(request, params.common),
+        system_tokens=await _system_tokens(app[TOKENIZER_KEY], params.system_prefix, tokens),
     )
     return await _run(request, job)
 
@@ -192,24 +217,77 @@ def stats_payload(app: web.Application) -> dict[str, Any]:
     )
     payload: dict[str, Any] = asdict(stats)
     payload["cache"] = cache
+    cache["cached_blocks_by_priority"] = _cache_of(app[ENGINE_KEY]).cached_blocks_by_priority()
     payload.update(
         worker_id=settings.effective_worker_id,
         model=settings.model,
         engine=settings.engine,
         tokenizer=app[TOKENIZER_KEY].name,
+        engine_info=app[ENGINE_KEY].info(),
     )
     return payload
+
+
+def _cache_of(engine: Engine) -> PrefixCache:
+    cache = getattr(engine, "cache", None)
+    assert isinstance(cache, PrefixCache)
+    return cache
 
 
 async def stats(request: web.Request) -> web.Response:
     return web.json_response(stats_payload(request.app))
 
 
+async def flush(request: web.Request) -> web.Response:
+    """Drop cached prefixes: all of them, or one namespace (``{"namespace": "..."}``, the
+    ``x-cache-namespace`` value and/or ``cache_salt`` as this worker combines them)."""
+    raw = await request.read()
+    body = decode_body(raw) if raw.strip() else {}
+    namespace = body.get("namespace", request.query.get("namespace"))
+    if namespace is not None and not isinstance(namespace, str):
+        raise ApiError("'namespace' must be a string", param="namespace", code="invalid_type")
+    dropped = request.app[ENGINE_KEY].flush(namespace)
+    return web.json_response({"flushed_blocks": dropped, "namespace": namespace})
+
+
 # -- app -----------------------------------------------------------------------------------
 
 
-def build_engine(settings: WorkerSettings) -> SimEngine:
-    cache = PrefixCache(settings.cache_blocks, settings.block_size)
+def detokenizer(tokenizer: Tokenizer) -> Callable[[int], str]:
+    """Token id -> output text piece: the HF tokenizer's ``decode``, else a pseudo-word."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.decode_one
+
+    def word(token_id: int) -> str:
+        return " " + WORDS[token_id % len(WORDS)]
+
+    return word
+
+
+def build_engine(settings: WorkerSettings, tokenizer: Tokenizer) -> Engine:
+    """The configured engine. Raises ``EngineUnavailableError`` when torch is missing or the
+    model files are unusable."""
+    if settings.engine == "torch":
+        try:
+            from worker.engines.torch_engine import TorchEngine, TorchEngineConfig
+        except ImportError as exc:
+            raise EngineUnavailableError(
+                "--engine torch needs PyTorch: pip install '.[torch]' (or torch==2.13.0)"
+            ) from exc
+        config = TorchEngineConfig(
+            model_config=settings.model_config,
+            model_weights=settings.model_weights,
+            model_seed=settings.model_seed,
+            device=settings.device,
+            model_dtype=settings.model_dtype,
+            kv_dtype=settings.kv_dtype,
+            block_size=settings.block_size,
+            cache_blocks=settings.cache_blocks,
+            cache_memory_fraction=settings.cache_memory_fraction,
+            max_running=settings.max_running,
+        )
+        return TorchEngine.build(config, detokenizer(tokenizer))
+    cache = PrefixCache(settings.cache_blocks or SIM_DEFAULT_CACHE_BLOCKS, settings.block_size)
     costs = SimCosts(
         prefill_us_per_token=settings.prefill_us_per_token,
         prefill_us_per_cached_token=settings.prefill_us_per_cached_token,
@@ -218,15 +296,23 @@ def build_engine(settings: WorkerSettings) -> SimEngine:
     return SimEngine(cache, max_running=settings.max_running, costs=costs)
 
 
+async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
+    yield
+    close = getattr(app[ENGINE_KEY], "close", None)
+    if close is not None:
+        close()
+
+
 def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) -> web.Application:
-    """The worker application. Raises ``TokenizerUnavailableError`` for a bad tokenizer file."""
+    """The worker application. Raises ``TokenizerUnavailableError`` for a bad tokenizer file
+    and ``EngineUnavailableError`` when the engine cannot be built."""
     app = web.Application(middlewares=[error_middleware], client_max_size=CLIENT_MAX_SIZE)
-    engine = build_engine(settings)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer_file)
+    engine = build_engine(settings, tok)
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
-    app[TOKENIZER_KEY] = tokenizer if tokenizer is not None else load_tokenizer(
-        settings.tokenizer_file
-    )
+    app[TOKENIZER_KEY] = tok
+    app.cleanup_ctx.append(_engine_lifetime)
     app[METRICS_KEY] = WorkerMetrics(engine, settings.model)
     app[STARTED_KEY] = int(time.time())
     app.router.add_post("/v1/completions", completions)
@@ -235,4 +321,17 @@ def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) 
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    app.router.add_post("/admin/flush", flush)
+    if settings.store:
+        record = WorkerRecord(
+            id=settings.effective_worker_id,
+            url=settings.effective_public_url,
+            models=(settings.model,),
+            capacity_blocks=engine.capacity_tokens // settings.block_size,
+            block_size=settings.block_size,
+        )
+        app.cleanup_ctx.append(registration(
+            settings.store, record, every_s=settings.heartbeat_s, ttl_s=settings.registry_ttl_s,
+            prefix=settings.store_prefix,
+        ))
     return app

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from gateway.config import SettingsError, load_settings
 
-ENGINES = ("sim",)
+ENGINES = ("sim", "torch")
+DEVICES = ("auto", "cpu", "cuda")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+SIM_DEFAULT_CACHE_BLOCKS = 2048
 
 DESCRIPTION = (
-    "Reference OpenAI-compatible inference worker with a real paged prefix cache and a "
-    "SIMULATED engine (no model runs: prefill/decode time follows a cost model). Reports "
-    "what it reused from its cache in every response (usage + x-cache-* headers) and serves "
-    "vLLM-named Prometheus metrics."
+    "Reference OpenAI-compatible inference worker with a real paged prefix cache. Engines: "
+    "'sim' (SIMULATED: no model runs, prefill/decode time follows a cost model) and 'torch' (a "
+    "small PyTorch decoder whose attention reads K/V from the paged cache, so prefix hits skip "
+    "real prefill compute; needs the optional 'torch' extra). Reports what it reused from its "
+    "cache in every response (usage + x-cache-* headers) and serves vLLM-named Prometheus "
+    "metrics."
 )
 
 
@@ -23,15 +31,24 @@ class WorkerSettings:
     port: int = field(default=8001, metadata={"help": "TCP port to listen on."})
     engine: str = field(
         default="sim",
-        metadata={"help": "Inference engine. Only 'sim' (simulated engine with real cache "
-                  "bookkeeping) exists today."},
+        metadata={"help": "Inference engine: 'sim' (simulated engine with real cache "
+                  "bookkeeping) or 'torch' (real PyTorch decoder on the paged KV cache)."},
     )
     model: str = field(
         default="sim-model",
         metadata={"help": "Served model name; requests naming another model get 404."},
     )
     cache_blocks: int = field(
-        default=2048, metadata={"help": "KV cache size in blocks (of --block-size tokens)."}
+        default=0,
+        metadata={"help": "KV cache size in blocks (of --block-size tokens). 0: automatic, "
+                  f"{SIM_DEFAULT_CACHE_BLOCKS} for the sim engine, --cache-memory-fraction of "
+                  "available memory for the torch engine."},
+    )
+    cache_memory_fraction: float = field(
+        default=0.1,
+        metadata={"help": "Torch engine with --cache-blocks 0: fraction of the memory available "
+                  "after loading the model (free GPU memory on CUDA, MemAvailable on CPU) "
+                  "given to the KV block pool."},
     )
     block_size: int = field(default=16, metadata={"help": "Tokens per KV cache block."})
     max_running: int = field(
@@ -61,9 +78,59 @@ class WorkerSettings:
         metadata={"help": "Most tokens per sequence (prompt + max_tokens); longer requests "
                   "get 400."},
     )
+    model_config: str = field(
+        default="small",
+        metadata={"help": "Torch engine: model shape, a preset (tiny, small, bench, gpu) or the "
+                  "path of a JSON file with ModelConfig fields (vocab_size, hidden_size, "
+                  "num_layers, num_heads, num_kv_heads, ...)."},
+    )
+    model_weights: str = field(
+        default="",
+        metadata={"help": "Torch engine: local safetensors file with the weights (needs the "
+                  "'safetensors' package). Empty: random weights from --model-seed."},
+    )
+    model_seed: int = field(
+        default=0, metadata={"help": "Torch engine: seed of the random weights."}
+    )
+    device: str = field(
+        default="auto",
+        metadata={"help": "Torch engine: auto (CUDA when available), cpu or cuda."},
+    )
+    model_dtype: str = field(
+        default="float32",
+        metadata={"help": "Torch engine: weights and activations dtype (float32, bfloat16, "
+                  "float16)."},
+    )
+    kv_dtype: str = field(
+        default="auto",
+        metadata={"help": "Torch engine: KV cache dtype. auto (= --model-dtype), float32, "
+                  "bfloat16, float16 or int8 (per-block scales: a quarter of float32's "
+                  "memory)."},
+    )
     worker_id: str = field(
         default="", metadata={"help": "Identity reported in /stats and x-worker-id; "
-                              "empty means HOST:PORT."}
+                              "empty means HOST:PORT of --public-url."}
+    )
+    store: str = field(
+        default="",
+        metadata={"help": "Metadata store to register in (redis://host:port/db), so gateways "
+                  "route to this worker without being told; empty: no registration."},
+    )
+    store_prefix: str = field(
+        default="affinity", metadata={"help": "Key prefix in the store (as the gateway's)."}
+    )
+    public_url: str = field(
+        default="",
+        metadata={"help": "URL gateways reach this worker at; empty: http://HOST:PORT (the "
+                  "machine's host name when HOST is 0.0.0.0)."},
+    )
+    heartbeat_s: float = field(
+        default=1.0, metadata={"help": "Seconds between registry heartbeats."}
+    )
+    registry_ttl_s: float = field(
+        default=3.0,
+        metadata={"help": "The registry entry expires this long after the last heartbeat, "
+                  "so a dead worker leaves routing within a few seconds."},
     )
 
     def __post_init__(self) -> None:
@@ -71,8 +138,22 @@ class WorkerSettings:
             raise SettingsError(
                 f"engine {self.engine!r} is not available; choose one of: {', '.join(ENGINES)}"
             )
+        if self.cache_blocks < 0:
+            raise SettingsError(f"cache_blocks must be >= 0, got {self.cache_blocks}")
+        if not 0.0 < self.cache_memory_fraction <= 0.95:
+            raise SettingsError(
+                f"cache_memory_fraction must be in (0, 0.95], got {self.cache_memory_fraction}"
+            )
+        choices = {
+            "device": (self.device, DEVICES),
+            "model_dtype": (self.model_dtype, MODEL_DTYPES),
+            "kv_dtype": (self.kv_dtype, KV_DTYPES),
+        }
+        for name, (choice, allowed) in choices.items():
+            if choice not in allowed:
+                raise SettingsError(f"{name} must be one of {', '.join(allowed)}, got {choice!r}")
         positive = {
-            "cache_blocks": self.cache_blocks, "block_size": self.block_size,
+            "block_size": self.block_size,
             "max_running": self.max_running, "max_model_len": self.max_model_len,
         }
         for name, value in positive.items():
@@ -90,10 +171,24 @@ class WorkerSettings:
                 raise SettingsError(f"{name} must be >= 0, got {cost}")
         if not self.model:
             raise SettingsError("model must not be empty")
+        if self.store and not self.store.startswith(("redis://", "rediss://", "unix://")):
+            raise SettingsError(f"store must be a redis:// URL, got {self.store!r}")
+        if self.heartbeat_s <= 0 or self.registry_ttl_s <= self.heartbeat_s:
+            raise SettingsError("need 0 < heartbeat_s < registry_ttl_s")
+
+    @property
+    def effective_public_url(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
 
     @property
     def effective_worker_id(self) -> str:
-        return self.worker_id or f"{self.host}:{self.port}"
+        if self.worker_id:
+            return self.worker_id
+        parts = urlsplit(self.effective_public_url)
+        return f"{parts.hostname}:{parts.port or 80}"
 
 
 def parse_settings(

@@ -107,6 +107,14 @@ class HFTokenizer:
             raise ValueError(f"cannot tokenize: {exc}") from exc
         return ids
 
+    def decode_one(self, token_id: int) -> str:
+        """The text of one token id (empty for an id the vocabulary lacks)."""
+        try:
+            text: str = self._tok.decode([token_id], skip_special_tokens=False)
+        except Exception:  # the library raises its own exception types
+            return ""
+        return text
+
 
 def load_tokenizer(tokenizer_file: str) -> Tokenizer:
     """The HF tokenizer at ``tokenizer_file``, or the hash tokenizer when it is empty."""

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from worker.kvcache import CacheFullError, PrefixCache, block_hashes
+from worker.kvcache import CacheFullError, PrefixCache, Priority, block_hashes
 
 
 def toks(start: int, n: int) -> list[int]:
@@ -231,3 +231,138 @@ def test_block_hashes_are_chained_and_namespaced() -> None:
     assert all(a != b for a, b in zip(changed_first, full, strict=True))  # chain propagates
     assert block_hashes(A12, 4, "x")[0] != full[0]
     assert block_hashes(A12, 4) == block_hashes(list(A12), 4)  # deterministic
+
+
+# -- priority classes, reservations, flush -------------------------------------------------
+
+
+def cached_set(cache: PrefixCache, *prompts: list[int]) -> list[int]:
+    """Cached tokens found for each prompt."""
+    return [cache.lookup(p) for p in prompts]
+
+
+def test_untagged_eviction_is_plain_lru() -> None:
+    cache = PrefixCache(num_blocks=4, block_size=4)
+    run(cache, "b", B8)
+    run(cache, "c", C8)
+    run(cache, "d", toks(400, 4))  # evicts B8's deepest block (least recently released)
+    assert cached_set(cache, B8, C8) == [4, 8]
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "survivor"),
+    [
+        pytest.param(Priority.SYSTEM, Priority.CONVERSATION, "first", id="system-beats-newer-chat"),
+        pytest.param(Priority.DOCUMENT, Priority.CONVERSATION, "first", id="document-beats-chat"),
+        pytest.param(Priority.SYSTEM, Priority.DOCUMENT, "first", id="system-beats-document"),
+        pytest.param(Priority.CONVERSATION, Priority.SYSTEM, "second", id="chat-goes-first"),
+        pytest.param(Priority.DOCUMENT, Priority.DOCUMENT, "second", id="same-class-is-lru"),
+    ],
+)
+def test_lower_priority_class_is_evicted_first(
+    first: Priority, second: Priority, survivor: str
+) -> None:
+    cache = PrefixCache(num_blocks=4, block_size=4)
+    cache.allocate("b", B8, priority=first)
+    cache.release("b")
+    cache.allocate("c", C8, priority=second)
+    cache.release("c")
+    run(cache, "d", toks(400, 8))  # needs 2 blocks: one whole chain must go
+    kept = B8 if survivor == "first" else C8
+    gone = C8 if survivor == "first" else B8
+    assert cached_set(cache, kept, gone) == [8, 0]
+
+
+def test_system_tokens_tag_only_whole_blocks_inside_them() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    alloc = cache.allocate("a", A12, system_tokens=6)  # block 1 inside, block 2 straddles
+    assert [cache.priority_of(b) for b in alloc.block_ids] == [
+        Priority.SYSTEM, Priority.CONVERSATION, Priority.CONVERSATION,
+    ]
+    cache.release("a")
+    assert cache.cached_blocks_by_priority() == {"conversation": 2, "document": 0, "system": 1}
+
+
+def test_system_prompt_survives_pressure_from_conversations() -> None:
+    cache = PrefixCache(num_blocks=4, block_size=4)
+    run_sys = [*A12[:4], 1, 2, 3, 4]  # system block + one conversation block
+    cache.allocate("s", run_sys, system_tokens=4)
+    cache.release("s")
+    for i in range(3):  # three later conversations, each 2 blocks, churn the pool
+        run(cache, f"c{i}", toks(1000 + 100 * i, 8))
+    assert cache.lookup(A12[:4]) == 4  # the system block was never a victim
+
+
+def test_shared_block_keeps_the_highest_class() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    a = cache.allocate("a", B8, priority=Priority.DOCUMENT)
+    cache.allocate("b", B8)  # conversation tag on the same blocks
+    cache.release("a")
+    cache.release("b")
+    assert {cache.priority_of(b) for b in a.block_ids} == {Priority.DOCUMENT}
+
+
+def test_priority_names_parse() -> None:
+    assert Priority.parse("System") is Priority.SYSTEM
+    with pytest.raises(ValueError, match="unknown cache priority"):
+        Priority.parse("vip")
+
+
+def test_reserved_slots_are_private_and_freed() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    alloc = cache.allocate("a", B8, reserve_tokens=5)  # 8 + 5 slots: 4 blocks
+    assert (len(alloc.block_ids), alloc.new_blocks, alloc.reserved_tokens) == (4, 4, 5)
+    assert len(alloc.block_hashes) == 2
+    cache.release("a")
+    assert (cache.cached_blocks, cache.free_blocks) == (2, 6)
+    with pytest.raises(CacheFullError):
+        cache.allocate("big", [1], reserve_tokens=40)
+
+
+def test_flush_one_namespace_or_all() -> None:
+    cache = PrefixCache(num_blocks=16, block_size=4)
+    run(cache, "a", A12, "t1")
+    run(cache, "b", A12, "t2")
+    running = cache.allocate("c", B8, "t1")
+    assert cache.flush("t1") == 5  # 3 cached + 2 referenced blocks
+    assert (cache.lookup(A12, "t1"), cache.lookup(A12, "t2"), cache.lookup(B8, "t1")) == (0, 12, 0)
+    assert cache.referenced_blocks == 2  # the running request keeps its blocks...
+    cache.release("c")
+    assert cache.referenced_blocks == 0
+    assert cache.lookup(B8, "t1") == 0  # ...and they are freed, not cached, when it ends
+    assert running.block_ids[0] not in {cache.allocate("x", A12, "t2").block_ids[0]}
+    cache.release("x")
+    assert cache.flush() == 3
+    assert cache.used_blocks == 0
+
+
+def test_forget_unregisters_a_requests_fresh_blocks() -> None:
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    run(cache, "a", B8)
+    cache.allocate("b", [*B8, *C8])
+    cache.forget("b")
+    assert cache.lookup([*B8, *C8]) == 8  # matched blocks stay; its own ones are gone
+    cache.release("b")
+    assert (cache.cached_blocks, cache.free_blocks) == (2, 6)
+    with pytest.raises(KeyError):
+        cache.forget("b")
+
+
+def test_request_fields_map_to_priority_classes() -> None:
+    from worker.errors import ApiError
+    from worker.parsing import parse_chat, parse_completion
+
+    body = {"model": "m", "prompt": "x", "cache_priority": "document"}
+    assert parse_completion(body, "m").common.cache_priority is Priority.DOCUMENT
+    assert parse_completion({"model": "m", "prompt": "x"}, "m").common.cache_priority is (
+        Priority.CONVERSATION
+    )
+    with pytest.raises(ApiError, match="unknown cache priority"):
+        parse_completion({**body, "cache_priority": "vip"}, "m")
+    chat = parse_chat({"model": "m", "messages": [
+        {"role": "system", "content": "rules"}, {"role": "developer", "content": "more"},
+        {"role": "user", "content": "hi"}, {"role": "system", "content": "late"},
+    ]}, "m")
+    assert chat.prompt.startswith(chat.system_prefix)
+    assert chat.system_prefix.endswith("more<|end|>\n")
+    assert "hi" not in chat.system_prefix

@@ -1,4 +1,5 @@
-"""Inference engines behind the worker's HTTP API (today only the simulated one)."""
+"""Inference engines behind the worker's HTTP API: ``sim`` here; ``torch`` (optional) in
+:mod:`worker.engines.torch_engine`, imported only when selected."""
 
 from worker.engines.base import (
     Admission,

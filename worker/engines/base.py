@@ -10,9 +10,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from worker.kvcache import CacheStats
+from worker.kvcache import CacheStats, Priority
+
+
+class EngineUnavailableError(RuntimeError):
+    """The configured engine cannot be built (missing optional package, bad model files)."""
 
 
 class RequestRejectedError(ValueError):
@@ -25,6 +29,10 @@ class GenerationRequest:
     prompt_tokens: Sequence[int]
     max_tokens: int
     namespace: str = ""
+    priority: Priority = Priority.CONVERSATION
+    """Eviction class of the prompt's cached blocks."""
+    system_tokens: int = 0
+    """Leading prompt tokens that are system prompt (their full blocks get ``SYSTEM``)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,10 @@ class Engine(Protocol):
         """Longest prompt that can ever be admitted (the whole KV pool)."""
         ...
 
+    def slots_needed(self, prompt_tokens: int, max_tokens: int) -> int:
+        """KV token slots a request holds while it runs (compared with ``capacity_tokens``)."""
+        ...
+
     def admit(self, request: GenerationRequest) -> AbstractAsyncContextManager[Generation]:
         """Wait for a running slot and KV blocks; release them on exit.
 
@@ -85,3 +97,11 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def flush(self, namespace: str | None = None) -> int:
+        """Drop cached prefixes (of one namespace, or all); returns the blocks dropped."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """Engine-specific facts for ``/stats`` (model size, KV dtype and bytes, ...)."""
+        ...

@@ -3,7 +3,8 @@
 :class:`SimEngine` admits requests exactly like a real engine would account for them: at most
 ``max_running`` run at once, the rest wait in a FIFO queue (head-of-line: a request that cannot get
 KV blocks keeps the ones behind it waiting too), and each admitted request allocates its prompt's
-blocks in a :class:`~worker.kvcache.PrefixCache`, reusing the longest cached prefix. What it does
+blocks in a :class:`~worker.kvcache.PrefixCache` (tagged with the request's priority class),
+reusing the longest cached prefix. What it does
 NOT do is run a model. Time follows a cost model (:class:`SimCosts`):
 
 * prefill: ``uncached_tokens * prefill_us_per_token + cached_tokens * prefill_us_per_cached_token``;
@@ -20,20 +21,21 @@ from __future__ import annotations
 import asyncio
 import random
 import struct
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import xxhash
 
+from worker.engines.admission import AdmissionQueue, BlockRequest
 from worker.engines.base import (
     Admission,
     EngineStats,
     GenerationRequest,
     RequestRejectedError,
 )
-from worker.kvcache import Allocation, CacheFullError, PrefixCache
+from worker.kvcache import Allocation, PrefixCache
 
 WORDS = (
     "the", "of", "and", "cache", "block", "token", "prefix", "route", "worker", "model",
@@ -94,25 +96,15 @@ class SimGeneration:
             yield word
 
 
-@dataclass
-class _Waiter:
-    request: GenerationRequest
-    future: asyncio.Future[Allocation]
-
-
 class SimEngine:
     """Simulated engine over a real :class:`PrefixCache` (see module docstring)."""
 
     def __init__(self, cache: PrefixCache, *, max_running: int, costs: SimCosts) -> None:
-        if max_running < 1:
-            raise ValueError("max_running must be >= 1")
+        self._queue = AdmissionQueue(cache, max_running)
         self.cache = cache
         self.max_running = max_running
         self.costs = costs
-        self._waiting: deque[_Waiter] = deque()
-        self._running = 0
         self.requests_admitted = 0
-        self.requests_finished = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefill_seconds = 0.0
@@ -128,11 +120,24 @@ class SimEngine:
 
     @property
     def running(self) -> int:
-        return self._running
+        return self._queue.running
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return self._queue.waiting
+
+    @property
+    def requests_finished(self) -> int:
+        return self._queue.requests_finished
+
+    def slots_needed(self, prompt_tokens: int, max_tokens: int) -> int:
+        return prompt_tokens  # only prompt blocks are allocated
+
+    def flush(self, namespace: str | None = None) -> int:
+        return self.cache.flush(namespace)
+
+    def info(self) -> dict[str, Any]:
+        return {"costs": asdict(self.costs)}
 
     def admission_for(self, alloc: Allocation) -> Admission:
         """The admission record (with its modelled prefill cost) of an allocation."""
@@ -146,8 +151,8 @@ class SimEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            running=self._running,
-            waiting=len(self._waiting),
+            running=self._queue.running,
+            waiting=self._queue.waiting,
             max_running=self.max_running,
             requests_admitted=self.requests_admitted,
             requests_finished=self.requests_finished,
@@ -167,7 +172,15 @@ class SimEngine:
                 f"prompt of {len(request.prompt_tokens)} tokens exceeds the KV cache "
                 f"({self.capacity_tokens} tokens)"
             )
-        alloc = await self._acquire(request)
+        alloc = await self._queue.acquire(
+            BlockRequest(
+                request.request_id,
+                request.prompt_tokens,
+                request.namespace,
+                priority=request.priority,
+                system_tokens=request.system_tokens,
+            )
+        )
         admission = self.admission_for(alloc)
         self.requests_admitted += 1
         self.prompt_tokens += alloc.num_tokens
@@ -175,48 +188,4 @@ class SimEngine:
         try:
             yield SimGeneration(self, request, admission)
         finally:
-            self._release(request.request_id)
-
-    async def _acquire(self, request: GenerationRequest) -> Allocation:
-        if not self._waiting and self._running < self.max_running:
-            try:
-                alloc = self.cache.allocate(
-                    request.request_id, request.prompt_tokens, request.namespace
-                )
-            except CacheFullError:
-                pass
-            else:
-                self._running += 1
-                return alloc
-        waiter = _Waiter(request, asyncio.get_running_loop().create_future())
-        self._waiting.append(waiter)
-        try:
-            return await waiter.future
-        except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled():
-                # Admitted in the same tick as the cancellation: give the slot back.
-                self._release(request.request_id)
-            else:
-                self._waiting.remove(waiter)
-                self._pump()
-            raise
-
-    def _release(self, request_id: str) -> None:
-        self.cache.release(request_id)
-        self._running -= 1
-        self.requests_finished += 1
-        self._pump()
-
-    def _pump(self) -> None:
-        """Admit waiting requests in FIFO order while slots and blocks allow."""
-        while self._waiting and self._running < self.max_running:
-            head = self._waiting[0]
-            try:
-                alloc = self.cache.allocate(
-                    head.request.request_id, head.request.prompt_tokens, head.request.namespace
-                )
-            except CacheFullError:
-                return
-            self._waiting.popleft()
-            self._running += 1
-            head.future.set_result(alloc)
+            self._queue.release(request.request_id)

@@ -1,0 +1,76 @@
+"""The embedded metadata store: one gateway process, no Redis, state in this process only."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from gateway.store.base import (
+    Assignment,
+    CacheReport,
+    HitCounters,
+    Telemetry,
+    WorkerRecord,
+)
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self._workers: dict[str, tuple[WorkerRecord, float]] = {}
+        self._workers_hits: dict[str, HitCounters] = {}
+        self._tenant_hits: dict[str, HitCounters] = {}
+        self._actions: deque[dict[str, object]] = deque(maxlen=1000)
+
+    @property
+    def url(self) -> str:
+        return "memory://"
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def register_worker(self, record: WorkerRecord, ttl_s: float) -> None:
+        self._workers[record.id] = (record, time.monotonic() + ttl_s)
+
+    async def deregister_worker(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    async def list_workers(self) -> list[WorkerRecord]:
+        now = time.monotonic()
+        for wid in [w for w, (_, expiry) in self._workers.items() if expiry < now]:
+            del self._workers[wid]
+        return [record for record, _ in self._workers.values()]
+
+    async def publish_assignments(self, batch: Sequence[Assignment]) -> None:
+        return None  # one process: the local index already has them
+
+    async def read_assignments(self, cursor: str, block_s: float) -> tuple[str, list[Assignment]]:
+        return cursor, []
+
+    async def publish_load(self, origin: str, load: Mapping[str, int], ttl_s: float) -> None:
+        return None
+
+    async def read_load(self, exclude_origin: str) -> dict[str, int]:
+        return {}
+
+    async def add_telemetry(self, reports: Sequence[CacheReport]) -> None:
+        for report in reports:
+            self._workers_hits.setdefault(report.worker_id, HitCounters()).add(report)
+            self._tenant_hits.setdefault(report.tenant, HitCounters()).add(report)
+
+    async def read_telemetry(self) -> Telemetry:
+        return Telemetry(workers=dict(self._workers_hits), tenants=dict(self._tenant_hits))
+
+    async def try_lead(self, origin: str, ttl_s: float) -> bool:
+        return True
+
+    async def log_action(self, action: Mapping[str, object], keep: int) -> None:
+        self._actions.append(dict(action))
+        while len(self._actions) > keep:
+            self._actions.popleft()
+
+    async def recent_actions(self, limit: int) -> list[dict[str, object]]:
+        return list(self._actions)[-limit:][::-1]

@@ -1,0 +1,331 @@
+"""Redis as the shared metadata store of many gateway replicas and self-registering workers.
+
+Key schema (``{p}`` is the configurable prefix, ``affinity`` by default). Every key is bounded by
+a TTL or a length cap; values are ids, hashes and counters, never prompt text.
+
+======================================  ======  =============================================
+key                                     type    content, bound
+======================================  ======  =============================================
+``{p}:workers``                         zset    worker id -> expiry (ms); stale members pruned
+``{p}:worker:<id>``                     hash    url, models, capacity_blocks, block_size, kind;
+                                                TTL = heartbeat TTL
+``{p}:assignments``                     stream  origin, worker, packed 64-bit block hashes;
+                                                approximate MAXLEN
+``{p}:gateways``                        zset    replica id -> expiry (ms) of its load share
+``{p}:load:<replica>``                  hash    worker id -> in-flight tokens; TTL a few s
+``{p}:telemetry:worker:<id>``           hash    requests, input/matched/predicted tokens,
+                                                mispredicted; TTL 1 day, refreshed
+``{p}:telemetry:tenant:<hash>``         hash    the same per tenant (hash of the API key)
+``{p}:leader``                          string  replica id holding the rebalancer lease; PX TTL
+``{p}:rebalance``                       list    JSON of recent rebalancer actions; capped
+======================================  ======  =============================================
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.store.base import (
+    Assignment,
+    CacheReport,
+    HitCounters,
+    StoreUnavailable,
+    Telemetry,
+    WorkerRecord,
+    is_misprediction,
+)
+
+T = TypeVar("T")
+
+TELEMETRY_TTL_S = 86_400
+_LEAD_SCRIPT = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if holder then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+_COUNTER_FIELDS = ("requests", "input_tokens", "matched_tokens", "predicted_tokens",
+                   "mispredicted")
+
+
+def _pack(blocks: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(blocks)}Q", *blocks)
+
+
+def _unpack(raw: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(raw) // 8}Q", raw)
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisStore:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "affinity",
+        timeout_s: float = 0.5,
+        stream_maxlen: int = 20_000,
+    ) -> None:
+        self._url = url
+        self._prefix = prefix
+        self._timeout_s = timeout_s
+        self._stream_maxlen = stream_maxlen
+        self._client: aioredis.Redis | None = None
+        self._reader: aioredis.Redis | None = None  # blocking stream reads get their own
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def key(self, *parts: str) -> str:
+        return ":".join((self._prefix, *parts))
+
+    async def start(self) -> None:
+        common: dict[str, Any] = {"socket_connect_timeout": self._timeout_s, "retry": None}
+        self._client = aioredis.Redis.from_url(
+            self._url, socket_timeout=self._timeout_s, **common
+        )
+        self._reader = aioredis.Redis.from_url(self._url, socket_timeout=5.0, **common)
+
+    async def close(self) -> None:
+        for client in (self._client, self._reader):
+            if client is not None:
+                await client.aclose()
+        self._client = self._reader = None
+
+    @property
+    def _r(self) -> aioredis.Redis:
+        if self._client is None:
+            raise StoreUnavailable("store not started")
+        return self._client
+
+    async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await op()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"redis at {self._url}: {type(exc).__name__}: {exc}") from exc
+
+    # -- worker registry ----------------------------------------------------------------------
+    async def register_worker(self, record: WorkerRecord, ttl_s: float) -> None:
+        ttl_ms = int(ttl_s * 1000)
+        fields = {
+            "url": record.url,
+            "models": ",".join(record.models),
+            "capacity_blocks": str(record.capacity_blocks),
+            "block_size": str(record.block_size),
+            "kind": record.kind,
+        }
+
+        async def op() -> None:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.hset(self.key("worker", record.id), mapping=cast(Any, fields))
+                pipe.pexpire(self.key("worker", record.id), ttl_ms)
+                pipe.zadd(self.key("workers"), {record.id: time.time() * 1000 + ttl_ms})
+                await pipe.execute()
+
+        await self._call(op)
+
+    async def deregister_worker(self, worker_id: str) -> None:
+        async def op() -> None:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.delete(self.key("worker", worker_id))
+                pipe.zrem(self.key("workers"), worker_id)
+                await pipe.execute()
+
+        await self._call(op)
+
+    async def list_workers(self) -> list[WorkerRecord]:
+        async def op() -> list[WorkerRecord]:
+            now_ms = time.time() * 1000
+            await self._r.zremrangebyscore(self.key("workers"), "-inf", now_ms)
+            members = cast(list[bytes], await self._r.zrange(self.key("workers"), 0, -1))
+            ids = [_s(i) for i in members]
+            async with self._r.pipeline(transaction=False) as pipe:
+                for wid in ids:
+                    pipe.hgetall(self.key("worker", wid))
+                rows = await pipe.execute()
+            records = []
+            for wid, row in zip(ids, rows, strict=True):
+                if not row:
+                    continue  # expired between the two reads
+                f = {_s(k): _s(v) for k, v in row.items()}
+                records.append(WorkerRecord(
+                    id=wid,
+                    url=f.get("url", ""),
+                    models=tuple(m for m in f.get("models", "").split(",") if m),
+                    capacity_blocks=int(f.get("capacity_blocks", "0") or 0),
+                    block_size=int(f.get("block_size", "16") or 16),
+                    kind=f.get("kind", "openai"),
+                ))
+            return records
+
+        return await self._call(op)
+
+    # -- prefix assignments -------------------------------------------------------------------
+    async def publish_assignments(self, batch: Sequence[Assignment]) -> None:
+        if not batch:
+            return
+
+        async def op() -> None:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for a in batch:
+                    pipe.xadd(
+                        self.key("assignments"),
+                        {"o": a.origin, "w": a.worker_id, "b": _pack(a.blocks)},
+                        maxlen=self._stream_maxlen,
+                        approximate=True,
+                    )
+                await pipe.execute()
+
+        await self._call(op)
+
+    async def read_assignments(self, cursor: str, block_s: float) -> tuple[str, list[Assignment]]:
+        reader = self._reader
+        if reader is None:
+            raise StoreUnavailable("store not started")
+
+        async def op() -> tuple[str, list[Assignment]]:
+            start = cursor or "$"
+            reply: Any = await reader.xread(
+                {self.key("assignments"): start}, count=1000, block=int(block_s * 1000)
+            )
+            out: list[Assignment] = []
+            last = cursor
+            for _stream, entries in reply or []:  # [(stream, [(id, fields), ...])]
+                for entry_id, fields in entries:
+                    last = _s(entry_id)
+                    f = {_s(k): v for k, v in fields.items()}
+                    out.append(Assignment(_s(f["o"]), _s(f["w"]), _unpack(f["b"])))
+            if not last:
+                # Nothing new yet: remember where "now" is, so the next read misses nothing.
+                info = await self._r.xinfo_stream(self.key("assignments")) if await self._r.exists(
+                    self.key("assignments")) else None
+                last = _s(info["last-generated-id"]) if info else "0-0"
+            return last, out
+
+        return await self._call(op)
+
+    # -- load ---------------------------------------------------------------------------------
+    async def publish_load(self, origin: str, load: Mapping[str, int], ttl_s: float) -> None:
+        ttl_ms = int(ttl_s * 1000)
+
+        async def op() -> None:
+            async with self._r.pipeline(transaction=True) as pipe:
+                key = self.key("load", origin)
+                pipe.delete(key)
+                if load:
+                    pipe.hset(key, mapping=cast(Any, {w: str(t) for w, t in load.items()}))
+                    pipe.pexpire(key, ttl_ms)
+                pipe.zadd(self.key("gateways"), {origin: time.time() * 1000 + ttl_ms})
+                await pipe.execute()
+
+        await self._call(op)
+
+    async def read_load(self, exclude_origin: str) -> dict[str, int]:
+        async def op() -> dict[str, int]:
+            now_ms = time.time() * 1000
+            await self._r.zremrangebyscore(self.key("gateways"), "-inf", now_ms)
+            origins = [
+                _s(o) for o in cast(list[bytes], await self._r.zrange(self.key("gateways"), 0, -1))
+            ]
+            others = [o for o in origins if o != exclude_origin]
+            async with self._r.pipeline(transaction=False) as pipe:
+                for origin in others:
+                    pipe.hgetall(self.key("load", origin))
+                rows = await pipe.execute()
+            total: dict[str, int] = defaultdict(int)
+            for row in rows:
+                for w, t in row.items():
+                    total[_s(w)] += int(t)
+            return dict(total)
+
+        return await self._call(op)
+
+    # -- hit telemetry ------------------------------------------------------------------------
+    async def add_telemetry(self, reports: Sequence[CacheReport]) -> None:
+        if not reports:
+            return
+        per_worker: dict[str, HitCounters] = defaultdict(HitCounters)
+        per_tenant: dict[str, HitCounters] = defaultdict(HitCounters)
+        for report in reports:
+            per_worker[report.worker_id].add(report)
+            per_tenant[report.tenant or "-"].add(report)
+
+        async def op() -> None:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for kind, groups in (("worker", per_worker), ("tenant", per_tenant)):
+                    for name, counters in groups.items():
+                        key = self.key("telemetry", kind, name)
+                        for field_name, value in counters.as_dict().items():
+                            if value:
+                                pipe.hincrby(key, field_name, value)
+                        pipe.expire(key, TELEMETRY_TTL_S)
+                await pipe.execute()
+
+        await self._call(op)
+
+    async def read_telemetry(self) -> Telemetry:
+        async def op() -> Telemetry:
+            groups: dict[str, dict[str, HitCounters]] = {"worker": {}, "tenant": {}}
+            for kind, out in groups.items():
+                keys = [_s(k) async for k in self._r.scan_iter(
+                    match=self.key("telemetry", kind, "*"), count=500)]
+                async with self._r.pipeline(transaction=False) as pipe:
+                    for key in keys:
+                        pipe.hgetall(key)
+                    rows = await pipe.execute()
+                for key, row in zip(keys, rows, strict=True):
+                    f = {_s(k): int(v) for k, v in row.items()}
+                    name = key.rsplit(":", 1)[1]
+                    out[name] = HitCounters(**{k: f.get(k, 0) for k in _COUNTER_FIELDS})
+            return Telemetry(workers=groups["worker"], tenants=groups["tenant"])
+
+        return await self._call(op)
+
+    # -- coordination -------------------------------------------------------------------------
+    async def try_lead(self, origin: str, ttl_s: float) -> bool:
+        async def op() -> bool:
+            result = self._r.eval(_LEAD_SCRIPT, 1, self.key("leader"), origin,
+                                  str(int(ttl_s * 1000)))
+            return bool(await cast(Awaitable[int], result))
+
+        return await self._call(op)
+
+    async def log_action(self, action: Mapping[str, object], keep: int) -> None:
+        async def op() -> None:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.lpush(self.key("rebalance"), json.dumps(action))
+                pipe.ltrim(self.key("rebalance"), 0, keep - 1)
+                await pipe.execute()
+
+        await self._call(op)
+
+    async def recent_actions(self, limit: int) -> list[dict[str, object]]:
+        async def op() -> list[dict[str, object]]:
+            raw = await cast(Awaitable[list[bytes]],
+                             self._r.lrange(self.key("rebalance"), 0, limit - 1))
+            return [json.loads(r) for r in raw]
+
+        return await self._call(op)
+
+
+def is_redis_url(url: str) -> bool:
+    return url.startswith(("redis://", "rediss://", "unix://"))
+
+
+__all__ = ["RedisStore", "is_misprediction", "is_redis_url"]

@@ -1,0 +1,59 @@
+"""Registration of a worker in the shared metadata store, with heartbeats.
+
+A worker started with ``--store redis://...`` writes its record (public URL, model, cache
+capacity, block size) and refreshes it every ``heartbeat_s``; the record expires
+``registry_ttl_s`` after the last refresh, so a worker that dies (even by SIGKILL) leaves the
+gateways' routing within a few seconds. On a clean stop it deregisters at once. If the store is
+unreachable the worker keeps serving and keeps trying; it reappears as soon as the store is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from gateway.store.base import StoreUnavailable, WorkerRecord
+from gateway.store.redis import RedisStore
+
+log = logging.getLogger(__name__)
+
+
+async def heartbeat(store: RedisStore, record: WorkerRecord, every_s: float, ttl_s: float) -> None:
+    registered = False
+    while True:
+        try:
+            await store.register_worker(record, ttl_s)
+            if not registered:
+                log.info("registered %s (%s) in %s", record.id, record.url, store.url)
+            registered = True
+        except StoreUnavailable as exc:
+            if registered:
+                log.warning("store unreachable, still serving: %s", exc)
+            registered = False
+        await asyncio.sleep(every_s)
+
+
+def registration(
+    store_url: str, record: WorkerRecord, *, every_s: float, ttl_s: float, prefix: str
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """An aiohttp cleanup context that keeps ``record`` registered while the app runs."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        store = RedisStore(store_url, prefix=prefix)
+        await store.start()
+        task = asyncio.create_task(heartbeat(store, record, every_s, ttl_s), name="heartbeat")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            with contextlib.suppress(StoreUnavailable):
+                await store.deregister_worker(record.id)
+            await store.close()
+
+    return ctx
