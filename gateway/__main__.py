@@ -18,8 +18,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m gateway: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if not settings.worker:
-        print("python -m gateway: give at least one --worker URL", file=sys.stderr)
+    if not settings.worker and settings.store.startswith("memory://"):
+        print(
+            "python -m gateway: give at least one --worker URL, or a --store redis://... "
+            "where workers register themselves",
+            file=sys.stderr,
+        )
         return 2
     base = f"http://{settings.host}:{settings.port}"
     web.run_app(
@@ -29,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_timeout=settings.shutdown_timeout_s,
         print=lambda _: print(
             f"gateway listening on {base} (policy {settings.policy}, "
-            f"{len(settings.worker)} workers)",
+            f"{len(settings.worker)} static workers, store {settings.store})",
             flush=True,
         ),
         access_log=None,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import xxhash
 from aiohttp import web
@@ -14,11 +14,13 @@ from gateway.errors import ModelNotFound, NoWorkerAvailable
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.normalize import NormalizeOptions
 from gateway.openai_schema import ParsedRequest, decode_json_object, parse_chat, parse_completion
-from gateway.proxy import dispatch
+from gateway.proxy import TENANT_KEY, dispatch
 from gateway.routing.types import RouteRequest
 from gateway.state import GatewayState
+from gateway.store.base import StoreUnavailable
 
 STATE = web.AppKey("state", GatewayState)
+T = TypeVar("T")
 
 Parser = Callable[[dict[str, Any], NormalizeOptions], ParsedRequest]
 
@@ -44,13 +46,15 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
             f"the model {parsed.model!r} does not exist; available: {', '.join(sorted(models))}",
             param="model",
         )
-    namespace = Namespace(
-        tenant=tenant_of(request), model=parsed.model, cache_salt=parsed.cache_salt
-    )
+    tenant = tenant_of(request)
+    request[TENANT_KEY] = tenant
+    namespace = Namespace(tenant=tenant, model=parsed.model, cache_salt=parsed.cache_salt)
     key = fingerprint(parsed.fingerprint_text, namespace, settings.fingerprint_options())
     prompt_tokens = math.ceil(len(parsed.fingerprint_text) / settings.chars_per_token)
     cost = prompt_tokens + (parsed.max_tokens or settings.default_max_tokens)
-    route_request = RouteRequest(key=key, model=parsed.model, cost_tokens=cost)
+    route_request = RouteRequest(
+        key=key, model=parsed.model, cost_tokens=cost, prompt_tokens=prompt_tokens
+    )
     return await dispatch(state, request, path, parsed.body, route_request)
 
 
@@ -118,6 +122,42 @@ async def admin_workers(request: web.Request) -> web.Response:
     )
 
 
+async def admin_rebalance(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    telemetry = await _or_none(state.store.read_telemetry())
+    actions = await _or_none(state.store.recent_actions(50))
+    return web.json_response(
+        {
+            "replica": state.sync.origin,
+            "store": state.store.url,
+            "store_available": state.sync.health.available,
+            "leader": state.rebalancer.leading,
+            "rounds": state.rebalancer.rounds,
+            "actions": actions if actions is not None else [],
+            "workers": {
+                s.worker.id: {
+                    "weight": s.worker.weight,
+                    "capacity_blocks": state.index.capacity(s.worker.id),
+                    "held_blocks": state.index.held_blocks(s.worker.id),
+                    "telemetry": (
+                        telemetry.workers[s.worker.id].as_dict()
+                        if telemetry is not None and s.worker.id in telemetry.workers
+                        else None
+                    ),
+                }
+                for s in state.pool.states()
+            },
+        }
+    )
+
+
+async def _or_none(call: Awaitable[T]) -> T | None:
+    try:
+        return await call
+    except StoreUnavailable:
+        return None
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -126,3 +166,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/workers", admin_workers)
+    app.router.add_get("/admin/rebalance", admin_rebalance)

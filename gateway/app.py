@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from gateway.api import STATE, add_routes
+from gateway.backends.base import WorkerProbe
 from gateway.backends.openai_http import OpenAIHTTPBackend
+from gateway.backends.sagemaker import SageMakerBackend
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -19,10 +21,16 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.pool import WorkerPool
+from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.routing.policies import build_engine
 from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.types import Worker
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
+from gateway.store.base import MetadataStore
+from gateway.store.memory import MemoryStore
+from gateway.store.redis import RedisStore
+from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -68,9 +76,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _error_response(GatewayError("internal error in the gateway"))
 
 
+async def _probe(state: GatewayState, worker: Worker) -> WorkerProbe:
+    try:
+        backend = state.backend_for(worker)
+    except LookupError as exc:
+        return WorkerProbe(False, frozenset(), str(exc))
+    return await backend.probe(worker)
+
+
 async def _probe_all(state: GatewayState) -> None:
     workers = state.pool.states()
-    probes = await asyncio.gather(*(state.backend.probe(s.worker) for s in workers))
+    probes = await asyncio.gather(*(_probe(state, s.worker) for s in workers))
     for s, probe in zip(workers, probes, strict=True):
         if probe.healthy:
             state.pool.mark_up(s.worker.id, probe.models)
@@ -89,18 +105,35 @@ async def _health_loop(state: GatewayState) -> None:
 
 def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        await state.backend.start()
+        for backend in state.backends.values():
+            await backend.start()
+        await state.store.start()
+        await state.sync.start()
         await _probe_all(state)
-        task = asyncio.create_task(_health_loop(state), name="gateway-health")
+        tasks = [
+            asyncio.create_task(_health_loop(state), name="gateway-health"),
+            asyncio.create_task(state.rebalancer.run(), name="gateway-rebalance"),
+        ]
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await state.backend.close()
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await state.sync.stop()
+            await state.store.close()
+            for backend in state.backends.values():
+                await backend.close()
 
     return ctx
+
+
+def build_store(settings: GatewaySettings) -> MetadataStore:
+    if settings.store.startswith("memory://"):
+        return MemoryStore()
+    return RedisStore(settings.store, prefix=settings.store_prefix)
 
 
 def create_app(settings: GatewaySettings) -> web.Application:
@@ -112,13 +145,31 @@ def create_app(settings: GatewaySettings) -> web.Application:
         max_connections=settings.max_connections,
         max_connections_per_worker=settings.max_connections_per_worker,
     )
+    store = build_store(settings)
+    origin = settings.replica_id()
     state = GatewayState(
         settings=settings,
         pool=pool,
         index=index,
         engine=build_engine(settings.policy, settings.policy_options()),
-        backend=backend,
+        backends={
+            "openai": backend,
+            "sagemaker": SageMakerBackend(
+                connect_timeout_s=settings.connect_timeout_s,
+                read_timeout_s=settings.read_timeout_s,
+                max_connections=settings.max_connections,
+            ),
+        },
         metrics=GatewayMetrics(pool),
+        store=store,
+        sync=StoreSync(
+            store, pool, index, origin=origin, tokens_per_block=settings.tokens_per_block(),
+            shares_state=not isinstance(store, MemoryStore),
+        ),
+        rebalancer=Rebalancer(
+            store, pool, index, origin,
+            RebalanceOptions(interval_s=settings.rebalance_interval_s),
+        ),
     )
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     app[STATE] = state

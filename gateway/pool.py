@@ -6,11 +6,13 @@ routing engine only ever sees an immutable :class:`Snapshot` built from it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from gateway.backends.sagemaker_target import is_sagemaker_url, parse_target
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.ring import Ring
 from gateway.routing.types import Snapshot, Worker, WorkerView
@@ -19,7 +21,10 @@ log = logging.getLogger(__name__)
 
 
 def worker_id_for(url: str) -> str:
-    """A stable, readable id for a worker URL: ``host:port``."""
+    """A stable, readable id for a worker URL: ``host:port`` (``sm:endpoint/variant`` for
+    ``sagemaker://`` targets)."""
+    if is_sagemaker_url(url):
+        return parse_target(url).id
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"worker URL must look like http://host:port, got {url!r}")
@@ -27,12 +32,20 @@ def worker_id_for(url: str) -> str:
     return f"{parts.hostname}:{port}"
 
 
+def kind_for(url: str) -> str:
+    """The backend kind a worker URL implies: its scheme (``sagemaker://``) or OpenAI HTTP."""
+    return "sagemaker" if is_sagemaker_url(url) else "openai"
+
+
 @dataclass(slots=True)
 class WorkerState:
     worker: Worker
+    source: str = "static"  # "static" (--worker) or "registry" (registered in the store)
     healthy: bool = False
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    remote_tokens: int = 0  # in flight from other gateway replicas, as last read
+    capacity_blocks: int = 0  # in the gateway's fingerprint blocks; 0 = unknown
     last_error: str = ""
     routed: int = 0
     input_tokens: int = 0
@@ -40,7 +53,12 @@ class WorkerState:
     models: frozenset[str] = field(default_factory=frozenset)
 
     def view(self) -> WorkerView:
-        return WorkerView(self.worker, self.healthy, self.inflight_requests, self.inflight_tokens)
+        return WorkerView(
+            self.worker,
+            self.healthy,
+            self.inflight_requests,
+            self.inflight_tokens + self.remote_tokens,
+        )
 
 
 class WorkerPool:
@@ -52,18 +70,48 @@ class WorkerPool:
             self.add(url)
 
     # -- membership ---------------------------------------------------------------------------
-    def add(self, url: str, weight: float = 1.0) -> str:
+    def add(
+        self,
+        url: str,
+        *,
+        wid: str | None = None,
+        weight: float = 1.0,
+        source: str = "static",
+        kind: str | None = None,
+    ) -> str:
         url = url.rstrip("/")
-        wid = worker_id_for(url)
+        wid = wid or worker_id_for(url)
         if wid not in self._workers:
-            self._workers[wid] = WorkerState(Worker(wid, url, weight=weight))
+            worker = Worker(wid, url, weight=weight, kind=kind or kind_for(url))
+            self._workers[wid] = WorkerState(worker, source=source)
             self._rebuild_ring()
+            log.info("worker %s joined (%s, %s)", wid, url, source)
         return wid
 
     def remove(self, wid: str) -> None:
         if self._workers.pop(wid, None) is not None:
             self._index.forget_worker(wid)
             self._rebuild_ring()
+            log.info("worker %s left", wid)
+
+    def set_weight(self, wid: str, weight: float) -> None:
+        state = self._workers.get(wid)
+        if state is not None and abs(state.worker.weight - weight) > 1e-9:
+            state.worker = dataclasses.replace(state.worker, weight=weight)
+            self._rebuild_ring()
+
+    def set_capacity(self, wid: str, blocks: int) -> None:
+        state = self._workers.get(wid)
+        if state is not None and blocks > 0 and blocks != state.capacity_blocks:
+            state.capacity_blocks = blocks
+            self._index.set_capacity(wid, blocks)
+
+    def set_remote_load(self, load: Mapping[str, int]) -> None:
+        for wid, state in self._workers.items():
+            state.remote_tokens = load.get(wid, 0)
+
+    def local_load(self) -> dict[str, int]:
+        return {wid: s.inflight_tokens for wid, s in self._workers.items() if s.inflight_tokens}
 
     def _rebuild_ring(self) -> None:
         self._ring = Ring({wid: s.worker.weight for wid, s in self._workers.items()})
@@ -86,8 +134,8 @@ class WorkerPool:
             log.info("worker %s is up (models: %s)", wid, ", ".join(sorted(models)) or "?")
         state.healthy = True
         state.last_error = ""
-        if models != state.worker.models:
-            state.worker = Worker(wid, state.worker.url, models, state.worker.weight)
+        if models and models != state.worker.models:
+            state.worker = dataclasses.replace(state.worker, models=models)
 
     def mark_down(self, wid: str, reason: str) -> None:
         state = self._workers.get(wid)

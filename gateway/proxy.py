@@ -21,9 +21,12 @@ from gateway.backends.base import BackendUnavailable, UpstreamReply
 from gateway.errors import NoWorkerAvailable, UpstreamError
 from gateway.routing.types import Decision, NoCandidates, RouteRequest
 from gateway.state import GatewayState
+from gateway.store.base import CacheReport
 from gateway.telemetry import reason_kind
 
 log = logging.getLogger(__name__)
+
+TENANT_KEY = "tenant"  # request-scoped: the tenant id the handler derived from the API key
 
 CACHE_HEADERS = (
     "x-cache-input-tokens",
@@ -73,6 +76,8 @@ async def dispatch(
     problems: list[str] = []
     forward = {"x-request-id": http_request.headers.get("x-request-id", "")}
     forward = {k: v for k, v in forward.items() if v}
+    # A routing hint for backends that can use it (SageMaker: PrefixAwareId, sessions).
+    forward["x-prefix-anchor"] = route_request.key.anchor_hex
     for _ in range(settings.max_attempts):
         started = time.perf_counter()
         state.index.set_time(time.monotonic())
@@ -83,12 +88,14 @@ async def dispatch(
         wid = decision.worker_id
         if state.engine.profile.uses_prefix_index:
             state.index.record(route_request.key.blocks, wid)
+            state.sync.assigned(route_request.key.blocks, wid)
         state.metrics.decision_seconds.observe(time.perf_counter() - started)
         state.metrics.decisions.labels(decision.policy, reason_kind(decision.reason)).inc()
         pool.acquire(wid, route_request.cost_tokens)
         try:
             try:
-                reply = await state.backend.open(decision.worker.worker, path, body, forward)
+                worker = decision.worker.worker
+                reply = await state.backend_for(worker).open(worker, path, body, forward)
             except BackendUnavailable as exc:
                 pool.mark_down(wid, str(exc))
                 problems.append(f"{wid}: {exc}")
@@ -101,6 +108,8 @@ async def dispatch(
                 problems.append(f"{wid}: HTTP {reply.status} {detail}")
             excluded.add(wid)
             state.metrics.retries.labels(wid).inc()
+            # It never got the prompt: it holds no more of this prefix than it did before.
+            state.index.forget(wid, route_request.key.blocks[decision.match_blocks :])
         finally:
             pool.release(wid, route_request.cost_tokens)
     state.metrics.requests.labels(state.engine.name, "unavailable").inc()
@@ -110,6 +119,32 @@ async def dispatch(
     raise UpstreamError(
         f"{len(problems)} worker(s) failed this request before replying: " + "; ".join(problems)
     )
+
+
+def report_cache(
+    state: GatewayState,
+    http_request: web.Request,
+    reply: UpstreamReply,
+    decision: Decision,
+    route_request: RouteRequest,
+) -> None:
+    """Count what the worker reused, against what the index predicted it would."""
+    input_tokens = _int_header(reply, "x-cache-input-tokens")
+    matched = _int_header(reply, "x-cache-matched-tokens")
+    if input_tokens <= 0:
+        return  # this worker does not report (e.g. a server without our headers)
+    state.pool.record_cache_stats(decision.worker_id, input_tokens, matched)
+    blocks = len(route_request.key.blocks)
+    predicted = (
+        round(input_tokens * decision.match_blocks / blocks) if blocks else 0
+    )
+    state.sync.reported(CacheReport(
+        worker_id=decision.worker_id,
+        tenant=http_request.get(TENANT_KEY, ""),
+        input_tokens=input_tokens,
+        matched_tokens=matched,
+        predicted_tokens=predicted,
+    ))
 
 
 async def _relay(
@@ -124,11 +159,7 @@ async def _relay(
         value = reply.headers.get(name)
         if value is not None:
             headers[name] = value
-    state.pool.record_cache_stats(
-        decision.worker_id,
-        _int_header(reply, "x-cache-input-tokens"),
-        _int_header(reply, "x-cache-matched-tokens"),
-    )
+    report_cache(state, http_request, reply, decision, route_request)
     content_type = reply.headers.get("Content-Type", "")
     if not content_type.startswith("text/event-stream"):
         try:

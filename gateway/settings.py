@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,13 +21,40 @@ class GatewaySettings:
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
     port: int = field(default=8000, metadata=_help("port to listen on"))
     worker: tuple[str, ...] = field(
-        default=(), metadata=_help("base URL of a worker, e.g. http://127.0.0.1:8001")
+        default=(),
+        metadata=_help("base URL of a worker, e.g. http://127.0.0.1:8001, or a SageMaker "
+                       "target sagemaker://ENDPOINT?variant=V&region=R "
+                       "(see gateway.backends.sagemaker_target)"),
     )
     policy: str = field(
-        default="prefix_affinity", metadata=_help(f"routing policy: {', '.join(POLICY_NAMES)}")
+        default="cache_aware", metadata=_help(f"routing policy: {', '.join(POLICY_NAMES)}")
     )
     load_factor: float = field(
         default=1.25, metadata=_help("bounded-load factor c: no worker above c x mean load")
+    )
+    load_floor_requests: float = field(
+        default=1.0,
+        metadata=_help("a worker with at most this many requests' worth in flight is never over "
+                       "the load bound (keeps affinity when the pool is nearly idle)"),
+    )
+    prefill_weight: float = field(
+        default=1.0, metadata=_help("cache_aware: cost of one prompt token to prefill")
+    )
+    queue_weight: float = field(
+        default=0.5, metadata=_help("cache_aware: cost of one token already in flight")
+    )
+    store: str = field(
+        default="memory://",
+        metadata=_help("metadata store: memory:// (embedded, one process) or redis://host:port/db"),
+    )
+    store_prefix: str = field(
+        default="affinity", metadata=_help("prefix of every key in the metadata store")
+    )
+    gateway_id: str = field(
+        default="", metadata=_help("this replica's id in the store (default: host:port:pid)")
+    )
+    rebalance_interval_s: float = field(
+        default=5.0, metadata=_help("seconds between telemetry-driven rebalancing rounds")
     )
     normalize: bool = field(default=True, metadata=_help("normalize prompts before routing"))
     block_chars: int = field(default=64, metadata=_help("fingerprint block size in characters"))
@@ -79,6 +107,8 @@ class GatewaySettings:
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         self.fingerprint_options()  # validates the block settings
+        if not self.store.startswith(("memory://", "redis://", "rediss://", "unix://")):
+            raise ValueError(f"store must be memory:// or a redis:// URL, got {self.store!r}")
 
     def fingerprint_options(self) -> FingerprintOptions:
         return FingerprintOptions(self.block_chars, self.max_blocks, self.anchor_blocks)
@@ -87,7 +117,19 @@ class GatewaySettings:
         return NormalizeOptions(enabled=self.normalize)
 
     def policy_options(self) -> PolicyOptions:
-        return PolicyOptions(load_factor=self.load_factor)
+        return PolicyOptions(
+            load_factor=self.load_factor,
+            load_floor_requests=self.load_floor_requests,
+            prefill_weight=self.prefill_weight,
+            queue_weight=self.queue_weight,
+        )
+
+    def replica_id(self) -> str:
+        return self.gateway_id or f"{self.host}:{self.port}:{os.getpid()}"
+
+    def tokens_per_block(self) -> float:
+        """Tokens in one fingerprint block, to convert worker cache sizes into blocks."""
+        return self.block_chars / self.chars_per_token
 
 
 def parse_settings(

@@ -6,9 +6,13 @@ from dataclasses import dataclass
 
 from gateway.backends.base import Backend
 from gateway.pool import WorkerPool
+from gateway.rebalance import Rebalancer
 from gateway.routing.engine import RoutingEngine
 from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.types import Worker
 from gateway.settings import GatewaySettings
+from gateway.store.base import MetadataStore
+from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
 
 
@@ -18,5 +22,14 @@ class GatewayState:
     pool: WorkerPool
     index: PrefixIndex
     engine: RoutingEngine
-    backend: Backend
+    backends: dict[str, Backend]
     metrics: GatewayMetrics
+    store: MetadataStore
+    sync: StoreSync
+    rebalancer: Rebalancer
+
+    def backend_for(self, worker: Worker) -> Backend:
+        backend = self.backends.get(worker.kind)
+        if backend is None:
+            raise LookupError(f"no backend for worker kind {worker.kind!r}")
+        return backend

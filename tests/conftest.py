@@ -7,9 +7,15 @@ them. Nothing of ours is mocked.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import shutil
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +24,7 @@ from aiohttp import web
 
 from gateway.app import create_app as create_gateway
 from gateway.settings import GatewaySettings
+from infra.local import stop_processes, wait_healthy
 from worker.server import create_app as create_worker
 from worker.settings import WorkerSettings
 
@@ -102,3 +109,90 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
     yield start
     for cluster in clusters:
         await cluster.close()
+
+
+# -- real processes: redis-server, workers and gateways as the user would run them ------------
+
+
+@dataclass
+class RedisServer:
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(
+                ("127.0.0.1", self.port), timeout=0.2
+            ):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (make test installs Debian's redis-server)")
+    server = RedisServer(free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+class Processes:
+    """Servers started as child processes; all stopped at the end of the test."""
+
+    def __init__(self) -> None:
+        self.procs: list[asyncio.subprocess.Process] = []
+
+    async def start(self, module: str, *args: str, health_url: str) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", module, *args,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )
+        self.procs.append(proc)
+        await wait_healthy(health_url, timeout_s=60)
+        return proc
+
+    async def worker(self, *args: str, store: str = "") -> tuple[str, asyncio.subprocess.Process]:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        extra = ["--store", store, "--public-url", url] if store else []
+        proc = await self.start(
+            "worker", "--port", str(port), "--model", MODEL,
+            "--prefill-us-per-token", "20", "--decode-ms-per-token", "2", *extra, *args,
+            health_url=url,
+        )
+        return url, proc
+
+    async def gateway(self, *args: str) -> str:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        await self.start("gateway", "--port", str(port), *args, health_url=url)
+        return url
+
+    async def stop_all(self) -> None:
+        await stop_processes(self.procs, grace_s=10)
+
+
+@pytest.fixture
+async def processes() -> AsyncIterator[Processes]:
+    procs = Processes()
+    yield procs
+    await procs.stop_all()

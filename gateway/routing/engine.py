@@ -122,5 +122,5 @@ class RoutingEngine:
         if not ctx.matches:
             return f"cold -> {how}" if self.profile.uses_prefix_index else how
         best_id = max(ctx.matches, key=lambda wid: ctx.matches[wid])
-        why = dropped.get(best_id, "not chosen")
+        why = dropped.get(best_id, "outscored")
         return f"diverted: {best_id} {why} (depth={ctx.matches[best_id]}) -> {how}"

@@ -1,51 +1,89 @@
-"""In-process index of which workers were sent which prefixes: block hash -> holders.
+"""In-process index of which workers hold which prefixes: block hash -> holders.
 
 Recorded at decision time (the gateway sends a prompt to a worker, so that worker will hold its
-blocks a moment later). Because block hashes are chained, holding block ``i`` of a prompt means
-holding its whole prefix, and the longest match of a worker is found by walking the chain from
-the first block until the worker no longer appears.
+blocks a moment later), and from other gateway replicas through the metadata store. Because
+block hashes are chained, holding block ``i`` of a prompt means holding its whole prefix, and
+the longest match of a worker is found by walking the chain from the first block until the
+worker no longer appears.
 
-Bounded two ways: at most ``capacity`` block entries (least recently recorded dropped first) and
-a ``ttl_s`` after which an entry no longer counts (the worker has probably evicted it). Time is
-passed in by the caller, so the simulator can replay traces on its own clock.
+The index models each worker's cache as an LRU of ``capacity`` blocks, the worker's real cache
+size when it is known (:meth:`set_capacity`): a prefix the worker has surely evicted by now stops
+counting as held, and a prompt's first blocks are kept longest (they are recorded last, so they
+are the most recently used), as in the worker's own cache. Entries also expire after ``ttl_s``.
+Time is passed in by the caller, so the simulator can replay traces on its own clock.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 class PrefixIndex:
     def __init__(self, capacity: int = 1_000_000, ttl_s: float = 600.0) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self._capacity = capacity
+        self._default_capacity = capacity
         self._ttl_s = ttl_s
         self._now = 0.0
-        # block hash -> {worker id: time recorded}; order = least recently recorded first.
-        self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()
+        # block hash -> {worker id: time recorded}
+        self._holders: dict[int, dict[str, float]] = {}
+        # worker id -> its blocks, least recently used first
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._holders)
 
     def set_time(self, now: float) -> None:
         """Advance the index's clock (seconds, any monotonic origin)."""
         self._now = now
 
+    def capacity(self, worker_id: str) -> int:
+        return self._capacity.get(worker_id, self._default_capacity)
+
+    def set_capacity(self, worker_id: str, blocks: int) -> None:
+        """How many blocks ``worker_id`` can hold; its least recently used excess is dropped."""
+        self._capacity[worker_id] = max(1, blocks)
+        self._trim(worker_id)
+
+    def held_blocks(self, worker_id: str) -> int:
+        lru = self._lru.get(worker_id)
+        return len(lru) if lru is not None else 0
+
     def record(self, blocks: Sequence[int], worker_id: str) -> None:
         """``worker_id`` now holds every block of ``blocks``."""
-        entries = self._entries
+        lru = self._lru.get(worker_id)
+        if lru is None:
+            lru = self._lru[worker_id] = OrderedDict()
         now = self._now
-        for h in blocks:
-            holders = entries.get(h)
+        holders_of = self._holders
+        # Deepest first, so the head of the prompt ends up most recently used.
+        for h in reversed(blocks):
+            holders = holders_of.get(h)
             if holders is None:
-                entries[h] = {worker_id: now}
+                holders_of[h] = {worker_id: now}
             else:
                 holders[worker_id] = now
-                entries.move_to_end(h)
-        while len(entries) > self._capacity:
-            entries.popitem(last=False)
+            lru[h] = None
+            lru.move_to_end(h)
+        self._trim(worker_id)
+
+    def _trim(self, worker_id: str) -> None:
+        lru = self._lru.get(worker_id)
+        if lru is None:
+            return
+        excess = len(lru) - self.capacity(worker_id)
+        for _ in range(max(0, excess)):
+            h, _ = lru.popitem(last=False)
+            self._drop(h, worker_id)
+
+    def _drop(self, h: int, worker_id: str) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.pop(worker_id, None)
+            if not holders:
+                del self._holders[h]
 
     def match(self, blocks: Sequence[int]) -> dict[str, int]:
         """Worker id -> number of leading blocks of ``blocks`` it holds (only those > 0)."""
@@ -53,7 +91,7 @@ class PrefixIndex:
         depth: dict[str, int] = {}
         alive: set[str] | None = None
         for i, h in enumerate(blocks):
-            holders = self._entries.get(h)
+            holders = self._holders.get(h)
             if not holders:
                 break
             fresh = {w for w, t in holders.items() if t >= cutoff}
@@ -64,11 +102,27 @@ class PrefixIndex:
                 depth[w] = i + 1
         return depth
 
+    def forget(self, worker_id: str, blocks: Iterable[int]) -> None:
+        """``worker_id`` no longer holds ``blocks`` (a prediction it answered with a miss)."""
+        lru = self._lru.get(worker_id)
+        if lru is None:
+            return
+        for h in blocks:
+            if lru.pop(h, 0) is None:
+                self._drop(h, worker_id)
+
+    def shed(self, worker_id: str, fraction: float) -> int:
+        """Drop the least recently used ``fraction`` of a worker's blocks; returns how many."""
+        lru = self._lru.get(worker_id)
+        if lru is None:
+            return 0
+        count = int(len(lru) * min(1.0, max(0.0, fraction)))
+        for _ in range(count):
+            h, _ = lru.popitem(last=False)
+            self._drop(h, worker_id)
+        return count
+
     def forget_worker(self, worker_id: str) -> None:
-        """Drop every entry of a worker that left (its cache is gone with it)."""
-        empty: list[int] = []
-        for h, holders in self._entries.items():
-            if holders.pop(worker_id, None) is not None and not holders:
-                empty.append(h)
-        for h in empty:
-            del self._entries[h]
+        """Drop every entry of a worker that left or restarted (its cache is gone with it)."""
+        for h in self._lru.pop(worker_id, OrderedDict()):
+            self._drop(h, worker_id)

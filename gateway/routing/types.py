@@ -17,6 +17,7 @@ class Worker:
     url: str
     models: frozenset[str] = frozenset()
     weight: float = 1.0
+    kind: str = "openai"  # which backend speaks to it (gateway.backends)
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -42,7 +43,8 @@ class RouteRequest:
 
     key: PrefixKey
     model: str
-    cost_tokens: int
+    cost_tokens: int  # the load it adds: prompt tokens plus its decode budget
+    prompt_tokens: int = 0  # estimated prompt tokens (what a cache miss has to prefill)
 
 
 class PrefixMatcher(Protocol):

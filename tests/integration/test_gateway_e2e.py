@@ -39,7 +39,7 @@ async def test_chat_completions_and_models_through_openai_client(
     assert chat.usage is not None
     assert chat.usage.completion_tokens == 5
     headers = raw.headers
-    assert headers["x-route-policy"] == "prefix_affinity"
+    assert headers["x-route-policy"] == "cache_aware"
     assert headers["x-route-worker"] in {u.removeprefix("http://") for u in cluster.worker_urls}
     assert headers["x-route-reason"].startswith("cold")
     assert len(headers["x-prefix-anchor"]) == 16

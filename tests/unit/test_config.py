@@ -29,7 +29,7 @@ def test_defaults() -> None:
     assert settings.host == "127.0.0.1"
     assert settings.port == 8000
     assert settings.worker == ()
-    assert settings.policy == "prefix_affinity"
+    assert settings.policy == "cache_aware"
     assert settings.load_factor == 1.25
     assert settings.normalize is True
     assert settings.index_ttl_s == 600.0

@@ -191,7 +191,8 @@ def test_load_bound_reported_by_bounded_policies(case: Case) -> None:
         if w.healthy and w.worker.serves(case.model) and w.id not in case.exclude
     ]
     total = sum(w.inflight_tokens for w in candidates)
-    expected = C * (1 / len(candidates)) * (total + case.cost)
+    floor = PolicyOptions().load_floor_requests * case.cost
+    expected = max(C * (1 / len(candidates)) * (total + case.cost), floor)
     assert decision.load_bound is not None
     assert decision.load_bound == pytest.approx(expected)
     assert decision.worker.inflight_tokens <= decision.load_bound
@@ -200,6 +201,19 @@ def test_load_bound_reported_by_bounded_policies(case: Case) -> None:
 def test_bound_formula_in_the_table_comment() -> None:
     assert load_bound(1.25, 1000, 100, 0.25) == pytest.approx(343.75)
     assert load_bound(1.25, 1500, 100, 0.25) == pytest.approx(500.0)
+    # The floor: with one request in flight in an idle pool, a second one may still join it.
+    assert load_bound(1.25, 100, 100, 0.25) == pytest.approx(62.5)
+    assert load_bound(1.25, 100, 100, 0.25, floor_requests=1.0) == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize(("floor", "expected"), [(0.0, "w1"), (1.0, "w0")])
+def test_floor_keeps_a_lightly_loaded_owner(floor: float, expected: str) -> None:
+    """w0 (the ring owner) runs one request, the rest idle: only the floor keeps w0."""
+    engine = build_engine("bounded_hash", PolicyOptions(load_floor_requests=floor))
+    views = _views({"w0": 100})
+    snap = Snapshot(workers=views, index=PrefixIndex(), ring=RING4)
+    decision = engine.route(RouteRequest(_key(), MODEL, 100), snap)
+    assert decision.worker_id == expected
 
 
 # -- round robin -----------------------------------------------------------------------------
@@ -341,7 +355,8 @@ def _ring_for(weights: dict[str, float]) -> Ring:
 @pytest.mark.parametrize("c", [1.0, 1.25, 2.0])
 def test_chosen_worker_within_load_bound(policy: str, c: float) -> None:
     rnd = random.Random(f"{policy}-{c}")
-    engine = build_engine(policy, PolicyOptions(load_factor=c))
+    floor_requests = rnd.choice((0.0, 1.0))
+    engine = build_engine(policy, PolicyOptions(load_factor=c, load_floor_requests=floor_requests))
     some_over_bound = 0  # cases where the bound filtered someone out: the test must see many
     for _ in range(300):
         n = rnd.randint(1, 6)
@@ -370,12 +385,13 @@ def test_chosen_worker_within_load_bound(policy: str, c: float) -> None:
         candidates = [v for v in views if v.healthy]
         total = sum(v.inflight_tokens for v in candidates)
         share = decision.worker.worker.weight / sum(v.worker.weight for v in candidates)
-        bound = c * share * (total + cost)
+        bound = max(c * share * (total + cost), floor_requests * cost)
         weight_sum = sum(v.worker.weight for v in candidates)
-        some_over_bound += any(
-            v.inflight_tokens > c * v.worker.weight / weight_sum * (total + cost)
+        bounds = {
+            v.id: load_bound(c, total, cost, v.worker.weight / weight_sum, floor_requests)
             for v in candidates
-        )
+        }
+        some_over_bound += any(v.inflight_tokens > bounds[v.id] for v in candidates)
         assert decision.worker.healthy
         assert decision.worker.inflight_tokens <= bound + 1e-9
         assert decision.load_bound == pytest.approx(bound)
@@ -384,7 +400,7 @@ def test_chosen_worker_within_load_bound(policy: str, c: float) -> None:
             matches = index.match(blocks)
             eligible = [
                 v for v in candidates
-                if v.inflight_tokens <= c * v.worker.weight / weight_sum * (total + cost)
+                if v.inflight_tokens <= bounds[v.id]
             ]
             assert decision.match_blocks == max(matches.get(v.id, 0) for v in eligible)
     assert some_over_bound >= 30

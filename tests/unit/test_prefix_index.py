@@ -92,31 +92,53 @@ def test_ttl(
     assert index.match([1, 2, 3]) == expected
 
 
-def test_capacity_bound_evicts_least_recently_recorded() -> None:
+def test_capacity_is_per_worker_lru() -> None:
     index = PrefixIndex(capacity=3)
     for h in (1, 2, 3):
         index.record([h], "w1")
-    assert len(index) == 3
-    index.record([1], "w2")  # refreshes block 1: block 2 is now the oldest
+    index.record([1], "w2")  # another worker's record does not refresh w1's entry
+    index.record([1], "w1")  # refreshes block 1 for w1: block 2 is now its oldest
     index.record([4], "w1")
-    assert len(index) == 3
+    assert index.held_blocks("w1") == 3
     assert index.match([2]) == {}
     assert index.match([1]) == {"w1": 1, "w2": 1}
     assert index.match([3]) == {"w1": 1}
-    assert index.match([4]) == {"w1": 1}
-    index.record([5, 6], "w1")
-    assert len(index) == 3
-    assert index.match([1]) == {}
+    index.record([5, 6], "w1")  # evicts w1's two oldest: 3, then 1
     assert index.match([3]) == {}
     assert index.match([4]) == {"w1": 1}
+    assert index.match([1]) == {"w2": 1}  # w2's own LRU still holds it
+    assert index.match([5, 6]) == {"w1": 2}
 
 
-def test_capacity_never_exceeded() -> None:
+def test_a_prompts_head_outlives_its_tail() -> None:
+    """Recording deepest-first keeps the first blocks most recently used, as a worker does."""
+    index = PrefixIndex(capacity=4)
+    index.record([1, 2, 3], "w1")
+    index.record([7, 8], "w1")  # evicts the least recently used: block 3, the old tail
+    assert index.match([1, 2, 3]) == {"w1": 2}
+
+
+def test_capacity_never_exceeded_per_worker() -> None:
     index = PrefixIndex(capacity=50)
+    index.set_capacity("w0", 20)
     for i in range(40):
         index.record(range(i * 7, i * 7 + 7), f"w{i % 3}")
-        assert len(index) <= 50
-    assert len(index) == 50
+        assert index.held_blocks("w0") <= 20
+        assert index.held_blocks("w1") <= 50
+    assert index.held_blocks("w0") == 20
+    assert index.held_blocks("w1") == 50
+    assert len(index) == 20 + 50 + 50
+
+
+def test_set_capacity_trims_and_shed_drops_the_oldest() -> None:
+    index = PrefixIndex()
+    index.record(list(range(10)), "w1")
+    index.set_capacity("w1", 6)
+    assert index.match(list(range(10))) == {"w1": 6}
+    assert index.shed("w1", 0.5) == 3
+    assert index.match(list(range(10))) == {"w1": 3}
+    index.forget("w1", [1])
+    assert index.match(list(range(10))) == {"w1": 1}
 
 
 @pytest.mark.parametrize("capacity", [0, -1])

@@ -5,6 +5,13 @@ weight share ``s`` (``weight / sum of weights``; 1/n when all are equal) may tak
 only while its in-flight tokens are at most ``c * s * (L + r)``: after taking it, it holds at
 most ``c`` times its fair share plus this one request. The least-loaded worker always passes
 (its load is at most its share), so the filter never empties the pool.
+
+A floor keeps the bound meaningful when the pool is nearly idle: a worker with at most
+``floor_requests`` requests' worth (``floor_requests * r`` tokens) in flight is never over it.
+Without it, a worker serving a single request while the others idle is "over 1.25x the mean"
+and a second request of the same prefix is sent away to prefill from scratch, although the
+holder has free slots; and replicas that see each other's load a moment late would disagree on
+who is loaded at all. From a few requests per worker upwards the relative bound rules.
 """
 
 from __future__ import annotations
@@ -15,17 +22,23 @@ from gateway.routing.engine import Context
 from gateway.routing.types import WorkerView
 
 
-def load_bound(c: float, total_tokens: int, cost_tokens: int, share: float) -> float:
-    return c * share * (total_tokens + cost_tokens)
+def load_bound(
+    c: float, total_tokens: int, cost_tokens: int, share: float, floor_requests: float = 0.0
+) -> float:
+    """Most in-flight tokens a worker may have and still take a request of ``cost_tokens``."""
+    return max(c * share * (total_tokens + cost_tokens), floor_requests * cost_tokens)
 
 
 class BoundedLoadFilter:
     name = "bounded_load"
 
-    def __init__(self, c: float = 1.25) -> None:
+    def __init__(self, c: float = 1.25, floor_requests: float = 0.0) -> None:
         if c < 1.0:
             raise ValueError("the load bound factor c must be >= 1")
+        if floor_requests < 0.0:
+            raise ValueError("floor_requests must be >= 0")
         self.c = c
+        self.floor_requests = floor_requests
 
     def apply(self, ctx: Context, candidates: Sequence[WorkerView]) -> list[WorkerView]:
         total = sum(w.inflight_tokens for w in candidates)
@@ -33,7 +46,9 @@ class BoundedLoadFilter:
         cost = ctx.request.cost_tokens
         kept: list[WorkerView] = []
         for w in candidates:
-            bound = load_bound(self.c, total, cost, w.worker.weight / weight_sum)
+            bound = load_bound(
+                self.c, total, cost, w.worker.weight / weight_sum, self.floor_requests
+            )
             ctx.load_bounds[w.id] = bound
             if w.inflight_tokens <= bound:
                 kept.append(w)

@@ -1,0 +1,164 @@
+"""Telemetry-driven rebalancing: a background task that reads hit telemetry and acts.
+
+One replica leads at a time (a lease in the store; the embedded store always leads). Each round
+it compares the shared hit counters with the previous round's and decides:
+
+* **misprediction**: the index said "held" and the worker answered "miss" for a large share of
+  a worker's predicted hits. The index overestimates what that worker keeps, so its modelled
+  capacity shrinks (its least recently used entries are dropped); a later round with no miss
+  grows it back towards the registered size.
+* **thrashing**: a worker's hit rate collapsed against the previous round while the index holds
+  at least as many of its prefixes as before. It sheds its least valuable prefixes (least
+  recently used) so they go cold and are re-placed by the ring walk on its successors.
+
+Ring weights that follow capacity are not decided here: every replica derives them from the
+registry the same way (:mod:`gateway.sync`), so they agree without coordination.
+
+Actions are appended to the store's action log with their reason and applied by every replica
+(each reads the log and applies what it has not applied yet), and served at ``/admin/rebalance``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gateway.pool import WorkerPool
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.store.base import HitCounters, MetadataStore, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+ACTION_LOG_SIZE = 200
+
+
+@dataclass(frozen=True, slots=True)
+class RebalanceOptions:
+    interval_s: float = 5.0
+    min_predictions: int = 20  # predicted hits in a round before mispredictions count
+    mispredict_ratio: float = 0.3  # share of predicted hits that missed
+    shrink_factor: float = 0.8  # modelled capacity kept after a misprediction round
+    collapse_ratio: float = 0.5  # hit rate below this fraction of the previous round's
+    min_requests: int = 20
+    shed_fraction: float = 0.25
+
+
+@dataclass
+class Rebalancer:
+    store: MetadataStore
+    pool: WorkerPool
+    index: PrefixIndex
+    origin: str
+    options: RebalanceOptions = field(default_factory=RebalanceOptions)
+    leading: bool = False
+    rounds: int = 0
+    _previous: dict[str, HitCounters] = field(default_factory=dict)
+    _last_rate: dict[str, float] = field(default_factory=dict)
+    _last_held: dict[str, int] = field(default_factory=dict)
+    _applied: set[str] = field(default_factory=set)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.interval_s)
+            try:
+                await self.step()
+            except StoreUnavailable:
+                continue  # the sync loops log the outage once
+            except Exception:
+                log.exception("rebalance round failed")
+
+    async def step(self) -> list[dict[str, object]]:
+        """One round: decide (if leading), then apply every action not applied yet."""
+        self.rounds += 1
+        decided: list[dict[str, object]] = []
+        self.leading = await self.store.try_lead(self.origin, ttl_s=3 * self.options.interval_s)
+        if self.leading:
+            telemetry = await self.store.read_telemetry()
+            decided = self.decide(telemetry.workers)
+            for action in decided:
+                log.info("rebalance: %s %s: %s", action["action"], action["worker"],
+                         action["reason"])
+                await self.store.log_action(action, keep=ACTION_LOG_SIZE)
+        log_now = await self.store.recent_actions(ACTION_LOG_SIZE)
+        for action in reversed(log_now):
+            self.apply(action)
+        # Remember only what the log still holds, so this set stays bounded.
+        self._applied &= {str(a.get("id", "")) for a in log_now}
+        return decided
+
+    def decide(self, workers: Mapping[str, HitCounters]) -> list[dict[str, object]]:
+        opts = self.options
+        actions: list[dict[str, object]] = []
+        now = time.time()
+        for wid, total in workers.items():
+            if wid not in self.pool:
+                continue
+            before = self._previous.get(wid, HitCounters())
+            d_req = total.requests - before.requests
+            d_in = total.input_tokens - before.input_tokens
+            d_hit = total.matched_tokens - before.matched_tokens
+            d_pred = total.predicted_tokens - before.predicted_tokens
+            d_miss = total.mispredicted - before.mispredicted
+            held = self.index.held_blocks(wid)
+            rate = d_hit / d_in if d_in > 0 else 0.0
+            seq = f"{self.origin}:{self.rounds}:{wid}"
+            if d_pred > 0 and d_req >= opts.min_predictions and d_miss / d_req > (
+                opts.mispredict_ratio
+            ):
+                keep = max(1, int(held * opts.shrink_factor))
+                actions.append({
+                    "id": seq + ":shrink", "at": now, "action": "shrink_capacity",
+                    "worker": wid, "blocks": keep,
+                    "reason": f"{d_miss} of {d_req} responses missed a predicted hit; "
+                              f"modelled capacity {held} -> {keep} blocks",
+                })
+            elif (
+                d_pred > 0 and d_req >= opts.min_predictions and d_miss == 0
+                and self.index.capacity(wid) < self.pool.get(wid).capacity_blocks
+            ):
+                grown = min(self.pool.get(wid).capacity_blocks,
+                            int(self.index.capacity(wid) / opts.shrink_factor) + 1)
+                actions.append({
+                    "id": seq + ":grow", "at": now, "action": "shrink_capacity",
+                    "worker": wid, "blocks": grown,
+                    "reason": f"{d_req} responses, no missed prediction; modelled capacity "
+                              f"back up to {grown} blocks",
+                })
+            elif (
+                d_req >= opts.min_requests
+                and wid in self._last_rate
+                and rate < opts.collapse_ratio * self._last_rate[wid]
+                and held >= self._last_held.get(wid, 0) > 0
+            ):
+                actions.append({
+                    "id": seq + ":shed", "at": now, "action": "shed",
+                    "worker": wid, "fraction": opts.shed_fraction,
+                    "reason": f"hit rate fell {self._last_rate[wid]:.2f} -> {rate:.2f} while "
+                              f"its prefixes grew to {held} blocks (thrashing)",
+                })
+            if d_in > 0:
+                self._last_rate[wid] = rate
+            self._last_held[wid] = held
+            self._previous[wid] = HitCounters(**total.as_dict())
+        return actions
+
+    def apply(self, action: Mapping[str, object]) -> None:
+        aid = str(action.get("id", ""))
+        if not aid or aid in self._applied:
+            return
+        self._applied.add(aid)
+        wid = str(action.get("worker", ""))
+        if wid not in self.pool:
+            return
+        kind = action.get("action")
+        if kind == "shrink_capacity":
+            blocks = action.get("blocks")
+            if isinstance(blocks, int):
+                self.index.set_capacity(wid, blocks)
+        elif kind == "shed":
+            fraction = action.get("fraction")
+            if isinstance(fraction, int | float):
+                self.index.shed(wid, float(fraction))

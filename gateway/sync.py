@@ -1,0 +1,201 @@
+"""Keeps the gateway's local routing state and the shared metadata store in step.
+
+Background loops, one per concern, each tolerant of the store going away:
+
+* membership: registered workers join the pool, expired ones leave; ring weights and the
+  index's capacity model follow each worker's registered cache size;
+* assignments: prefixes this replica routed are published in batches; those other replicas
+  routed are read and recorded in the local index;
+* load: this replica's in-flight tokens per worker are published; the other replicas' shares
+  are read and added to the snapshot;
+* telemetry: cache reports from responses are added to the shared counters.
+
+When the store is unreachable, routing goes on with the local index and the last known
+membership; one warning is logged per outage and one line when the store is back. Buffers are
+bounded, so an outage cannot grow memory without limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+
+from gateway.pool import WorkerPool
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.store.base import (
+    Assignment,
+    CacheReport,
+    MetadataStore,
+    StoreUnavailable,
+    WorkerRecord,
+)
+
+log = logging.getLogger(__name__)
+
+_BUFFER_LIMIT = 10_000
+
+
+class StoreHealth:
+    """Logs once per outage, not once per failed call."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self.available = True
+        self.outages = 0
+
+    def failed(self, exc: Exception) -> None:
+        if self.available:
+            self.available = False
+            self.outages += 1
+            log.warning("metadata store %s unavailable (%s); routing on local state", self._url,
+                        exc)
+
+    def ok(self) -> None:
+        if not self.available:
+            self.available = True
+            log.info("metadata store %s reachable again; sharing state", self._url)
+
+
+class StoreSync:
+    def __init__(
+        self,
+        store: MetadataStore,
+        pool: WorkerPool,
+        index: PrefixIndex,
+        *,
+        origin: str,
+        tokens_per_block: float,
+        membership_interval_s: float = 1.0,
+        load_interval_s: float = 0.1,
+        flush_interval_s: float = 0.02,
+        telemetry_interval_s: float = 1.0,
+        shares_state: bool = True,
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.index = index
+        self.origin = origin
+        self.health = StoreHealth(store.url)
+        self._tokens_per_block = tokens_per_block
+        self._intervals = (membership_interval_s, load_interval_s, flush_interval_s,
+                           telemetry_interval_s)
+        self._shares_state = shares_state
+        self._assignments: deque[Assignment] = deque(maxlen=_BUFFER_LIMIT)
+        self._reports: deque[CacheReport] = deque(maxlen=_BUFFER_LIMIT)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._cursor = ""
+
+    # -- called on the request path (no I/O) --------------------------------------------------
+    def assigned(self, blocks: Sequence[int], worker_id: str) -> None:
+        if self._shares_state and blocks:
+            self._assignments.append(Assignment(self.origin, worker_id, tuple(blocks)))
+
+    def reported(self, report: CacheReport) -> None:
+        self._reports.append(report)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            await self._guard(self.sync_membership)
+        membership, load, flush, telemetry = self._intervals
+        loops: list[tuple[str, Callable[[], Awaitable[None]], float]] = [
+            ("membership", self.sync_membership, membership),
+            ("telemetry", self._flush_telemetry, telemetry),
+        ]
+        if self._shares_state:
+            loops += [
+                ("load", self._sync_load, load),
+                ("publish", self._flush_assignments, flush),
+                ("subscribe", self._read_assignments, 0.0),
+            ]
+        for name, fn, every in loops:
+            self._tasks.append(asyncio.create_task(self._loop(fn, every), name=f"sync-{name}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        with contextlib.suppress(StoreUnavailable):
+            await self._flush_telemetry()
+
+    async def _guard(self, fn: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await fn()
+        except StoreUnavailable as exc:
+            self.health.failed(exc)
+            raise
+        self.health.ok()
+
+    async def _loop(self, fn: Callable[[], Awaitable[None]], every_s: float) -> None:
+        while True:
+            try:
+                await self._guard(fn)
+            except StoreUnavailable:
+                await asyncio.sleep(max(every_s, 0.5))
+                continue
+            except Exception:
+                log.exception("store sync step %s failed", getattr(fn, "__name__", fn))
+            await asyncio.sleep(every_s)
+
+    # -- the loops ----------------------------------------------------------------------------
+    async def sync_membership(self) -> None:
+        records = await self.store.list_workers()
+        registered = {r.id for r in records}
+        for record in records:
+            self.pool.add(record.url, wid=record.id, source="registry", kind=record.kind)
+            if record.models:
+                self.pool.mark_up(record.id, frozenset(record.models))
+        for state in self.pool.states():
+            if state.source == "registry" and state.worker.id not in registered:
+                self.pool.remove(state.worker.id)
+        self._apply_capacities(records)
+
+    def _apply_capacities(self, records: Sequence[WorkerRecord]) -> None:
+        """Ring weights follow cache capacity; the index models each worker's real size."""
+        known = [r for r in records if r.capacity_tokens() > 0]
+        if not known:
+            return
+        mean = sum(r.capacity_tokens() for r in known) / len(known)
+        for record in known:
+            self.pool.set_weight(record.id, record.capacity_tokens() / mean)
+            self.pool.set_capacity(
+                record.id, max(1, int(record.capacity_tokens() / self._tokens_per_block))
+            )
+
+    async def _sync_load(self) -> None:
+        ttl = max(2.0, 20 * self._intervals[1])
+        await self.store.publish_load(self.origin, self.pool.local_load(), ttl)
+        self.pool.set_remote_load(await self.store.read_load(exclude_origin=self.origin))
+
+    async def _flush_assignments(self) -> None:
+        if not self._assignments:
+            return
+        batch = list(self._assignments)
+        self._assignments.clear()
+        try:
+            await self.store.publish_assignments(batch)
+        except StoreUnavailable:
+            # Only the newest survive an outage: old decisions are stale by the time it ends.
+            self._assignments.extendleft(reversed(batch[-1000:]))
+            raise
+
+    async def _read_assignments(self) -> None:
+        self._cursor, batch = await self.store.read_assignments(self._cursor, block_s=1.0)
+        self.index.set_time(time.monotonic())
+        for a in batch:
+            if a.origin != self.origin and a.worker_id in self.pool:
+                self.index.record(a.blocks, a.worker_id)
+
+    async def _flush_telemetry(self) -> None:
+        if not self._reports:
+            return
+        batch = list(self._reports)
+        self._reports.clear()
+        await self.store.add_telemetry(batch)

@@ -1,0 +1,76 @@
+"""The cache_aware policy: one cost (prefill it cannot skip + queue) under the hard bound."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from gateway.fingerprint import PrefixKey
+from gateway.routing.policies import PolicyOptions, build_engine
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.ring import Ring
+from gateway.routing.types import RouteRequest, Snapshot, Worker, WorkerView
+
+IDS = ("w0", "w1", "w2", "w3")
+RING = Ring({wid: 1.0 for wid in IDS})
+ANCHOR = next(a for a in range(1_000_000) if tuple(RING.walk(a)) == IDS)
+BLOCKS = tuple(range(500, 510))  # 10 blocks
+
+
+def _route(
+    loads: Mapping[str, int],
+    held: Mapping[str, int],
+    prompt_tokens: int,
+    opts: PolicyOptions | None = None,
+) -> tuple[str, str]:
+    index = PrefixIndex()
+    for wid, depth in held.items():
+        index.record(BLOCKS[:depth], wid)
+    views = tuple(
+        WorkerView(Worker(wid, f"http://{wid}"), True, 1 if loads.get(wid) else 0,
+                   loads.get(wid, 0))
+        for wid in IDS
+    )
+    request = RouteRequest(PrefixKey(BLOCKS, ANCHOR, 640), "m", prompt_tokens + 10, prompt_tokens)
+    engine = build_engine("cache_aware", opts or PolicyOptions())
+    decision = engine.route(request, Snapshot(views, index, RING))
+    return decision.worker_id, decision.reason
+
+
+CASES = [
+    pytest.param({}, {}, 160, "w0", "cold -> ring", id="cold-goes-to-ring-owner"),
+    pytest.param({"w0": 900}, {}, 160, "w1", "cold -> ring skip=1", id="cold-skips-over-bound"),
+    pytest.param({}, {"w2": 10}, 160, "w2", "prefix_hit depth=10", id="full-holder-wins"),
+    pytest.param({"w0": 100, "w1": 100, "w2": 150, "w3": 100}, {"w2": 10}, 160, "w2",
+                 "prefix_hit depth=10", id="holder-with-longer-queue-still-wins"),
+    # Prompt of 40 tokens: w2 saves 40 tokens of prefill but has 400 more queued.
+    pytest.param({"w2": 400, "w0": 300, "w1": 300, "w3": 300}, {"w2": 10}, 40, "w0",
+                 "diverted: w2 outscored (depth=10) -> ring", id="queue-outweighs-saving"),
+    pytest.param({"w1": 300, "w3": 50}, {"w1": 10, "w3": 10}, 400, "w3",
+                 "prefix_hit depth=10", id="hot-prefix-least-loaded-holder"),
+    pytest.param({}, {"w1": 4, "w3": 8}, 400, "w3", "prefix_hit depth=8",
+                 id="deeper-holder-wins-when-idle"),
+]
+
+
+@pytest.mark.parametrize(("loads", "held", "prompt", "expected", "reason"), CASES)
+def test_cache_aware_table(
+    loads: Mapping[str, int], held: Mapping[str, int], prompt: int, expected: str, reason: str
+) -> None:
+    chosen, why = _route(loads, held, prompt)
+    assert chosen == expected
+    assert why == reason
+
+
+def test_queue_weight_zero_is_pure_affinity_under_the_bound() -> None:
+    chosen, _ = _route({"w2": 400, "w0": 300, "w1": 300, "w3": 300}, {"w2": 10}, 40,
+                       PolicyOptions(queue_weight=0.0))
+    assert chosen == "w2"
+
+
+def test_over_bound_holder_is_never_chosen() -> None:
+    # Total 1,500 in flight; w2's bound is 1.25 x 1/4 x (1,500 + 50) = 484 < 1,200.
+    chosen, why = _route({"w2": 1200, "w0": 100, "w1": 100, "w3": 100}, {"w2": 10}, 40)
+    assert chosen != "w2"
+    assert why.startswith("diverted: w2 bounded_load")

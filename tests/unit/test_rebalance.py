@@ -1,0 +1,97 @@
+"""The rebalancer's decisions and the membership sync, on the embedded store."""
+
+from __future__ import annotations
+
+from gateway.pool import WorkerPool
+from gateway.rebalance import RebalanceOptions, Rebalancer
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.store.base import CacheReport, HitCounters, WorkerRecord
+from gateway.store.memory import MemoryStore
+from gateway.sync import StoreSync
+
+URLS = ("http://10.0.0.1:8001", "http://10.0.0.2:8001")
+W1, W2 = "10.0.0.1:8001", "10.0.0.2:8001"
+
+
+def _setup() -> tuple[MemoryStore, WorkerPool, PrefixIndex, Rebalancer]:
+    store = MemoryStore()
+    index = PrefixIndex()
+    pool = WorkerPool(URLS, index)
+    rebalancer = Rebalancer(store, pool, index, "g1", RebalanceOptions(min_predictions=10,
+                                                                       min_requests=10))
+    return store, pool, index, rebalancer
+
+
+def _report(wid: str, inp: int, hit: int, pred: int) -> CacheReport:
+    return CacheReport(worker_id=wid, tenant="t", input_tokens=inp, matched_tokens=hit,
+                       predicted_tokens=pred)
+
+
+async def test_mispredictions_shrink_the_modelled_capacity() -> None:
+    store, _, index, rebalancer = _setup()
+    index.record(list(range(100)), W1)
+    await store.add_telemetry([_report(W1, 100, 0, 80)] * 20)  # predicted hits, all missed
+    actions = await rebalancer.step()
+    assert [a["action"] for a in actions] == ["shrink_capacity"]
+    assert actions[0]["worker"] == W1
+    assert index.capacity(W1) == 80
+    assert index.held_blocks(W1) == 80
+    assert (await store.recent_actions(10))[0]["worker"] == W1
+
+
+async def test_correct_predictions_change_nothing() -> None:
+    store, _, index, rebalancer = _setup()
+    index.record(list(range(100)), W1)
+    await store.add_telemetry([_report(W1, 100, 80, 80)] * 20)
+    assert await rebalancer.step() == []
+    assert index.held_blocks(W1) == 100
+
+
+async def test_thrashing_worker_sheds_its_oldest_prefixes() -> None:
+    store, _, index, rebalancer = _setup()
+    index.record(list(range(100)), W1)
+    await store.add_telemetry([_report(W1, 100, 60, 0)] * 20)  # hit rate 0.6
+    assert await rebalancer.step() == []
+    index.record(list(range(1000, 1100)), W1)  # its prefixes grow...
+    await store.add_telemetry([_report(W1, 100, 5, 0)] * 20)  # ...while hits collapse
+    actions = await rebalancer.step()
+    assert [a["action"] for a in actions] == ["shed"]
+    assert index.held_blocks(W1) == 150  # a quarter of 200 dropped
+    assert "thrashing" in str(actions[0]["reason"])
+
+
+async def test_actions_apply_once() -> None:
+    store, _, index, rebalancer = _setup()
+    index.record(list(range(100)), W2)
+    await store.log_action({"id": "x:1", "action": "shed", "worker": W2, "fraction": 0.5,
+                            "reason": "test"}, keep=10)
+    await rebalancer.step()
+    await rebalancer.step()
+    assert index.held_blocks(W2) == 50
+
+
+async def test_membership_weights_and_capacity_follow_the_registry() -> None:
+    store = MemoryStore()
+    index = PrefixIndex()
+    pool = WorkerPool((), index)
+    sync = StoreSync(store, pool, index, origin="g1", tokens_per_block=16.0, shares_state=False)
+    await store.register_worker(WorkerRecord("a", "http://a:1", ("m",), 1000, 16), ttl_s=60)
+    await store.register_worker(WorkerRecord("b", "http://b:1", ("m",), 2000, 16), ttl_s=60)
+    await sync.sync_membership()
+    assert {s.worker.id for s in pool.states()} == {"a", "b"}
+    weights = {s.worker.id: s.worker.weight for s in pool.states()}
+    assert weights["b"] == 2 * weights["a"]
+    assert index.capacity("a") == 1000  # 1000 blocks x 16 tokens / 16 tokens per block
+    assert pool.models() == {"m"}
+    await store.deregister_worker("a")
+    await sync.sync_membership()
+    assert {s.worker.id for s in pool.states()} == {"b"}
+
+
+def test_hit_counters_flag_mispredictions() -> None:
+    counters = HitCounters()
+    counters.add(_report(W1, 100, 10, 80))
+    counters.add(_report(W1, 100, 70, 80))
+    counters.add(_report(W1, 100, 0, 0))
+    assert counters.as_dict() == {"requests": 3, "input_tokens": 300, "matched_tokens": 80,
+                                  "predicted_tokens": 160, "mispredicted": 1}
