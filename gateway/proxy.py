@@ -26,7 +26,8 @@ from gateway.telemetry import reason_kind
 
 log = logging.getLogger(__name__)
 
-TENANT_KEY = "tenant"  # request-scoped: the tenant id the handler derived from the API key
+# Request-scoped: the tenant id the handler derived from the API key.
+TENANT_KEY = web.RequestKey("tenant", str)
 
 CACHE_HEADERS = (
     "x-cache-input-tokens",

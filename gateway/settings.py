@@ -41,7 +41,17 @@ class GatewaySettings:
         default=1.0, metadata=_help("cache_aware: cost of one prompt token to prefill")
     )
     queue_weight: float = field(
-        default=0.5, metadata=_help("cache_aware: cost of one token already in flight")
+        default=0.01, metadata=_help("cache_aware: cost of one token already in flight")
+    )
+    cache_aware_load_factor: float = field(
+        default=3.0, metadata=_help("cache_aware: hard guard, no worker above this x mean load")
+    )
+    min_match_blocks: int = field(
+        default=2, metadata=_help("cache_aware: shorter matches count as cold")
+    )
+    ring_choices: int = field(
+        default=3, metadata=_help("cache_aware: a cold prefix goes to the least loaded of the "
+                                  "first k workers on the ring from its anchor")
     )
     store: str = field(
         default="memory://",
@@ -122,6 +132,9 @@ class GatewaySettings:
             load_floor_requests=self.load_floor_requests,
             prefill_weight=self.prefill_weight,
             queue_weight=self.queue_weight,
+            cache_aware_load_factor=self.cache_aware_load_factor,
+            min_match_blocks=self.min_match_blocks,
+            ring_choices=self.ring_choices,
         )
 
     def replica_id(self) -> str:

@@ -66,6 +66,8 @@ class Profile:
     scorers: tuple[tuple[Scorer, float], ...]
     picker: Picker
     uses_prefix_index: bool = False
+    # Shorter matches count as no match (a common first block says nothing about the rest).
+    min_match_blocks: int = 1
 
 
 def _clamp(x: float) -> float:
@@ -85,7 +87,12 @@ class RoutingEngine:
     ) -> Decision:
         """Choose a worker for ``request``; ``exclude`` holds workers that already failed it."""
         profile = self.profile
-        matches = snapshot.index.match(request.key.blocks) if profile.uses_prefix_index else {}
+        matches: dict[str, int] = {}
+        if profile.uses_prefix_index:
+            floor = profile.min_match_blocks
+            matches = {
+                w: d for w, d in snapshot.index.match(request.key.blocks).items() if d >= floor
+            }
         ctx = Context(request=request, snapshot=snapshot, matches=matches)
         candidates = [w for w in snapshot.workers if w.id not in exclude]
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")

@@ -109,11 +109,20 @@ async def test_shared_prefix_sticks_to_one_worker_and_hits_its_cache(
     assert all(m > 0 for m in matched[1:]), matched
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({"policy": "prefix_affinity", "load_factor": 1.25}, id="prefix_affinity-1.25"),
+        pytest.param({"policy": "cache_aware", "cache_aware_load_factor": 1.25},
+                     id="cache_aware-1.25"),
+        pytest.param({"policy": "cache_aware"}, id="cache_aware-default"),
+    ],
+)
 async def test_shared_system_prompt_spreads_within_the_load_bound(
-    start_cluster: StartCluster,
+    start_cluster: StartCluster, overrides: dict[str, object]
 ) -> None:
     """60 users share one system prompt, 16 at a time: no worker exceeds c x mean + 1 request."""
-    cluster = await start_cluster()
+    cluster = await start_cluster(**overrides)
     semaphore = asyncio.Semaphore(16)
     loads: list[tuple[str, int, int]] = []
 

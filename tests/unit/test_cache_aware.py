@@ -44,13 +44,11 @@ CASES = [
     pytest.param({}, {"w2": 10}, 160, "w2", "prefix_hit depth=10", id="full-holder-wins"),
     pytest.param({"w0": 100, "w1": 100, "w2": 150, "w3": 100}, {"w2": 10}, 160, "w2",
                  "prefix_hit depth=10", id="holder-with-longer-queue-still-wins"),
-    # Prompt of 40 tokens: w2 saves 40 tokens of prefill but has 400 more queued.
-    pytest.param({"w2": 400, "w0": 300, "w1": 300, "w3": 300}, {"w2": 10}, 40, "w0",
-                 "diverted: w2 outscored (depth=10) -> ring", id="queue-outweighs-saving"),
     pytest.param({"w1": 300, "w3": 50}, {"w1": 10, "w3": 10}, 400, "w3",
                  "prefix_hit depth=10", id="hot-prefix-least-loaded-holder"),
     pytest.param({}, {"w1": 4, "w3": 8}, 400, "w3", "prefix_hit depth=8",
                  id="deeper-holder-wins-when-idle"),
+    pytest.param({}, {"w3": 1}, 400, "w0", "cold -> ring", id="one-block-match-is-cold"),
 ]
 
 
@@ -63,14 +61,28 @@ def test_cache_aware_table(
     assert why == reason
 
 
-def test_queue_weight_zero_is_pure_affinity_under_the_bound() -> None:
+@pytest.mark.parametrize(("queue_weight", "expected"), [(0.5, "w0"), (0.01, "w2"), (0.0, "w2")])
+def test_queue_outweighs_the_saving_only_with_enough_queue_weight(
+    queue_weight: float, expected: str
+) -> None:
+    # A prompt of 40 tokens: w2 saves 40 tokens of prefill but has 100 more tokens queued.
     chosen, _ = _route({"w2": 400, "w0": 300, "w1": 300, "w3": 300}, {"w2": 10}, 40,
-                       PolicyOptions(queue_weight=0.0))
-    assert chosen == "w2"
+                       PolicyOptions(queue_weight=queue_weight))
+    assert chosen == expected
+
+
+@pytest.mark.parametrize(("choices", "expected"), [(1, "w0"), (2, "w1"), (3, "w2")])
+def test_cold_prefix_goes_to_the_lightest_of_the_first_k_on_the_ring(
+    choices: int, expected: str
+) -> None:
+    loads = {"w0": 300, "w1": 200, "w2": 100, "w3": 0}
+    chosen, why = _route(loads, {}, 40, PolicyOptions(ring_choices=choices))
+    assert chosen == expected
+    assert why.startswith("cold -> ring")
 
 
 def test_over_bound_holder_is_never_chosen() -> None:
-    # Total 1,500 in flight; w2's bound is 1.25 x 1/4 x (1,500 + 50) = 484 < 1,200.
+    # Total 1,500 in flight; w2's guard is 3 x 1/4 x (1,500 + 50) = 1,162 < 1,200.
     chosen, why = _route({"w2": 1200, "w0": 100, "w1": 100, "w3": 100}, {"w2": 10}, 40)
     assert chosen != "w2"
     assert why.startswith("diverted: w2 bounded_load")

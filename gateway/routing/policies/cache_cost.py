@@ -9,13 +9,20 @@ The score is ``1 - cost / max cost`` over the candidates, so the cheapest worker
 and the scale of the numbers does not matter. One continuous trade-off instead of an on/off
 switch: a deep match wins until the holder's queue costs more than the prefill it saves.
 
-A cold prefix (no candidate holds any of it) scores 0 everywhere, so the picker falls back to
-the anchor's ring position: every gateway replica places it on the same worker without talking,
-and siblings of a burst meet there instead of each warming a different worker.
+A cold prefix (no candidate holds at least the profile's ``min_match_blocks`` of it; the engine
+drops shorter matches before any scorer sees them) scores 0 everywhere, so
+the picker falls back to the anchor's ring position(s): gateway replicas agree on where it goes
+without talking, and siblings of a burst meet there instead of each warming a different worker.
+``min_match_blocks = 2`` by default: a match of one block is what every prompt with a common
+opening shares (on the Mooncake trace every request starts with the same block), so it says
+nothing about where the rest of the prompt lives.
 
-Weights: ``prefill_weight = 1`` and ``queue_weight = 0.5`` by default. A queued token costs the
-worker roughly as much time as a prefill token while it is being prefilled, and less while it is
-being decoded (decode is memory-bound and batched), so a half weight sits between the two.
+Weights: ``prefill_weight = 1``, ``queue_weight = 0.01`` by default. In-flight tokens are mostly
+decode and running work, which a worker batches: a token in flight elsewhere delays this
+request's prefill far less than a token it must prefill itself. Measured on the Mooncake trace
+(BENCHMARKS.md, "Issue 6"): 0.5 gave away a quarter of the reachable hits for no better
+balance; 0 keeps every hit but lets a holder's queue grow; 0.01 keeps 0.99 of the pooled bound
+with cumulative load within 1.1 x mean.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from gateway.routing.types import WorkerView
 class CacheCostScorer:
     name = "cache_cost"
 
-    def __init__(self, prefill_weight: float = 1.0, queue_weight: float = 0.5) -> None:
+    def __init__(self, prefill_weight: float = 1.0, queue_weight: float = 0.01) -> None:
         self.prefill_weight = prefill_weight
         self.queue_weight = queue_weight
 

@@ -15,18 +15,42 @@ from gateway.routing.types import WorkerView
 _EPS = 1e-9
 
 
+def _lightest(seen: tuple[int, WorkerView]) -> tuple[int, int]:
+    """Fewest requests in flight, then fewest tokens: requests balance the routed counts, which
+    tokens alone (a few long prompts) would skew."""
+    view = seen[1]
+    return view.inflight_requests, view.inflight_tokens
+
+
 class RingPicker:
+    """``choices = 1``: the first best candidate in ring order. ``choices = k > 1``: of the
+    first ``k`` best candidates in ring order, the least loaded ("power of k choices" on the
+    ring): a cold prefix still lands on one of a few fixed workers for its anchor, but the
+    load spreads far more evenly than with the owner alone."""
+
     name = "ring"
+
+    def __init__(self, choices: int = 1) -> None:
+        if choices < 1:
+            raise ValueError("choices must be >= 1")
+        self.choices = choices
 
     def pick(
         self, ctx: Context, candidates: Sequence[WorkerView], totals: Mapping[str, float]
     ) -> tuple[WorkerView, str]:
         best = max(totals.values())
         by_id = {w.id: w for w in candidates if totals[w.id] >= best - _EPS}
+        seen: list[tuple[int, WorkerView]] = []
         for skipped, wid in enumerate(ctx.snapshot.ring.walk(ctx.request.key.anchor)):
-            chosen = by_id.get(wid)
-            if chosen is not None:
-                return chosen, "ring" if skipped == 0 else f"ring skip={skipped}"
+            view = by_id.get(wid)
+            if view is None:
+                continue
+            seen.append((skipped, view))
+            if len(seen) == min(self.choices, len(by_id)):
+                break
+        if seen:
+            skipped, chosen = min(seen, key=_lightest)
+            return chosen, "ring" if skipped == 0 else f"ring skip={skipped}"
         # A candidate the ring does not know yet (membership changed since it was built).
         chosen = by_id[min(by_id)]
         return chosen, "ring (not on ring)"

@@ -1,0 +1,367 @@
+"""Discrete-event simulation of a gateway in front of N workers, each with a real KV cache.
+
+What is real (imported, not copied): the routing engine and its policies, the ring, the prefix
+index (``gateway.routing``), the worker's paged prefix cache (:class:`worker.kvcache.PrefixCache`)
+and the worker's cost model (:class:`worker.engines.sim.SimCosts`). What is simulated: time,
+the network (instant) and the client.
+
+**Units.** One trace block (a Mooncake ``hash_id``, 512 tokens) is one cache block: each worker
+has ``PrefixCache(num_blocks=cache_blocks, block_size=1)`` whose "tokens" are the request's
+block hashes, so ``matched_tokens`` there counts matched blocks.
+
+**Client.** Requests become ready at their arrival time and are issued in trace order while
+fewer than ``concurrency`` are in flight (unbounded when ``None``). Two modes:
+
+* ``sequential`` (default, ``concurrency`` 64): every request is ready at t=0, so the trace
+  is replayed in order with a fixed number in flight; the next one is issued when one finishes.
+  This is how peers replay the trace ("sequential order, concurrency 64"), so hit rates are
+  comparable with theirs; time is virtual and only orders events.
+* ``replay``: arrivals at ``timestamp / speedup`` (open loop unless ``concurrency`` is set), so
+  queueing and TTFT reflect the trace's real burstiness under the cost model.
+
+**Gateway.** For each issued request: set the prefix index clock to the simulated time, build a
+:class:`~gateway.routing.types.Snapshot` (one ``WorkerView`` per worker, with in-flight requests
+and in-flight tokens as the gateway counts them: ``input + output`` tokens, added at dispatch,
+removed at completion), call ``route`` (timed with ``perf_counter``), then ``index.record`` when
+the policy uses the index -- the order of ``gateway.proxy.dispatch``.
+
+**Worker** (cost model, shape of ``SimEngine``): at most ``max_running`` admitted requests; the
+rest wait in a FIFO queue (head-of-line: a request whose blocks do not fit waits, and so do the
+ones behind it). Admission allocates the prompt's blocks in the cache (reusing the longest cached
+prefix; blocks of running requests cannot be evicted) and release happens at completion.
+Prefill costs ``SimCosts.prefill_seconds(uncached_tokens, cached_tokens)`` with
+``cached_tokens = min(matched_blocks * 512, input_tokens)``; prefills run one at a time per worker
+in admission order (prefill is compute bound: a worker's uncached tokens queue up), unless
+``serial_prefill`` is off. The first token comes at the end of prefill (TTFT = dispatch to end of
+prefill: queue + prefill wait + prefill), then decode takes ``SimCosts.decode_seconds(output)``
+and runs alongside other requests' decode without slowing them.
+
+Default costs (:data:`DEFAULT_COSTS`): 100 us per uncached prompt token (10k tokens/s of prefill
+per worker), 2.5 us per cached token (the 1:40 ratio of ``SimCosts``' defaults), 5 ms per output
+token (``SimCosts``' default). On the conversation trace (3.4 requests/s, ~12k prompt tokens
+each) that keeps 8 workers at roughly a third to a half of their prefill capacity at 1x, so queueing
+shows where a policy concentrates load instead of everywhere.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.routing.policies import PolicyOptions
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.ring import Ring
+from gateway.routing.types import RouteRequest, Snapshot, Worker, WorkerView
+from gateway.settings import GatewaySettings
+from gateway.telemetry import reason_kind
+from loadtest.sim.routers import build_router
+from loadtest.traces import BLOCK_TOKENS, TraceRequest
+from worker.engines.sim import SimCosts
+from worker.kvcache import CacheFullError, PrefixCache
+
+Mode = Literal["sequential", "replay"]
+
+DEFAULT_COSTS = SimCosts(
+    prefill_us_per_token=100.0, prefill_us_per_cached_token=2.5, decode_ms_per_token=5.0
+)
+MODEL = "trace-model"
+
+
+def _gateway_default(name: str) -> float:
+    """A default of the gateway's settings, so the simulator follows them when they change."""
+    value = getattr(GatewaySettings(), name)
+    assert isinstance(value, int | float)
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    workers: int
+    cache_blocks: int
+    policy: str
+    mode: Mode = "sequential"
+    concurrency: int | None = 64
+    speedup: float = 1.0
+    max_running: int = 32
+    costs: SimCosts = DEFAULT_COSTS
+    serial_prefill: bool = True
+    # The gateway's policy options (load factor, weights...), its defaults unless replaced.
+    policy_options: PolicyOptions = field(default_factory=PolicyOptions)
+    index_capacity: int = field(default_factory=lambda: int(_gateway_default("index_capacity")))
+    index_ttl_s: float = field(default_factory=lambda: _gateway_default("index_ttl_s"))
+    # The index models each worker's cache as an LRU of its real size (PrefixIndex.set_capacity).
+    index_knows_capacity: bool = True
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.cache_blocks < 1 or self.max_running < 1:
+            raise ValueError("workers, cache_blocks and max_running must be >= 1")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1 (or None: unbounded)")
+        if self.speedup <= 0:
+            raise ValueError("speedup must be > 0")
+        if self.mode not in ("sequential", "replay"):
+            raise ValueError(f"unknown mode {self.mode!r}")
+
+
+def worker_ids(n: int) -> list[str]:
+    """The simulated workers' ids (they decide ring placement)."""
+    width = len(str(n - 1))
+    return [f"w{i:0{width}d}" for i in range(n)]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerResult:
+    id: str
+    routed: int
+    blocks: int
+    matched_blocks: int
+    uncached_blocks: int
+    max_queue: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.matched_blocks / self.blocks if self.blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    policy: str
+    workers: int
+    cache_blocks: int
+    mode: Mode
+    concurrency: int | None
+    speedup: float
+    requests: int
+    rejected: int
+    blocks: int
+    matched_blocks: int
+    predicted_blocks: int
+    best_known_blocks: int
+    ttft_s: tuple[float, ...]
+    decision_us: tuple[float, ...]
+    snapshot_us: tuple[float, ...]
+    sim_seconds: float
+    wall_seconds: float
+    per_worker: tuple[WorkerResult, ...]
+    # The worker each dispatched request went to, in dispatch (= trace) order.
+    assignments: tuple[str, ...] = ()
+    # Decisions by kind of reason (gateway.telemetry.reason_kind; "diverted:<why>" split out).
+    reasons: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Job:
+    req: TraceRequest
+    rid: str
+    dispatched: float
+
+
+class _SimWorker:
+    __slots__ = (
+        "blocks", "cache", "idx", "inflight_requests", "inflight_tokens", "matched_blocks",
+        "max_queue", "prefill_free_at", "queue", "routed", "running", "worker",
+    )
+
+    def __init__(self, idx: int, worker: Worker, cache: PrefixCache) -> None:
+        self.idx = idx
+        self.worker = worker
+        self.cache = cache
+        self.queue: deque[_Job] = deque()
+        self.running = 0
+        self.prefill_free_at = 0.0
+        self.inflight_requests = 0
+        self.inflight_tokens = 0
+        self.routed = 0
+        self.blocks = 0
+        self.matched_blocks = 0
+        self.max_queue = 0
+
+    def view(self) -> WorkerView:
+        return WorkerView(self.worker, True, self.inflight_requests, self.inflight_tokens)
+
+    def result(self) -> WorkerResult:
+        return WorkerResult(self.worker.id, self.routed, self.blocks, self.matched_blocks,
+                            self.blocks - self.matched_blocks, self.max_queue)
+
+
+class ClusterSim:
+    """One run of one policy over one trace (see module docstring). Use :func:`simulate`."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        ids = worker_ids(config.workers)
+        caches = {wid: PrefixCache(config.cache_blocks, 1) for wid in ids}
+        self.workers = {
+            wid: _SimWorker(i, Worker(wid, f"sim://{wid}"), caches[wid])
+            for i, wid in enumerate(ids)
+        }
+        self.views = [w.view() for w in self.workers.values()]
+        self.ring = Ring(dict.fromkeys(ids, 1.0))
+        self.index = PrefixIndex(config.index_capacity, config.index_ttl_s)
+        if config.index_knows_capacity:
+            # As the gateway does once a worker registers its cache size (gateway.sync).
+            for wid in ids:
+                self.index.set_capacity(wid, config.cache_blocks)
+        self.router = build_router(config.policy, caches, config.policy_options)
+        self._events: list[tuple[float, int, _SimWorker, _Job]] = []
+        self._seq = 0
+        self._inflight = 0
+        self._ttft: list[float] = []
+        self._decision_us: list[float] = []
+        self._snapshot_us: list[float] = []
+        self._predicted = 0
+        self._best_known = 0
+        self._rejected = 0
+        self._assignments: list[str] = []
+        self._reasons: Counter[str] = Counter()
+
+    # -- gateway side ---------------------------------------------------------------------------
+
+    def _dispatch(self, req: TraceRequest, now: float) -> None:
+        if len(req.blocks) > self.config.cache_blocks:
+            self._rejected += 1  # can never fit in one worker's cache
+            return
+        t0 = time.perf_counter()
+        self.index.set_time(now)
+        snapshot = Snapshot(tuple(self.views), self.index, self.ring)
+        route_request = RouteRequest(
+            key=req.key, model=MODEL, cost_tokens=req.cost_tokens, prompt_tokens=req.input_tokens
+        )
+        t1 = time.perf_counter()
+        decision = self.router.route(route_request, snapshot)
+        t2 = time.perf_counter()
+        if self.router.uses_prefix_index:
+            # Diagnostic, untimed: the deepest prefix any worker was known to hold.
+            self._best_known += max(self.index.match(req.blocks).values(), default=0)
+            self.index.record(req.blocks, decision.worker_id)
+        self._snapshot_us.append((t1 - t0) * 1e6)
+        self._decision_us.append((t2 - t1) * 1e6)
+        self._predicted += decision.match_blocks
+        self._reasons[_reason_label(decision.reason)] += 1
+        w = self.workers[decision.worker_id]
+        self._assignments.append(w.worker.id)
+        w.inflight_requests += 1
+        w.inflight_tokens += req.cost_tokens
+        w.routed += 1
+        self.views[w.idx] = w.view()
+        self._inflight += 1
+        w.queue.append(_Job(req, str(req.index), now))
+        w.max_queue = max(w.max_queue, len(w.queue))
+        self._pump(w, now)
+
+    # -- worker side ----------------------------------------------------------------------------
+
+    def _pump(self, w: _SimWorker, now: float) -> None:
+        """Admit queued requests in FIFO order while slots and blocks allow."""
+        costs = self.config.costs
+        while w.queue and w.running < self.config.max_running:
+            job = w.queue[0]
+            try:
+                alloc = w.cache.allocate(job.rid, job.req.blocks)
+            except CacheFullError:
+                return
+            w.queue.popleft()
+            w.running += 1
+            req = job.req
+            w.blocks += len(req.blocks)
+            w.matched_blocks += alloc.matched_blocks
+            cached = min(alloc.matched_blocks * BLOCK_TOKENS, req.input_tokens)
+            prefill = costs.prefill_seconds(req.input_tokens - cached, cached)
+            start = max(now, w.prefill_free_at) if self.config.serial_prefill else now
+            first_token = start + prefill
+            if self.config.serial_prefill:
+                w.prefill_free_at = first_token
+            self._ttft.append(first_token - job.dispatched)
+            done = first_token + costs.decode_seconds(req.output_tokens)
+            self._seq += 1
+            heapq.heappush(self._events, (done, self._seq, w, job))
+
+    def _complete(self, w: _SimWorker, job: _Job, now: float) -> None:
+        w.cache.release(job.rid)
+        w.running -= 1
+        w.inflight_requests -= 1
+        w.inflight_tokens -= job.req.cost_tokens
+        self.views[w.idx] = w.view()
+        self._inflight -= 1
+        self._pump(w, now)
+
+    # -- the event loop -------------------------------------------------------------------------
+
+    def run(self, requests: Sequence[TraceRequest]) -> SimResult:
+        cfg = self.config
+        started = time.perf_counter()
+        limit = cfg.concurrency if cfg.concurrency is not None else math.inf
+        ready: deque[TraceRequest] = deque()
+        events = self._events
+        now = 0.0
+        i, n = 0, len(requests)
+        while True:
+            if i < n:
+                t_arrival = 0.0 if cfg.mode == "sequential" else requests[i].arrival_s / cfg.speedup
+            else:
+                t_arrival = math.inf
+            if events and events[0][0] <= t_arrival:
+                now, _, w, job = heapq.heappop(events)
+                self._complete(w, job, now)
+            elif i < n:
+                now = max(now, t_arrival)
+                ready.append(requests[i])
+                i += 1
+            else:
+                break
+            while ready and self._inflight < limit:
+                self._dispatch(ready.popleft(), now)
+        blocked = [w.worker.id for w in self.workers.values() if w.queue]
+        if blocked:  # cannot happen: a lone request always fits an empty cache
+            raise RuntimeError(f"requests left queued on {blocked}")
+        per_worker = tuple(w.result() for w in self.workers.values())
+        return SimResult(
+            policy=cfg.policy, workers=cfg.workers, cache_blocks=cfg.cache_blocks,
+            mode=cfg.mode, concurrency=cfg.concurrency, speedup=cfg.speedup,
+            requests=n - self._rejected, rejected=self._rejected,
+            blocks=sum(w.blocks for w in per_worker),
+            matched_blocks=sum(w.matched_blocks for w in per_worker),
+            predicted_blocks=self._predicted, best_known_blocks=self._best_known,
+            ttft_s=tuple(self._ttft), decision_us=tuple(self._decision_us),
+            snapshot_us=tuple(self._snapshot_us), sim_seconds=now,
+            wall_seconds=time.perf_counter() - started, per_worker=per_worker,
+            assignments=tuple(self._assignments), reasons=dict(self._reasons),
+        )
+
+
+def _reason_label(reason: str) -> str:
+    kind = reason_kind(reason)
+    if kind == "diverted":  # "diverted: <best holder> <why> (depth=...) -> ..."
+        words = reason.split()
+        if len(words) > 2:
+            kind += ":" + words[2]
+    return kind
+
+
+def simulate(requests: Sequence[TraceRequest], config: SimConfig) -> SimResult:
+    """Run ``requests`` through a fresh simulated cluster under ``config``."""
+    return ClusterSim(config).run(requests)
+
+
+def pooled_bound(requests: Sequence[TraceRequest], total_blocks: int) -> float:
+    """Block hit rate of the same sequence through ONE cache of ``total_blocks`` blocks.
+
+    Sequential: each request allocates (reusing its longest cached prefix, LRU eviction) and is
+    released at once. This is the "pooled single cache" bound of the hit rate a cluster of that
+    total capacity can reach with LRU caches and no concurrency.
+    """
+    cache = PrefixCache(total_blocks, 1)
+    matched = total = 0
+    for req in requests:
+        if len(req.blocks) > total_blocks:
+            continue
+        alloc = cache.allocate("r", req.blocks)
+        cache.release("r")
+        matched += alloc.matched_blocks
+        total += len(req.blocks)
+    return matched / total if total else 0.0

@@ -1,0 +1,129 @@
+"""Metrics of a simulation run, as one flat dict (``--json``) or markdown."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from loadtest.sim.cluster import SimResult
+
+Metrics = dict[str, object]
+
+# Columns of the side-by-side table: (metric key, header, format).
+TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("policy", "policy", "{}"),
+    ("block_hit_rate", "block hit", "{:.3f}"),
+    ("pooled_bound", "pooled bound", "{:.3f}"),
+    ("hit_over_bound", "hit / bound", "{:.3f}"),
+    ("prefill_max_over_mean", "prefill max/mean", "{:.2f}"),
+    ("routed_max_over_mean", "routed max/mean", "{:.2f}"),
+    ("ttft_p50", "TTFT p50 (s)", "{:.2f}"),
+    ("ttft_p99", "TTFT p99 (s)", "{:.2f}"),
+    ("decision_us_p50", "decision p50 (us)", "{:.1f}"),
+    ("decision_us_p99", "decision p99 (us)", "{:.1f}"),
+)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def max_over_mean(values: Sequence[int]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 0.0
+
+
+def metrics(result: SimResult, pooled: float) -> Metrics:
+    """The flat metrics of one run (``pooled``: the pooled-cache bound of the same sequence)."""
+    hit = result.matched_blocks / result.blocks if result.blocks else 0.0
+    return {
+        "policy": result.policy,
+        "workers": result.workers,
+        "cache_blocks": result.cache_blocks,
+        "mode": result.mode,
+        "concurrency": result.concurrency,
+        "speedup": result.speedup if result.mode == "replay" else None,
+        "requests": result.requests,
+        "rejected": result.rejected,
+        "block_hit_rate": hit,
+        "pooled_bound": pooled,
+        "hit_over_bound": hit / pooled if pooled else 0.0,
+        # What the policy believed it would reuse (the index's match at decision time).
+        "predicted_hit_rate": result.predicted_blocks / result.blocks if result.blocks else 0.0,
+        # The deepest prefix the index knew any worker to hold (prefix-index policies only):
+        # the gap to predicted_hit_rate is what the load filter and the scorers gave up.
+        "index_best_hit_rate": (
+            result.best_known_blocks / result.blocks if result.blocks else 0.0
+        ),
+        "prefill_max_over_mean": max_over_mean([w.uncached_blocks for w in result.per_worker]),
+        "routed_max_over_mean": max_over_mean([w.routed for w in result.per_worker]),
+        "ttft_p50": percentile(result.ttft_s, 50),
+        "ttft_p99": percentile(result.ttft_s, 99),
+        "decision_us_p50": percentile(result.decision_us, 50),
+        "decision_us_p99": percentile(result.decision_us, 99),
+        "snapshot_us_p50": percentile(result.snapshot_us, 50),
+        "reasons": dict(sorted(result.reasons.items())),
+        "sim_seconds": result.sim_seconds,
+        "wall_seconds": result.wall_seconds,
+        "per_worker": {
+            w.id: {
+                "routed": w.routed,
+                "blocks": w.blocks,
+                "matched_blocks": w.matched_blocks,
+                "uncached_blocks": w.uncached_blocks,
+                "hit_rate": round(w.hit_rate, 4),
+                "max_queue": w.max_queue,
+            }
+            for w in result.per_worker
+        },
+    }
+
+
+def _fmt(value: object, spec: str) -> str:
+    return spec.format(value) if value is not None else "-"
+
+
+def markdown_one(m: Mapping[str, object]) -> str:
+    """A single run: one ``- key: value`` line per metric, then per-worker counts."""
+    lines = [f"## {m['policy']}: {m['workers']} workers x {m['cache_blocks']} blocks"]
+    for key, value in m.items():
+        if key == "per_worker":
+            continue
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        lines.append(f"- {key}: {shown}")
+    per_worker = m.get("per_worker")
+    if isinstance(per_worker, Mapping):
+        lines += ["", "| worker | routed | blocks | uncached | hit rate | max queue |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for wid, row in per_worker.items():
+            lines.append(
+                f"| {wid} | {row['routed']} | {row['blocks']} | {row['uncached_blocks']} "
+                f"| {row['hit_rate']:.3f} | {row['max_queue']} |"
+            )
+    return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[Mapping[str, object]]) -> str:
+    """Policies side by side (one row each)."""
+    if not rows:
+        return ""
+    first = rows[0]
+    mode = str(first["mode"])
+    if first["mode"] == "replay":
+        mode += f", speedup {first['speedup']}"
+    mode += f", concurrency {first['concurrency'] or 'unbounded'}"
+    lines = [
+        f"{first['workers']} workers x {first['cache_blocks']} blocks, "
+        f"{first['requests']} requests ({mode})",
+        "",
+        "| " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |",
+        "|---|" + "---:|" * (len(TABLE_COLUMNS) - 1),
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(k), f) for k, _, f in TABLE_COLUMNS) + " |")
+    return "\n".join(lines)

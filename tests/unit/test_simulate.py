@@ -1,0 +1,186 @@
+"""The cluster simulator, on small traces with answers computed by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.routing.policies import POLICY_NAMES
+from gateway.routing.ring import Ring
+from loadtest import simulate as cli
+from loadtest.sim import (
+    ORACLE,
+    SimConfig,
+    metrics,
+    policy_names,
+    pooled_bound,
+    simulate,
+    worker_ids,
+)
+from loadtest.traces import (
+    SyntheticSpec,
+    TraceRequest,
+    prefix_key,
+    synthetic_trace,
+    to_mooncake_lines,
+)
+from worker.engines.sim import SimCosts
+
+FREE = SimCosts(prefill_us_per_token=0.0, prefill_us_per_cached_token=0.0,
+                decode_ms_per_token=0.0)
+
+
+def trace(*prompts: list[int], tokens: int | None = None, output: int = 1,
+          gap_s: float = 0.0) -> list[TraceRequest]:
+    """Requests with the given block ids (input = whole blocks unless ``tokens``)."""
+    out = []
+    for i, ids in enumerate(prompts):
+        n = tokens if tokens is not None else 512 * len(ids)
+        out.append(TraceRequest(i, i * gap_s, n, output, prefix_key(ids, n)))
+    return out
+
+
+def config(workers: int, blocks: int, policy: str, **changes: Any) -> SimConfig:
+    """One request at a time, free costs, unless ``changes`` say otherwise."""
+    base = SimConfig(workers, blocks, policy, concurrency=1, costs=FREE)
+    return dataclasses.replace(base, **changes)
+
+
+def num(m: Mapping[str, object], key: str) -> float:
+    value = m[key]
+    assert isinstance(value, int | float)
+    return float(value)
+
+
+# One worker, 4 blocks, one request at a time. LRU, deepest block evicted first:
+#   [1,2] miss -> [3,4] miss (free blocks) -> [1,2] hit 2 -> [5,6] miss (evicts 4, 3)
+#   -> [3,4] miss (evicts 2, 1) -> [5,6,7] hit 2 (evicts 4) -> [1,2] miss.
+LRU_SEQUENCE = ([1, 2], [3, 4], [1, 2], [5, 6], [3, 4], [5, 6, 7], [1, 2])
+LRU_HITS = 4 / 15
+
+
+@pytest.mark.parametrize("policy", [*POLICY_NAMES, ORACLE])
+def test_one_worker_known_lru_evictions(policy: str) -> None:
+    result = simulate(trace(*LRU_SEQUENCE), config(1, 4, policy))
+    assert (result.matched_blocks, result.blocks) == (4, 15)
+    m = metrics(result, pooled_bound(trace(*LRU_SEQUENCE), 4))
+    assert m["block_hit_rate"] == pytest.approx(LRU_HITS)
+    assert m["hit_over_bound"] == pytest.approx(1.0)
+    assert result.per_worker[0].uncached_blocks == 11
+
+
+def test_pooled_bound_is_one_lru_of_all_capacity() -> None:
+    reqs = trace(*LRU_SEQUENCE)
+    assert pooled_bound(reqs, 4) == pytest.approx(LRU_HITS)
+    # Room for everything: [1,2] twice, [3,4] once and [5,6] of [5,6,7] are reused.
+    assert pooled_bound(reqs, 100) == pytest.approx((2 + 2 + 2 + 2) / 15)
+    assert pooled_bound([], 4) == 0.0
+
+
+def test_two_workers_consistent_hash_follows_the_ring() -> None:
+    convs = [[10 * c + i for i in range(4)] for c in range(12)]
+    reqs = trace(*convs, *[[*ids, 999 + j] for j, ids in enumerate(convs)])
+    result = simulate(reqs, config(2, 1000, "consistent_hash"))
+    ring = Ring(dict.fromkeys(worker_ids(2), 1.0))
+    assert list(result.assignments) == [ring.owner(r.key.anchor) for r in reqs]
+    assert len(set(result.assignments)) == 2  # both workers own some anchors
+    # Each follow-up lands where its conversation started and reuses its 4 blocks.
+    assert result.matched_blocks == 12 * 4
+    assert result.blocks == 12 * 4 + 12 * 5
+
+
+def test_round_robin_spreads_exactly_evenly() -> None:
+    reqs = trace(*[[i, i + 1000] for i in range(30)])
+    result = simulate(reqs, config(3, 50, "round_robin", concurrency=8))
+    assert [w.routed for w in result.per_worker] == [10, 10, 10]
+    assert metrics(result, 0.0)["routed_max_over_mean"] == 1.0
+
+
+def test_oracle_beats_round_robin_on_shared_prefixes() -> None:
+    for seed in (1, 2, 3):
+        reqs = synthetic_trace(SyntheticSpec(requests=400, tenants=8, system_blocks=6, seed=seed))
+        bound = pooled_bound(reqs, 4 * 128)
+        rr = simulate(reqs, SimConfig(4, 128, "round_robin", concurrency=8))
+        oracle = simulate(reqs, SimConfig(4, 128, ORACLE, concurrency=8))
+        assert rr.matched_blocks < oracle.matched_blocks <= bound * oracle.blocks
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_every_policy_runs_and_reports(policy: str) -> None:
+    reqs = synthetic_trace(SyntheticSpec(requests=200, tenants=6, seed=1))
+    result = simulate(reqs, SimConfig(4, 80, policy, concurrency=16))
+    m = metrics(result, pooled_bound(reqs, 320))
+    assert m["requests"] == 200
+    assert sum(w.routed for w in result.per_worker) == 200
+    assert len(result.decision_us) == len(result.ttft_s) == 200
+    assert 0.0 <= num(m, "block_hit_rate") <= 1.0
+    assert num(m, "ttft_p50") > 0.0
+    per_worker = m["per_worker"]
+    assert isinstance(per_worker, dict)
+    assert set(per_worker) == set(worker_ids(4))
+
+
+def test_cost_model_prefill_of_uncached_and_cached_tokens() -> None:
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=2.5,
+                     decode_ms_per_token=10.0)
+    reqs = trace([1, 2], [1, 2], tokens=1000, output=3)
+    result = simulate(reqs, config(1, 8, "round_robin", costs=costs))
+    # Cold: 1000 uncached tokens. Warm: both blocks cached, capped at the 1000 real tokens.
+    assert result.ttft_s == pytest.approx((0.1, 0.0025))
+    # Sequential, one in flight: the second starts when the first ends (2 decode steps).
+    assert result.sim_seconds == pytest.approx(0.1 + 0.02 + 0.0025 + 0.02)
+
+
+def test_replay_serializes_prefill_per_worker() -> None:
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0)
+    reqs = trace([1], [2], [3], tokens=500)  # all arrive at t=0
+    serial = simulate(reqs, config(1, 8, "round_robin", mode="replay", concurrency=None,
+                                   costs=costs))
+    assert serial.ttft_s == pytest.approx((0.05, 0.10, 0.15))
+    parallel = simulate(reqs, config(1, 8, "round_robin", mode="replay", concurrency=None,
+                                     costs=costs, serial_prefill=False))
+    assert parallel.ttft_s == pytest.approx((0.05, 0.05, 0.05))
+    # Arrival times divided by the speedup.
+    spaced = trace([1], [2], tokens=500, gap_s=1.0)
+    fast = simulate(spaced, config(1, 8, "round_robin", mode="replay", speedup=4.0,
+                                   costs=costs))
+    assert fast.sim_seconds == pytest.approx(0.25 + 0.05)
+
+
+def test_requests_wait_for_blocks_held_by_running_ones() -> None:
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0)
+    # 3 blocks: the second request (3 blocks) cannot be admitted until the first ends.
+    reqs = trace([1, 2], [3, 4, 5], tokens=1000)
+    result = simulate(reqs, config(1, 3, "round_robin", mode="replay", concurrency=None,
+                                   costs=costs))
+    assert result.ttft_s == pytest.approx((0.1, 0.2))
+
+
+def test_cli_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [(i * 0.5, 1024, 4, [0, 1 + i % 3]) for i in range(12)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(to_mooncake_lines(rows)) + "\n", encoding="utf-8")
+    assert cli.main(["--trace", str(path), "--workers", "2", "--cache-blocks", "8",
+                     "--policy", "round_robin", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("block_hit_rate", "pooled_bound", "hit_over_bound", "prefill_max_over_mean",
+                "routed_max_over_mean", "ttft_p50", "ttft_p99", "decision_us_p50",
+                "decision_us_p99", "requests", "workers", "cache_blocks", "policy",
+                "per_worker"):
+        assert key in out
+    assert out["requests"] == 12
+    assert out["mode"] == "sequential"
+    assert out["concurrency"] == 64
+    assert cli.main(["--trace", str(path), "--workers", "2", "--cache-blocks", "8",
+                     "--policy", "all", "--speedup", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "replay, speedup 2.0" in table
+    for name in policy_names():
+        assert f"| {name} |" in table
