@@ -115,6 +115,8 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "matched_tokens": s.matched_tokens,
                 "hit_ratio": s.matched_tokens / s.input_tokens if s.input_tokens else 0.0,
                 "last_error": s.last_error,
+                "kind": s.worker.kind,
+                "engine_metrics": dict(s.engine_metrics),
             }
         )
     return web.json_response(

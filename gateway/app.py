@@ -89,7 +89,7 @@ async def _probe_all(state: GatewayState) -> None:
     probes = await asyncio.gather(*(_probe(state, s.worker) for s in workers))
     for s, probe in zip(workers, probes, strict=True):
         if probe.healthy:
-            state.pool.mark_up(s.worker.id, probe.models)
+            state.pool.mark_up(s.worker.id, probe.models, probe.metrics)
         else:
             state.pool.mark_down(s.worker.id, probe.error)
 
@@ -136,15 +136,20 @@ def build_store(settings: GatewaySettings) -> MetadataStore:
     return RedisStore(settings.store, prefix=settings.store_prefix)
 
 
-def create_app(settings: GatewaySettings) -> web.Application:
-    index = PrefixIndex(capacity=settings.index_capacity, ttl_s=settings.index_ttl_s)
-    pool = WorkerPool(settings.worker, index)
-    backend = OpenAIHTTPBackend(
+def _http_backend(settings: GatewaySettings, *, namespace_in_body: bool) -> OpenAIHTTPBackend:
+    return OpenAIHTTPBackend(
         connect_timeout_s=settings.connect_timeout_s,
         read_timeout_s=settings.read_timeout_s,
         max_connections=settings.max_connections,
         max_connections_per_worker=settings.max_connections_per_worker,
+        namespace_in_body=namespace_in_body,
     )
+
+
+def create_app(settings: GatewaySettings) -> web.Application:
+    index = PrefixIndex(capacity=settings.index_capacity, ttl_s=settings.index_ttl_s)
+    pool = WorkerPool(settings.worker, index)
+    backend = _http_backend(settings, namespace_in_body=False)
     store = build_store(settings)
     origin = settings.replica_id()
     state = GatewayState(
@@ -154,6 +159,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
         engine=build_engine(settings.policy, settings.policy_options()),
         backends={
             "openai": backend,
+            "vllm": _http_backend(settings, namespace_in_body=True),
             "sagemaker": SageMakerBackend(
                 connect_timeout_s=settings.connect_timeout_s,
                 read_timeout_s=settings.read_timeout_s,

@@ -25,16 +25,27 @@ def worker_id_for(url: str) -> str:
     ``sagemaker://`` targets)."""
     if is_sagemaker_url(url):
         return parse_target(url).id
-    parts = urlsplit(url)
+    parts = urlsplit(plain_url(url))
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"worker URL must look like http://host:port, got {url!r}")
     port = parts.port or (443 if parts.scheme == "https" else 80)
     return f"{parts.hostname}:{port}"
 
 
+VLLM_SCHEMES = ("vllm+http://", "vllm+https://")
+
+
 def kind_for(url: str) -> str:
-    """The backend kind a worker URL implies: its scheme (``sagemaker://``) or OpenAI HTTP."""
-    return "sagemaker" if is_sagemaker_url(url) else "openai"
+    """The backend kind a worker URL implies: ``sagemaker://``, ``vllm+http://`` (a vLLM server:
+    tenant namespaces go into ``cache_salt``) or plain OpenAI HTTP."""
+    if is_sagemaker_url(url):
+        return "sagemaker"
+    return "vllm" if url.startswith(VLLM_SCHEMES) else "openai"
+
+
+def plain_url(url: str) -> str:
+    """The URL to send requests to: ``vllm+http://h:p`` is served at ``http://h:p``."""
+    return url.removeprefix("vllm+") if url.startswith(VLLM_SCHEMES) else url
 
 
 @dataclass(slots=True)
@@ -51,6 +62,7 @@ class WorkerState:
     input_tokens: int = 0
     matched_tokens: int = 0
     models: frozenset[str] = field(default_factory=frozenset)
+    engine_metrics: Mapping[str, float] = field(default_factory=dict)  # scraped from /metrics
 
     def view(self) -> WorkerView:
         return WorkerView(
@@ -82,7 +94,7 @@ class WorkerPool:
         url = url.rstrip("/")
         wid = wid or worker_id_for(url)
         if wid not in self._workers:
-            worker = Worker(wid, url, weight=weight, kind=kind or kind_for(url))
+            worker = Worker(wid, plain_url(url), weight=weight, kind=kind or kind_for(url))
             self._workers[wid] = WorkerState(worker, source=source)
             self._rebuild_ring()
             log.info("worker %s joined (%s, %s)", wid, url, source)
@@ -126,10 +138,14 @@ class WorkerPool:
         return self._workers[wid]
 
     # -- health -------------------------------------------------------------------------------
-    def mark_up(self, wid: str, models: frozenset[str]) -> None:
+    def mark_up(
+        self, wid: str, models: frozenset[str], metrics: Mapping[str, float] | None = None
+    ) -> None:
         state = self._workers.get(wid)
         if state is None:
             return
+        if metrics is not None:
+            state.engine_metrics = dict(metrics)
         if not state.healthy:
             log.info("worker %s is up (models: %s)", wid, ", ".join(sorted(models)) or "?")
         state.healthy = True

@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.backends.base import BackendUnavailable, UpstreamReply
+from gateway.backends.openai_http import NAMESPACE_HEADER
 from gateway.errors import NoWorkerAvailable, UpstreamError
 from gateway.routing.types import Decision, NoCandidates, RouteRequest
 from gateway.state import GatewayState
@@ -35,6 +36,7 @@ CACHE_HEADERS = (
     "x-cache-matched-blocks",
     "x-cache-hit-ratio",
 )
+_USAGE_TAIL_BYTES = 8192
 _RELAYED_HEADERS = ("Content-Type", "x-request-id", *CACHE_HEADERS)
 
 
@@ -79,6 +81,10 @@ async def dispatch(
     forward = {k: v for k, v in forward.items() if v}
     # A routing hint for backends that can use it (SageMaker: PrefixAwareId, sessions).
     forward["x-prefix-anchor"] = route_request.key.anchor_hex
+    # The tenant's cache namespace: our worker keys its cache by it, vLLM gets it as cache_salt.
+    tenant = http_request.get(TENANT_KEY, "")
+    if tenant:
+        forward[NAMESPACE_HEADER] = tenant
     for _ in range(settings.max_attempts):
         started = time.perf_counter()
         state.index.set_time(time.monotonic())
@@ -122,23 +128,44 @@ async def dispatch(
     )
 
 
+def stats_from_headers(reply: UpstreamReply) -> tuple[int, int] | None:
+    """(input tokens, matched tokens) from our worker's ``x-cache-*`` headers."""
+    input_tokens = _int_header(reply, "x-cache-input-tokens")
+    return (input_tokens, _int_header(reply, "x-cache-matched-tokens")) if input_tokens else None
+
+
+def stats_from_usage(payload: bytes) -> tuple[int, int] | None:
+    """(prompt tokens, cached tokens) from an OpenAI ``usage`` (vLLM fills
+    ``prompt_tokens_details.cached_tokens``), in a JSON body or the tail of an SSE stream."""
+    for line in reversed(payload.splitlines()):
+        line = line.removeprefix(b"data:").strip()
+        if not line.startswith(b"{") or b'"usage"' not in line:
+            continue
+        try:
+            usage = json.loads(line).get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            prompt = int(usage.get("prompt_tokens") or 0)
+            cached = int(details.get("cached_tokens") or 0)
+        except (ValueError, AttributeError, TypeError):
+            return None
+        return (prompt, cached) if prompt > 0 else None
+    return None
+
+
 def report_cache(
     state: GatewayState,
     http_request: web.Request,
-    reply: UpstreamReply,
     decision: Decision,
     route_request: RouteRequest,
+    stats: tuple[int, int] | None,
 ) -> None:
     """Count what the worker reused, against what the index predicted it would."""
-    input_tokens = _int_header(reply, "x-cache-input-tokens")
-    matched = _int_header(reply, "x-cache-matched-tokens")
-    if input_tokens <= 0:
-        return  # this worker does not report (e.g. a server without our headers)
+    if stats is None:
+        return  # this worker reports nothing we can read
+    input_tokens, matched = stats
     state.pool.record_cache_stats(decision.worker_id, input_tokens, matched)
     blocks = len(route_request.key.blocks)
-    predicted = (
-        round(input_tokens * decision.match_blocks / blocks) if blocks else 0
-    )
+    predicted = round(input_tokens * decision.match_blocks / blocks) if blocks else 0
     state.sync.reported(CacheReport(
         worker_id=decision.worker_id,
         tenant=http_request.get(TENANT_KEY, ""),
@@ -160,7 +187,7 @@ async def _relay(
         value = reply.headers.get(name)
         if value is not None:
             headers[name] = value
-    report_cache(state, http_request, reply, decision, route_request)
+    stats = stats_from_headers(reply)
     content_type = reply.headers.get("Content-Type", "")
     if not content_type.startswith("text/event-stream"):
         try:
@@ -169,12 +196,18 @@ async def _relay(
             raise UpstreamError(f"{decision.worker_id} broke off its reply: {exc}") from exc
         finally:
             reply.release()
+        if stats is None and reply.status == 200:
+            stats = stats_from_usage(payload)
+        report_cache(state, http_request, decision, route_request, stats)
         return web.Response(body=payload, status=reply.status, headers=headers)
     response = web.StreamResponse(status=reply.status, headers=headers)
     await response.prepare(http_request)
+    tail = b""  # the end of the stream, where a final usage chunk sits
     try:
         async for chunk in reply.chunks():
             await response.write(chunk)
+            if stats is None:
+                tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
     except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
         log.warning("stream from %s broke off: %s", decision.worker_id, exc)
         error = {
@@ -188,5 +221,6 @@ async def _relay(
         await response.write(f"data: {json.dumps(error)}\n\n".encode())
     finally:
         reply.release()
+    report_cache(state, http_request, decision, route_request, stats or stats_from_usage(tail))
     await response.write_eof()
     return response

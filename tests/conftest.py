@@ -84,6 +84,7 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
         workers: int = 4,
         worker_settings: WorkerSettings = FAST_WORKER,
         dead_workers: int = 0,
+        scheme_prefix: str = "",
         **gateway_overrides: Any,
     ) -> Cluster:
         runners: dict[str, web.AppRunner] = {}
@@ -98,7 +99,8 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
         urls += [f"http://127.0.0.1:{free_port()}" for _ in range(dead_workers)]
         gport = free_port()
         gsettings = dataclasses.replace(
-            GatewaySettings(port=gport, worker=tuple(urls)), **gateway_overrides
+            GatewaySettings(port=gport, worker=tuple(scheme_prefix + u for u in urls)),
+            **gateway_overrides,
         )
         gateway_runner = await serve(create_gateway(gsettings), gport)
         cluster = Cluster(f"http://127.0.0.1:{gport}", urls, {"gateway": gateway_runner})

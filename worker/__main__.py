@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -13,11 +14,20 @@ from worker.engines.base import EngineUnavailableError
 from worker.server import ENGINE_KEY, create_app
 from worker.settings import parse_settings
 from worker.tokenizer import TokenizerUnavailableError
+from worker.vllm_launcher import launch
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    # Everything after "--" belongs to the engine (``--engine vllm -- <vllm serve args>``).
+    engine_args = args[args.index("--") + 1 :] if "--" in args else []
+    args = args[: args.index("--")] if "--" in args else args
     try:
-        settings = parse_settings(argv)
+        settings = parse_settings(args)
+        if settings.engine == "vllm":
+            logging.basicConfig(level=logging.INFO,
+                                format="%(asctime)s %(levelname)s %(name)s %(message)s")
+            return asyncio.run(launch(settings, engine_args))
         app = create_app(settings)
     except (SettingsError, TokenizerUnavailableError, EngineUnavailableError) as exc:
         print(f"python -m worker: error: {exc}", file=sys.stderr)

@@ -56,6 +56,13 @@ class EngineCollector:
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(values, gvalue)
             yield gauge
+        # vLLM's info gauge: the cache geometry, so launchers and gateways learn the capacity.
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the KV cache config.",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([str(s.cache.block_size), str(s.cache.num_blocks)], 1.0)
+        yield info
 
 
 class WorkerMetrics:

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from gateway.config import SettingsError, load_settings
 
-ENGINES = ("sim", "torch")
+ENGINES = ("sim", "torch", "vllm")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
@@ -126,6 +126,14 @@ class WorkerSettings:
     )
     heartbeat_s: float = field(
         default=1.0, metadata={"help": "Seconds between registry heartbeats."}
+    )
+    vllm_binary: str = field(
+        default="vllm",
+        metadata={"help": "--engine vllm: the command that runs vLLM (its 'serve' subcommand "
+                  "and the arguments after -- are appended)."},
+    )
+    startup_timeout_s: float = field(
+        default=900.0, metadata={"help": "--engine vllm: seconds to wait for vLLM's /health."}
     )
     registry_ttl_s: float = field(
         default=3.0,

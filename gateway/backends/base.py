@@ -8,7 +8,7 @@ retry on another worker (nothing has reached the client yet) or to start relayin
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.routing.types import Worker
@@ -23,6 +23,7 @@ class WorkerProbe:
     healthy: bool
     models: frozenset[str]
     error: str = ""
+    metrics: Mapping[str, float] = field(default_factory=dict)  # engine metrics, if scraped
 
 
 class UpstreamReply(Protocol):

@@ -3,11 +3,21 @@
 One pooled :class:`aiohttp.ClientSession` for all workers, with a bounded connection pool (in
 total and per worker), an explicit connect timeout and a read timeout between bytes (a long
 generation keeps streaming; a stuck worker is cut off).
+
+Tenant isolation: the gateway passes the tenant's cache namespace as the ``x-cache-namespace``
+header, which our reference worker honours. vLLM has no such header; for ``kind = "vllm"`` the
+namespace goes into the body as vLLM's ``cache_salt`` (unless the client set one), so tenants
+never share KV blocks there either.
+
+Health probes read ``/health`` and ``/v1/models``, and scrape ``/metrics`` for vLLM's engine
+gauges and counters (``vllm:num_requests_running``, ``..._waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:prefix_cache_queries/hits``), which the gateway shows per worker and exports.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -15,6 +25,28 @@ import aiohttp
 
 from gateway.backends.base import BackendUnavailable, WorkerProbe
 from gateway.routing.types import Worker
+
+NAMESPACE_HEADER = "x-cache-namespace"
+ENGINE_METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+)
+_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
+
+
+def parse_engine_metrics(text: str) -> dict[str, float]:
+    """Sum each of :data:`ENGINE_METRICS` over its label sets in a Prometheus text page."""
+    out: dict[str, float] = {}
+    for name, value in _SAMPLE.findall(text):
+        if name in ENGINE_METRICS:
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+    return out
 
 
 class HTTPReply:
@@ -43,7 +75,9 @@ class OpenAIHTTPBackend:
         max_connections: int,
         max_connections_per_worker: int,
         probe_timeout_s: float = 2.0,
+        namespace_in_body: bool = False,
     ) -> None:
+        self._namespace_in_body = namespace_in_body
         self._limits = (max_connections, max_connections_per_worker)
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
@@ -69,6 +103,11 @@ class OpenAIHTTPBackend:
     async def open(
         self, worker: Worker, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
     ) -> HTTPReply:
+        namespace = headers.get(NAMESPACE_HEADER, "")
+        if self._namespace_in_body:
+            headers = {k: v for k, v in headers.items() if k != NAMESPACE_HEADER}
+            if namespace and not body.get("cache_salt"):
+                body = {**body, "cache_salt": namespace}
         data = json.dumps(body, ensure_ascii=False).encode("utf-8")
         try:
             response = await self._session.post(
@@ -91,6 +130,7 @@ class OpenAIHTTPBackend:
                 worker.url + "/v1/models", timeout=self._probe_timeout
             ) as listing:
                 payload = await listing.json(content_type=None)
+            metrics = await self._scrape(worker)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             return WorkerProbe(False, frozenset(), f"{type(exc).__name__}: {exc}")
         models = frozenset(
@@ -98,7 +138,16 @@ class OpenAIHTTPBackend:
             for m in payload.get("data", [])
             if isinstance(m, dict) and isinstance(m.get("id"), str)
         ) if isinstance(payload, dict) else frozenset()
-        return WorkerProbe(True, models)
+        return WorkerProbe(True, models, metrics=metrics)
+
+    async def _scrape(self, worker: Worker) -> dict[str, float]:
+        """vLLM's engine metrics from ``/metrics``; empty if the server exposes none."""
+        async with self._session.get(
+            worker.url + "/metrics", timeout=self._probe_timeout
+        ) as response:
+            if response.status != 200:
+                return {}
+            return parse_engine_metrics(await response.text())
 
     async def close(self) -> None:
         if self._client is not None:

@@ -1,0 +1,66 @@
+"""The vLLM backend end to end, with our reference worker speaking vLLM's API and metrics."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+
+from gateway.proxy import stats_from_usage
+from tests.conftest import MODEL, StartCluster
+
+PROMPT = "Summarise the maintenance manual of the tandem bicycle, chapter by chapter. " * 20
+
+
+def test_cache_stats_come_from_usage_in_bodies_and_streams() -> None:
+    body = b'{"id": "x", "usage": {"prompt_tokens": 120, "completion_tokens": 3, ' \
+           b'"prompt_tokens_details": {"cached_tokens": 96}}}'
+    assert stats_from_usage(body) == (120, 96)
+    stream = (b'data: {"choices": [{"text": "a"}]}\n\n'
+              b'data: {"choices": [], "usage": {"prompt_tokens": 50, '
+              b'"prompt_tokens_details": null}}\n\ndata: [DONE]\n\n')
+    assert stats_from_usage(stream) == (50, 0)
+    assert stats_from_usage(b'{"choices": []}') is None
+    assert stats_from_usage(b"data: {not json, \"usage\"}\n\n") is None
+
+
+async def test_vllm_target_chat_completions_streaming_and_tenant_salt(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(workers=1, scheme_prefix="vllm+")
+    worker_url = cluster.worker_urls[0]
+    async with openai.AsyncOpenAI(base_url=cluster.base_url, api_key="tenant-a",
+                                  max_retries=0) as a, openai.AsyncOpenAI(
+        base_url=cluster.base_url, api_key="tenant-b", max_retries=0
+    ) as b:
+        chat = await a.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert chat.choices[0].message.content
+        pieces = [
+            c.choices[0].text async for c in await a.completions.create(
+                model=MODEL, prompt="stream me", max_tokens=4, stream=True)
+            if c.choices
+        ]
+        assert len([p for p in pieces if p]) == 4
+        first = await a.completions.with_raw_response.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1)
+        again = await a.completions.with_raw_response.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1)
+        other = await b.completions.with_raw_response.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1)
+    assert first.headers["x-route-worker"] == worker_url.removeprefix("http://")
+    usage_again = again.parse().usage
+    usage_other = other.parse().usage
+    assert usage_again is not None
+    assert usage_other is not None
+    assert usage_again.prompt_tokens_details is not None
+    assert (usage_again.prompt_tokens_details.cached_tokens or 0) > 0  # same tenant: reused
+    # Another tenant: its cache_salt differs, so it shares no KV block with tenant A.
+    assert usage_other.prompt_tokens_details is not None
+    assert usage_other.prompt_tokens_details.cached_tokens == 0
+    async with aiohttp.ClientSession() as http, http.get(
+        cluster.gateway_url + "/admin/workers"
+    ) as r:
+        view = (await r.json())["workers"][0]
+    assert view["kind"] == "vllm"
+    assert "vllm:num_requests_running" in view["engine_metrics"]
+    assert view["input_tokens"] > 0
