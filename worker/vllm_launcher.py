@@ -106,7 +106,12 @@ async def launch(settings: WorkerSettings, vllm_args: Sequence[str]) -> int:
     cmd = vllm_command(settings, vllm_args)
     env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
     log.info("starting: %s", shlex.join(cmd))
-    proc = await asyncio.create_subprocess_exec(*cmd, env=env)
+    try:
+        proc = await asyncio.create_subprocess_exec(*cmd, env=env)
+    except OSError as exc:
+        print(f"python -m worker --engine vllm: cannot start vllm ({cmd[0]}): {exc}",
+              file=sys.stderr)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -427,11 +427,17 @@ def test_cli_help_and_bad_engine() -> None:
     assert "--cache-blocks" in ok.stdout
     assert "WORKER_MAX_RUNNING" in ok.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "worker", "--engine", "vllm"],
+        [sys.executable, "-m", "worker", "--engine", "tgi"],
         capture_output=True, text=True, check=False, cwd=REPO_ROOT,
     )
     assert bad.returncode == 2
-    assert "engine 'vllm' is not available" in bad.stderr
+    assert "engine 'tgi' is not available" in bad.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "worker", "--engine", "vllm", "--vllm-binary", "no-such-vllm"],
+        capture_output=True, text=True, check=False, cwd=REPO_ROOT,
+    )
+    assert missing.returncode == 2
+    assert "cannot start vllm" in missing.stderr
 
 
 def test_settings_from_environment() -> None:
