@@ -78,6 +78,7 @@ class WorkerPool:
         self._workers: dict[str, WorkerState] = {}
         self._index = index
         self._ring = Ring({})
+        self._ring_dirty = False
         for url in urls:
             self.add(url)
 
@@ -106,10 +107,15 @@ class WorkerPool:
             self._rebuild_ring()
             log.info("worker %s left", wid)
 
-    def set_weight(self, wid: str, weight: float) -> None:
-        state = self._workers.get(wid)
-        if state is not None and abs(state.worker.weight - weight) > 1e-9:
-            state.worker = dataclasses.replace(state.worker, weight=weight)
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """New ring weights; the ring is rebuilt once, and only if one changed."""
+        changed = False
+        for wid, weight in weights.items():
+            state = self._workers.get(wid)
+            if state is not None and abs(state.worker.weight - weight) > 1e-9:
+                state.worker = dataclasses.replace(state.worker, weight=weight)
+                changed = True
+        if changed:
             self._rebuild_ring()
 
     def set_capacity(self, wid: str, blocks: int) -> None:
@@ -126,7 +132,8 @@ class WorkerPool:
         return {wid: s.inflight_tokens for wid, s in self._workers.items() if s.inflight_tokens}
 
     def _rebuild_ring(self) -> None:
-        self._ring = Ring({wid: s.worker.weight for wid, s in self._workers.items()})
+        # Lazily, at the next snapshot: a burst of membership changes costs one rebuild.
+        self._ring_dirty = True
 
     def __contains__(self, wid: str) -> bool:
         return wid in self._workers
@@ -194,6 +201,13 @@ class WorkerPool:
             state.matched_tokens += matched_tokens
 
     # -- routing input ------------------------------------------------------------------------
+    @property
+    def ring(self) -> Ring:
+        if self._ring_dirty:
+            self._ring = Ring({wid: s.worker.weight for wid, s in self._workers.items()})
+            self._ring_dirty = False
+        return self._ring
+
     def snapshot(self) -> Snapshot:
         views = tuple(s.view() for s in self._workers.values())
-        return Snapshot(workers=views, index=self._index, ring=self._ring)
+        return Snapshot(workers=views, index=self._index, ring=self.ring)

@@ -1,7 +1,8 @@
 """Send one routed request to a worker and relay its answer to the client.
 
 The attempt loop: route, send, and if the worker cannot be reached or answers 429/5xx before any
-byte went to the client, exclude it and route again (at most ``max_attempts`` workers). Once the
+byte went to the client, exclude it and route again (at most ``max_attempts`` workers; after a
+429 or 503 it first waits a short jittered backoff, 50 ms doubling up to 1 s). Once the
 relay has started nothing is retried: a failure mid-stream ends the stream with an SSE error
 event, so the client is never left with a silently truncated answer.
 """
@@ -12,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import random
 import time
 
 import aiohttp
@@ -37,6 +39,8 @@ CACHE_HEADERS = (
     "x-cache-hit-ratio",
 )
 _USAGE_TAIL_BYTES = 8192
+_FIRST_BACKOFF_S = 0.05  # before retrying elsewhere after a 429/503; doubles, jittered
+_MAX_BACKOFF_S = 1.0
 _RELAYED_HEADERS = ("Content-Type", "x-request-id", *CACHE_HEADERS)
 
 
@@ -85,7 +89,11 @@ async def dispatch(
     tenant = http_request.get(TENANT_KEY, "")
     if tenant:
         forward[NAMESPACE_HEADER] = tenant
+    backoff_s = 0.0
     for _ in range(settings.max_attempts):
+        if backoff_s:
+            # The last worker was busy (429/503): give the pool a moment before the next one.
+            await asyncio.sleep(backoff_s * (0.5 + random.random()))
         started = time.perf_counter()
         state.index.set_time(time.monotonic())
         try:
@@ -108,11 +116,23 @@ async def dispatch(
                 problems.append(f"{wid}: {exc}")
             else:
                 if reply.status != 429 and reply.status < 500:
-                    state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
-                    return await _relay(state, http_request, reply, decision, route_request)
-                detail = (await reply.read())[:200].decode("utf-8", "replace")
-                reply.release()
-                problems.append(f"{wid}: HTTP {reply.status} {detail}")
+                    if _is_stream(reply):
+                        state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
+                        return await _relay_stream(
+                            state, http_request, reply, decision, route_request)
+                    payload = await _read_whole(reply)
+                    if payload is not None:
+                        state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
+                        return _respond_whole(
+                            state, http_request, reply, payload, decision, route_request)
+                    # It broke off before the client saw a byte: try the next worker.
+                    pool.mark_down(wid, "the connection broke off during its reply")
+                    problems.append(f"{wid}: broke off its reply")
+                else:
+                    detail = ((await _read_whole(reply)) or b"")[:200].decode("utf-8", "replace")
+                    problems.append(f"{wid}: HTTP {reply.status} {detail}")
+                    if reply.status in (429, 503):
+                        backoff_s = min(max(2 * backoff_s, _FIRST_BACKOFF_S), _MAX_BACKOFF_S)
             excluded.add(wid)
             state.metrics.retries.labels(wid).inc()
             # It never got the prompt: it holds no more of this prefix than it did before.
@@ -175,31 +195,57 @@ def report_cache(
     ))
 
 
-async def _relay(
+def _is_stream(reply: UpstreamReply) -> bool:
+    return reply.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+async def _read_whole(reply: UpstreamReply) -> bytes | None:
+    """The whole body, or None if the worker broke off while sending it."""
+    try:
+        return await reply.read()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    finally:
+        reply.release()
+
+
+def _client_headers(decision: Decision, route_request: RouteRequest,
+                    reply: UpstreamReply) -> dict[str, str]:
+    headers = route_headers(decision, route_request)
+    for name in _RELAYED_HEADERS:
+        value = reply.headers.get(name)
+        if value is not None:
+            headers[name] = value
+    return headers
+
+
+def _respond_whole(
+    state: GatewayState,
+    http_request: web.Request,
+    reply: UpstreamReply,
+    payload: bytes,
+    decision: Decision,
+    route_request: RouteRequest,
+) -> web.Response:
+    stats = stats_from_headers(reply)
+    if stats is None and reply.status == 200:
+        stats = stats_from_usage(payload)
+    report_cache(state, http_request, decision, route_request, stats)
+    return web.Response(
+        body=payload, status=reply.status,
+        headers=_client_headers(decision, route_request, reply),
+    )
+
+
+async def _relay_stream(
     state: GatewayState,
     http_request: web.Request,
     reply: UpstreamReply,
     decision: Decision,
     route_request: RouteRequest,
 ) -> web.StreamResponse:
-    headers = route_headers(decision, route_request)
-    for name in _RELAYED_HEADERS:
-        value = reply.headers.get(name)
-        if value is not None:
-            headers[name] = value
+    headers = _client_headers(decision, route_request, reply)
     stats = stats_from_headers(reply)
-    content_type = reply.headers.get("Content-Type", "")
-    if not content_type.startswith("text/event-stream"):
-        try:
-            payload = await reply.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(f"{decision.worker_id} broke off its reply: {exc}") from exc
-        finally:
-            reply.release()
-        if stats is None and reply.status == 200:
-            stats = stats_from_usage(payload)
-        report_cache(state, http_request, decision, route_request, stats)
-        return web.Response(body=payload, status=reply.status, headers=headers)
     response = web.StreamResponse(status=reply.status, headers=headers)
     await response.prepare(http_request)
     tail = b""  # the end of the stream, where a final usage chunk sits

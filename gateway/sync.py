@@ -163,8 +163,8 @@ class StoreSync:
         if not known:
             return
         mean = sum(r.capacity_tokens() for r in known) / len(known)
+        self.pool.set_weights({r.id: r.capacity_tokens() / mean for r in known})
         for record in known:
-            self.pool.set_weight(record.id, record.capacity_tokens() / mean)
             self.pool.set_capacity(
                 record.id, max(1, int(record.capacity_tokens() / self._tokens_per_block))
             )

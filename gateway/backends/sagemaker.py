@@ -7,8 +7,8 @@ names one endpoint variant or inference component. ``stream: true`` requests go 
 * **Clients**: one aiobotocore client per (service, region, endpoint URL), created on first use
   inside the backend's exit stack (opened in :meth:`start`, closed in :meth:`close`); in the usual
   one-region deployment that is one runtime client and one control-plane client (for probes).
-  botocore's retries are off (``standard`` mode, ``max_attempts=1``): the gateway retries across
-  targets itself, before the first byte, and never after streaming began.
+  botocore's retries are off (``standard`` mode, ``total_max_attempts=1``): the gateway retries
+  across targets itself, before the first byte, and never after streaming began.
 * **Affinity inside a variant**: the gateway's prefix anchor (the ``x-prefix-anchor`` hint the
   proxy passes to every backend) goes out as ``PrefixAwareId`` (a modeled parameter of the
   installed botocore, header ``X-Amzn-SageMaker-Prefix-Aware-Id``), so a ``PREFIX_AWARE`` variant
@@ -88,7 +88,12 @@ def _snake(code: str) -> str:
 
 
 def _openai_error(status: int, message: str, code: str) -> bytes:
-    kind = "invalid_request_error" if 400 <= status < 500 and status != 424 else "upstream_error"
+    if status == 429:
+        kind = "rate_limit_error"
+    elif 400 <= status < 500 and status != 424:
+        kind = "invalid_request_error"
+    else:
+        kind = "upstream_error"
     return json.dumps(
         {"error": {"message": message, "type": kind, "param": None, "code": code}}
     ).encode("utf-8")
@@ -247,7 +252,9 @@ class SageMakerBackend:
             read_timeout=read_timeout_s,
             max_pool_connections=max_connections,
             # Explicit: no SDK-level retries; the gateway retries on another target instead.
-            retries={"mode": "standard", "max_attempts": 1},
+            # (In client config ``max_attempts`` counts retries; ``total_max_attempts`` counts
+            # attempts: 1 = the call itself only.)
+            retries={"mode": "standard", "total_max_attempts": 1},
         )
         self._probe_timeout_s = probe_timeout_s
         self._session: AioSession | None = None

@@ -112,3 +112,14 @@ def test_removing_a_worker_moves_only_its_anchors_weighted() -> None:
         1 for b, a in zip(before, after, strict=True) if b != "d" and a != b
     )
     assert moved_between_survivors == 0
+
+
+def test_owners_match_uhashrings_ketama_ring() -> None:
+    """Equal weights: the same continuum as uhashring's ketama ring with 40 virtual nodes."""
+    from uhashring import HashRing
+
+    ids = [f"10.0.0.{i}:8001" for i in range(7)]
+    reference = HashRing(nodes=ids, hash_fn="ketama", vnodes=40)
+    ring = Ring(dict.fromkeys(ids, 1.0))
+    for anchor in range(0, 5_000_000, 9_973):
+        assert ring.owner(anchor) == reference.get_node(f"{anchor:016x}")
