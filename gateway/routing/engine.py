@@ -33,6 +33,9 @@ class Context:
     # Filters that enforce a load bound write each candidate's bound here (tokens, before the
     # request is added), so the decision can report how close the chosen worker was to it.
     load_bounds: dict[str, float] = field(default_factory=dict)
+    # When the engine narrowed the candidates (``Profile.candidate_limit``): in-flight tokens
+    # and weight of every healthy candidate it started from, so load bounds stay pool-wide.
+    pool_load: tuple[int, float] | None = None
 
 
 class Filter(Protocol):
@@ -68,6 +71,10 @@ class Profile:
     uses_prefix_index: bool = False
     # Shorter matches count as no match (a common first block says nothing about the rest).
     min_match_blocks: int = 1
+    # 0: every worker is a candidate. k > 0: only the index's holders of this prefix and the
+    # first k healthy workers on the ring from its anchor, so the cost of a decision does not
+    # grow with the fleet (the load bound still uses pool-wide totals).
+    candidate_limit: int = 0
 
 
 def _clamp(x: float) -> float:
@@ -93,21 +100,21 @@ class RoutingEngine:
             matches = {
                 w: d for w, d in snapshot.index.match(request.key.blocks).items() if d >= floor
             }
-        ctx = Context(request=request, snapshot=snapshot, matches=matches)
-        candidates = [w for w in snapshot.workers if w.id not in exclude]
+        everyone = [w for w in snapshot.workers if w.id not in exclude]
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
-        for flt in profile.filters:
-            kept = flt.apply(ctx, candidates)
-            if not kept:
-                raise NoCandidates(f"no worker left after filter {flt.name}")
-            if len(kept) != len(candidates):
-                kept_ids = {w.id for w in kept}
-                for w in candidates:
-                    if w.id not in kept_ids:
-                        dropped[w.id] = flt.name
-            candidates = kept
-        if not candidates:
-            raise NoCandidates("no worker available")
+        limit = profile.candidate_limit
+        if limit and len(everyone) > limit + len(matches):
+            narrowed = self._narrow(request, snapshot, matches, everyone, limit)
+            ctx = Context(request, snapshot, matches, pool_load=narrowed[1])
+            try:
+                candidates = self._filter(ctx, narrowed[0], dropped)
+            except NoCandidates:  # the few were all filtered out: look at everyone
+                ctx = Context(request=request, snapshot=snapshot, matches=matches)
+                dropped = dict.fromkeys(exclude, "failed")
+                candidates = self._filter(ctx, everyone, dropped)
+        else:
+            ctx = Context(request=request, snapshot=snapshot, matches=matches)
+            candidates = self._filter(ctx, everyone, dropped)
         totals: dict[str, float] = {w.id: 0.0 for w in candidates}
         for scorer, weight in profile.scorers:
             for wid, s in scorer.score(ctx, candidates).items():
@@ -122,6 +129,45 @@ class RoutingEngine:
             scores=totals,
             load_bound=ctx.load_bounds.get(chosen.id),
         )
+
+    @staticmethod
+    def _narrow(
+        request: RouteRequest,
+        snapshot: Snapshot,
+        matches: Mapping[str, int],
+        everyone: list[WorkerView],
+        limit: int,
+    ) -> tuple[list[WorkerView], tuple[int, float]]:
+        """The holders plus the first ``limit`` healthy workers on the ring from the anchor."""
+        healthy = {w.id: w for w in everyone if w.healthy}
+        pool_load = (
+            sum(w.inflight_tokens for w in healthy.values()),
+            sum(w.worker.weight for w in healthy.values()),
+        )
+        chosen = {wid: healthy[wid] for wid in matches if wid in healthy}
+        wanted = len(chosen) + limit
+        for wid in snapshot.ring.walk(request.key.anchor):
+            view = healthy.get(wid)
+            if view is not None:
+                chosen.setdefault(wid, view)
+                if len(chosen) >= wanted:
+                    break
+        return list(chosen.values()), pool_load
+
+    def _filter(
+        self, ctx: Context, candidates: list[WorkerView], dropped: dict[str, str]
+    ) -> list[WorkerView]:
+        for flt in self.profile.filters:
+            kept = flt.apply(ctx, candidates)
+            if not kept:
+                raise NoCandidates(f"no worker left after filter {flt.name}")
+            if len(kept) != len(candidates):
+                kept_ids = {w.id for w in kept}
+                for w in candidates:
+                    if w.id not in kept_ids:
+                        dropped[w.id] = flt.name
+            candidates = kept
+        return candidates
 
     def _reason(self, ctx: Context, depth: int, how: str, dropped: Mapping[str, str]) -> str:
         if depth > 0:

@@ -31,10 +31,10 @@ class WorkerView:
     healthy: bool = True
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    id: str = field(init=False)  # = worker.id; a plain attribute, read on every decision
 
-    @property
-    def id(self) -> str:
-        return self.worker.id
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", self.worker.id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,7 @@ class PolicyOptions:
     queue_weight: float = 0.01
     min_match_blocks: int = 2
     ring_choices: int = 3
+    candidate_limit: int = 16
 
 
 def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEngine:
@@ -88,6 +89,7 @@ def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEng
             profile = Profile(
                 name, (*base, guard), ((scorer, 1.0),), RingPicker(opts.ring_choices),
                 uses_prefix_index=True, min_match_blocks=opts.min_match_blocks,
+                candidate_limit=opts.candidate_limit,
             )
         case _:
             raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

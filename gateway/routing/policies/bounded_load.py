@@ -41,8 +41,12 @@ class BoundedLoadFilter:
         self.floor_requests = floor_requests
 
     def apply(self, ctx: Context, candidates: Sequence[WorkerView]) -> list[WorkerView]:
-        total = sum(w.inflight_tokens for w in candidates)
-        weight_sum = sum(w.worker.weight for w in candidates) or 1.0
+        if ctx.pool_load is not None:  # the engine narrowed the candidates: use the whole pool
+            total, weight_sum = ctx.pool_load
+        else:
+            total = sum(w.inflight_tokens for w in candidates)
+            weight_sum = sum(w.worker.weight for w in candidates)
+        weight_sum = weight_sum or 1.0
         cost = ctx.request.cost_tokens
         kept: list[WorkerView] = []
         for w in candidates:
