@@ -3,7 +3,9 @@
 ``python -m loadtest.simulate --trace PATH --workers N --cache-blocks C --policy P [--json]``
 
 * ``--trace``: a Mooncake jsonl trace (default: the bundled conversation trace);
-  ``--synthetic N`` generates a multi-tenant chat trace of N requests instead.
+  ``--synthetic N`` generates a multi-tenant chat trace of N requests instead, ``--rag N`` a
+  RAG trace (:mod:`loadtest.rag_trace`; ``--similarity`` adds the MinHash-LSH hint of
+  :mod:`loadtest.sim.similarity` to the policy, as one more row with ``all``).
 * ``--policy``: any gateway policy (``gateway.routing.policies.POLICY_NAMES``), ``oracle`` (the
   full-knowledge reference) or ``all`` (every one of them side by side, as a markdown table).
 * Mode: ``sequential`` (default; trace order, ``--concurrency`` in flight, 64 by default: how
@@ -19,14 +21,17 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from gateway.fingerprint import PrefixKey
 from gateway.settings import GatewaySettings
+from loadtest.rag_trace import rag_spec, rag_trace
 from loadtest.sim.cluster import DEFAULT_COSTS, Mode, SimConfig, pooled_bound, simulate
 from loadtest.sim.report import Metrics, markdown_one, markdown_table, metrics
 from loadtest.sim.routers import policy_names
+from loadtest.sim.similarity import SimilarityUnavailable, similarity_metrics
 from loadtest.traces import (
     DEFAULT_TRACE_DIR,
     SyntheticSpec,
@@ -48,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--trace", type=Path, help=f"Mooncake jsonl trace (default {DEFAULT_TRACE})")
     src.add_argument("--synthetic", type=int, metavar="N",
                      help="generate a synthetic multi-tenant chat trace of N requests")
+    src.add_argument("--rag", type=int, metavar="N",
+                     help="generate a synthetic RAG trace of N requests (loadtest.rag_trace)")
+    p.add_argument("--rag-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="rag: set a field of loadtest.rag_trace.RagSpec (repeatable)")
+    p.add_argument("--similarity", nargs="?", const="cold", choices=("cold", "tiebreak"),
+                   help="rag: add the MinHash-LSH similarity hint to the policy (cache_aware "
+                        "with 'all'); needs datasketch. Mode cold (default) or tiebreak")
     p.add_argument("--tenants", type=int, default=256, help="synthetic: tenants (system prompts)")
     p.add_argument("--rate", type=float, default=20.0, help="synthetic: arrivals per second")
     p.add_argument("--seed", type=int, default=0, help="synthetic: seed")
@@ -122,18 +134,31 @@ def _run_one(requests: Sequence[TraceRequest], config: SimConfig, pooled: float)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    content: Mapping[PrefixKey, Sequence[int]] | None = None
     if args.synthetic is not None:
         spec = SyntheticSpec(requests=args.synthetic, tenants=args.tenants,
                              rate_per_s=args.rate, seed=args.seed)
         requests = synthetic_trace(spec)
         source = f"synthetic({args.synthetic}, tenants={args.tenants}, seed={args.seed})"
+    elif args.rag is not None:
+        try:
+            rag = rag_trace(rag_spec(args.rag, args.seed, args.rate, args.rag_option))
+        except (ValueError, TypeError) as exc:
+            parser.error(str(exc))
+        requests = list(rag.requests)
+        content = rag.content_by_key()
+        source = f"rag({', '.join([str(args.rag), f'seed={args.seed}', *args.rag_option])})"
     else:
         path = args.trace or DEFAULT_TRACE
         requests = read_mooncake(path, args.limit)
         source = str(path)
     if args.limit is not None:
         requests = requests[: args.limit]
+    if args.similarity is not None and content is None:
+        parser.error("--similarity needs --rag (a trace with the prompts' content ids)")
     policies = policy_names() if args.policy == "all" else (args.policy,)
+    if args.similarity is not None and args.policy != "all":
+        policies = ()  # the one row is the policy with the hint, below
     try:
         configs = [config_from_args(args, name) for name in policies]
     except ValueError as exc:
@@ -145,6 +170,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = [f.result() for f in futures]
     else:
         rows = [_run_one(requests, cfg, pooled) for cfg in configs]
+    if args.similarity is not None and content is not None:
+        base = "cache_aware" if args.policy == "all" else args.policy
+        try:
+            row = similarity_metrics(requests, content, config_from_args(args, base),
+                                     args.similarity, pooled)
+        except (SimilarityUnavailable, ValueError) as exc:
+            parser.error(str(exc))
+        rows = [*rows, row] if args.policy == "all" else [row]
     for row in rows:
         row["trace"] = source
     if args.json:
