@@ -45,7 +45,10 @@ from worker.chat import render_chat
 from worker.kvcache import block_hashes
 from worker.tokenizer import HashTokenizer
 
-POLICIES = ("round_robin", "least_load", "consistent_hash", "bounded_hash", "prefix_affinity")
+POLICIES = (
+    "round_robin", "least_load", "consistent_hash", "bounded_hash", "prefix_affinity",
+    "cache_aware",
+)
 HOST = "127.0.0.1"
 MODEL = "sim-model"
 # Small but nonzero simulated costs for the affinity runs: the same for every policy.
@@ -294,15 +297,20 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
 
 
 async def replay(
-    session: aiohttp.ClientSession, url: str, bodies: Sequence[dict[str, Any]], concurrency: int
+    session: aiohttp.ClientSession, url: str | Sequence[str], bodies: Sequence[dict[str, Any]],
+    concurrency: int,
 ) -> list[Reply]:
-    """Send ``bodies`` in order from ``concurrency`` concurrent senders; replies in send order."""
+    """Send ``bodies`` in order from ``concurrency`` concurrent senders; replies in send order.
+
+    ``url`` may be several URLs (gateway replicas): body ``i`` goes to ``url[i % len(url)]``.
+    """
+    urls = [url] if isinstance(url, str) else list(url)
     replies: list[Reply | None] = [None] * len(bodies)
     order = iter(range(len(bodies)))
 
     async def sender() -> None:
         for i in order:  # shared iterator: each index is taken by exactly one sender
-            replies[i] = await post(session, url, bodies[i])
+            replies[i] = await post(session, urls[i % len(urls)], bodies[i])
 
     await asyncio.gather(*(sender() for _ in range(concurrency)))
     return [r for r in replies if r is not None]
@@ -369,7 +377,7 @@ async def _throughput(
 
 async def bench_overhead(config: BenchConfig, base_port: int) -> OverheadResult:
     cluster = cluster_for(
-        base_port, "prefix_affinity", 1, config.cache_blocks, ZERO_COST_WORKER_ARGS
+        base_port, "cache_aware", 1, config.cache_blocks, ZERO_COST_WORKER_ARGS
     )
     direct_url = cluster.worker_urls()[0] + "/v1/completions"
     async with client_session(config) as session, running(cluster, session) as gateway:
@@ -474,7 +482,7 @@ def to_markdown(result: BenchResult) -> str:
         lines += [
             "",
             f"Gateway overhead: 1 worker with zero simulated cost "
-            f"(`{' '.join(ZERO_COST_WORKER_ARGS)}`), gateway policy prefix_affinity, a 1-token "
+            f"(`{' '.join(ZERO_COST_WORKER_ARGS)}`), gateway policy cache_aware, a 1-token "
             f"completion. Latency: {o.direct.count} sequential pairs (after {c.latency_warmup} "
             f"warm-up pairs), direct and via gateway alternating. Throughput: "
             f"{o.throughput_requests} requests per side at concurrency "

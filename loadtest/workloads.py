@@ -14,6 +14,12 @@ The shape mimics a multi-tenant chat service:
 Everything derives from ``WorkloadSpec.seed``: the same spec yields the same bodies, in the same
 order, on every machine. The bodies are plain OpenAI chat-completions request dicts, usable by
 any client (aiohttp, the ``openai`` SDK, locust).
+
+The *live* workloads (:func:`user_requests`, :class:`LiveSpec`; used by
+``loadtest/locustfile.py``) are generated per simulated user instead of as one sequence:
+``chat`` (multi-turn, growing history), ``tenants`` (many system prompts, one API key each),
+``rag`` (document prefix + question) and ``fewshot`` (templates + new input), all streaming;
+``mooncake`` trace replay lives in :mod:`loadtest.textgen`.
 """
 
 from __future__ import annotations
@@ -154,3 +160,197 @@ def describe(spec: WorkloadSpec, count: int) -> dict[str, float]:
         "mean_prompt_chars": sum(chars) / count if count else 0.0,
         "max_prompt_chars": float(max(chars, default=0)),
     }
+
+
+# -- live workloads (per simulated user; for locust) -----------------------------------------------
+#
+# A live load test runs many concurrent users, each a closed loop: send, wait for the answer,
+# think, send again. So a live workload is a function of (workload, spec, user index) that yields
+# that user's requests, one after another, forever (the caller bounds it): deterministic by
+# ``LiveSpec.seed`` and the user index, independent of timing and of the other users.
+
+WORKLOADS = ("chat", "tenants", "rag", "fewshot", "mooncake")
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRequest:
+    """One request of a live workload: where to POST it, the body, and the tenant's API key
+    (sent as ``Authorization: Bearer``; the gateway derives the tenant's cache namespace from
+    it). ``label`` groups requests in locust's statistics."""
+
+    path: str
+    body: dict[str, Any]
+    api_key: str = ""
+    label: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSpec:
+    """Parameters of the live workloads (all deterministic given ``seed``).
+
+    * ``tenants``: ``tenants`` system prompts (``system_chars`` long) with Zipf-like popularity
+      (``skew``); every request is a fresh question under one tenant's prompt and API key.
+    * ``chat``: each user belongs to one tenant and holds one conversation: every request repeats
+      the whole history (system prompt, questions, synthetic answers) plus a new question; after
+      2..``max_turns`` turns the user starts a new conversation.
+    * ``rag``: ``documents`` documents (``document_chars`` long, popularity Zipf-like); a request
+      is a short shared instruction, one document, then a question about it.
+    * ``fewshot``: ``templates`` few-shot templates, each an instruction plus ``shots`` worked
+      examples; a request is one template followed by a new input.
+    * ``mooncake``: trace replay (:func:`loadtest.textgen.trace_request`), not generated here.
+    """
+
+    seed: int = 2024
+    model: str = "sim-model"
+    max_tokens: int = 4
+    stream: bool = True
+    tenants: int = 16
+    system_chars: tuple[int, int] = (1500, 3000)
+    question_words: tuple[int, int] = (10, 40)
+    answer_words: tuple[int, int] = (30, 90)
+    max_turns: int = 8
+    documents: int = 48
+    document_chars: tuple[int, int] = (2000, 4000)
+    templates: int = 8
+    shots: int = 6
+    skew: float = 0.8
+
+    def __post_init__(self) -> None:
+        if min(self.tenants, self.documents, self.templates, self.shots, self.max_tokens) < 1:
+            raise ValueError("tenants, documents, templates, shots and max_tokens must be >= 1")
+        if self.max_turns < 2:
+            raise ValueError("max_turns must be >= 2")
+        for lo, hi in (self.system_chars, self.question_words, self.answer_words,
+                       self.document_chars):
+            if not 0 < lo <= hi:
+                raise ValueError("ranges must satisfy 0 < low <= high")
+
+
+def zipf_weights(count: int, skew: float) -> tuple[float, ...]:
+    """Item ``i`` has weight ``1 / (i + 1) ** skew``."""
+    return tuple(1.0 / (i + 1) ** skew for i in range(count))
+
+
+def _text(rng: random.Random, chars: tuple[int, int], opener: str) -> str:
+    target = rng.randint(*chars)
+    parts = [opener]
+    length = len(opener)
+    while length < target:
+        sentence = words(rng, rng.randint(8, 20)).capitalize() + "."
+        parts.append(sentence)
+        length += len(sentence) + 1
+    return " ".join(parts)[:target]
+
+
+def document(seed: int, index: int, chars: tuple[int, int]) -> str:
+    """Document ``index`` of the RAG corpus."""
+    return _text(random.Random(f"{seed}:document:{index}"), chars, f"Document {index}.")
+
+
+def fewshot_template(seed: int, index: int, shots: int,
+                     spec: LiveSpec) -> list[dict[str, str]]:
+    """Template ``index``: an instruction (system) plus ``shots`` worked user/assistant pairs."""
+    rng = random.Random(f"{seed}:fewshot:{index}")
+    messages = [{
+        "role": "system",
+        "content": f"Task {index}: classify the request and answer in one line. "
+        + words(rng, 40).capitalize() + ".",
+    }]
+    for _ in range(shots):
+        messages.append({"role": "user", "content": _live_question(rng, spec)})
+        messages.append({"role": "assistant", "content": _live_answer(rng, spec)})
+    return messages
+
+
+def _live_question(rng: random.Random, spec: LiveSpec) -> str:
+    return f"{rng.choice(QUESTION_OPENERS)} {words(rng, rng.randint(*spec.question_words))}?"
+
+
+def _live_answer(rng: random.Random, spec: LiveSpec) -> str:
+    return words(rng, rng.randint(*spec.answer_words)).capitalize() + "."
+
+
+def live_body(spec: LiveSpec, messages: list[dict[str, str]], user: str) -> dict[str, Any]:
+    """A chat-completions body; streaming (with a final usage chunk) when ``spec.stream``."""
+    body: dict[str, Any] = {
+        "model": spec.model,
+        "messages": [dict(m) for m in messages],
+        "max_tokens": spec.max_tokens,
+        "temperature": 0,
+        "user": user,
+    }
+    if spec.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def tenant_key(tenant: int) -> str:
+    return f"sk-tenant-{tenant}"
+
+
+def user_requests(workload: str, spec: LiveSpec, user: int) -> Iterator[LiveRequest]:
+    """User ``user``'s requests under ``workload`` (not ``mooncake``), an endless generator."""
+    rng = random.Random(f"{spec.seed}:{workload}:user:{user}")
+    name = f"u{user}"
+    if workload == "tenants":
+        weights = zipf_weights(spec.tenants, spec.skew)
+        while True:
+            t = rng.choices(range(spec.tenants), weights)[0]
+            messages = [
+                {"role": "system", "content": system_prompt(spec.seed, t, spec.system_chars)},
+                {"role": "user", "content": _live_question(rng, spec)},
+            ]
+            yield LiveRequest(CHAT_PATH, live_body(spec, messages, name), tenant_key(t), workload)
+    elif workload == "chat":
+        t = user % spec.tenants
+        system = {"role": "system", "content": system_prompt(spec.seed, t, spec.system_chars)}
+        while True:
+            history = [system]
+            for turn in range(rng.randint(2, spec.max_turns)):
+                if turn:
+                    history.append({"role": "assistant", "content": _live_answer(rng, spec)})
+                history.append({"role": "user", "content": _live_question(rng, spec)})
+                yield LiveRequest(CHAT_PATH, live_body(spec, history, name), tenant_key(t),
+                                  workload)
+    elif workload == "rag":
+        weights = zipf_weights(spec.documents, spec.skew)
+        instruction = {"role": "system",
+                       "content": "Answer the question using only the document provided."}
+        while True:
+            d = rng.choices(range(spec.documents), weights)[0]
+            content = (f"{document(spec.seed, d, spec.document_chars)}\n\n"
+                       f"Question: {_live_question(rng, spec)}")
+            messages = [instruction, {"role": "user", "content": content}]
+            yield LiveRequest(CHAT_PATH, live_body(spec, messages, name), "", workload)
+    elif workload == "fewshot":
+        weights = zipf_weights(spec.templates, spec.skew)
+        while True:
+            k = rng.choices(range(spec.templates), weights)[0]
+            messages = fewshot_template(spec.seed, k, spec.shots, spec)
+            messages.append({"role": "user", "content": _live_question(rng, spec)})
+            yield LiveRequest(CHAT_PATH, live_body(spec, messages, name), "", workload)
+    else:
+        raise ValueError(f"unknown live workload {workload!r}; choose from "
+                         f"{', '.join(w for w in WORKLOADS if w != 'mooncake')}")
+
+
+def trace_prompt_blocks(blocks: tuple[int, ...], max_blocks: int) -> tuple[int, ...]:
+    """The blocks a live replay sends: the first ``max_blocks`` (a prefix stays a prefix)."""
+    return blocks[:max_blocks] if max_blocks > 0 else blocks
+
+
+def trace_body(spec: LiveSpec, prompt: str, output_tokens: int) -> dict[str, Any]:
+    """A completions body for a replayed trace request (decode capped at ``spec.max_tokens``)."""
+    body: dict[str, Any] = {
+        "model": spec.model,
+        "prompt": prompt,
+        "max_tokens": max(1, min(output_tokens, spec.max_tokens)),
+        "temperature": 0,
+    }
+    if spec.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body

@@ -1,0 +1,37 @@
+"""``python -m loadtest <command>``: ``run`` (live load test, :mod:`loadtest.run`) or
+``simulate`` (the cluster simulator, :mod:`loadtest.simulate`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+USAGE = """usage: python -m loadtest {run,simulate} [options]
+
+  run        live load test: workers + gateway per policy, locust headless, report + plots
+  simulate   cluster simulator (same as python -m loadtest.simulate)
+
+python -m loadtest run --help   for the options
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "run":
+        from loadtest.run import main as run_main
+
+        return run_main(rest)
+    if command == "simulate":
+        from loadtest.simulate import main as simulate_main
+
+        return simulate_main(rest)
+    print(f"python -m loadtest: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Live load tests end to end: ``python -m loadtest run`` starts workers and a gateway per
+policy, runs locust headless against them (streaming) and writes the report.
+
+Short runs with few users; the assertions are about behaviour (the report's fields, no errors,
+affinity beating round-robin on a chat workload), never about timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import StartCluster
+
+REPORT_FIELDS = (
+    "policy", "workload", "requests", "ok", "errors", "error_kinds", "rps", "hit_rate",
+    "input_tokens", "matched_tokens", "ttft_p50_ms", "ttft_p99_ms", "per_worker",
+    "max_over_mean", "timeline",
+)
+
+
+def _check_result(result: dict[str, Any]) -> None:
+    for key in REPORT_FIELDS:
+        assert key in result, key
+    assert result["ok"] > 0
+    assert result["errors"] == 0, result["error_kinds"]
+    assert result["input_tokens"] > 0
+    assert 0.0 <= result["hit_rate"] <= 1.0
+    assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"]
+    assert result["rps"] > 0
+    assert result["timeline"]
+    shares = [w["share"] for w in result["per_worker"].values()]
+    assert abs(sum(shares) - 1.0) < 1e-9
+
+
+def test_headless_run_reports_and_affinity_beats_round_robin(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest", "run", "--workload", "chat",
+         "--policy", "round_robin,cache_aware", "--workers", "4", "--duration", "5",
+         "--users", "8", "--out", str(out)],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    results = {r["policy"]: r for r in report["results"]}
+    assert list(results) == ["round_robin", "cache_aware"]
+    for result in results.values():
+        _check_result(result)
+        assert len(result["per_worker"]) == 4
+    assert results["cache_aware"]["hit_rate"] > results["round_robin"]["hit_rate"]
+    # round-robin spreads evenly by construction
+    assert results["round_robin"]["max_over_mean"] < 1.2
+    markdown = (out / "report.md").read_text()
+    assert "| round_robin |" in markdown
+    assert "| cache_aware |" in markdown
+    assert markdown == proc.stdout
+    for png in ("hit_rate.png", "worker_load.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    # locust's own outputs and the raw samples are kept per policy
+    for policy in results:
+        assert (out / policy / "locust_stats.csv").exists()
+        assert (out / policy / "samples.jsonl").stat().st_size > 0
+        log = (out / policy / "locust.log").read_text()
+        assert "cache affinity (worker-reported matched / input tokens)" in log
+
+
+async def test_trace_replay_against_a_running_gateway(
+    start_cluster: StartCluster, tmp_path: Path
+) -> None:
+    cluster = await start_cluster(workers=2)
+    out = tmp_path / "report"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadtest", "run", "--gateway", cluster.gateway_url,
+        "--workload", "mooncake", "--duration", "3", "--users", "4", "--no-plots",
+        "--locust-arg=--block-chars=64", "--locust-arg=--max-blocks=12", "--out", str(out),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    [result] = report["results"]
+    assert result["policy"] == "cache_aware"  # the policy the running gateway reports
+    assert result["workload"] == "mooncake"
+    _check_result(result)
+    assert set(result["per_worker"]) == {u.removeprefix("http://") for u in cluster.worker_urls}
+    # every request of the conversation trace starts with the same block: prefixes are shared
+    assert result["hit_rate"] > 0
+    assert result["gateway_hit_rate"] is not None
+    assert b"| cache_aware |" in stdout
