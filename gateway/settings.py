@@ -46,6 +46,14 @@ class GatewaySettings:
     cache_aware_load_factor: float = field(
         default=3.0, metadata=_help("cache_aware: hard guard, no worker above this x mean load")
     )
+    hot_threshold: float = field(
+        default=8.0, metadata=_help("cache_aware: a prefix this many recent requests share "
+                                    "(halved every 30 s) is hot")
+    )
+    hot_load_factor: float = field(
+        default=1.25, metadata=_help("cache_aware: load bound for a hot prefix's holders, so a "
+                                     "shared system prompt spreads instead of piling up")
+    )
     min_match_blocks: int = field(
         default=2, metadata=_help("cache_aware: shorter matches count as cold")
     )
@@ -134,6 +142,8 @@ class GatewaySettings:
             queue_weight=self.queue_weight,
             cache_aware_load_factor=self.cache_aware_load_factor,
             min_match_blocks=self.min_match_blocks,
+            hot_threshold=self.hot_threshold,
+            hot_load_factor=self.hot_load_factor,
             ring_choices=self.ring_choices,
         )
 

@@ -36,6 +36,8 @@ class Context:
     # When the engine narrowed the candidates (``Profile.candidate_limit``): in-flight tokens
     # and weight of every healthy candidate it started from, so load bounds stay pool-wide.
     pool_load: tuple[int, float] | None = None
+    # The deepest known prefix of this request is hot (many recent requests share it).
+    hot: bool = False
 
 
 class Filter(Protocol):
@@ -75,6 +77,8 @@ class Profile:
     # first k healthy workers on the ring from its anchor, so the cost of a decision does not
     # grow with the fleet (the load bound still uses pool-wide totals).
     candidate_limit: int = 0
+    # A known prefix shared by at least this many recent requests (decayed) is hot; 0 = never.
+    hot_threshold: float = 0.0
 
 
 def _clamp(x: float) -> float:
@@ -100,20 +104,24 @@ class RoutingEngine:
             matches = {
                 w: d for w, d in snapshot.index.match(request.key.blocks).items() if d >= floor
             }
+        hot = False
+        if matches and profile.hot_threshold > 0:
+            deepest = max(matches.values())
+            hot = snapshot.index.heat(request.key.blocks[deepest - 1]) >= profile.hot_threshold
         everyone = [w for w in snapshot.workers if w.id not in exclude]
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
         limit = profile.candidate_limit
         if limit and len(everyone) > limit + len(matches):
             narrowed = self._narrow(request, snapshot, matches, everyone, limit)
-            ctx = Context(request, snapshot, matches, pool_load=narrowed[1])
+            ctx = Context(request, snapshot, matches, pool_load=narrowed[1], hot=hot)
             try:
                 candidates = self._filter(ctx, narrowed[0], dropped)
             except NoCandidates:  # the few were all filtered out: look at everyone
-                ctx = Context(request=request, snapshot=snapshot, matches=matches)
+                ctx = Context(request=request, snapshot=snapshot, matches=matches, hot=hot)
                 dropped = dict.fromkeys(exclude, "failed")
                 candidates = self._filter(ctx, everyone, dropped)
         else:
-            ctx = Context(request=request, snapshot=snapshot, matches=matches)
+            ctx = Context(request=request, snapshot=snapshot, matches=matches, hot=hot)
             candidates = self._filter(ctx, everyone, dropped)
         totals: dict[str, float] = {w.id: 0.0 for w in candidates}
         for scorer, weight in profile.scorers:

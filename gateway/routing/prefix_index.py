@@ -20,9 +20,14 @@ from collections.abc import Iterable, Sequence
 
 
 class PrefixIndex:
-    def __init__(self, capacity: int = 1_000_000, ttl_s: float = 600.0) -> None:
+    def __init__(
+        self, capacity: int = 1_000_000, ttl_s: float = 600.0, heat_half_life_s: float = 30.0
+    ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
+        self._half_life = heat_half_life_s
+        # block hash -> (requests that contained it, decayed; time of the last update)
+        self._heat: dict[int, tuple[float, float]] = {}
         self._default_capacity = capacity
         self._ttl_s = ttl_s
         self._now = 0.0
@@ -58,8 +63,11 @@ class PrefixIndex:
             lru = self._lru[worker_id] = OrderedDict()
         now = self._now
         holders_of = self._holders
+        heat = self._heat
         # Deepest first, so the head of the prompt ends up most recently used.
         for h in reversed(blocks):
+            value, at = heat.get(h, (0.0, now))
+            heat[h] = (self._decayed(value, at) + 1.0, now)
             holders = holders_of.get(h)
             if holders is None:
                 holders_of[h] = {worker_id: now}
@@ -84,6 +92,18 @@ class PrefixIndex:
             holders.pop(worker_id, None)
             if not holders:
                 del self._holders[h]
+                self._heat.pop(h, None)
+
+    def _decayed(self, value: float, at: float) -> float:
+        if self._half_life <= 0 or self._now <= at:
+            return value
+        return float(value * 0.5 ** ((self._now - at) / self._half_life))
+
+    def heat(self, block: int) -> float:
+        """How many recorded requests contained ``block``, halved every ``heat_half_life_s``:
+        a system prompt many users send is hot, one conversation's history is not."""
+        value, at = self._heat.get(block, (0.0, self._now))
+        return self._decayed(value, at)
 
     def match(self, blocks: Sequence[int]) -> dict[str, int]:
         """Worker id -> number of leading blocks of ``blocks`` it holds (only those > 0)."""

@@ -52,6 +52,10 @@ class PrefixMatcher(Protocol):
 
     def match(self, blocks: Sequence[int]) -> dict[str, int]: ...
 
+    def heat(self, block: int) -> float:
+        """Recent requests (decayed) that contained ``block``."""
+        ...
+
 
 class RingOrder(Protocol):
     """Consistent-hash ring: worker ids in ring order starting at ``anchor``."""

@@ -86,3 +86,21 @@ def test_over_bound_holder_is_never_chosen() -> None:
     chosen, why = _route({"w2": 1200, "w0": 100, "w1": 100, "w3": 100}, {"w2": 10}, 40)
     assert chosen != "w2"
     assert why.startswith("diverted: w2 bounded_load")
+
+
+def test_hot_prefix_holder_gets_the_tight_bound_and_spreads() -> None:
+    """A prefix many requests share is hot: its holder is bounded at 1.25 x mean, not 3 x."""
+    loads = {"w0": 100, "w1": 100, "w2": 600, "w3": 100}  # w2: 600 > 1.25/4 x 950 = 297
+    index = PrefixIndex()
+    for _ in range(3):
+        index.record(BLOCKS, "w2")
+    views = tuple(WorkerView(Worker(w, f"http://{w}"), True, 1, loads[w]) for w in IDS)
+    request = RouteRequest(PrefixKey(BLOCKS, ANCHOR, 640), "m", 50, 40)
+    snap = Snapshot(views, index, RING)
+    cold_ish = build_engine("cache_aware", PolicyOptions(hot_threshold=8.0)).route(request, snap)
+    assert cold_ish.worker_id == "w2"  # 3 requests: not hot, the 3 x guard lets it stay
+    for _ in range(6):
+        index.record(BLOCKS, "w2")
+    hot = build_engine("cache_aware", PolicyOptions(hot_threshold=8.0)).route(request, snap)
+    assert hot.worker_id != "w2"
+    assert hot.reason.startswith("diverted: w2 bounded_load")

@@ -171,3 +171,21 @@ def test_forgotten_worker_can_record_again() -> None:
     index.forget_worker("w1")
     index.record([1], "w1")
     assert index.match([1, 2]) == {"w1": 1}
+
+
+def test_heat_counts_recent_requests_and_halves_with_time() -> None:
+    index = PrefixIndex(heat_half_life_s=10.0)
+    for _ in range(8):
+        index.record([1, 2], "w1")
+    index.record([1, 3], "w2")
+    assert index.heat(1) == pytest.approx(9.0)
+    assert index.heat(2) == pytest.approx(8.0)
+    assert index.heat(3) == pytest.approx(1.0)
+    assert index.heat(99) == 0.0
+    index.set_time(10.0)
+    assert index.heat(1) == pytest.approx(4.5)
+    index.record([1], "w1")
+    assert index.heat(1) == pytest.approx(5.5)
+    index.forget_worker("w1")
+    index.forget_worker("w2")
+    assert index.heat(1) == 0.0  # gone with the last holder

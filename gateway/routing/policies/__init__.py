@@ -22,10 +22,14 @@ queue outweighs the prefill it saves, and holders of a hot prefix share its traf
 cold prefix (no worker holds ``min_match_blocks`` of it) goes to the least loaded of the first
 ``ring_choices`` workers on the ring from its anchor: placement stays tied to the anchor, so
 later turns and siblings find it, while the load evens out ("power of k choices"). Its hard
-bound is looser (``cache_aware_load_factor``, 3 by default): a guard against hot spots, not the
-balancing mechanism, because an instantaneous token bound of 1.25 x mean sends away a quarter of
-the hits on real traffic while the cost and the ring choices already keep the cumulative load
-within 1.1 x mean (BENCHMARKS.md).
+bound depends on the prefix. For a *hot* prefix (``hot_threshold`` recent requests share it,
+halved every 30 s: a system prompt many users send) it is ``hot_load_factor`` (1.25 x mean), so
+its holder overflows to a second holder (then a third) chosen by the same ring walk, and the
+holders then share it by load; when the heat goes, the extra holders age out of the index. For
+any other prefix (one conversation's history) it is a loose guard, ``cache_aware_load_factor``
+(3 x mean): there an instantaneous token bound of 1.25 x mean sends away a quarter of the hits
+on real traffic, while the cost and the ring choices already keep the cumulative load within
+1.1 x mean (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class PolicyOptions:
     min_match_blocks: int = 2
     ring_choices: int = 3
     candidate_limit: int = 16
+    hot_threshold: float = 8.0  # requests sharing a prefix (halved every 30 s) to call it hot
+    hot_load_factor: float = 1.25  # cache_aware's bound for hot prefixes
 
 
 def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEngine:
@@ -85,11 +91,13 @@ def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEng
             )
         case "cache_aware":
             scorer = CacheCostScorer(opts.prefill_weight, opts.queue_weight)
-            guard = BoundedLoadFilter(opts.cache_aware_load_factor, opts.load_floor_requests)
+            guard = BoundedLoadFilter(
+                opts.cache_aware_load_factor, opts.load_floor_requests, opts.hot_load_factor
+            )
             profile = Profile(
                 name, (*base, guard), ((scorer, 1.0),), RingPicker(opts.ring_choices),
                 uses_prefix_index=True, min_match_blocks=opts.min_match_blocks,
-                candidate_limit=opts.candidate_limit,
+                candidate_limit=opts.candidate_limit, hot_threshold=opts.hot_threshold,
             )
         case _:
             raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

@@ -32,13 +32,16 @@ def load_bound(
 class BoundedLoadFilter:
     name = "bounded_load"
 
-    def __init__(self, c: float = 1.25, floor_requests: float = 0.0) -> None:
-        if c < 1.0:
-            raise ValueError("the load bound factor c must be >= 1")
+    def __init__(
+        self, c: float = 1.25, floor_requests: float = 0.0, hot_c: float | None = None
+    ) -> None:
+        if c < 1.0 or (hot_c is not None and hot_c < 1.0):
+            raise ValueError("the load bound factors must be >= 1")
         if floor_requests < 0.0:
             raise ValueError("floor_requests must be >= 0")
         self.c = c
         self.floor_requests = floor_requests
+        self.hot_c = hot_c  # the factor for hot prefixes (Context.hot), if different
 
     def apply(self, ctx: Context, candidates: Sequence[WorkerView]) -> list[WorkerView]:
         if ctx.pool_load is not None:  # the engine narrowed the candidates: use the whole pool
@@ -48,11 +51,10 @@ class BoundedLoadFilter:
             weight_sum = sum(w.worker.weight for w in candidates)
         weight_sum = weight_sum or 1.0
         cost = ctx.request.cost_tokens
+        c = self.hot_c if ctx.hot and self.hot_c is not None else self.c
         kept: list[WorkerView] = []
         for w in candidates:
-            bound = load_bound(
-                self.c, total, cost, w.worker.weight / weight_sum, self.floor_requests
-            )
+            bound = load_bound(c, total, cost, w.worker.weight / weight_sum, self.floor_requests)
             ctx.load_bounds[w.id] = bound
             if w.inflight_tokens <= bound:
                 kept.append(w)
