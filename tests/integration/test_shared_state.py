@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import MODEL, Processes, RedisServer
+from tests.conftest import MODEL, Processes, RedisServer, free_port
 
 PREFIX = (
     "You are the travel desk of a rail company. Quote fares from the tariff, never invent a "
@@ -233,3 +233,15 @@ async def test_static_workers_still_work_with_redis(
         status, headers = await _chat(http, gateway, "hello")
     assert status == 200
     assert headers["x-route-policy"] == policy
+
+
+async def test_gateway_starts_and_serves_with_redis_down(processes: Processes) -> None:
+    url, _ = await processes.worker()
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    gateway = await processes.gateway("--store", nowhere, "--worker", url)
+    async with aiohttp.ClientSession() as http:
+        statuses = [(await _chat(http, gateway, f"no redis {i}"))[0] for i in range(10)]
+        async with http.get(gateway + "/admin/rebalance") as r:
+            view = await r.json()
+    assert statuses == [200] * 10
+    assert view["store_available"] is False
