@@ -179,7 +179,7 @@ def free_port_block(size: int, preferred: int = 0) -> int:
     raise RuntimeError(f"no block of {size} free ports found")
 
 
-async def _start(
+async def start_server(
     cmd: Sequence[str], url: str, log_path: Path, procs: list[asyncio.subprocess.Process]
 ) -> None:
     """Start one server (output to ``log_path``) and wait until it answers /health."""
@@ -202,7 +202,7 @@ async def _start(
     healthy.result()
 
 
-async def _wait_all_workers_up(
+async def wait_all_workers_up(
     session: aiohttp.ClientSession, gateway: str, count: int, timeout_s: float = 30.0
 ) -> None:
     """Wait until the gateway has seen every worker healthy (it learns their models then)."""
@@ -232,7 +232,7 @@ async def running(cluster: LocalCluster, session: aiohttp.ClientSession) -> Asyn
     try:
         started = await asyncio.gather(
             *(
-                _start(cmd, url, logs / f"worker{i}.log", procs)
+                start_server(cmd, url, logs / f"worker{i}.log", procs)
                 for i, (cmd, url) in enumerate(
                     zip(cluster.worker_commands(), cluster.worker_urls(), strict=True)
                 )
@@ -243,8 +243,8 @@ async def running(cluster: LocalCluster, session: aiohttp.ClientSession) -> Asyn
             if isinstance(outcome, BaseException):
                 raise outcome
         gateway = f"http://{cluster.host}:{cluster.gateway_port}"
-        await _start(cluster.gateway_command(), gateway, logs / "gateway.log", procs)
-        await _wait_all_workers_up(session, gateway, cluster.workers)
+        await start_server(cluster.gateway_command(), gateway, logs / "gateway.log", procs)
+        await wait_all_workers_up(session, gateway, cluster.workers)
         yield gateway
     finally:
         await stop_processes(procs, grace_s=5.0)
@@ -536,6 +536,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def workload_for(
+    seed: int, requests: int, max_tokens: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The seeded chat workload and its description (with the one-cache bound)."""
+    spec = WorkloadSpec(seed=seed, model=MODEL, max_tokens=max_tokens)
+    bodies = list(chat_requests(spec, requests))
+    workload: dict[str, Any] = dict(describe(spec, requests))
+    workload["ideal_hit_rate"] = ideal_hit_rate(bodies)
+    return bodies, workload
+
+
+def emit(markdown: str, json_text: str, out: Path | None, *, as_json: bool) -> None:
+    """Print the result (markdown, or JSON with ``--json``) and write the markdown to ``out``."""
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(markdown, encoding="utf-8")
+    print(json_text if as_json else markdown, end="\n" if as_json else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(args_list)
@@ -551,20 +570,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         base_port=args.base_port,
     )
     command = shlex.join(["python", "-m", "loadtest.bench_gateway", *args_list])
-    spec = WorkloadSpec(seed=config.seed, model=MODEL, max_tokens=config.max_tokens)
-    bodies = list(chat_requests(spec, config.requests))
-    workload = describe(spec, config.requests)
-    workload["ideal_hit_rate"] = ideal_hit_rate(bodies)
+    bodies, workload = workload_for(config.seed, config.requests, config.max_tokens)
     try:
         result = asyncio.run(run_bench(config, command, bodies, workload))
     except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as exc:
         print(f"bench_gateway: {exc}", file=sys.stderr)
         return 1
-    markdown = to_markdown(result)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(markdown, encoding="utf-8")
-    print(to_json(result) if args.json else markdown, end="" if not args.json else "\n")
+    emit(to_markdown(result), to_json(result), args.out, as_json=args.json)
     return 0
 
 

@@ -54,14 +54,14 @@ from loadtest.bench_gateway import (
     HOST,
     MODEL,
     Reply,
-    _start,
-    _wait_all_workers_up,
+    emit,
     free_port_block,
-    ideal_hit_rate,
     reason_kind,
     replay,
+    start_server,
+    wait_all_workers_up,
+    workload_for,
 )
-from loadtest.workloads import WorkloadSpec, chat_requests, describe
 
 POLICIES = ("cache_aware", "prefix_affinity", "bounded_hash", "round_robin")
 REDIS_START_TIMEOUT_S = 10.0
@@ -189,7 +189,7 @@ async def running_replicas(
         )
         started = await asyncio.gather(
             *(
-                _start([*cmd, "--public-url", url], url, logs / f"worker{i}.log", procs)
+                start_server([*cmd, "--public-url", url], url, logs / f"worker{i}.log", procs)
                 for i, (cmd, url) in enumerate(
                     zip(workers.worker_commands(), workers.worker_urls(), strict=True)
                 )
@@ -204,10 +204,10 @@ async def running_replicas(
             # workers=0: the gateway command without any --worker; it reads the registry.
             gateway = dataclasses.replace(workers, workers=0, gateway_port=port)
             url = f"http://{HOST}:{port}"
-            await _start(gateway.gateway_command(), url, logs / f"gateway{r}.log", procs)
+            await start_server(gateway.gateway_command(), url, logs / f"gateway{r}.log", procs)
             gateways.append(url)
         await asyncio.gather(
-            *(_wait_all_workers_up(session, g, config.workers) for g in gateways)
+            *(wait_all_workers_up(session, g, config.workers) for g in gateways)
         )
         yield gateways
     finally:
@@ -454,20 +454,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         base_port=args.base_port,
     )
     command = shlex.join(["python", "-m", "loadtest.bench_replicas", *args_list])
-    spec = WorkloadSpec(seed=config.seed, model=MODEL, max_tokens=config.max_tokens)
-    bodies = list(chat_requests(spec, config.requests))
-    workload = describe(spec, config.requests)
-    workload["ideal_hit_rate"] = ideal_hit_rate(bodies)
+    bodies, workload = workload_for(config.seed, config.requests, config.max_tokens)
     try:
         result = asyncio.run(run_bench(config, command, bodies, workload))
     except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as exc:
         print(f"bench_replicas: {exc}", file=sys.stderr)
         return 1
-    markdown = to_markdown(result)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(markdown, encoding="utf-8")
-    print(to_json(result) if args.json else markdown, end="" if not args.json else "\n")
+    emit(to_markdown(result), to_json(result), args.out, as_json=args.json)
     return 0
 
 
