@@ -19,6 +19,8 @@ from gateway.routing.types import Snapshot, Worker, WorkerView
 
 log = logging.getLogger(__name__)
 
+_COST_EWMA = 0.05  # weight of the newest request in a worker's mean request cost
+
 
 def worker_id_for(url: str) -> str:
     """A stable, readable id for a worker URL: ``host:port`` (``sm:endpoint/variant`` for
@@ -64,13 +66,24 @@ class WorkerState:
     models: frozenset[str] = field(default_factory=frozenset)
     engine_metrics: Mapping[str, float] = field(default_factory=dict)  # scraped from /metrics
 
+    mean_cost_tokens: float = 0.0  # moving average of the cost of requests routed here
+
     def view(self) -> WorkerView:
-        return WorkerView(
-            self.worker,
-            self.healthy,
-            self.inflight_requests,
-            self.inflight_tokens + self.remote_tokens,
-        )
+        """The router's view: what gateways have in flight there, or what the engine itself
+        reports (vLLM's running + waiting requests at the last scrape, in tokens at this
+        gateway's mean request cost), whichever is larger. The engine's own count sees load
+        that no gateway replica shares with us: clients that bypass the gateway, other
+        gateways on another store."""
+        tokens = self.inflight_tokens + self.remote_tokens
+        requests = self.inflight_requests
+        engine = self.engine_metrics
+        if engine:
+            queued = engine.get("vllm:num_requests_running", 0.0) + engine.get(
+                "vllm:num_requests_waiting", 0.0
+            )
+            requests = max(requests, int(queued))
+            tokens = max(tokens, int(queued * self.mean_cost_tokens))
+        return WorkerView(self.worker, self.healthy, requests, tokens)
 
 
 class WorkerPool:
@@ -187,6 +200,8 @@ class WorkerPool:
         state.inflight_requests += 1
         state.inflight_tokens += tokens
         state.routed += 1
+        alpha = 1.0 if state.routed == 1 else _COST_EWMA
+        state.mean_cost_tokens += alpha * (tokens - state.mean_cost_tokens)
 
     def release(self, wid: str, tokens: int) -> None:
         state = self._workers.get(wid)

@@ -1,0 +1,47 @@
+"""The pool's view of load: gateway counts, other replicas' shares, the engine's own report."""
+
+from __future__ import annotations
+
+from gateway.pool import WorkerPool
+from gateway.routing.prefix_index import PrefixIndex
+
+URL = "http://10.0.0.1:8001"
+WID = "10.0.0.1:8001"
+
+
+def _view_load(pool: WorkerPool) -> tuple[int, int]:
+    view = pool.snapshot().workers[0]
+    return view.inflight_requests, view.inflight_tokens
+
+
+def test_local_and_remote_load_add_up() -> None:
+    pool = WorkerPool([URL], PrefixIndex())
+    pool.acquire(WID, 100)
+    pool.set_remote_load({WID: 250})
+    assert _view_load(pool) == (1, 350)
+    pool.release(WID, 100)
+    assert _view_load(pool) == (0, 250)
+
+
+def test_engine_metrics_reveal_load_no_replica_shared() -> None:
+    pool = WorkerPool([URL], PrefixIndex())
+    pool.acquire(WID, 200)
+    pool.release(WID, 200)  # the gateway's mean request cost is now 200 tokens
+    pool.mark_up(WID, frozenset({"m"}), {"vllm:num_requests_running": 3.0,
+                                         "vllm:num_requests_waiting": 2.0})
+    assert _view_load(pool) == (5, 1000)  # 5 requests the gateway never sent, at 200 each
+    pool.acquire(WID, 200)
+    pool.acquire(WID, 200)
+    pool.set_remote_load({WID: 1000})
+    assert _view_load(pool) == (5, 1400)  # gateways' own count is larger now: it wins
+
+
+def test_ring_is_rebuilt_once_per_burst_of_changes() -> None:
+    pool = WorkerPool([], PrefixIndex())
+    for i in range(5):
+        pool.add(f"http://10.0.0.{i}:8001")
+    ring = pool.ring
+    assert ring.members == tuple(sorted(f"10.0.0.{i}:8001" for i in range(5)))
+    assert pool.ring is ring  # no change, no rebuild
+    pool.set_weights({"10.0.0.0:8001": 2.0})
+    assert pool.ring is not ring
