@@ -66,7 +66,7 @@ class PolicyOptions:
     prefill_weight: float = 1.0
     queue_weight: float = 0.01
     min_match_blocks: int = 2
-    ring_choices: int = 3
+    ring_choices: int = 4
     candidate_limit: int = 16
     hot_threshold: float = 8.0  # requests sharing a prefix (halved every 30 s) to call it hot
     hot_load_factor: float = 1.25  # cache_aware's bound for hot prefixes
