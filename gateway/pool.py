@@ -92,6 +92,12 @@ class WorkerPool:
         self._index = index
         self._ring = Ring({})
         self._ring_dirty = False
+        # Views for routing, refreshed only for the workers that changed since the last
+        # snapshot, with pool-wide (in-flight tokens, weight) of the healthy ones kept alongside.
+        self._views: dict[str, WorkerView] = {}
+        self._stale: set[str] = set()
+        self._healthy_tokens = 0
+        self._healthy_weight = 0.0
         for url in urls:
             self.add(url)
 
@@ -110,12 +116,14 @@ class WorkerPool:
         if wid not in self._workers:
             worker = Worker(wid, plain_url(url), weight=weight, kind=kind or kind_for(url))
             self._workers[wid] = WorkerState(worker, source=source)
+            self._stale.add(wid)
             self._rebuild_ring()
             log.info("worker %s joined (%s, %s)", wid, url, source)
         return wid
 
     def remove(self, wid: str) -> None:
         if self._workers.pop(wid, None) is not None:
+            self._stale.add(wid)
             self._index.forget_worker(wid)
             self._rebuild_ring()
             log.info("worker %s left", wid)
@@ -127,6 +135,7 @@ class WorkerPool:
             state = self._workers.get(wid)
             if state is not None and abs(state.worker.weight - weight) > 1e-9:
                 state.worker = dataclasses.replace(state.worker, weight=weight)
+                self._stale.add(wid)
                 changed = True
         if changed:
             self._rebuild_ring()
@@ -139,7 +148,10 @@ class WorkerPool:
 
     def set_remote_load(self, load: Mapping[str, int]) -> None:
         for wid, state in self._workers.items():
-            state.remote_tokens = load.get(wid, 0)
+            remote = load.get(wid, 0)
+            if remote != state.remote_tokens:
+                state.remote_tokens = remote
+                self._stale.add(wid)
 
     def local_load(self) -> dict[str, int]:
         return {wid: s.inflight_tokens for wid, s in self._workers.items() if s.inflight_tokens}
@@ -164,6 +176,7 @@ class WorkerPool:
         state = self._workers.get(wid)
         if state is None:
             return
+        self._stale.add(wid)
         if metrics is not None:
             state.engine_metrics = dict(metrics)
         if not state.healthy:
@@ -177,6 +190,7 @@ class WorkerPool:
         state = self._workers.get(wid)
         if state is None:
             return
+        self._stale.add(wid)
         if state.healthy:
             log.warning("worker %s is down: %s", wid, reason)
             # Whatever it held is unknown now; a restarted worker comes back with a cold cache.
@@ -197,6 +211,7 @@ class WorkerPool:
     # -- load ---------------------------------------------------------------------------------
     def acquire(self, wid: str, tokens: int) -> None:
         state = self._workers[wid]
+        self._stale.add(wid)
         state.inflight_requests += 1
         state.inflight_tokens += tokens
         state.routed += 1
@@ -206,6 +221,7 @@ class WorkerPool:
     def release(self, wid: str, tokens: int) -> None:
         state = self._workers.get(wid)
         if state is not None:
+            self._stale.add(wid)
             state.inflight_requests -= 1
             state.inflight_tokens -= tokens
 
@@ -223,6 +239,31 @@ class WorkerPool:
             self._ring_dirty = False
         return self._ring
 
+    def _refresh_views(self) -> None:
+        """Recompute the views (and the healthy totals) of the workers that changed."""
+        for wid in self._stale:
+            old = self._views.get(wid)
+            if old is not None and old.healthy:
+                self._healthy_tokens -= old.inflight_tokens
+                self._healthy_weight -= old.worker.weight
+            state = self._workers.get(wid)
+            if state is None:
+                self._views.pop(wid, None)
+                continue
+            new = self._views[wid] = state.view()  # in place: the order stays the pool's
+            if new.healthy:
+                self._healthy_tokens += new.inflight_tokens
+                self._healthy_weight += new.worker.weight
+        self._stale.clear()
+
     def snapshot(self) -> Snapshot:
-        views = tuple(s.view() for s in self._workers.values())
-        return Snapshot(workers=views, index=self._index, ring=self.ring)
+        """What routing sees now: costs O(workers changed since the last snapshot) plus one
+        copy of the views tuple (a C-level copy, not a Python loop over the fleet)."""
+        self._refresh_views()
+        return Snapshot(
+            workers=tuple(self._views.values()),
+            index=self._index,
+            ring=self.ring,
+            by_id=self._views,
+            pool_load=(self._healthy_tokens, self._healthy_weight),
+        )

@@ -108,20 +108,19 @@ class RoutingEngine:
         if matches and profile.hot_threshold > 0:
             deepest = max(matches.values())
             hot = snapshot.index.heat(request.key.blocks[deepest - 1]) >= profile.hot_threshold
-        everyone = [w for w in snapshot.workers if w.id not in exclude]
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
         limit = profile.candidate_limit
-        if limit and len(everyone) > limit + len(matches):
-            narrowed = self._narrow(request, snapshot, matches, everyone, limit)
-            ctx = Context(request, snapshot, matches, pool_load=narrowed[1], hot=hot)
+        candidates: list[WorkerView] | None = None
+        if limit and len(snapshot.workers) > limit + len(matches) + len(exclude):
+            few, pool_load = self._narrow(request, snapshot, matches, exclude, limit)
+            ctx = Context(request, snapshot, matches, pool_load=pool_load, hot=hot)
             try:
-                candidates = self._filter(ctx, narrowed[0], dropped)
+                candidates = self._filter(ctx, few, dropped)
             except NoCandidates:  # the few were all filtered out: look at everyone
-                ctx = Context(request=request, snapshot=snapshot, matches=matches, hot=hot)
                 dropped = dict.fromkeys(exclude, "failed")
-                candidates = self._filter(ctx, everyone, dropped)
-        else:
+        if candidates is None:
             ctx = Context(request=request, snapshot=snapshot, matches=matches, hot=hot)
+            everyone = [w for w in snapshot.workers if w.id not in exclude]
             candidates = self._filter(ctx, everyone, dropped)
         totals: dict[str, float] = {w.id: 0.0 for w in candidates}
         for scorer, weight in profile.scorers:
@@ -143,21 +142,38 @@ class RoutingEngine:
         request: RouteRequest,
         snapshot: Snapshot,
         matches: Mapping[str, int],
-        everyone: list[WorkerView],
+        exclude: frozenset[str],
         limit: int,
     ) -> tuple[list[WorkerView], tuple[int, float]]:
-        """The holders plus the first ``limit`` healthy workers on the ring from the anchor."""
-        healthy = {w.id: w for w in everyone if w.healthy}
-        pool_load = (
-            sum(w.inflight_tokens for w in healthy.values()),
-            sum(w.worker.weight for w in healthy.values()),
-        )
-        chosen = {wid: healthy[wid] for wid in matches if wid in healthy}
+        """The holders plus the first ``limit`` healthy workers on the ring from the anchor,
+        and the pool-wide load the bound needs. O(holders + limit) when the snapshot carries
+        ``by_id`` and ``pool_load``; one pass over the workers otherwise."""
+        by_id = snapshot.by_id
+        if by_id is None:
+            by_id = {w.id: w for w in snapshot.workers}
+        if snapshot.pool_load is None:
+            healthy = [w for w in by_id.values() if w.healthy and w.id not in exclude]
+            pool_load = (
+                sum(w.inflight_tokens for w in healthy), sum(w.worker.weight for w in healthy)
+            )
+        else:
+            tokens, weight = snapshot.pool_load
+            for wid in exclude:
+                view = by_id.get(wid)
+                if view is not None and view.healthy:
+                    tokens -= view.inflight_tokens
+                    weight -= view.worker.weight
+            pool_load = (tokens, weight)
+
+        def usable(wid: str) -> WorkerView | None:
+            view = by_id.get(wid)
+            return view if view is not None and view.healthy and wid not in exclude else None
+
+        chosen = {wid: v for wid in matches if (v := usable(wid)) is not None}
         wanted = len(chosen) + limit
         for wid in snapshot.ring.walk(request.key.anchor):
-            view = healthy.get(wid)
-            if view is not None:
-                chosen.setdefault(wid, view)
+            if wid not in chosen and (view := usable(wid)) is not None:
+                chosen[wid] = view
                 if len(chosen) >= wanted:
                     break
         return list(chosen.values()), pool_load

@@ -70,6 +70,11 @@ class Snapshot:
     workers: tuple[WorkerView, ...]
     index: PrefixMatcher
     ring: RingOrder
+    # Optional, kept up to date by whoever builds snapshots for a large fleet: worker id ->
+    # view, and (in-flight tokens, weight) summed over healthy workers. With them a policy
+    # that narrows its candidates decides without a pass over every worker.
+    by_id: Mapping[str, WorkerView] | None = None
+    pool_load: tuple[int, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,6 +201,10 @@ class ClusterSim:
             for i, wid in enumerate(ids)
         }
         self.views = [w.view() for w in self.workers.values()]
+        # What the gateway's pool keeps for large fleets (see WorkerPool.snapshot): an
+        # id -> view map and the pool-wide load, so narrowing policies skip the full pass.
+        self.by_id = {v.id: v for v in self.views}
+        self.total_tokens = 0
         self.ring = Ring(dict.fromkeys(ids, 1.0))
         self.index = PrefixIndex(config.index_capacity, config.index_ttl_s)
         if config.index_knows_capacity:
@@ -228,7 +232,10 @@ class ClusterSim:
             return
         t0 = time.perf_counter()
         self.index.set_time(now)
-        snapshot = Snapshot(tuple(self.views), self.index, self.ring)
+        snapshot = Snapshot(
+            tuple(self.views), self.index, self.ring, by_id=self.by_id,
+            pool_load=(self.total_tokens, float(len(self.views))),
+        )
         route_request = RouteRequest(
             key=req.key, model=MODEL, cost_tokens=req.cost_tokens, prompt_tokens=req.input_tokens
         )
@@ -248,7 +255,7 @@ class ClusterSim:
         w.inflight_requests += 1
         w.inflight_tokens += req.cost_tokens
         w.routed += 1
-        self.views[w.idx] = w.view()
+        self._update_view(w, req.cost_tokens)
         self._inflight += 1
         w.queue.append(_Job(req, str(req.index), now))
         w.max_queue = max(w.max_queue, len(w.queue))
@@ -281,12 +288,16 @@ class ClusterSim:
             self._seq += 1
             heapq.heappush(self._events, (done, self._seq, w, job))
 
+    def _update_view(self, w: _SimWorker, delta_tokens: int) -> None:
+        self.views[w.idx] = self.by_id[w.worker.id] = w.view()
+        self.total_tokens += delta_tokens
+
     def _complete(self, w: _SimWorker, job: _Job, now: float) -> None:
         w.cache.release(job.rid)
         w.running -= 1
         w.inflight_requests -= 1
         w.inflight_tokens -= job.req.cost_tokens
-        self.views[w.idx] = w.view()
+        self._update_view(w, -job.req.cost_tokens)
         self._inflight -= 1
         self._pump(w, now)
 

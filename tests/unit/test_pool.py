@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
 
@@ -45,3 +47,32 @@ def test_ring_is_rebuilt_once_per_burst_of_changes() -> None:
     assert pool.ring is ring  # no change, no rebuild
     pool.set_weights({"10.0.0.0:8001": 2.0})
     assert pool.ring is not ring
+
+
+def test_snapshot_totals_follow_every_change() -> None:
+    index = PrefixIndex()
+    pool = WorkerPool([f"http://10.0.0.{i}:8001" for i in range(3)], index)
+    ids = [f"10.0.0.{i}:8001" for i in range(3)]
+
+    def expected() -> tuple[int, float]:
+        views = [v for v in pool.snapshot().workers if v.healthy]
+        return sum(v.inflight_tokens for v in views), sum(v.worker.weight for v in views)
+
+    for wid in ids:
+        pool.mark_up(wid, frozenset({"m"}))
+    steps: list[Callable[[], None]] = [
+        lambda: pool.acquire(ids[0], 100),
+        lambda: pool.acquire(ids[1], 50),
+        lambda: pool.set_remote_load({ids[2]: 70}),
+        lambda: pool.mark_down(ids[1], "test"),
+        lambda: pool.set_weights({ids[0]: 2.0}),
+        lambda: pool.release(ids[0], 100),
+        lambda: pool.remove(ids[2]),
+        lambda: pool.mark_up(ids[1], frozenset({"m"})),
+    ]
+    for step in steps:
+        step()
+        snap = pool.snapshot()
+        assert snap.pool_load == expected()
+        assert snap.by_id is not None
+        assert set(snap.by_id) == {v.id for v in snap.workers}
