@@ -107,3 +107,34 @@ class AdmissionQueue:
             self._waiting.popleft()
             self._running += 1
             head.future.set_result(alloc)
+
+
+class QueuedEngine:
+    """What every engine over an :class:`AdmissionQueue` shares: the cache, the queue, the
+    counters behind ``EngineStats`` and the queue gauges."""
+
+    def __init__(self, cache: PrefixCache, max_running: int) -> None:
+        self.cache = cache
+        self.max_running = max_running
+        self._queue = AdmissionQueue(cache, max_running)
+        self.requests_admitted = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.cache.num_blocks * self.cache.block_size
+
+    @property
+    def running(self) -> int:
+        return self._queue.running
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.waiting
+
+    @property
+    def requests_finished(self) -> int:
+        return self._queue.requests_finished

@@ -28,7 +28,7 @@ from typing import Any
 
 import xxhash
 
-from worker.engines.admission import AdmissionQueue, BlockRequest
+from worker.engines.admission import BlockRequest, QueuedEngine
 from worker.engines.base import (
     Admission,
     EngineStats,
@@ -96,39 +96,16 @@ class SimGeneration:
             yield word
 
 
-class SimEngine:
+class SimEngine(QueuedEngine):
     """Simulated engine over a real :class:`PrefixCache` (see module docstring)."""
 
     def __init__(self, cache: PrefixCache, *, max_running: int, costs: SimCosts) -> None:
-        self._queue = AdmissionQueue(cache, max_running)
-        self.cache = cache
-        self.max_running = max_running
+        super().__init__(cache, max_running)
         self.costs = costs
-        self.requests_admitted = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.prefill_seconds = 0.0
-        self.decode_seconds = 0.0
 
     @property
     def name(self) -> str:
         return "sim"
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.cache.num_blocks * self.cache.block_size
-
-    @property
-    def running(self) -> int:
-        return self._queue.running
-
-    @property
-    def waiting(self) -> int:
-        return self._queue.waiting
-
-    @property
-    def requests_finished(self) -> int:
-        return self._queue.requests_finished
 
     def slots_needed(self, prompt_tokens: int, max_tokens: int) -> int:
         return prompt_tokens  # only prompt blocks are allocated

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from worker.engines.admission import AdmissionQueue, BlockRequest
+from worker.engines.admission import BlockRequest, QueuedEngine
 from worker.engines.base import Admission, EngineStats, GenerationRequest, RequestRejectedError
 from worker.kvcache import Allocation, PrefixCache
 from worker.model import KVPool, ModelConfig, Transformer, pick_device, torch_dtype
@@ -164,7 +164,7 @@ class TorchGeneration:
             yield engine.detokenize(token)
 
 
-class TorchEngine:
+class TorchEngine(QueuedEngine):
     """Real engine over a :class:`PrefixCache` and a :class:`KVPool` (see module docstring)."""
 
     def __init__(
@@ -179,19 +179,12 @@ class TorchEngine:
     ) -> None:
         if pool.num_blocks != cache.num_blocks or pool.block_size != cache.block_size:
             raise ValueError("the KV pool and the prefix cache must have the same shape")
-        self.cache = cache
+        super().__init__(cache, max_running)
         self.pool = pool
         self.runner = ModelRunner(model, pool)
-        self.max_running = max_running
         self.detokenize = detokenize
         self._description = dict(description or {})
-        self._queue = AdmissionQueue(cache, max_running)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine")
-        self.requests_admitted = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.prefill_seconds = 0.0
-        self.decode_seconds = 0.0
 
     @classmethod
     def build(cls, cfg: TorchEngineConfig, detokenize: Callable[[int], str]) -> TorchEngine:
@@ -221,18 +214,6 @@ class TorchEngine:
     @property
     def name(self) -> str:
         return "torch"
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.cache.num_blocks * self.cache.block_size
-
-    @property
-    def running(self) -> int:
-        return self._queue.running
-
-    @property
-    def waiting(self) -> int:
-        return self._queue.waiting
 
     def slots_needed(self, prompt_tokens: int, max_tokens: int) -> int:
         return max(prompt_tokens, 1) + max(max_tokens, 1) - 1
