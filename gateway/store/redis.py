@@ -200,25 +200,26 @@ class RedisStore:
             raise StoreUnavailable("store not started")
 
         async def op() -> tuple[str, list[Assignment]]:
-            start = cursor or "$"
-            reply: Any = await reader.xread(
-                {self.key("assignments"): start}, count=1000, block=int(block_s * 1000)
-            )
+            key = self.key("assignments")
+            # First read: start from the newest entry now (not "$", which would lose what
+            # arrives between this read and the next).
+            last = cursor or await self._last_entry_id(key)
+            reply: Any = await reader.xread({key: last}, count=1000, block=int(block_s * 1000))
             out: list[Assignment] = []
-            last = cursor
             for _stream, entries in reply or []:  # [(stream, [(id, fields), ...])]
                 for entry_id, fields in entries:
                     last = _s(entry_id)
                     f = {_s(k): v for k, v in fields.items()}
                     out.append(Assignment(_s(f["o"]), _s(f["w"]), _unpack(f["b"])))
-            if not last:
-                # Nothing new yet: remember where "now" is, so the next read misses nothing.
-                info = await self._r.xinfo_stream(self.key("assignments")) if await self._r.exists(
-                    self.key("assignments")) else None
-                last = _s(info["last-generated-id"]) if info else "0-0"
             return last, out
 
         return await self._call(op)
+
+    async def _last_entry_id(self, key: str) -> str:
+        if not await self._r.exists(key):
+            return "0-0"
+        info: Any = await self._r.xinfo_stream(key)
+        return _s(info["last-generated-id"])
 
     # -- load ---------------------------------------------------------------------------------
     async def publish_load(self, origin: str, load: Mapping[str, int], ttl_s: float) -> None:

@@ -78,6 +78,13 @@ async def test_two_replicas_send_one_prefix_to_one_worker_and_share_the_index(
             workers.append(headers["x-route-worker"])
             if gateway == b:
                 b_matches.append(int(headers["x-prefix-match-blocks"]))
+            if i == 0:
+                # B has routed nothing yet; its index fills from A's assignments in Redis.
+                async def b_learned() -> bool:
+                    async with http.get(b + "/admin/rebalance") as r:
+                        view = await r.json()
+                    return any(w["held_blocks"] for w in view["workers"].values())
+                await _until(b_learned, timeout_s=10)
     assert len(set(workers)) == 1
     # B never routed this prefix before its first request: it knows it from A, via Redis.
     assert b_matches[0] > 0
