@@ -17,7 +17,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from gateway.store.base import StoreUnavailable
 from infra import local_detached, sagemaker
-from infra.local import LocalCluster, serve
+from infra.local import DEFAULT_POLICY, LocalCluster, serve
 from infra.sagemaker import DEFAULT_IMAGE, ROUTING_STRATEGIES
 
 _FMT = argparse.ArgumentDefaultsHelpFormatter
@@ -35,7 +35,7 @@ def _local_parser(targets: argparse._SubParsersAction[argparse.ArgumentParser]) 
     run.add_argument("--port", type=int, default=8000, help="gateway port")
     run.add_argument("--worker-base-port", type=int, default=8001,
                      help="first worker port; worker i listens on base + i")
-    run.add_argument("--policy", default="prefix_affinity", help="gateway routing policy")
+    run.add_argument("--policy", default=DEFAULT_POLICY, help="gateway routing policy")
     run.add_argument("--model", default="sim-model", help="model name the workers serve")
     run.add_argument("--cache-blocks", type=int, default=2048, help="KV blocks per worker")
 

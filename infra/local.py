@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from gateway.settings import GatewaySettings
+
+DEFAULT_POLICY = GatewaySettings().policy  # the gateway's own default
+
 
 @dataclass(frozen=True, slots=True)
 class LocalCluster:
@@ -24,7 +28,7 @@ class LocalCluster:
     gateway_port: int = 8000
     worker_base_port: int = 8001
     workers: int = 4
-    policy: str = "prefix_affinity"
+    policy: str = DEFAULT_POLICY
     model: str = "sim-model"
     cache_blocks: int = 2048
     worker_args: tuple[str, ...] = field(default_factory=tuple)
