@@ -98,16 +98,7 @@ class RoutingEngine:
     ) -> Decision:
         """Choose a worker for ``request``; ``exclude`` holds workers that already failed it."""
         profile = self.profile
-        matches: dict[str, int] = {}
-        if profile.uses_prefix_index:
-            floor = profile.min_match_blocks
-            matches = {
-                w: d for w, d in snapshot.index.match(request.key.blocks).items() if d >= floor
-            }
-        hot = False
-        if matches and profile.hot_threshold > 0:
-            deepest = max(matches.values())
-            hot = snapshot.index.heat(request.key.blocks[deepest - 1]) >= profile.hot_threshold
+        matches, hot = self._matches(request, snapshot)
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
         limit = profile.candidate_limit
         candidates: list[WorkerView] | None = None
@@ -136,6 +127,20 @@ class RoutingEngine:
             scores=totals,
             load_bound=ctx.load_bounds.get(chosen.id),
         )
+
+    def _matches(self, request: RouteRequest, snapshot: Snapshot) -> tuple[dict[str, int], bool]:
+        """Known holders of at least ``min_match_blocks`` of the prefix, and whether the
+        deepest known part of it is hot."""
+        profile = self.profile
+        if not profile.uses_prefix_index:
+            return {}, False
+        blocks = request.key.blocks
+        floor = profile.min_match_blocks
+        matches = {w: d for w, d in snapshot.index.match(blocks).items() if d >= floor}
+        if not matches or profile.hot_threshold <= 0:
+            return matches, False
+        deepest = max(matches.values())
+        return matches, snapshot.index.heat(blocks[deepest - 1]) >= profile.hot_threshold
 
     @staticmethod
     def _narrow(
