@@ -53,6 +53,7 @@ from gateway.routing.types import Decision, RouteRequest, Snapshot, WorkerView
 from loadtest.rag_trace import RagSpec, rag_shape, rag_trace
 from loadtest.sim.cluster import ClusterSim, SimConfig, SimResult, pooled_bound, simulate
 from loadtest.sim.report import Metrics, metrics
+from loadtest.sim.routers import EngineRouter
 from loadtest.traces import TraceRequest
 
 Mode = Literal["cold", "tiebreak"]
@@ -199,7 +200,7 @@ class SimilarityScorer:
         return scores
 
 
-class SimilarityRouter:
+class SimilarityRouter(EngineRouter):
     """A gateway policy's engine plus the similarity scorer (simulator ``Router``).
 
     ``tiebreak`` weight: ``cache_cost`` scores equal-depth holders within ``queue_weight`` of
@@ -219,16 +220,8 @@ class SimilarityRouter:
             name=f"{base.name}+similarity({opts.mode})",
             scorers=(*base.profile.scorers, (self.scorer, weight)),
         )
-        self.engine = RoutingEngine(profile)
+        super().__init__(RoutingEngine(profile))
         self.steered = 0  # decisions where the chosen worker had a similarity score
-
-    @property
-    def name(self) -> str:
-        return self.engine.name
-
-    @property
-    def uses_prefix_index(self) -> bool:
-        return self.engine.profile.uses_prefix_index
 
     def route(self, request: RouteRequest, snapshot: Snapshot) -> Decision:
         sketch = self.scorer.sketch_for(request)
