@@ -117,6 +117,9 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "last_error": s.last_error,
                 "kind": s.worker.kind,
                 "engine_metrics": dict(s.engine_metrics),
+                # The prefix index's model of its cache: size (0 = unknown) and blocks held.
+                "capacity_blocks": s.capacity_blocks,
+                "modelled_blocks": state.index.held_blocks(s.worker.id),
             }
         )
     return web.json_response(

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from gateway.api import STATE, add_routes
-from gateway.backends.base import WorkerProbe
+from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
 from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.backends.sagemaker import SageMakerBackend
 from gateway.errors import (
@@ -90,6 +90,10 @@ async def _probe_all(state: GatewayState) -> None:
     for s, probe in zip(workers, probes, strict=True):
         if probe.healthy:
             state.pool.mark_up(s.worker.id, probe.models, probe.metrics)
+            capacity = probe.metrics.get(CACHE_CAPACITY_TOKENS, 0.0)
+            if capacity > 0:  # the index models the worker's cache at its real size
+                blocks = max(1, int(capacity / state.settings.tokens_per_block()))
+                state.pool.set_capacity(s.worker.id, blocks)
         else:
             state.pool.mark_down(s.worker.id, probe.error)
 

@@ -58,8 +58,17 @@ class GatewaySettings:
         default=2, metadata=_help("cache_aware: shorter matches count as cold")
     )
     ring_choices: int = field(
-        default=4, metadata=_help("cache_aware: a cold prefix goes to the least loaded of the "
-                                  "first k workers on the ring from its anchor")
+        default=8, metadata=_help("cache_aware: a cold prefix goes to one of the first k workers "
+                                  "on the ring from its anchor (see spread_guard, "
+                                  "pressure_weight)")
+    )
+    spread_guard: float = field(
+        default=1.5, metadata=_help("cache_aware: of those k, skip any with more than this x "
+                                    "their mean requests in flight")
+    )
+    pressure_weight: float = field(
+        default=8.0, metadata=_help("cache_aware: weight of cache turnover against recent "
+                                    "requests when placing a cold prefix (0: requests only)")
     )
     store: str = field(
         default="memory://",
@@ -145,6 +154,8 @@ class GatewaySettings:
             hot_threshold=self.hot_threshold,
             hot_load_factor=self.hot_load_factor,
             ring_choices=self.ring_choices,
+            spread_guard=self.spread_guard,
+            pressure_weight=self.pressure_weight,
         )
 
     def replica_id(self) -> str:

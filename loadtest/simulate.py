@@ -8,11 +8,15 @@
   :mod:`loadtest.sim.similarity` to the policy, as one more row with ``all``).
 * ``--policy``: any gateway policy (``gateway.routing.policies.POLICY_NAMES``), ``oracle`` (the
   full-knowledge reference) or ``all`` (every one of them side by side, as a markdown table).
+* ``--ring-seeds S [S ...]``: run each policy once per ring seed (another set of worker names,
+  so another ring: :func:`loadtest.sim.cluster.worker_ids`) and add a summary, mean (min-max)
+  per metric. Single runs move by more than the differences between good settings.
 * Mode: ``sequential`` (default; trace order, ``--concurrency`` in flight, 64 by default: how
   peers replay this trace) or ``replay`` (arrivals at ``timestamp / --speedup``; giving
   ``--speedup`` selects it). See :mod:`loadtest.sim.cluster` for the model and its costs.
 
-Prints markdown (``--json``: one JSON object; with ``all``, ``{"results": [...]}``).
+Prints markdown (``--json``: one JSON object; with ``all`` or several seeds,
+``{"results": [...]}``, plus ``"summary"`` over the seeds).
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from gateway.fingerprint import PrefixKey
 from gateway.settings import GatewaySettings
 from loadtest.rag_trace import rag_spec, rag_trace
 from loadtest.sim.cluster import DEFAULT_COSTS, Mode, SimConfig, pooled_bound, simulate
-from loadtest.sim.report import Metrics, markdown_one, markdown_table, metrics
+from loadtest.sim.report import (
+    Metrics,
+    markdown_one,
+    markdown_seed_summary,
+    markdown_table,
+    metrics,
+    seed_summary,
+)
 from loadtest.sim.routers import policy_names
 from loadtest.sim.similarity import SimilarityUnavailable, similarity_metrics
 from loadtest.traces import (
@@ -88,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set a field of gateway.routing.policies.PolicyOptions (repeatable)")
     p.add_argument("--index-ttl-s", type=float, help="prefix index TTL (gateway default)")
     p.add_argument("--index-capacity", type=int, help="prefix index entries (gateway default)")
+    p.add_argument("--ring-seeds", type=int, nargs="+", default=[0], metavar="S",
+                   help="run once per ring seed (worker names) and summarise (default 0)")
     p.add_argument("--jobs", type=int, default=1, help="with --policy all: parallel processes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -160,10 +173,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.similarity is not None and args.policy != "all":
         policies = ()  # the one row is the policy with the hint, below
     try:
-        configs = [config_from_args(args, name) for name in policies]
+        configs = [
+            dataclasses.replace(config_from_args(args, name), ring_seed=seed)
+            for name in policies for seed in args.ring_seeds
+        ]
     except ValueError as exc:
         parser.error(str(exc))
     pooled = pooled_bound(requests, args.workers * args.cache_blocks)
+    many = args.policy == "all" or len(args.ring_seeds) > 1
     if args.jobs > 1 and len(configs) > 1:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             futures = [pool.submit(_run_one, requests, cfg, pooled) for cfg in configs]
@@ -180,12 +197,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = [*rows, row] if args.policy == "all" else [row]
     for row in rows:
         row["trace"] = source
+    summary = seed_summary(rows) if len(args.ring_seeds) > 1 else []
     if args.json:
-        out: object = {"results": rows} if args.policy == "all" else rows[0]
+        out: object = {"results": rows} if many else rows[0]
+        if summary:
+            out = {"results": rows, "summary": summary}
         print(json.dumps(out, indent=2))
-    elif args.policy == "all":
+    elif many:
         print(f"trace: {source}\n")
         print(markdown_table(rows))
+        if summary:
+            print(f"\nover ring seeds {' '.join(map(str, args.ring_seeds))}:\n")
+            print(markdown_seed_summary(summary))
     else:
         print(markdown_one(rows[0]))
     return 0

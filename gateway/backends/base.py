@@ -18,8 +18,15 @@ class BackendUnavailable(Exception):
     """The worker could not be reached (refused, reset, timed out) before any reply."""
 
 
+# Key in WorkerProbe.metrics: the worker's KV cache capacity in tokens (its blocks x block size).
+CACHE_CAPACITY_TOKENS = "cache_capacity_tokens"
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerProbe:
+    """One health probe. ``metrics`` holds the engine metrics scraped from the worker, if any,
+    and :data:`CACHE_CAPACITY_TOKENS` when the worker told its KV cache size."""
+
     healthy: bool
     models: frozenset[str]
     error: str = ""

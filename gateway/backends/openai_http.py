@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.backends.base import BackendUnavailable, WorkerProbe
+from gateway.backends.base import CACHE_CAPACITY_TOKENS, BackendUnavailable, WorkerProbe
 from gateway.routing.types import Worker
 
 NAMESPACE_HEADER = "x-cache-namespace"
@@ -35,10 +35,14 @@ ENGINE_METRICS = (
     "vllm:prefix_cache_hits_total",
 )
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
-    """Sum each of :data:`ENGINE_METRICS` over its label sets in a Prometheus text page."""
+    """Sum each of :data:`ENGINE_METRICS` over its label sets in a Prometheus text page, and
+    the KV cache capacity (``num_gpu_blocks x block_size`` of ``vllm:cache_config_info``) as
+    :data:`~gateway.backends.base.CACHE_CAPACITY_TOKENS`."""
     out: dict[str, float] = {}
     for name, value in _SAMPLE.findall(text):
         if name in ENGINE_METRICS:
@@ -46,6 +50,15 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
                 out[name] = out.get(name, 0.0) + float(value)
             except ValueError:
                 continue
+    info = _CACHE_INFO.search(text)
+    if info is not None:
+        labels = dict(_LABEL.findall(info.group("labels")))
+        try:
+            capacity = float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+        except (KeyError, ValueError):
+            capacity = 0.0
+        if capacity > 0:
+            out[CACHE_CAPACITY_TOKENS] = capacity
     return out
 
 

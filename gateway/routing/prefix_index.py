@@ -11,10 +11,17 @@ size when it is known (:meth:`set_capacity`): a prefix the worker has surely evi
 counting as held, and a prompt's first blocks are kept longest (they are recorded last, so they
 are the most recently used), as in the worker's own cache. Entries also expire after ``ttl_s``.
 Time is passed in by the caller, so the simulator can replay traces on its own clock.
+
+It also keeps each worker's recent *churn*, which the cold-placement picker balances
+(:mod:`gateway.routing.policies.spread_picker`): requests recorded for it and blocks they added
+(decayed with the same half-life as the heat), and the age of its least recently used block
+once its modelled cache is full. A worker whose oldest block is young is evicting prefixes that
+were used moments ago, so a new prefix placed there pushes out something likely to come back.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -36,6 +43,9 @@ class PrefixIndex:
         # worker id -> its blocks, least recently used first
         self._lru: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}
+        # worker id -> [requests, new blocks, time of the last update], decayed; and all workers
+        self._churn: dict[str, list[float]] = {}
+        self._pool_churn = [0.0, 0.0, 0.0]
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -64,8 +74,11 @@ class PrefixIndex:
         now = self._now
         holders_of = self._holders
         heat = self._heat
+        new = 0
         # Deepest first, so the head of the prompt ends up most recently used.
         for h in reversed(blocks):
+            if h not in lru:
+                new += 1
             value, at = heat.get(h, (0.0, now))
             heat[h] = (self._decayed(value, at) + 1.0, now)
             holders = holders_of.get(h)
@@ -76,6 +89,17 @@ class PrefixIndex:
             lru[h] = None
             lru.move_to_end(h)
         self._trim(worker_id)
+        churn = self._churn.get(worker_id)
+        if churn is None:
+            churn = self._churn[worker_id] = [0.0, 0.0, now]
+        self._count(churn, new)
+        self._count(self._pool_churn, new)
+
+    def _count(self, churn: list[float], new_blocks: int) -> None:
+        keep = self._decay_factor(churn[2])
+        churn[0] = churn[0] * keep + 1.0
+        churn[1] = churn[1] * keep + new_blocks
+        churn[2] = self._now
 
     def _trim(self, worker_id: str) -> None:
         lru = self._lru.get(worker_id)
@@ -94,10 +118,33 @@ class PrefixIndex:
                 del self._holders[h]
                 self._heat.pop(h, None)
 
-    def _decayed(self, value: float, at: float) -> float:
+    def _decay_factor(self, at: float) -> float:
         if self._half_life <= 0 or self._now <= at:
-            return value
-        return float(value * 0.5 ** ((self._now - at) / self._half_life))
+            return 1.0
+        return float(0.5 ** ((self._now - at) / self._half_life))
+
+    def _decayed(self, value: float, at: float) -> float:
+        return value * self._decay_factor(at)
+
+    def recent_requests(self, worker_id: str) -> float:
+        """Requests recorded for ``worker_id``, halved every ``heat_half_life_s``."""
+        churn = self._churn.get(worker_id)
+        return churn[0] * self._decay_factor(churn[2]) if churn is not None else 0.0
+
+    def mean_new_blocks(self) -> float:
+        """Blocks a recorded request added to its worker's cache, on average over all workers
+        (recent requests weigh more); 0 before the first record."""
+        requests, blocks, _ = self._pool_churn
+        return blocks / requests if requests > 0 else 0.0
+
+    def tail_age(self, worker_id: str) -> float:
+        """Seconds since the least recently used block of ``worker_id`` was recorded, once its
+        modelled cache is full (the next block recorded evicts it); ``inf`` while it has room."""
+        lru = self._lru.get(worker_id)
+        if lru is None or len(lru) < self.capacity(worker_id):
+            return math.inf
+        oldest = next(iter(lru))
+        return max(0.0, self._now - self._holders[oldest][worker_id])
 
     def heat(self, block: int) -> float:
         """How many recorded requests contained ``block``, halved every ``heat_half_life_s``:
@@ -146,3 +193,4 @@ class PrefixIndex:
         """Drop every entry of a worker that left or restarted (its cache is gone with it)."""
         for h in self._lru.pop(worker_id, OrderedDict()):
             self._drop(h, worker_id)
+        self._churn.pop(worker_id, None)

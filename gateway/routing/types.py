@@ -56,6 +56,18 @@ class PrefixMatcher(Protocol):
         """Recent requests (decayed) that contained ``block``."""
         ...
 
+    def recent_requests(self, worker_id: str) -> float:
+        """Recent requests (decayed) recorded for ``worker_id``."""
+        ...
+
+    def mean_new_blocks(self) -> float:
+        """Blocks a recent request added to its worker's cache, on average."""
+        ...
+
+    def tail_age(self, worker_id: str) -> float:
+        """Age of the worker's least recently used block once its cache is full, else inf."""
+        ...
+
 
 class RingOrder(Protocol):
     """Consistent-hash ring: worker ids in ring order starting at ``anchor``."""

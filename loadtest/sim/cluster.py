@@ -96,6 +96,8 @@ class SimConfig:
     index_ttl_s: float = field(default_factory=lambda: _gateway_default("index_ttl_s"))
     # The index models each worker's cache as an LRU of its real size (PrefixIndex.set_capacity).
     index_knows_capacity: bool = True
+    # Worker names (hence ring positions): see worker_ids.
+    ring_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.cache_blocks < 1 or self.max_running < 1:
@@ -108,10 +110,12 @@ class SimConfig:
             raise ValueError(f"unknown mode {self.mode!r}")
 
 
-def worker_ids(n: int) -> list[str]:
-    """The simulated workers' ids (they decide ring placement)."""
+def worker_ids(n: int, ring_seed: int = 0) -> list[str]:
+    """The simulated workers' ids. They decide ring placement, so another ``ring_seed`` (another
+    set of names: ``s3-w00``...) is another, equally likely, deployment of the same fleet."""
     width = len(str(n - 1))
-    return [f"w{i:0{width}d}" for i in range(n)]
+    prefix = f"s{ring_seed}-w" if ring_seed else "w"
+    return [f"{prefix}{i:0{width}d}" for i in range(n)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +156,7 @@ class SimResult:
     assignments: tuple[str, ...] = ()
     # Decisions by kind of reason (gateway.telemetry.reason_kind; "diverted:<why>" split out).
     reasons: Mapping[str, int] = field(default_factory=dict)
+    ring_seed: int = 0
 
 
 @dataclass(slots=True)
@@ -194,7 +199,7 @@ class ClusterSim:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        ids = worker_ids(config.workers)
+        ids = worker_ids(config.workers, config.ring_seed)
         caches = {wid: PrefixCache(config.cache_blocks, 1) for wid in ids}
         self.workers = {
             wid: _SimWorker(i, Worker(wid, f"sim://{wid}"), caches[wid])
@@ -342,6 +347,7 @@ class ClusterSim:
             snapshot_us=tuple(self._snapshot_us), sim_seconds=now,
             wall_seconds=time.perf_counter() - started, per_worker=per_worker,
             assignments=tuple(self._assignments), reasons=dict(self._reasons),
+            ring_seed=cfg.ring_seed,
         )
 
 

@@ -12,6 +12,7 @@ Metrics = dict[str, object]
 # Columns of the side-by-side table: (metric key, header, format).
 TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("policy", "policy", "{}"),
+    ("ring_seed", "ring seed", "{}"),
     ("block_hit_rate", "block hit", "{:.3f}"),
     ("pooled_bound", "pooled bound", "{:.3f}"),
     ("hit_over_bound", "hit / bound", "{:.3f}"),
@@ -47,6 +48,7 @@ def metrics(result: SimResult, pooled: float) -> Metrics:
         "cache_blocks": result.cache_blocks,
         "mode": result.mode,
         "concurrency": result.concurrency,
+        "ring_seed": result.ring_seed,
         "speedup": result.speedup if result.mode == "replay" else None,
         "requests": result.requests,
         "rejected": result.rejected,
@@ -126,4 +128,51 @@ def markdown_table(rows: Sequence[Mapping[str, object]]) -> str:
     ]
     for row in rows:
         lines.append("| " + " | ".join(_fmt(row.get(k), f) for k, _, f in TABLE_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+# Columns of the summary over ring seeds: (metric key, header, how to summarise).
+SEED_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("hit_over_bound", "hit / bound"),
+    ("prefill_max_over_mean", "prefill max/mean"),
+    ("routed_max_over_mean", "routed max/mean"),
+    ("ttft_p50", "TTFT p50 (s)"),
+    ("ttft_p99", "TTFT p99 (s)"),
+)
+
+
+def seed_summary(rows: Sequence[Mapping[str, object]]) -> list[Metrics]:
+    """Per policy, over its runs with different ring seeds: mean, min and max of each metric
+    of :data:`SEED_COLUMNS`. Small changes move single runs of a trace this chaotic by more
+    than the differences between good settings; the spread over seeds says how much."""
+    by_policy: dict[str, list[Mapping[str, object]]] = {}
+    for row in rows:
+        by_policy.setdefault(str(row["policy"]), []).append(row)
+    out: list[Metrics] = []
+    for policy, runs in by_policy.items():
+        entry: Metrics = {"policy": policy, "seeds": [r["ring_seed"] for r in runs]}
+        for key, _ in SEED_COLUMNS:
+            values = [float(str(r[key])) for r in runs]
+            entry[key] = {"mean": sum(values) / len(values), "min": min(values),
+                          "max": max(values)}
+        out.append(entry)
+    return out
+
+
+def markdown_seed_summary(summary: Sequence[Mapping[str, object]]) -> str:
+    """One row per policy: each metric as ``mean (min-max)`` over the ring seeds."""
+    if not summary:
+        return ""
+    lines = [
+        "| policy | seeds | " + " | ".join(h for _, h in SEED_COLUMNS) + " |",
+        "|---|---:|" + "---:|" * len(SEED_COLUMNS),
+    ]
+    for entry in summary:
+        seeds = entry["seeds"]
+        cells = [str(entry["policy"]), str(len(seeds) if isinstance(seeds, list) else seeds)]
+        for key, _ in SEED_COLUMNS:
+            stats = entry[key]
+            assert isinstance(stats, Mapping)
+            cells.append(f"{stats['mean']:.3f} ({stats['min']:.3f}-{stats['max']:.3f})")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

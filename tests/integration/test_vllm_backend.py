@@ -5,10 +5,26 @@ from __future__ import annotations
 import aiohttp
 import openai
 
+from gateway.backends.openai_http import parse_engine_metrics
 from gateway.proxy import stats_from_usage
 from tests.conftest import MODEL, StartCluster
 
 PROMPT = "Summarise the maintenance manual of the tandem bicycle, chapter by chapter. " * 20
+
+
+def test_engine_metrics_page_gives_load_and_cache_capacity() -> None:
+    page = (
+        "# HELP vllm:num_requests_running Number of requests running.\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="2048"} 1.0\n'
+    )
+    metrics = parse_engine_metrics(page)
+    assert metrics["vllm:num_requests_running"] == 5.0
+    assert metrics["cache_capacity_tokens"] == 16 * 2048
+    assert "cache_capacity_tokens" not in parse_engine_metrics(
+        'vllm:cache_config_info{block_size="16"} 1.0\n'
+    )
 
 
 def test_cache_stats_come_from_usage_in_bodies_and_streams() -> None:
@@ -63,4 +79,8 @@ async def test_vllm_target_chat_completions_streaming_and_tenant_salt(
         view = (await r.json())["workers"][0]
     assert view["kind"] == "vllm"
     assert "vllm:num_requests_running" in view["engine_metrics"]
+    # The KV cache size from vllm:cache_config_info sizes the index's model of the worker.
+    assert view["engine_metrics"]["cache_capacity_tokens"] > 0
+    assert view["capacity_blocks"] > 0
+    assert 0 < view["modelled_blocks"] <= view["capacity_blocks"]
     assert view["input_tokens"] > 0

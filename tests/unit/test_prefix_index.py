@@ -189,3 +189,38 @@ def test_heat_counts_recent_requests_and_halves_with_time() -> None:
     index.forget_worker("w1")
     index.forget_worker("w2")
     assert index.heat(1) == 0.0  # gone with the last holder
+
+
+def test_churn_counts_requests_and_new_blocks_and_halves_with_time() -> None:
+    index = PrefixIndex(heat_half_life_s=10.0)
+    index.set_time(100.0)
+    index.record([1, 2, 3, 4], "w1")  # 4 new blocks
+    index.record([1, 2, 3, 4, 5, 6], "w1")  # 2 new blocks: the first 4 are held
+    index.record([7, 8], "w2")  # 2 new blocks on another worker
+    assert index.recent_requests("w1") == pytest.approx(2.0)
+    assert index.recent_requests("w2") == pytest.approx(1.0)
+    assert index.recent_requests("w9") == 0.0
+    assert index.mean_new_blocks() == pytest.approx((4 + 2 + 2) / 3)
+    index.set_time(110.0)  # one half-life later
+    assert index.recent_requests("w1") == pytest.approx(1.0)
+    index.record([9] * 1 + [10, 11, 12, 13, 14, 15, 16], "w2")  # 8 new blocks, weighs double
+    assert index.mean_new_blocks() == pytest.approx((8 * 0.5 + 8) / (3 * 0.5 + 1))
+    index.forget_worker("w1")
+    assert index.recent_requests("w1") == 0.0
+
+
+def test_tail_age_is_infinite_until_the_modelled_cache_is_full() -> None:
+    index = PrefixIndex()
+    index.set_capacity("w1", 4)
+    index.set_time(10.0)
+    index.record([1, 2], "w1")
+    assert index.tail_age("w1") == float("inf")
+    assert index.tail_age("unknown") == float("inf")
+    index.set_time(25.0)
+    index.record([3, 4], "w1")  # full now: its oldest blocks were recorded at t=10
+    index.set_time(30.0)
+    assert index.tail_age("w1") == pytest.approx(20.0)
+    index.record([5], "w1")  # evicts block 2 (the deepest of the oldest prompt goes first)
+    assert index.tail_age("w1") == pytest.approx(20.0)  # block 1 is still from t=10
+    index.record([6], "w1")  # evicts block 1: now the oldest is from t=25
+    assert index.tail_age("w1") == pytest.approx(5.0)

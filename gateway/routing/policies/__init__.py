@@ -8,7 +8,7 @@ least_load         healthy, model                              load -> best (rin
 consistent_hash    healthy, model                              ring owner of the anchor
 bounded_hash       healthy, model, bounded_load(c)             ring walk from the anchor
 prefix_affinity    healthy, model, bounded_load(c)             prefix_match -> best (ring)
-cache_aware        healthy, model, bounded_load(c_guard)       cache_cost -> best of k ring
+cache_aware        healthy, model, bounded_load(c_guard)       cache_cost -> spread (k ring)
 =================  ==========================================  ==========================
 
 ``prefix_affinity`` sends a request to the worker holding its longest known prefix; a cold
@@ -19,9 +19,11 @@ none, to the ring, and the new worker becomes a second holder of the prefix.
 ``cache_aware`` (the default) replaces the longest-match switch with one cost per worker,
 prefill it would have to compute plus its queue (see ``cache_cost``): a holder wins until its
 queue outweighs the prefill it saves, and holders of a hot prefix share its traffic by load. A
-cold prefix (no worker holds ``min_match_blocks`` of it) goes to the least loaded of the first
-``ring_choices`` workers on the ring from its anchor: placement stays tied to the anchor, so
-later turns and siblings find it, while the load evens out ("power of k choices"). Its hard
+cold prefix (no worker holds ``min_match_blocks`` of it) goes to one of the first
+``ring_choices`` workers on the ring from its anchor, the one where it costs least
+(``spread_picker``): fewest recent requests for a short prompt, slowest cache turnover for a
+long one, skipping any with far more in flight. Placement stays tied to the anchor, so
+replicas mostly agree, and both the request counts and the caches' eviction even out. Its hard
 bound depends on the prefix. For a *hot* prefix (``hot_threshold`` recent requests share it,
 halved every 30 s: a system prompt many users send) it is ``hot_load_factor`` (1.25 x mean), so
 its holder overflows to a second holder (then a third) chosen by the same ring walk, and the
@@ -44,6 +46,7 @@ from gateway.routing.policies.load import LoadScorer
 from gateway.routing.policies.prefix_match import PrefixMatchScorer
 from gateway.routing.policies.ring_picker import RingPicker
 from gateway.routing.policies.round_robin import RoundRobinPicker
+from gateway.routing.policies.spread_picker import SpreadPicker
 
 POLICY_NAMES = (
     "cache_aware",
@@ -66,7 +69,9 @@ class PolicyOptions:
     prefill_weight: float = 1.0
     queue_weight: float = 0.01
     min_match_blocks: int = 2
-    ring_choices: int = 4
+    ring_choices: int = 8
+    spread_guard: float = 1.5  # cache_aware: skip choices over 1.5 x their mean in flight
+    pressure_weight: float = 8.0  # cache_aware: cache turnover against recent requests
     candidate_limit: int = 16
     hot_threshold: float = 8.0  # requests sharing a prefix (halved every 30 s) to call it hot
     hot_load_factor: float = 1.25  # cache_aware's bound for hot prefixes
@@ -95,7 +100,9 @@ def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEng
                 opts.cache_aware_load_factor, opts.load_floor_requests, opts.hot_load_factor
             )
             profile = Profile(
-                name, (*base, guard), ((scorer, 1.0),), RingPicker(opts.ring_choices),
+                name, (*base, guard), ((scorer, 1.0),), SpreadPicker(
+                    opts.ring_choices, opts.spread_guard, opts.pressure_weight
+                ),
                 uses_prefix_index=True, min_match_blocks=opts.min_match_blocks,
                 candidate_limit=opts.candidate_limit, hot_threshold=opts.hot_threshold,
             )

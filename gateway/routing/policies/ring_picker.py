@@ -49,8 +49,14 @@ class RingPicker:
             if len(seen) == min(self.choices, len(by_id)):
                 break
         if seen:
-            skipped, chosen = min(seen, key=_lightest)
+            skipped, chosen = seen[0] if len(seen) == 1 else self.choose(ctx, seen)
             return chosen, "ring" if skipped == 0 else f"ring skip={skipped}"
         # A candidate the ring does not know yet (membership changed since it was built).
         chosen = by_id[min(by_id)]
         return chosen, "ring (not on ring)"
+
+    def choose(
+        self, ctx: Context, seen: Sequence[tuple[int, WorkerView]]
+    ) -> tuple[int, WorkerView]:
+        """One of ``seen`` (ring position, view; two or more, in ring order): the lightest."""
+        return min(seen, key=_lightest)

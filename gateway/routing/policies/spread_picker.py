@@ -1,0 +1,97 @@
+"""Picker: of the first ``k`` best candidates on the ring, the one a new prefix costs least.
+
+``cache_aware`` sends a cold prefix (one no worker is known to hold) to one of the first ``k``
+workers on the ring from its anchor. Which one decides two things at once, and the in-flight
+count alone gets neither right on real traffic:
+
+* **the request balance**: conversations stick to the worker that holds them, so a worker's
+  future load is the traffic it was *given recently*, not only what is in flight this instant;
+* **the hit rate**: a worker whose least recently used block is young evicts, for the blocks
+  this prompt adds, prefixes that were used moments ago. Placing new prefixes where the oldest
+  block is oldest makes the fleet's caches evict as one shared LRU would, which is the pooled
+  bound the hit rate is measured against.
+
+Request sizes differ by 10x and more (a 250-block document next to a 5-block question), so
+balancing requests alone skews the cache pressure, and balancing blocks alone skews the
+request counts. The picker minimises one two-term load, each term relative to the mean over
+the choices::
+
+    key(w) = recent_requests(w) / mean  +  pressure_weight * (n_w / n_mean) * pressure(w) / mean
+
+``recent_requests`` is the decayed count of requests the index recorded for ``w`` (its own
+gateway's and, through the metadata store, the other replicas'); ``pressure = 1 / tail_age``
+is how fast ``w``'s modelled cache turns over (0 while it has room); ``n_w`` is the blocks this
+request would add to ``w`` and ``n_mean`` what a request adds on average. The size factor is
+what makes one key serve both goals: a short prompt goes where requests are fewest, a long one
+where eviction is cheapest (the greedy step for the sum of squares of both loads).
+
+A choice with more than ``guard`` times the mean requests in flight of the choices is skipped
+first, so a worker with an old cache tail is not handed new prefixes while its queue grows.
+Requests (recent and in flight) count per unit of ring weight, which follows cache capacity:
+a worker with twice the cache takes twice the requests.
+Ties (an index that has recorded nothing yet) go to fewer requests in flight, then fewer tokens
+in flight, then ring order, so replicas that see the same index and loads agree.
+Measured on the Mooncake conversation trace (BENCHMARKS.md, "Issue 6").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from gateway.routing.engine import Context
+from gateway.routing.policies.ring_picker import RingPicker
+from gateway.routing.types import WorkerView
+
+
+class SpreadPicker(RingPicker):
+    name = "spread"
+
+    def __init__(self, choices: int = 8, guard: float = 1.5, pressure_weight: float = 8.0) -> None:
+        super().__init__(choices)
+        if guard < 1.0:
+            raise ValueError("guard must be >= 1")
+        if pressure_weight < 0.0:
+            raise ValueError("pressure_weight must be >= 0")
+        self.guard = guard
+        self.pressure_weight = pressure_weight
+
+    def choose(
+        self, ctx: Context, seen: Sequence[tuple[int, WorkerView]]
+    ) -> tuple[int, WorkerView]:
+        # Requests count per unit of weight: a worker of twice the capacity (ring weight) takes
+        # twice the requests. Its cache turns over more slowly by itself.
+        weights = [max(v.worker.weight, 1e-9) for _, v in seen]
+        busy = [v.inflight_requests / w for (_, v), w in zip(seen, weights, strict=True)]
+        limit = self.guard * sum(busy) / len(seen)
+        eligible = [i for i in range(len(seen)) if busy[i] <= limit] or list(range(len(seen)))
+        index = ctx.snapshot.index
+        recent = [index.recent_requests(seen[i][1].id) / weights[i] for i in eligible]
+        pressure = [_pressure(index.tail_age(seen[i][1].id)) for i in eligible]
+        mean_recent = sum(recent) / len(eligible) or 1.0
+        mean_pressure = sum(pressure) / len(eligible) or 1.0
+        blocks = len(ctx.request.key.blocks)
+        mean_new = index.mean_new_blocks() or float(max(blocks, 1))
+        matches = ctx.matches
+        best: tuple[float, float, int, int] | None = None
+        chosen = seen[eligible[0]]
+        for j, i in enumerate(eligible):
+            skipped, view = seen[i]
+            size = (blocks - matches.get(view.id, 0)) / mean_new
+            key = (
+                recent[j] / mean_recent
+                + self.pressure_weight * size * pressure[j] / mean_pressure,
+                busy[i],
+                view.inflight_tokens,
+                skipped,
+            )
+            if best is None or key < best:
+                best, chosen = key, seen[i]
+        return chosen
+
+
+def _pressure(tail_age: float) -> float:
+    """How fast a modelled cache turns over: 1 / age of its oldest block (0 with room left)."""
+    if math.isinf(tail_age):
+        return 0.0
+    return 1.0 / max(tail_age, 1e-3)
