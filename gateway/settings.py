@@ -67,7 +67,7 @@ class GatewaySettings:
                                     "their mean requests in flight")
     )
     pressure_weight: float = field(
-        default=8.0, metadata=_help("cache_aware: weight of cache turnover against recent "
+        default=4.0, metadata=_help("cache_aware: weight of cache turnover against recent "
                                     "requests when placing a cold prefix (0: requests only)")
     )
     store: str = field(

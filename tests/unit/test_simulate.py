@@ -184,3 +184,40 @@ def test_cli_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "replay, speedup 2.0" in table
     for name in policy_names():
         assert f"| {name} |" in table
+
+
+def test_ring_seeds_name_other_fleets() -> None:
+    assert worker_ids(3) == ["w0", "w1", "w2"]
+    assert worker_ids(3, ring_seed=2) == ["s2-w0", "s2-w1", "s2-w2"]
+    seeded = Ring(dict.fromkeys(worker_ids(16, 5), 1.0))
+    plain = Ring(dict.fromkeys(worker_ids(16), 1.0))
+    anchors = range(0, 2**63, 2**57)
+    plain_numbers = [str(plain.owner(a)).removeprefix("w") for a in anchors]
+    seeded_numbers = [str(seeded.owner(a)).removeprefix("s5-w") for a in anchors]
+    # Another seed is another ring: the same anchors go to other worker numbers.
+    assert sum(p != s for p, s in zip(plain_numbers, seeded_numbers, strict=True)) > 16
+
+
+def test_cli_ring_seeds_summarise_mean_min_max(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [(i * 0.5, 1024, 4, [0, 1 + i % 5, 100 + i]) for i in range(40)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(to_mooncake_lines(rows)) + "\n", encoding="utf-8")
+    argv = ["--trace", str(path), "--workers", "3", "--cache-blocks", "8",
+            "--policy", "consistent_hash", "--ring-seeds", "0", "1", "2"]
+    assert cli.main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    runs = out["results"]
+    assert [r["ring_seed"] for r in runs] == [0, 1, 2]
+    (summary,) = out["summary"]
+    assert summary["seeds"] == [0, 1, 2]
+    for key in ("hit_over_bound", "routed_max_over_mean"):
+        values = [r[key] for r in runs]
+        assert summary[key]["mean"] == pytest.approx(sum(values) / 3)
+        assert summary[key]["min"] == min(values)
+        assert summary[key]["max"] == max(values)
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "over ring seeds 0 1 2" in table
+    assert "| consistent_hash | 3 |" in table

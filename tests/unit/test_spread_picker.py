@@ -90,10 +90,10 @@ def _two_kinds_of_load() -> PrefixIndex:
 def test_a_long_prompt_goes_where_eviction_is_cheapest_a_short_one_where_requests_are_fewest(
     blocks: int, expected: str
 ) -> None:
-    # key = recent / mean + 8 * (size / mean size) * pressure / mean, mean size 400 / 6 blocks:
+    # key = recent / mean + 4 * (size / mean size) * pressure / mean, mean size 400 / 6 blocks:
     # requests 4 vs 2 (1.33 vs 0.67 of the mean), turnover 1/90 vs 1/45 (0.67 vs 1.33).
-    # 1 block:   w0 1.33 + 8 * 0.015 * 0.67 = 1.41,  w1 0.67 + 8 * 0.015 * 1.33 = 0.83 -> w1
-    # 150 blocks: w0 1.33 + 8 * 2.25 * 0.67 = 13.3,  w1 0.67 + 8 * 2.25 * 1.33 = 24.7 -> w0
+    # 1 block:   w0 1.33 + 4 * 0.015 * 0.67 = 1.37,  w1 0.67 + 4 * 0.015 * 1.33 = 0.75 -> w1
+    # 150 blocks: w0 1.33 + 4 * 2.25 * 0.67 = 7.33,  w1 0.67 + 4 * 2.25 * 1.33 = 12.7 -> w0
     assert _route(_two_kinds_of_load(), blocks) == expected
 
 

@@ -71,7 +71,7 @@ class PolicyOptions:
     min_match_blocks: int = 2
     ring_choices: int = 8
     spread_guard: float = 1.5  # cache_aware: skip choices over 1.5 x their mean in flight
-    pressure_weight: float = 8.0  # cache_aware: cache turnover against recent requests
+    pressure_weight: float = 4.0  # cache_aware: cache turnover against recent requests
     candidate_limit: int = 16
     hot_threshold: float = 8.0  # requests sharing a prefix (halved every 30 s) to call it hot
     hot_load_factor: float = 1.25  # cache_aware's bound for hot prefixes
