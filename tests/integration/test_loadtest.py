@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -37,15 +39,34 @@ def _check_result(result: dict[str, Any]) -> None:
     assert abs(sum(shares) - 1.0) < 1e-9
 
 
+def _run_loadtest(args: list[str], logs: Path, timeout_s: float) -> tuple[int, str, str]:
+    """``python -m loadtest ARGS`` in its own process group, output to files. On a timeout the
+    whole group (its workers, gateway and locust too) is killed and the test fails with the
+    output so far: with pipes, a child still holding them would make the wait endless."""
+    out_path, err_path = logs / "stdout.txt", logs / "stderr.txt"
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "loadtest", *args], stdout=out,
+                                stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = -1
+    stdout = out_path.read_text(encoding="utf-8", errors="replace")
+    stderr = err_path.read_text(encoding="utf-8", errors="replace")
+    assert code != -1, f"loadtest did not finish in {timeout_s:g} s:\n{stderr[-3000:]}"
+    return code, stdout, stderr
+
+
 def test_headless_run_reports_and_affinity_beats_round_robin(tmp_path: Path) -> None:
     out = tmp_path / "report"
-    proc = subprocess.run(
-        [sys.executable, "-m", "loadtest", "run", "--workload", "chat",
-         "--policy", "round_robin,cache_aware", "--workers", "4", "--duration", "5",
-         "--users", "8", "--out", str(out)],
-        capture_output=True, text=True, timeout=180, check=False,
+    code, stdout, stderr = _run_loadtest(
+        ["run", "--workload", "chat", "--policy", "round_robin,cache_aware", "--workers", "4",
+         "--duration", "5", "--users", "8", "--out", str(out)],
+        tmp_path, timeout_s=180,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert code == 0, stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     results = {r["policy"]: r for r in report["results"]}
     assert list(results) == ["round_robin", "cache_aware"]
@@ -58,7 +79,7 @@ def test_headless_run_reports_and_affinity_beats_round_robin(tmp_path: Path) -> 
     markdown = (out / "report.md").read_text()
     assert "| round_robin |" in markdown
     assert "| cache_aware |" in markdown
-    assert markdown == proc.stdout
+    assert markdown == stdout
     for png in ("hit_rate.png", "worker_load.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     # locust's own outputs and the raw samples are kept per policy
@@ -74,14 +95,15 @@ async def test_trace_replay_against_a_running_gateway(
 ) -> None:
     cluster = await start_cluster(workers=2)
     out = tmp_path / "report"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "loadtest", "run", "--gateway", cluster.gateway_url,
-        "--workload", "mooncake", "--duration", "3", "--users", "4", "--no-plots",
-        "--locust-arg=--block-chars=64", "--locust-arg=--max-blocks=12", "--out", str(out),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    # In a thread: the gateway under test runs on this event loop.
+    code, stdout, stderr = await asyncio.to_thread(
+        _run_loadtest,
+        ["run", "--gateway", cluster.gateway_url, "--workload", "mooncake", "--duration", "3",
+         "--users", "4", "--no-plots", "--locust-arg=--block-chars=64",
+         "--locust-arg=--max-blocks=12", "--out", str(out)],
+        tmp_path, 120,
     )
-    stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode == 0, stderr.decode()[-3000:]
+    assert code == 0, stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     [result] = report["results"]
     assert result["policy"] == "cache_aware"  # the policy the running gateway reports
@@ -91,4 +113,4 @@ async def test_trace_replay_against_a_running_gateway(
     # every request of the conversation trace starts with the same block: prefixes are shared
     assert result["hit_rate"] > 0
     assert result["gateway_hit_rate"] is not None
-    assert b"| cache_aware |" in stdout
+    assert "| cache_aware |" in stdout
