@@ -58,7 +58,7 @@ class GatewaySettings:
         default=2, metadata=_help("cache_aware: shorter matches count as cold")
     )
     ring_choices: int = field(
-        default=8, metadata=_help("cache_aware: a cold prefix goes to one of the first k workers "
+        default=4, metadata=_help("cache_aware: a cold prefix goes to one of the first k workers "
                                   "on the ring from its anchor (see spread_guard, "
                                   "pressure_weight)")
     )

@@ -69,7 +69,7 @@ class PolicyOptions:
     prefill_weight: float = 1.0
     queue_weight: float = 0.01
     min_match_blocks: int = 2
-    ring_choices: int = 8
+    ring_choices: int = 4
     spread_guard: float = 1.5  # cache_aware: skip choices over 1.5 x their mean in flight
     pressure_weight: float = 4.0  # cache_aware: cache turnover against recent requests
     candidate_limit: int = 16

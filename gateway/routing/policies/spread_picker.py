@@ -47,7 +47,7 @@ from gateway.routing.types import WorkerView
 class SpreadPicker(RingPicker):
     name = "spread"
 
-    def __init__(self, choices: int = 8, guard: float = 1.5, pressure_weight: float = 4.0) -> None:
+    def __init__(self, choices: int = 4, guard: float = 1.5, pressure_weight: float = 4.0) -> None:
         super().__init__(choices)
         if guard < 1.0:
             raise ValueError("guard must be >= 1")
