@@ -61,33 +61,26 @@ class SpreadPicker(RingPicker):
     ) -> tuple[int, WorkerView]:
         # Requests count per unit of weight: a worker of twice the capacity (ring weight) takes
         # twice the requests. Its cache turns over more slowly by itself.
-        weights = [max(v.worker.weight, 1e-9) for _, v in seen]
-        busy = [v.inflight_requests / w for (_, v), w in zip(seen, weights, strict=True)]
-        limit = self.guard * sum(busy) / len(seen)
-        eligible = [i for i in range(len(seen)) if busy[i] <= limit] or list(range(len(seen)))
+        weight = {v.id: max(v.worker.weight, 1e-9) for _, v in seen}
+        busy = {v.id: v.inflight_requests / weight[v.id] for _, v in seen}
+        limit = self.guard * sum(busy.values()) / len(seen)
+        eligible = [sv for sv in seen if busy[sv[1].id] <= limit] or list(seen)
         index = ctx.snapshot.index
-        recent = [index.recent_requests(seen[i][1].id) / weights[i] for i in eligible]
-        pressure = [_pressure(index.tail_age(seen[i][1].id)) for i in eligible]
-        mean_recent = sum(recent) / len(eligible) or 1.0
-        mean_pressure = sum(pressure) / len(eligible) or 1.0
+        recent = {v.id: index.recent_requests(v.id) / weight[v.id] for _, v in eligible}
+        pressure = {v.id: _pressure(index.tail_age(v.id)) for _, v in eligible}
+        mean_recent = sum(recent.values()) / len(eligible) or 1.0
+        mean_pressure = sum(pressure.values()) / len(eligible) or 1.0
         blocks = len(ctx.request.key.blocks)
         mean_new = index.mean_new_blocks() or float(max(blocks, 1))
-        matches = ctx.matches
-        best: tuple[float, float, int, int] | None = None
-        chosen = seen[eligible[0]]
-        for j, i in enumerate(eligible):
-            skipped, view = seen[i]
-            size = (blocks - matches.get(view.id, 0)) / mean_new
-            key = (
-                recent[j] / mean_recent
-                + self.pressure_weight * size * pressure[j] / mean_pressure,
-                busy[i],
-                view.inflight_tokens,
-                skipped,
-            )
-            if best is None or key < best:
-                best, chosen = key, seen[i]
-        return chosen
+
+        def cost(sv: tuple[int, WorkerView]) -> tuple[float, float, int, int]:
+            skipped, view = sv
+            size = (blocks - ctx.matches.get(view.id, 0)) / mean_new
+            load = (recent[view.id] / mean_recent
+                    + self.pressure_weight * size * pressure[view.id] / mean_pressure)
+            return load, busy[view.id], view.inflight_tokens, skipped
+
+        return min(eligible, key=cost)
 
 
 def _pressure(tail_age: float) -> float:
