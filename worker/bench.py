@@ -84,14 +84,21 @@ def _sync(device: torch.device) -> None:
 
 
 def int8_error(engine: TorchEngine, tokens: Sequence[int]) -> float:
-    """Max relative logit error of an int8 KV pool vs the engine's own dtype, full prefill."""
+    """Max relative logit error of an int8 KV pool vs a full-precision one, full prefill.
+
+    The reference pool stores K/V in the engine's KV dtype, or in its compute dtype when the
+    engine itself runs an int8 pool (comparing int8 with int8 would always read 0).
+    """
     runner = engine.runner
     cfg = runner.model.cfg
     bs = engine.cache.block_size
     blocks = -(-len(tokens) // bs)
     table = torch.arange(blocks, device=runner.device)
     outputs = []
-    for kv in (engine.pool.kv_dtype, "int8"):
+    reference = engine.pool.kv_dtype
+    if reference == "int8":
+        reference = str(engine.pool.compute_dtype).removeprefix("torch.")
+    for kv in (reference, "int8"):
         pool = KVPool(blocks, bs, cfg, dtype=kv, compute_dtype=engine.pool.compute_dtype,
                       device=runner.device)
         outputs.append(type(runner)(runner.model, pool).full_prefill(tokens, table))
