@@ -13,6 +13,7 @@ from gateway.api import STATE, add_routes
 from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
 from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.backends.sagemaker import SageMakerBackend
+from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -181,7 +182,10 @@ def create_app(settings: GatewaySettings) -> web.Application:
             RebalanceOptions(interval_s=settings.rebalance_interval_s),
         ),
     )
-    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
+    app = web.Application(
+        middlewares=[cancel_on_disconnect(), error_middleware],
+        client_max_size=settings.max_body_bytes,
+    )
     app[STATE] = state
     app.cleanup_ctx.append(_resources(state))
     add_routes(app)

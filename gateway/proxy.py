@@ -15,6 +15,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -247,15 +248,15 @@ async def _relay_stream(
     headers = _client_headers(decision, route_request, reply)
     stats = stats_from_headers(reply)
     response = web.StreamResponse(status=reply.status, headers=headers)
-    await response.prepare(http_request)
     tail = b""  # the end of the stream, where a final usage chunk sits
     try:
-        async for chunk in reply.chunks():
+        # Inside the try: if the client is already gone, the upstream reply is still released.
+        await response.prepare(http_request)
+        async for chunk in _upstream_chunks(reply, decision.worker_id):
             await response.write(chunk)
             if stats is None:
                 tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
-    except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
-        log.warning("stream from %s broke off: %s", decision.worker_id, exc)
+    except _UpstreamBrokeOff as exc:
         error = {
             "error": {
                 "message": f"the worker {decision.worker_id} broke off the stream: {exc}",
@@ -266,7 +267,25 @@ async def _relay_stream(
         }
         await response.write(f"data: {json.dumps(error)}\n\n".encode())
     finally:
+        # A reply not read to its end closes its connection: the worker sees its client leave.
         reply.release()
     report_cache(state, http_request, decision, route_request, stats or stats_from_usage(tail))
     await response.write_eof()
     return response
+
+
+class _UpstreamBrokeOff(Exception):
+    """The worker's side of a relayed stream failed (the client's side raises as it is)."""
+
+
+async def _upstream_chunks(reply: UpstreamReply, worker_id: str) -> AsyncIterator[bytes]:
+    chunks = reply.chunks()
+    while True:
+        try:
+            chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            log.warning("stream from %s broke off: %s", worker_id, exc)
+            raise _UpstreamBrokeOff(str(exc)) from exc
+        yield chunk

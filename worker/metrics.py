@@ -1,14 +1,15 @@
 """Prometheus metrics with vLLM's names, in a per-app registry.
 
 Counters and gauges are read from the engine at scrape time (one source of truth); only the
-time-to-first-token histogram is observed by the HTTP layer. All carry the label ``model_name``.
+time-to-first-token histogram and the aborted-request counter (``worker_requests_aborted_total``,
+not a vLLM name) are observed by the HTTP layer. All carry the label ``model_name``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from worker.engines.base import Engine
@@ -79,6 +80,17 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self._ttft_child = self._ttft.labels(model_name=model_name)
+        self._aborted = Counter(
+            "worker_requests_aborted",
+            "Requests cancelled because their client went away, by where they were: "
+            "waiting (queued for admission) or running (prefill or decode).",
+            labelnames=["model_name", "stage"],
+            registry=self.registry,
+        )
+        self._model = model_name
+
+    def count_abort(self, stage: str) -> None:
+        self._aborted.labels(model_name=self._model, stage=stage).inc()
 
     def observe_ttft(self, seconds: float) -> None:
         self._ttft_child.observe(seconds)

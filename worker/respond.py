@@ -2,8 +2,9 @@
 
 The cache report (summed over the request's prompts) goes into ``usage`` and the ``x-cache-*``
 headers; a streaming response sends its headers once every prompt is admitted, before the first
-token. When the client goes away mid-stream, the producers are cancelled and their KV blocks
-released.
+token. When the client goes away (in the queue, in prefill or mid-stream; see
+:mod:`worker.disconnect`), the producers are cancelled, their queue entry or KV blocks released,
+and ``worker_requests_aborted_total`` counts it.
 """
 
 from __future__ import annotations
@@ -150,23 +151,40 @@ async def _run_prompts(
         metrics.observe_ttft(loop.time() - t0)
 
     queue: asyncio.Queue[_Event] = asyncio.Queue()
-    async with asyncio.TaskGroup() as group:
-        for i, tokens in enumerate(job.token_lists):
-            request = GenerationRequest(
-                request_id=f"{job.response_id}-{i}",
-                prompt_tokens=tokens,
-                max_tokens=job.common.max_tokens,
-                namespace=job.namespace,
-                priority=job.common.cache_priority,
-                system_tokens=job.system_tokens,
-            )
-            group.create_task(_produce(engine, request, i, queue, first_token))
-        remaining = len(job.token_lists)
-        while remaining:
-            event = await queue.get()
-            if isinstance(event, _Done):
-                remaining -= 1
-            await handle(event)
+    admitted = False
+    try:
+        async with asyncio.TaskGroup() as group:
+            for i, tokens in enumerate(job.token_lists):
+                request = GenerationRequest(
+                    request_id=f"{job.response_id}-{i}",
+                    prompt_tokens=tokens,
+                    max_tokens=job.common.max_tokens,
+                    namespace=job.namespace,
+                    priority=job.common.cache_priority,
+                    system_tokens=job.system_tokens,
+                )
+                group.create_task(_produce(engine, request, i, queue, first_token))
+            remaining = len(job.token_lists)
+            while remaining:
+                event = await queue.get()
+                if isinstance(event, _Done):
+                    remaining -= 1
+                elif isinstance(event, _Admitted):
+                    admitted = True
+                await handle(event)
+    except BaseException as exc:
+        if _is_abort(exc):
+            metrics.count_abort("running" if admitted else "waiting")
+        raise
+
+
+def _is_abort(exc: BaseException) -> bool:
+    """The client went away: its handler was cancelled, or a write to it failed."""
+    if isinstance(exc, asyncio.CancelledError | ConnectionResetError):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_is_abort(e) for e in exc.exceptions)
+    return False
 
 
 async def respond_whole(

@@ -36,6 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.store.base import WorkerRecord
+from worker.disconnect import cancel_on_disconnect
 from worker.engines.base import Engine, EngineUnavailableError
 from worker.engines.sim import WORDS, SimCosts, SimEngine
 from worker.errors import ApiError, error_middleware
@@ -306,7 +307,9 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
 def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) -> web.Application:
     """The worker application. Raises ``TokenizerUnavailableError`` for a bad tokenizer file
     and ``EngineUnavailableError`` when the engine cannot be built."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=CLIENT_MAX_SIZE)
+    app = web.Application(
+        middlewares=[cancel_on_disconnect(), error_middleware], client_max_size=CLIENT_MAX_SIZE
+    )
     tok = tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer_file)
     engine = build_engine(settings, tok)
     app[SETTINGS_KEY] = settings
