@@ -1,0 +1,1 @@
+"""Contracts the gateway and the reference worker share (pure code, no I/O)."""
