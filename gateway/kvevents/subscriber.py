@@ -1,0 +1,295 @@
+"""Subscriptions to the workers' KV-event publishers (ZMQ), feeding the exact index.
+
+One :class:`WorkerFeed` per worker that announces an event endpoint (its registry record, or a
+``#kv-events=...`` option on its ``--worker`` URL). A feed runs on the gateway's event loop
+(``zmq.asyncio``) and keeps the worker's :class:`~gateway.kvevents.index.WorkerBlocks` in step:
+
+* **Bootstrap**: with a replay endpoint, it first asks for every buffered batch from sequence
+  0, so a gateway that starts (or restarts) in front of a warm engine learns what it holds.
+  Without one the feed goes live at its first message.
+* **Order**: batches must come in sequence. A skipped number is a gap: the feed asks the
+  replay socket for the missing batches; if they are gone (the buffer moved on) or the
+  socket does not answer, the block set is emptied and rebuilt from the events that follow.
+* **Restart**: a sequence number that goes backwards means a new publisher (the engine
+  restarted, its cache is empty): the block set is emptied. So is it when the pool marks the
+  worker down, and the next batch bootstraps again.
+
+Routing uses a worker's events only while its feed is *live* (bootstrapped, in order); until
+then, and for workers without events, the modelled index stands in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from gateway.kvevents.index import ExactIndex, WorkerBlocks
+from gateway.kvevents.wire import END_SEQ, WireError, decode_batch, decode_seq
+
+log = logging.getLogger(__name__)
+
+_POLL_MS = 200
+
+
+@dataclass(frozen=True, slots=True)
+class EventEndpoints:
+    """Where a worker publishes its KV events, and where it replays missed ones ("" = none)."""
+
+    events: str
+    replay: str = ""
+
+
+@dataclass(slots=True)
+class FeedStats:
+    batches: int = 0
+    events: int = 0
+    gaps: int = 0
+    replayed: int = 0
+    unreplayable: int = 0
+    restarts: int = 0
+    bad_messages: int = 0
+    last_seq: int = -1
+    last_batch_at: float = 0.0  # time.monotonic()
+
+
+@dataclass(slots=True)
+class WorkerFeed:
+    worker_id: str
+    endpoints: EventEndpoints
+    index: ExactIndex
+    ctx: zmq.asyncio.Context
+    replay_timeout_s: float = 1.0
+    stats: FeedStats = field(default_factory=FeedStats)
+    state: str = "connecting"  # connecting | resync | live | stopped
+    _last: int | None = None  # sequence number of the last batch applied
+    _dedupe_until: int = -1  # live batches up to here came in a replay already
+    _gap_start: int | None = None  # a replay to make before the next live batch
+    _reset: bool = False
+    _after_loss: bool = False  # batches were lost: start again from whatever comes next
+
+    @property
+    def blocks(self) -> WorkerBlocks:
+        return self.index.worker(self.worker_id)
+
+    def reset(self) -> None:
+        """Forget the worker's blocks and bootstrap again (it went down; it may restart)."""
+        self._reset = True
+        self.index.set_live(self.worker_id, False)
+        self.blocks.clear()
+
+    async def run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.endpoints.events)
+        try:
+            await self._bootstrap()
+            while True:
+                if self._reset:
+                    self._reset = False
+                    self._last = None
+                    self._dedupe_until = -1
+                    await self._bootstrap()
+                if not await sub.poll(_POLL_MS):
+                    continue
+                frames = await sub.recv_multipart()
+                self._on_message(frames)
+                if self._gap_start is not None:
+                    start, self._gap_start = self._gap_start, None
+                    await self._fill_gap(start)
+        finally:
+            self.state = "stopped"
+            self.index.set_live(self.worker_id, False)
+            sub.close(linger=0)
+
+    async def _bootstrap(self) -> None:
+        """Everything the publisher still buffers, from sequence 0 (what came before is lost:
+        its blocks stay unknown, which can only under-predict)."""
+        if not self.endpoints.replay:
+            self.state = "connecting"  # live at the first batch
+            return
+        self.state = "resync"
+        replayed = await self._replay(0)
+        if replayed is None:
+            log.warning("kv events of %s: replay endpoint %s did not answer; waiting for the "
+                        "live feed", self.worker_id, self.endpoints.replay)
+            self.state = "connecting"
+            return
+        batches, _ = replayed
+        self._apply_all(batches)
+        self._go_live()
+
+    def _go_live(self) -> None:
+        if self.state != "live":
+            log.info("kv events of %s are live (last seq %s, %d blocks)", self.worker_id,
+                     self._last, len(self.blocks))
+        self.state = "live"
+        self.index.set_live(self.worker_id, True)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 3:
+                raise WireError(f"expected 3 frames, got {len(frames)}")
+            seq = decode_seq(frames[1])
+        except WireError as exc:
+            self.stats.bad_messages += 1
+            log.debug("kv events of %s: bad message: %s", self.worker_id, exc)
+            return
+        last = self._last
+        if seq <= self._dedupe_until:
+            return  # applied from a replay already
+        self._dedupe_until = -1
+        if last is not None and seq <= last:
+            self.stats.restarts += 1
+            log.info("kv events of %s restarted at seq %d (was %d): block set emptied",
+                     self.worker_id, seq, last)
+            self.blocks.clear()
+        elif last is not None and seq > last + 1:
+            self.stats.gaps += 1
+            self._gap_start = last + 1
+            return  # this batch comes again in the replay
+        elif last is None and seq > 0 and self.endpoints.replay and not self._after_loss:
+            self._gap_start = 0  # joined after the publisher started: fetch what came before
+            return
+        self._after_loss = False
+        self._apply(seq, frames[2])
+        self._go_live()
+
+    async def _fill_gap(self, start: int) -> None:
+        replayed = await self._replay(start)
+        if replayed is None or not replayed[1]:
+            # Removals may be among the lost batches: what the set says is no longer safe.
+            self.stats.unreplayable += 1
+            log.warning("kv events of %s: batches from seq %d are lost; block set rebuilt "
+                        "from the events that follow", self.worker_id, start)
+            self.blocks.clear()
+            self._last = None
+            self._after_loss = True
+        if replayed is not None:
+            self._apply_all(replayed[0])
+        self._go_live()
+
+    def _apply_all(self, batches: list[tuple[int, bytes]]) -> None:
+        for seq, payload in batches:
+            if self._last is None or seq > self._last:
+                self._apply(seq, payload)
+                self.stats.replayed += 1
+        if self._last is not None:
+            self._dedupe_until = self._last
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self._last = seq
+        self.stats.last_seq = seq
+        try:
+            batch = decode_batch(payload)
+        except WireError as exc:
+            self.stats.bad_messages += 1
+            log.debug("kv events of %s: bad batch %d: %s", self.worker_id, seq, exc)
+            return
+        blocks = self.blocks
+        for event in batch.events:
+            blocks.apply(event)
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        self.stats.last_batch_at = time.monotonic()
+
+    async def _replay(self, start: int) -> tuple[list[tuple[int, bytes]], bool] | None:
+        """The buffered batches from ``start`` and whether they reach back to it; None when
+        there is no replay socket or it did not answer in time."""
+        if not self.endpoints.replay:
+            return None
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.endpoints.replay)
+        batches: list[tuple[int, bytes]] = []
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            deadline = time.monotonic() + self.replay_timeout_s
+            while True:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or not await dealer.poll(left_ms):
+                    return None
+                frames = await dealer.recv_multipart()
+                if len(frames) == 3 and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) != 2 or len(frames[0]) != 8:
+                    self.stats.bad_messages += 1
+                    continue
+                if frames[0] == END_SEQ:
+                    break
+                batches.append((decode_seq(frames[0]), frames[1]))
+        finally:
+            dealer.close(linger=0)
+        complete = (batches[0][0] <= start) if batches else start == 0
+        return batches, complete
+
+
+class KVEventHub:
+    """All feeds of one gateway: started and stopped as the pool's workers come and go."""
+
+    def __init__(self, index: ExactIndex, replay_timeout_s: float = 1.0) -> None:
+        self.index = index
+        self._ctx: zmq.asyncio.Context | None = None
+        self._feeds: dict[str, tuple[WorkerFeed, asyncio.Task[None]]] = {}
+        self._replay_timeout_s = replay_timeout_s
+
+    def feed(self, worker_id: str) -> WorkerFeed | None:
+        entry = self._feeds.get(worker_id)
+        return entry[0] if entry is not None else None
+
+    def start(self) -> None:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+
+    def sync(self, wanted: dict[str, EventEndpoints]) -> None:
+        """Subscribe to ``wanted`` (worker id -> endpoints); drop every other feed."""
+        for wid in list(self._feeds):
+            feed, _ = self._feeds[wid]
+            if wanted.get(wid) != feed.endpoints:
+                self._stop(wid)
+        if self._ctx is None:
+            return
+        for wid, endpoints in wanted.items():
+            if wid not in self._feeds:
+                feed = WorkerFeed(wid, endpoints, self.index, self._ctx,
+                                  replay_timeout_s=self._replay_timeout_s)
+                task = asyncio.create_task(self._guarded(feed), name=f"kv-events-{wid}")
+                self._feeds[wid] = (feed, task)
+
+    async def _guarded(self, feed: WorkerFeed) -> None:
+        while True:
+            try:
+                await feed.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("kv events of %s: feed failed; reconnecting", feed.worker_id)
+                feed.blocks.clear()
+                await asyncio.sleep(1.0)
+
+    def worker_down(self, worker_id: str) -> None:
+        feed = self.feed(worker_id)
+        if feed is not None:
+            feed.reset()
+
+    def _stop(self, wid: str) -> None:
+        _, task = self._feeds.pop(wid)
+        task.cancel()
+        self.index.drop(wid)
+
+    async def close(self) -> None:
+        tasks = [task for _, task in self._feeds.values()]
+        for wid in list(self._feeds):
+            self._stop(wid)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
