@@ -48,6 +48,10 @@ simulator can drive the same class with synthetic token ids.
 
 Namespaces are also remembered per block, so :meth:`PrefixCache.flush` can empty one tenant's
 cache (or all of it) after a model or tokenizer upgrade.
+
+A :class:`CacheListener` (``PrefixCache.listener``) hears every change of what is cached, in
+order: blocks stored (with their parent, token ids and namespace), blocks removed, everything
+cleared. The worker's KV-event publisher (:mod:`worker.kv_events`) is one.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Protocol
 
 import xxhash
 
@@ -78,6 +83,21 @@ class Priority(IntEnum):
         except KeyError:
             choices = ", ".join(p.name.lower() for p in cls)
             raise ValueError(f"unknown cache priority {name!r}; choose one of: {choices}") from None
+
+
+class CacheListener(Protocol):
+    """Hears what the cache stores and drops (see :mod:`worker.kv_events`)."""
+
+    def stored(
+        self, hashes: Sequence[int], parent: int | None, tokens: Sequence[int], namespace: str
+    ) -> None:
+        """Blocks ``hashes`` (consecutive, after ``parent``; None: the first block of a prompt)
+        now hold ``tokens`` (``block_size`` per block)."""
+        ...
+
+    def removed(self, hashes: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class CacheFullError(RuntimeError):
@@ -181,6 +201,8 @@ class PrefixCache:
         self.queries_tokens = 0
         self.hit_tokens = 0
         self.evicted_blocks = 0
+        self.listener: CacheListener | None = None
+        self._muted = False  # flush(): one "cleared" instead of a removal per block
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -297,13 +319,16 @@ class PrefixCache:
             tag = Priority.SYSTEM if i < system_blocks else priority
             self._priority[block] = max(self._priority[block], tag)
         fresh: list[int] = []
+        run_start = len(matched)  # first block of the run of newly stored ones
         for i in range(len(matched), total):
             block = self._take_block()
             self._ref[block] = 1
             self._priority[block] = Priority.SYSTEM if i < system_blocks else priority
-            if i < len(hashes):
-                self._register(block, hashes[i], namespace)
+            if i < len(hashes) and not self._register(block, hashes[i], namespace):
+                self._announce(hashes, tokens, namespace, run_start, i)
+                run_start = i + 1
             fresh.append(block)
+        self._announce(hashes, tokens, namespace, run_start, len(hashes))
         matched_tokens = len(matched) * self.block_size
         self.queries_tokens += len(tokens)
         self.hit_tokens += matched_tokens
@@ -319,6 +344,17 @@ class PrefixCache:
         )
         self._requests[request_id] = alloc
         return alloc
+
+    def _announce(
+        self, hashes: Sequence[int], tokens: Sequence[int], namespace: str, start: int, end: int
+    ) -> None:
+        """Tell the listener that blocks ``start:end`` of a prompt were stored."""
+        if self.listener is None or end <= start:
+            return
+        size = self.block_size
+        parent = hashes[start - 1] if start > 0 else None
+        self.listener.stored(hashes[start:end], parent, tokens[start * size : end * size],
+                             namespace)
 
     def release(self, request_id: str) -> None:
         """Drop the request's references. Full blocks stay cached; partial ones are freed."""
@@ -363,6 +399,15 @@ class PrefixCache:
         nobody else can match them and they are freed when their requests finish. Returns the
         number of blocks whose content was dropped. Use after a model or tokenizer upgrade.
         """
+        if namespace is None and self.listener is not None:
+            self.listener.cleared()
+            self._muted = True
+        try:
+            return self._flush(namespace)
+        finally:
+            self._muted = False
+
+    def _flush(self, namespace: str | None) -> int:
         dropped = 0
         for block in range(self.num_blocks):
             if self._hash_of[block] is None:
@@ -410,17 +455,20 @@ class PrefixCache:
         h = self._hash_of[block]
         if h is not None and self._block_of.get(h) == block:
             del self._block_of[h]
+            if self.listener is not None and not self._muted:
+                self.listener.removed((h,))
         self._hash_of[block] = None
         self._namespace_of[block] = None
         self._priority[block] = Priority.CONVERSATION
 
-    def _register(self, block: int, h: int, namespace: str) -> None:
+    def _register(self, block: int, h: int, namespace: str) -> bool:
+        """Register ``block`` under ``h``; False when it stays private (see below)."""
         old = self._block_of.get(h)
         if old is not None:
             if self._ref[old] > 0:
                 # Same content held by a running request (only possible on a hash collision
                 # or an unreachable duplicate); keep the new block private.
-                return
+                return False
             # An unreachable cached copy (its parent was evicted): replace it.
             self._unlist(old)
             self._unregister(old)
@@ -428,3 +476,4 @@ class PrefixCache:
         self._block_of[h] = block
         self._hash_of[block] = h
         self._namespace_of[block] = namespace
+        return True

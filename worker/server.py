@@ -35,11 +35,13 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.kvevents.keys import engine_namespace
 from gateway.store.base import WorkerRecord
 from worker.disconnect import cancel_on_disconnect
 from worker.engines.base import Engine, EngineUnavailableError
 from worker.engines.sim import WORDS, SimCosts, SimEngine
 from worker.errors import ApiError, error_middleware
+from worker.kv_events import KVEventPublisher
 from worker.kvcache import PrefixCache
 from worker.metrics import CONTENT_TYPE, WorkerMetrics
 from worker.parsing import (
@@ -92,10 +94,7 @@ async def _encode(tokenizer: Tokenizer, prompt: Prompt, param: str) -> list[int]
 
 
 def _namespace(request: web.Request, common: CommonParams) -> str:
-    header = request.headers.get(NAMESPACE_HEADER, "")
-    if header and common.cache_salt:
-        return f"{header}\x1f{common.cache_salt}"
-    return header or common.cache_salt
+    return engine_namespace(request.headers.get(NAMESPACE_HEADER, ""), common.cache_salt)
 
 
 def _check_length(
@@ -304,6 +303,27 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
         close()
 
 
+def _kv_events(settings: WorkerSettings, cache: PrefixCache) -> Callable[
+    [web.Application], AsyncIterator[None]
+]:
+    """Publishes the cache's KV events while the app runs (see :mod:`worker.kv_events`)."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        publisher = KVEventPublisher(
+            settings.kv_events, settings.kv_replay, block_size=cache.block_size,
+            buffer_steps=settings.kv_events_buffer,
+        )
+        publisher.start()
+        cache.listener = publisher
+        try:
+            yield
+        finally:
+            cache.listener = None
+            await publisher.close()
+
+    return ctx
+
+
 def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) -> web.Application:
     """The worker application. Raises ``TokenizerUnavailableError`` for a bad tokenizer file
     and ``EngineUnavailableError`` when the engine cannot be built."""
@@ -316,6 +336,8 @@ def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) 
     app[ENGINE_KEY] = engine
     app[TOKENIZER_KEY] = tok
     app.cleanup_ctx.append(_engine_lifetime)
+    if settings.kv_events:
+        app.cleanup_ctx.append(_kv_events(settings, _cache_of(engine)))
     app[METRICS_KEY] = WorkerMetrics(engine, settings.model)
     app[STARTED_KEY] = int(time.time())
     app.router.add_post("/v1/completions", completions)
@@ -332,6 +354,8 @@ def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) 
             models=(settings.model,),
             capacity_blocks=engine.capacity_tokens // settings.block_size,
             block_size=settings.block_size,
+            kv_events=settings.advertised(settings.kv_events) if settings.kv_events else "",
+            kv_replay=settings.advertised(settings.kv_replay) if settings.kv_replay else "",
         )
         app.cleanup_ctx.append(registration(
             settings.store, record, every_s=settings.heartbeat_s, ttl_s=settings.registry_ttl_s,

@@ -135,6 +135,21 @@ class WorkerSettings:
     startup_timeout_s: float = field(
         default=900.0, metadata={"help": "--engine vllm: seconds to wait for vLLM's /health."}
     )
+    kv_events: str = field(
+        default="",
+        metadata={"help": "Publish KV-cache events (vLLM's ZMQ format) on this endpoint, e.g. "
+                  "tcp://*:5557; gateways subscribe to know exactly what the cache holds. "
+                  "Empty: no events."},
+    )
+    kv_replay: str = field(
+        default="",
+        metadata={"help": "With --kv-events: serve missed event batches on this ROUTER "
+                  "endpoint, e.g. tcp://*:5558."},
+    )
+    kv_events_buffer: int = field(
+        default=10_000,
+        metadata={"help": "Event batches kept for replay."},
+    )
     registry_ttl_s: float = field(
         default=3.0,
         metadata={"help": "The registry entry expires this long after the last heartbeat, "
@@ -181,6 +196,14 @@ class WorkerSettings:
             raise SettingsError("model must not be empty")
         if self.store and not self.store.startswith(("redis://", "rediss://", "unix://")):
             raise SettingsError(f"store must be a redis:// URL, got {self.store!r}")
+        if self.kv_replay and not self.kv_events:
+            raise SettingsError("kv_replay needs kv_events")
+        for name, endpoint in (("kv_events", self.kv_events), ("kv_replay", self.kv_replay)):
+            if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
+                raise SettingsError(f"{name} must be a tcp:// or ipc:// endpoint, got "
+                                    f"{endpoint!r}")
+        if self.kv_events_buffer < 1:
+            raise SettingsError("kv_events_buffer must be >= 1")
         if self.heartbeat_s <= 0 or self.registry_ttl_s <= self.heartbeat_s:
             raise SettingsError("need 0 < heartbeat_s < registry_ttl_s")
 
@@ -190,6 +213,15 @@ class WorkerSettings:
             return self.public_url.rstrip("/")
         host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}"
+
+    def advertised(self, endpoint: str) -> str:
+        """``endpoint`` as others can reach it: a wildcard host becomes the public host."""
+        if not endpoint.startswith("tcp://"):
+            return endpoint
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if host in ("*", "0.0.0.0", "[::]", "::"):
+            host = urlsplit(self.effective_public_url).hostname or host
+        return f"tcp://{host}:{port}"
 
     @property
     def effective_worker_id(self) -> str:

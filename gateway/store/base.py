@@ -30,6 +30,10 @@ class WorkerRecord:
     capacity_blocks: int = 0  # KV blocks of ``block_size`` tokens; 0 = unknown
     block_size: int = 16
     kind: str = "openai"  # which backend speaks to it
+    # Where its engine publishes KV-cache events (vLLM's ZMQ format) and replays missed ones;
+    # "" = it publishes none (see gateway.kvevents).
+    kv_events: str = ""
+    kv_replay: str = ""
 
     def capacity_tokens(self) -> int:
         return self.capacity_blocks * self.block_size

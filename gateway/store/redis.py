@@ -7,7 +7,8 @@ a TTL or a length cap; values are ids, hashes and counters, never prompt text.
 key                                     type    content, bound
 ======================================  ======  =============================================
 ``{p}:workers``                         zset    worker id -> expiry (ms); stale members pruned
-``{p}:worker:<id>``                     hash    url, models, capacity_blocks, block_size, kind;
+``{p}:worker:<id>``                     hash    url, models, capacity_blocks, block_size, kind,
+                                                kv_events, kv_replay;
                                                 TTL = heartbeat TTL
 ``{p}:assignments``                     stream  origin, worker, packed 64-bit block hashes;
                                                 approximate MAXLEN
@@ -129,6 +130,8 @@ class RedisStore:
             "capacity_blocks": str(record.capacity_blocks),
             "block_size": str(record.block_size),
             "kind": record.kind,
+            "kv_events": record.kv_events,
+            "kv_replay": record.kv_replay,
         }
 
         async def op() -> None:
@@ -171,6 +174,8 @@ class RedisStore:
                     capacity_blocks=int(f.get("capacity_blocks", "0") or 0),
                     block_size=int(f.get("block_size", "16") or 16),
                     kind=f.get("kind", "openai"),
+                    kv_events=f.get("kv_events", ""),
+                    kv_replay=f.get("kv_replay", ""),
                 ))
             return records
 

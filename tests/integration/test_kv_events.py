@@ -1,0 +1,192 @@
+"""KV events over real ZMQ sockets: the worker publishes, the gateway's feed keeps the exact
+index in step, fills gaps from the replay socket, and starts over after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from gateway.kvevents.index import ExactIndex
+from gateway.kvevents.keys import chain_seed, token_block_keys
+from gateway.kvevents.subscriber import EventEndpoints, KVEventHub
+from gateway.kvevents.wire import END_SEQ
+from tests.conftest import FAST_WORKER, free_port, serve
+from worker.kv_events import KVEventPublisher
+from worker.server import ENGINE_KEY, _cache_of
+from worker.server import create_app as create_worker
+
+BS = 16
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def hub() -> AsyncIterator[KVEventHub]:
+    h = KVEventHub(ExactIndex(), replay_timeout_s=0.5)
+    h.start()
+    yield h
+    await h.close()
+
+
+async def complete(url: str, prompt: list[int]) -> int:
+    async with aiohttp.ClientSession() as s, s.post(
+        f"{url}/v1/completions", json={"model": FAST_WORKER.model, "prompt": prompt,
+                                       "max_tokens": 1},
+    ) as r:
+        assert r.status == 200
+        return int(r.headers["x-cache-matched-tokens"])
+
+
+async def test_worker_events_give_the_exact_depth(hub: KVEventHub) -> None:
+    ev, rp = free_port(), free_port()
+    port = free_port()
+    settings = dataclasses.replace(
+        FAST_WORKER, port=port, cache_blocks=64,
+        kv_events=f"tcp://127.0.0.1:{ev}", kv_replay=f"tcp://127.0.0.1:{rp}",
+    )
+    runner = await serve(create_worker(settings), port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # Traffic before the gateway subscribes: the replay bootstrap must recover it.
+        early = list(range(1000, 1000 + 5 * BS))
+        await complete(url, early)
+        hub.sync({"w": EventEndpoints(f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}")})
+        blocks = hub.index.worker("w")
+        seed = chain_seed()
+        await eventually(lambda: hub.index.is_live("w"))
+        assert blocks.depth(token_block_keys(early, BS, seed), 0.0) == 5
+        # Prompts sharing prefixes, more than the cache holds: predictions stay exact.
+        feed = hub.feed("w")
+        assert feed is not None
+        stats = feed.stats
+        mismatches = 0
+        for i in range(40):
+            prompt = list(range(i % 5 * BS * 3)) + [i] * (BS * 2 + 3)
+            await eventually(lambda: stats.last_seq + 1 == _published(runner))
+            predicted = blocks.depth(token_block_keys(prompt, BS, seed), 0.0) * BS
+            reported = await complete(url, prompt)
+            mismatches += predicted != reported
+        assert mismatches == 0
+        assert blocks.stats.removed > 0  # evictions were seen
+        assert stats.gaps == 0
+    finally:
+        await runner.cleanup()
+
+
+def _published(runner: web.AppRunner) -> int:
+    """Batches the worker's publisher has sent so far."""
+    assert runner.app is not None
+    listener = _cache_of(runner.app[ENGINE_KEY]).listener
+    assert isinstance(listener, KVEventPublisher)
+    return listener.published
+
+
+class Publisher:
+    """A vLLM-like publisher built from raw sockets: sends chosen sequence numbers."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.ev, self.rp = free_port(), free_port()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{self.ev}")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(f"tcp://127.0.0.1:{self.rp}")
+        self.buffer: dict[int, bytes] = {}
+        self.task = asyncio.create_task(self._serve())
+
+    @property
+    def endpoints(self) -> EventEndpoints:
+        return EventEndpoints(f"tcp://127.0.0.1:{self.ev}", f"tcp://127.0.0.1:{self.rp}")
+
+    @staticmethod
+    def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> bytes:
+        event = ["BlockStored", hashes, parent, tokens, BS, None, "GPU", None]
+        return msgspec.msgpack.encode([0.0, [event], 0])
+
+    async def send(self, seq: int, payload: bytes, *, deliver: bool = True) -> None:
+        self.buffer[seq] = payload
+        if deliver:
+            await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    async def _serve(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            for seq in sorted(self.buffer):
+                if seq >= int.from_bytes(start, "big"):
+                    await self.router.send_multipart(
+                        [client, b"", seq.to_bytes(8, "big"), self.buffer[seq]])
+            await self.router.send_multipart([client, b"", END_SEQ, b""])
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self.task
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+async def publisher() -> AsyncIterator[Publisher]:
+    p = Publisher()
+    yield p
+    await p.close()
+
+
+def chain(n: int) -> tuple[list[int], list[int]]:
+    tokens = list(range(n * BS))
+    return tokens, token_block_keys(tokens, BS, chain_seed())
+
+
+async def test_gap_is_filled_from_the_replay_socket(
+    hub: KVEventHub, publisher: Publisher
+) -> None:
+    tokens, keys = chain(3)
+    hub.sync({"w": publisher.endpoints})
+    await eventually(lambda: hub.index.is_live("w"))
+    await asyncio.sleep(0.2)  # the SUB socket joins
+    await publisher.send(0, publisher.stored([1], None, tokens[:BS]))
+    await publisher.send(1, publisher.stored([2], 1, tokens[BS : 2 * BS]), deliver=False)
+    await publisher.send(2, publisher.stored([3], 2, tokens[2 * BS :]))
+    blocks = hub.index.worker("w")
+    await eventually(lambda: blocks.depth(keys, 0.0) == 3)
+    feed = hub.feed("w")
+    assert feed is not None
+    assert (feed.stats.gaps, feed.stats.unreplayable) == (1, 0)
+
+
+async def test_unreplayable_gap_rebuilds_and_restart_empties(
+    hub: KVEventHub, publisher: Publisher
+) -> None:
+    tokens, keys = chain(2)
+    hub.sync({"w": publisher.endpoints})
+    await eventually(lambda: hub.index.is_live("w"))
+    await asyncio.sleep(0.2)
+    await publisher.send(0, publisher.stored([1, 2], None, tokens))
+    blocks = hub.index.worker("w")
+    await eventually(lambda: blocks.depth(keys, 0.0) == 2)
+    # Batch 1 removed block 2, and the publisher's buffer lost it.
+    publisher.buffer.clear()
+    await publisher.send(2, publisher.stored([9], None, list(range(500, 500 + BS))))
+    feed = hub.feed("w")
+    assert feed is not None
+    await eventually(lambda: feed.stats.unreplayable == 1)
+    assert blocks.depth(keys, 0.0) == 0  # not trusted any more
+    # A new publisher (the engine restarted) counts from 0 again.
+    await publisher.send(3, publisher.stored([1, 2], None, tokens))
+    await eventually(lambda: blocks.depth(keys, 0.0) == 2)
+    await publisher.send(0, publisher.stored([7], None, list(range(900, 900 + BS))))
+    await eventually(lambda: feed.stats.restarts == 1)
+    assert blocks.depth(keys, 0.0) == 0
