@@ -25,9 +25,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class EngineCollector:
     """Exposes an engine's counters and gauges under vLLM's metric names."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, *, report_cache_size: bool = True,
+                 reported_cache_blocks: int = 0) -> None:
         self._engine = engine
         self._model = model_name
+        self._report_cache_size = report_cache_size
+        self._reported_blocks = reported_cache_blocks
 
     def collect(self) -> Iterable[Metric]:
         s = self._engine.stats()
@@ -57,21 +60,28 @@ class EngineCollector:
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(values, gvalue)
             yield gauge
+        if not self._report_cache_size:
+            return
         # vLLM's info gauge: the cache geometry, so launchers and gateways learn the capacity.
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the KV cache config.",
             labels=["block_size", "num_gpu_blocks"],
         )
-        info.add_metric([str(s.cache.block_size), str(s.cache.num_blocks)], 1.0)
+        blocks = self._reported_blocks or s.cache.num_blocks
+        info.add_metric([str(s.cache.block_size), str(blocks)], 1.0)
         yield info
 
 
 class WorkerMetrics:
     """The per-app registry plus the TTFT histogram."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, *, report_cache_size: bool = True,
+                 reported_cache_blocks: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(
+            engine, model_name, report_cache_size=report_cache_size,
+            reported_cache_blocks=reported_cache_blocks,
+        ))
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token, seconds (arrival to first generated token).",

@@ -6,6 +6,11 @@ names), ``GET /stats`` (the same numbers as JSON, plus ``engine_info``), ``POST 
 (drop cached prefixes: all, or one namespace with ``{"namespace": "..."}``; for model or
 tokenizer upgrades).
 
+SGLang's probes, so that sglang-router / smg accept the worker as a backend: ``GET
+/health_generate``, ``GET /server_info`` and ``/get_server_info`` (model path, context length,
+cache size in tokens), ``GET /model_info`` and ``/get_model_info`` (model path, generation
+model).
+
 Cache report: every completion response carries, summed over its prompts,
 
 * ``usage``: ``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
@@ -203,6 +208,43 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def reported_cache_tokens(settings: WorkerSettings, engine: Engine) -> int:
+    """The cache size this worker publishes, in tokens (0: it does not publish one)."""
+    if not settings.report_cache_size:
+        return 0
+    if settings.reported_cache_blocks:
+        return settings.reported_cache_blocks * settings.block_size
+    return engine.capacity_tokens
+
+
+async def server_info(request: web.Request) -> web.Response:
+    """SGLang's ``/server_info``: what its routers read about a backend."""
+    settings = request.app[SETTINGS_KEY]
+    info: dict[str, Any] = {
+        "model_path": settings.model,
+        "served_model_name": settings.model,
+        "context_length": settings.max_model_len,
+        "max_running_requests": settings.max_running,
+        "page_size": settings.block_size,
+        "version": "reference-worker",
+    }
+    tokens = reported_cache_tokens(settings, request.app[ENGINE_KEY])
+    if tokens:
+        info["max_total_num_tokens"] = tokens
+    return web.json_response(info)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """SGLang's ``/model_info``."""
+    settings = request.app[SETTINGS_KEY]
+    return web.json_response({
+        "model_path": settings.model,
+        "served_model_name": settings.model,
+        "is_generation": True,
+        "max_context_length": settings.max_model_len,
+    })
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS_KEY].render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
@@ -330,7 +372,9 @@ def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) 
     app = web.Application(
         middlewares=[cancel_on_disconnect(), error_middleware], client_max_size=CLIENT_MAX_SIZE
     )
-    tok = tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer_file)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(
+        settings.tokenizer_file, settings.tokenizer
+    )
     engine = build_engine(settings, tok)
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
@@ -338,12 +382,20 @@ def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) 
     app.cleanup_ctx.append(_engine_lifetime)
     if settings.kv_events:
         app.cleanup_ctx.append(_kv_events(settings, _cache_of(engine)))
-    app[METRICS_KEY] = WorkerMetrics(engine, settings.model)
+    app[METRICS_KEY] = WorkerMetrics(
+        engine, settings.model, report_cache_size=settings.report_cache_size,
+        reported_cache_blocks=settings.reported_cache_blocks,
+    )
     app[STARTED_KEY] = int(time.time())
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, model_info)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_post("/admin/flush", flush)
@@ -352,7 +404,7 @@ def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) 
             id=settings.effective_worker_id,
             url=settings.effective_public_url,
             models=(settings.model,),
-            capacity_blocks=engine.capacity_tokens // settings.block_size,
+            capacity_blocks=reported_cache_tokens(settings, engine) // settings.block_size,
             block_size=settings.block_size,
             kv_events=settings.advertised(settings.kv_events) if settings.kv_events else "",
             kv_replay=settings.advertised(settings.kv_replay) if settings.kv_replay else "",

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 from gateway.config import SettingsError, load_settings
 
 ENGINES = ("sim", "torch", "vllm")
+TOKENIZERS = ("hash", "chars")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
@@ -68,6 +69,13 @@ class WorkerSettings:
         metadata={"help": "Simulated time between output tokens, milliseconds (the first "
                   "token comes right after prefill)."},
     )
+    tokenizer: str = field(
+        default="hash",
+        metadata={"help": "Built-in tokenizer when --tokenizer-file is empty: 'hash' (GPT-2 "
+                  "regex pieces, ~3-4 chars/token) or 'chars' (one token per 4 characters, "
+                  "the gateway's own estimate: text cut at multiples of 4 x --block-size "
+                  "characters is cut at block boundaries)."},
+    )
     tokenizer_file: str = field(
         default="",
         metadata={"help": "Optional local HuggingFace tokenizers JSON (needs the 'tokenizers' "
@@ -106,6 +114,18 @@ class WorkerSettings:
         metadata={"help": "Torch engine: KV cache dtype. auto (= --model-dtype), float32, "
                   "bfloat16, float16 or int8 (per-block scales: a quarter of float32's "
                   "memory)."},
+    )
+    report_cache_size: bool = field(
+        default=True,
+        metadata={"help": "Publish the KV cache geometry as vllm:cache_config_info on "
+                  "/metrics (as vLLM does); --no-report-cache-size leaves it out, like an "
+                  "engine that does not report it."},
+    )
+    reported_cache_blocks: int = field(
+        default=0,
+        metadata={"help": "Cache size (blocks) published in vllm:cache_config_info and the "
+                  "registry instead of the real one; 0: the real size. For experiments with "
+                  "workers that misreport their cache."},
     )
     worker_id: str = field(
         default="", metadata={"help": "Identity reported in /stats and x-worker-id; "
@@ -161,8 +181,12 @@ class WorkerSettings:
             raise SettingsError(
                 f"engine {self.engine!r} is not available; choose one of: {', '.join(ENGINES)}"
             )
-        if self.cache_blocks < 0:
-            raise SettingsError(f"cache_blocks must be >= 0, got {self.cache_blocks}")
+        if self.tokenizer not in TOKENIZERS:
+            raise SettingsError(
+                f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}"
+            )
+        if self.cache_blocks < 0 or self.reported_cache_blocks < 0:
+            raise SettingsError("cache_blocks and reported_cache_blocks must be >= 0")
         if not 0.0 < self.cache_memory_fraction <= 0.95:
             raise SettingsError(
                 f"cache_memory_fraction must be in (0, 0.95], got {self.cache_memory_fraction}"

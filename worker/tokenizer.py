@@ -16,6 +16,11 @@ where a non-whitespace character is followed by whitespace tokenizes piecewise:
 ``encode(a + b) == encode(a) + encode(b)`` when ``a`` ends with a non-whitespace character and
 ``b`` starts with whitespace.
 
+:class:`CharsTokenizer` is the plainest stand-in: one token per 4 characters (the gateway's
+``chars_per_token`` estimate), so token counts equal the gateway's and text cut at multiples of
+``4 x block_size`` characters is cut at KV block boundaries. Replays use it to make one block
+of synthesized text exactly one cache block.
+
 :class:`HFTokenizer` wraps a local HuggingFace ``tokenizers`` JSON file when that optional
 package is installed.
 """
@@ -79,6 +84,27 @@ class HashTokenizer:
         ]
 
 
+class CharsTokenizer:
+    """One token per :data:`CHUNK_CHARS` characters: ``xxh32(chunk) % vocab_size``."""
+
+    def __init__(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
+        if vocab_size < 2:
+            raise ValueError("vocab_size must be >= 2")
+        self.vocab_size = vocab_size
+
+    @property
+    def name(self) -> str:
+        return f"chars-{CHUNK_CHARS}-{self.vocab_size}"
+
+    def encode(self, text: str) -> list[int]:
+        vocab = self.vocab_size
+        return [
+            xxhash.xxh32_intdigest(text[i : i + CHUNK_CHARS].encode("utf-8", "surrogatepass"))
+            % vocab
+            for i in range(0, len(text), CHUNK_CHARS)
+        ]
+
+
 class HFTokenizer:
     """A HuggingFace ``tokenizers`` JSON file (optional dependency, loaded from a local path)."""
 
@@ -116,8 +142,11 @@ class HFTokenizer:
         return text
 
 
-def load_tokenizer(tokenizer_file: str) -> Tokenizer:
-    """The HF tokenizer at ``tokenizer_file``, or the hash tokenizer when it is empty."""
+def load_tokenizer(tokenizer_file: str, builtin: str = "hash") -> Tokenizer:
+    """The HF tokenizer at ``tokenizer_file``; when it is empty, the built-in one named
+    ``builtin`` (``hash`` or ``chars``)."""
     if tokenizer_file:
         return HFTokenizer(tokenizer_file)
+    if builtin == "chars":
+        return CharsTokenizer()
     return HashTokenizer()

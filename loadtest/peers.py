@@ -1,0 +1,146 @@
+"""Peer routers for side-by-side benchmarks: sglang-router and smg in ``cache_aware`` mode.
+
+Both are Rust routers from PyPI (the optional ``peers`` extra: ``pip install '.[peers]'``) that
+put a character-level radix tree of recently routed prompts in front of a list of worker URLs.
+:func:`running_peer` starts one of them on loopback in front of the given workers, waits until it
+has probed and activated every worker (``GET /readiness`` reports them all healthy), yields its
+URL and process id, and stops it afterwards. The reference worker answers the probes they send
+(``/health``, ``/server_info``, ``/model_info`` and their ``get_`` aliases).
+
+Everything else is the peers' own defaults, as a user would run them: retries, circuit breaker,
+balance thresholds (64 in flight and 1.5x), cache threshold 0.3, tree eviction.
+
+:func:`process_cpu_seconds` reads a process's user + system CPU time from ``/proc``, so a benchmark
+can charge each router its own CPU per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from infra.local import stop_processes
+
+# name -> the PyPI release the benchmarks were run with (the `peers` extra pins the same).
+PEERS: dict[str, str] = {"sglang-router": "0.3.2", "smg": "1.13.0"}
+READY_TIMEOUT_S = 60.0
+
+
+class PeerUnavailableError(RuntimeError):
+    """The peer's binary is not installed, or it did not become ready."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerProcess:
+    name: str
+    url: str
+    pid: int
+    log_path: Path
+
+
+def peer_binary(name: str) -> str | None:
+    """The peer's executable: next to this interpreter (a venv's bin/) or on PATH."""
+    if name not in PEERS:
+        raise ValueError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+    local = Path(sys.executable).parent / name
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    return shutil.which(name)
+
+
+def available_peers() -> list[str]:
+    """The peers installed here, in :data:`PEERS` order."""
+    return [name for name in PEERS if peer_binary(name) is not None]
+
+
+def peer_command(binary: str, host: str, port: int, metrics_port: int,
+                 worker_urls: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+    """``<binary> launch`` in cache_aware mode in front of ``worker_urls``."""
+    return [
+        binary, "launch", "--host", host, "--port", str(port),
+        "--worker-urls", *worker_urls,
+        "--policy", "cache_aware",
+        "--prometheus-host", host, "--prometheus-port", str(metrics_port),
+        "--log-level", "warn",
+        *extra,
+    ]
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        stat = fh.read()
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_ready(url: str, workers: int, proc: asyncio.subprocess.Process,
+                     timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Poll ``/readiness`` until the router reports ``workers`` healthy workers."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while True:
+            if proc.returncode is not None:
+                raise PeerUnavailableError(f"{url}: the router exited with {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                async with session.get(url + "/readiness") as response:
+                    data = await response.json(content_type=None)
+                if isinstance(data, dict) and int(data.get("healthy_workers", 0)) >= workers:
+                    return
+            if time.monotonic() > deadline:
+                raise PeerUnavailableError(
+                    f"{url}: fewer than {workers} healthy workers after {timeout_s:.0f}s"
+                )
+            await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def running_peer(
+    name: str, worker_urls: Sequence[str], log_dir: Path, *, host: str = "127.0.0.1",
+    port: int = 0, extra: Sequence[str] = (),
+) -> AsyncIterator[PeerProcess]:
+    """Start peer ``name`` in front of ``worker_urls``, wait until it is ready, stop it after.
+
+    Its output goes to ``log_dir/<name>.log``. Raises :class:`PeerUnavailableError` when the
+    binary is missing or the router does not get ready in time (the log tail is in the message).
+    """
+    binary = peer_binary(name)
+    if binary is None:
+        raise PeerUnavailableError(f"{name} is not installed (pip install '.[peers]')")
+    port = port or _free_port(host)
+    cmd = peer_command(binary, host, port, _free_port(host), worker_urls, extra)
+    log_path = log_dir / f"{name}.log"
+    log = await asyncio.to_thread(log_path.open, "wb")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log
+        )
+    finally:
+        await asyncio.to_thread(log.close)
+    url = f"http://{host}:{port}"
+    try:
+        try:
+            await wait_ready(url, len(worker_urls), proc)
+        except PeerUnavailableError as exc:
+            tail = (await asyncio.to_thread(log_path.read_text, "utf-8", "replace"))[-1500:]
+            raise PeerUnavailableError(f"{name}: {exc}\n{tail}") from exc
+        yield PeerProcess(name=name, url=url, pid=proc.pid, log_path=log_path)
+    finally:
+        await stop_processes([proc], grace_s=5.0)

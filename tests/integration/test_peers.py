@@ -1,0 +1,74 @@
+"""sglang-router and smg started by loadtest.peers in front of reference workers (skipped when
+the optional peers are not installed)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from loadtest.peers import PEERS, peer_binary, process_cpu_seconds, running_peer
+from worker.server import create_app
+from worker.settings import WorkerSettings
+
+PROMPT = "The shared instructions of this benchmark tenant, repeated. " * 20
+
+
+async def start_workers(count: int) -> tuple[list[str], list[web.AppRunner]]:
+    urls, runners = [], []
+    for i in range(count):
+        settings = WorkerSettings(port=0, model="sim-model", cache_blocks=256,
+                                  prefill_us_per_token=0, decode_ms_per_token=0,
+                                  worker_id=f"w{i}")
+        runner = web.AppRunner(create_app(settings))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    return urls, runners
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[list[str]]:
+    urls, runners = await start_workers(2)
+    try:
+        yield urls
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def test_unknown_peer_and_cpu_seconds() -> None:
+    with pytest.raises(ValueError, match="unknown peer"):
+        peer_binary("nginx")
+    before = process_cpu_seconds(os.getpid())
+    sum(i * i for i in range(200_000))
+    assert process_cpu_seconds(os.getpid()) >= before > 0
+
+
+async def test_peer_routes_repeated_prompt_to_its_holder(
+    workers: list[str], tmp_path: Path
+) -> None:
+    # One peer is enough to check the launcher and the probes (both peers share one code base
+    # and start in seconds each, so the test stays short).
+    installed = [name for name in PEERS if peer_binary(name) is not None]
+    if not installed:
+        pytest.skip("no peer router installed (optional extra 'peers')")
+    name = installed[-1]
+    served, matched = [], []
+    async with running_peer(name, workers, tmp_path) as peer, aiohttp.ClientSession() as session:
+        assert process_cpu_seconds(peer.pid) >= 0
+        for suffix in ("first question", "second question", "third question"):
+            body = {"model": "sim-model", "prompt": PROMPT + suffix, "max_tokens": 1}
+            async with session.post(peer.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                served.append(resp.headers["x-worker-id"])
+                matched.append(int(resp.headers["x-cache-matched-tokens"]))
+    assert len(set(served)) == 1  # cache_aware keeps a shared prefix on one worker
+    assert matched[0] == 0
+    assert min(matched[1:]) > 0
