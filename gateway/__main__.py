@@ -2,13 +2,53 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import logging
 import sys
 
 from aiohttp import web
 
 from gateway.app import create_app
-from gateway.settings import parse_settings
+from gateway.settings import GatewaySettings, parse_settings
+
+
+def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
+    """uvloop's loop (``auto``: when it is installed), else asyncio's own.
+
+    uvloop runs the same aiohttp code with its transports and scheduling in C, which roughly
+    halves the event loop's share of the gateway's CPU time per request.
+    """
+    if choice in ("auto", "uvloop"):
+        try:
+            uvloop = importlib.import_module("uvloop")
+        except ImportError:
+            if choice == "uvloop":
+                raise
+        else:
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+            return loop
+    return asyncio.new_event_loop()
+
+
+def serve(settings: GatewaySettings) -> None:
+    base = f"http://{settings.host}:{settings.port}"
+    loop = new_event_loop(settings.event_loop)
+    asyncio.set_event_loop(loop)
+    web.run_app(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        shutdown_timeout=settings.shutdown_timeout_s,
+        print=lambda _: print(
+            f"gateway listening on {base} (policy {settings.policy}, "
+            f"{len(settings.worker)} static workers, store {settings.store}, "
+            f"loop {type(loop).__module__.split('.')[0]})",
+            flush=True,
+        ),
+        access_log=None,
+        loop=loop,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,19 +65,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    base = f"http://{settings.host}:{settings.port}"
-    web.run_app(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        shutdown_timeout=settings.shutdown_timeout_s,
-        print=lambda _: print(
-            f"gateway listening on {base} (policy {settings.policy}, "
-            f"{len(settings.worker)} static workers, store {settings.store})",
-            flush=True,
-        ),
-        access_log=None,
-    )
+    try:
+        serve(settings)
+    except ImportError as exc:
+        print(f"python -m gateway: --event-loop uvloop: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

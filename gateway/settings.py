@@ -11,6 +11,8 @@ from gateway.fingerprint import FingerprintOptions
 from gateway.normalize import NormalizeOptions
 from gateway.routing.policies import POLICY_NAMES, PolicyOptions
 
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
@@ -125,6 +127,9 @@ class GatewaySettings:
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_help("seconds in-flight requests get to finish on shutdown")
     )
+    event_loop: str = field(
+        default="auto", metadata=_help("event loop: auto (uvloop when installed), uvloop, asyncio")
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -134,6 +139,8 @@ class GatewaySettings:
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         self.fingerprint_options()  # validates the block settings
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}")
         if not self.store.startswith(("memory://", "redis://", "rediss://", "unix://")):
             raise ValueError(f"store must be memory:// or a redis:// URL, got {self.store!r}")
 

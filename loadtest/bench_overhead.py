@@ -1,0 +1,505 @@
+"""Benchmark: the router's own cost, ours against the Rust routers, in front of the same workers.
+
+``python -m loadtest.bench_overhead [--workers 4] [--prefixes 20] [--requests 2000]
+[--concurrency 32] [--reps 3] [--sequential 300] [--routers ours,sglang-router,smg]
+[--procs 1] [--profile FILE] [--json] [--out FILE]``
+
+One run, one set of workers:
+
+1. ``--workers`` reference workers with zero simulated cost (what is left is HTTP, parsing and
+   routing) start once; every router starts in front of all of them at the same time, each on
+   its own port: our gateway (``cache_aware``, ``--procs N`` processes), and sglang-router and
+   smg (``cache_aware``) where they are installed.
+2. **Throughput**, ``--reps`` repetitions: each target in turn (the order rotates every
+   repetition) gets the same ``--requests`` chat requests at ``--concurrency``: ``--prefixes``
+   shared system prompts of about 2,000 characters, each with its own short user question.
+   Reported per target: requests/s, p50/p99 latency, errors, and the router's CPU seconds per
+   1,000 requests, read from ``/proc/<pid>/stat`` (user + system time of the router process and
+   its child processes), not wall time. ``direct`` sends to one worker, no router in between.
+3. **Added latency**: ``--sequential`` rounds of one request to each target in turn (the order
+   rotates each round); p50/p99 per target, minus the direct p50.
+
+Medians over the repetitions, and each figure as a ratio to sglang-router's, so the numbers can
+be compared on a noisy shared machine. ``--profile FILE`` records our gateway with py-spy during
+the throughput repetitions (collapsed stacks to FILE) and reports the top functions.
+
+Loopback only, bounded request counts; a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import random
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from infra.local import stop_processes
+from loadtest.bench_gateway import (
+    HOST,
+    MODEL,
+    ZERO_COST_WORKER_ARGS,
+    emit,
+    free_port_block,
+    percentile,
+    start_server,
+)
+from loadtest.workloads import system_prompt, words
+
+ROUTERS = ("ours", "sglang-router", "smg")
+DIRECT = "direct"
+# The Python module each Rust router is launched from (None: ours).
+PEER_MODULES = {"sglang-router": "sglang_router", "smg": "smg"}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class OverheadConfig:
+    workers: int = 4
+    prefixes: int = 20
+    requests: int = 2000
+    concurrency: int = 32
+    reps: int = 3
+    sequential: int = 300
+    routers: tuple[str, ...] = ROUTERS
+    procs: int = 1
+    seed: int = 13
+    gateway_args: tuple[str, ...] = ()
+    # Extra copies of our gateway, each with its own extra arguments: ("label", (args...)),
+    # shown as "ours[label]", to measure one option's effect side by side.
+    variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Rep:
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    cpu_s_per_1k: float  # the router's CPU seconds per 1,000 requests (0 for direct)
+
+
+@dataclass(slots=True)
+class TargetResult:
+    name: str
+    reps: list[Rep] = field(default_factory=list)
+    seq_p50_ms: float = 0.0
+    seq_p99_ms: float = 0.0
+    seq_errors: int = 0
+    worker_share: dict[str, int] = field(default_factory=dict)  # x-route-worker, if sent
+
+    def median(self, attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in self.reps) if self.reps else 0.0
+
+
+@dataclass(slots=True)
+class OverheadResult:
+    command: str
+    config: OverheadConfig
+    targets: list[TargetResult]
+    skipped: dict[str, str]  # router -> why it did not run
+    profile_top: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+def proc_tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and all its live descendants (all threads)."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        # Fields after the command name, which is in parentheses and may contain spaces.
+        rest = raw[raw.rindex(b")") + 2 :].split()
+        ppid, utime, stime = int(rest[1]), int(rest[11]), int(rest[12])
+        stats[int(entry)] = (utime + stime) / CLOCK_TICKS
+        children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, 0.0)
+        todo.extend(children.get(p, ()))
+    return total
+
+
+def router_command(name: str, port: int, worker_urls: Sequence[str], metrics_port: int,
+                   config: OverheadConfig, extra: Sequence[str] = ()) -> list[str]:
+    if name == "ours":
+        cmd = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(port),
+               "--policy", "cache_aware", *config.gateway_args, *extra]
+        if config.procs > 1:
+            cmd += ["--procs", str(config.procs)]
+        for url in worker_urls:
+            cmd += ["--worker", url]
+        source = next((a[1:] for a in extra if a.startswith("@")), "")
+        if source:  # another checkout of the gateway: run it from there
+            cmd = ["env", "-C", source, f"PYTHONPATH={source}",
+                   *(a for a in cmd if not a.startswith("@"))]
+        return cmd
+    module = PEER_MODULES[name]
+    return [
+        sys.executable, "-m", module, "launch", "--host", HOST, "--port", str(port),
+        "--worker-urls", *worker_urls, "--policy", "cache_aware",
+        "--prometheus-port", str(metrics_port), "--log-level", "warn",
+    ]
+
+
+def available(name: str) -> str:
+    """Why router ``name`` cannot run here ("" if it can)."""
+    if name == "ours":
+        return ""
+    module = PEER_MODULES.get(name)
+    if module is None:
+        return "unknown router"
+    return "" if importlib.util.find_spec(module) is not None else f"{module} is not installed"
+
+
+async def wait_routing(session: aiohttp.ClientSession, url: str, body: bytes,
+                       timeout_s: float = 30.0) -> None:
+    """Wait until ``url`` answers a completion with 200 (peers register workers asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.post(url, data=body, headers=_JSON) as response:
+                await response.read()
+                if response.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not route a request within {timeout_s:.0f} s")
+        await asyncio.sleep(0.2)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    name: str
+    url: str  # the chat completions URL
+    pid: int  # the router's process (0: direct)
+
+
+@contextlib.asynccontextmanager
+async def running_targets(
+    config: OverheadConfig, session: aiohttp.ClientSession, probe: bytes,
+    skipped: dict[str, str],
+) -> AsyncIterator[list[Target]]:
+    routers = [r for r in config.routers if not skipped.setdefault(r, available(r))]
+    for r in routers:
+        skipped.pop(r)
+    launches = [(r, r, ()) for r in routers] + [
+        (f"ours[{label}]", "ours", tuple(args)) for label, args in config.variants]
+    base = free_port_block(config.workers + 2 * len(launches))
+    worker_urls = [f"http://{HOST}:{base + i}" for i in range(config.workers)]
+    procs: list[asyncio.subprocess.Process] = []
+    logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="bench-overhead-"))
+    try:
+        for i, url in enumerate(worker_urls):
+            cmd = [sys.executable, "-m", "worker", "--host", HOST, "--port", str(base + i),
+                   "--model", MODEL, "--cache-blocks", "4096", *ZERO_COST_WORKER_ARGS]
+            await start_server(cmd, url, logs / f"worker{i}.log", procs)
+        targets = [Target(DIRECT, worker_urls[0] + "/v1/chat/completions", 0)]
+        for j, (name, kind, extra) in enumerate(launches):
+            port = base + config.workers + 2 * j
+            url = f"http://{HOST}:{port}"
+            cmd = router_command(kind, port, worker_urls, port + 1, config, extra)
+            await start_server(cmd, url, logs / f"{name}.log", procs)
+            await wait_routing(session, url + "/v1/chat/completions", probe)
+            targets.append(Target(name, url + "/v1/chat/completions", procs[-1].pid))
+        yield targets
+    finally:
+        await stop_processes(procs, grace_s=5.0)
+        await asyncio.to_thread(shutil.rmtree, logs, True)
+
+
+# -- load ----------------------------------------------------------------------------------
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def bodies_for(config: OverheadConfig) -> list[bytes]:
+    """``requests`` chat bodies: one of ``prefixes`` system prompts + a short unique question."""
+    rng = random.Random(config.seed)
+    prompts = [system_prompt(config.seed, t, (1800, 2200)) for t in range(config.prefixes)]
+    out = []
+    for i in range(config.requests):
+        body = {
+            "model": MODEL, "max_tokens": 1, "temperature": 0,
+            "messages": [
+                {"role": "system", "content": prompts[rng.randrange(config.prefixes)]},
+                {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"},
+            ],
+        }
+        out.append(json.dumps(body).encode())
+    return out
+
+
+async def send(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, float, str]:
+    started = time.perf_counter()
+    try:
+        async with session.post(url, data=body, headers=_JSON) as response:
+            await response.read()
+            worker = response.headers.get("x-route-worker", "")
+            return response.status, time.perf_counter() - started, worker
+    except (aiohttp.ClientError, TimeoutError):
+        return 0, time.perf_counter() - started, ""
+
+
+async def throughput(session: aiohttp.ClientSession, target: Target, bodies: Sequence[bytes],
+                     concurrency: int, share: Counter[str]) -> Rep:
+    order = iter(range(len(bodies)))
+    seconds: list[float] = []
+    errors = 0
+
+    async def sender() -> None:
+        nonlocal errors
+        for i in order:
+            status, s, worker = await send(session, target.url, bodies[i])
+            seconds.append(s)
+            errors += status != 200
+            if worker:
+                share[worker] += 1
+
+    cpu0 = await asyncio.to_thread(proc_tree_cpu_s, target.pid) if target.pid else 0.0
+    started = time.perf_counter()
+    await asyncio.gather(*(sender() for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    cpu1 = await asyncio.to_thread(proc_tree_cpu_s, target.pid) if target.pid else 0.0
+    ms = [s * 1e3 for s in seconds]
+    return Rep(
+        rps=len(bodies) / wall, p50_ms=statistics.median(ms), p99_ms=percentile(ms, 99),
+        errors=errors, cpu_s_per_1k=(cpu1 - cpu0) * 1000 / len(bodies),
+    )
+
+
+def _rotated(items: Sequence[Any], k: int) -> list[Any]:
+    k %= len(items)
+    return [*items[k:], *items[:k]]
+
+
+async def sequential(session: aiohttp.ClientSession, targets: Sequence[Target],
+                     bodies: Sequence[bytes], rounds: int,
+                     results: dict[str, TargetResult]) -> None:
+    seconds: dict[str, list[float]] = {t.name: [] for t in targets}
+    for i in range(rounds + 20):  # the first 20 rounds warm up
+        for target in _rotated(targets, i):
+            status, s, _ = await send(session, target.url, bodies[i % len(bodies)])
+            if i >= 20:
+                seconds[target.name].append(s)
+                results[target.name].seq_errors += status != 200
+    for name, values in seconds.items():
+        ms = [s * 1e3 for s in values]
+        results[name].seq_p50_ms = statistics.median(ms)
+        results[name].seq_p99_ms = percentile(ms, 99)
+
+
+# -- profile -------------------------------------------------------------------------------
+
+
+def top_functions(collapsed: str, count: int = 15) -> list[tuple[str, float, float]]:
+    """(function, self share, inclusive share) of the ``count`` functions with the most self
+    samples in py-spy's collapsed stacks (``frame;frame;frame N`` per line)."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        samples = int(n)
+        total += samples
+        frames = stack.split(";")
+        own[frames[-1]] += samples
+        for frame in set(frames):
+            inclusive[frame] += samples
+    if not total:
+        return []
+    return [(f, n / total, inclusive[f] / total) for f, n in own.most_common(count)]
+
+
+@contextlib.asynccontextmanager
+async def profiling(pid: int, out: Path | None) -> AsyncIterator[None]:
+    if out is None or not pid:
+        yield
+        return
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    proc = await asyncio.create_subprocess_exec(
+        py_spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+        "--subprocesses", "--nonblocking", "--nolineno", "-o", str(out),
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    await asyncio.sleep(1.0)  # py-spy attaches
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(2)  # SIGINT: py-spy writes its output and exits
+        await asyncio.wait_for(proc.wait(), 30)
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+async def run_bench(config: OverheadConfig, command: str, profile: Path | None) -> OverheadResult:
+    bodies = bodies_for(config)
+    skipped: dict[str, str] = {}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=60)
+    ) as session, running_targets(config, session, bodies[0], skipped) as targets:
+        results = {t.name: TargetResult(t.name) for t in targets}
+        shares = {t.name: Counter[str]() for t in targets}
+        ours = next((t.pid for t in targets if t.name == "ours"), 0)
+        for t in targets:  # warm every keep-alive pool and every router's tree
+            await throughput(session, t, bodies[:200], config.concurrency, Counter())
+        print("[bench] sequential ...", file=sys.stderr, flush=True)
+        await sequential(session, targets, bodies, config.sequential, results)
+        async with profiling(ours, profile):
+            for rep in range(config.reps):
+                for t in _rotated(targets, rep):
+                    print(f"[bench] rep {rep + 1}: {t.name} ...", file=sys.stderr, flush=True)
+                    results[t.name].reps.append(
+                        await throughput(session, t, bodies, config.concurrency, shares[t.name]))
+        for name, share in shares.items():
+            results[name].worker_share = dict(sorted(share.items()))
+    return OverheadResult(command, config, list(results.values()), skipped)
+
+
+# -- output --------------------------------------------------------------------------------
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base else "-"
+
+
+def to_markdown(result: OverheadResult) -> str:
+    c = result.config
+    ref = next((t for t in result.targets if t.name == "sglang-router"), None)
+    lines = [
+        "```", result.command, "```", "",
+        f"{c.workers} zero-cost workers, {c.prefixes} shared system prompts (~2,000 chars) + a "
+        f"unique question, `max_tokens` 1. Throughput: {c.requests} requests at concurrency "
+        f"{c.concurrency}, {c.reps} repetitions (medians shown). Added latency: {c.sequential} "
+        f"sequential rounds, one request to each target per round. Router CPU from /proc "
+        f"(user + system, process and children). Our gateway: {c.procs} process(es).",
+        "",
+        "| target | req/s c=32 | p50 ms | p99 ms | CPU s / 1k req | added p50 c=1 ms | "
+        "p99 c=1 ms | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    direct = next((t for t in result.targets if t.name == DIRECT), None)
+    base_p50 = direct.seq_p50_ms if direct else 0.0
+    for t in result.targets:
+        added = f"{t.seq_p50_ms - base_p50:+.2f}" if t.name != DIRECT else f"({t.seq_p50_ms:.2f})"
+        cpu = f"{t.median('cpu_s_per_1k'):.3f}" if t.name != DIRECT else "-"
+        errors = sum(r.errors for r in t.reps) + t.seq_errors
+        lines.append(
+            f"| {t.name} | {t.median('rps'):,.0f} | {t.median('p50_ms'):.2f} | "
+            f"{t.median('p99_ms'):.2f} | {cpu} | {added} | {t.seq_p99_ms:.2f} | {errors} |")
+    if ref is not None:
+        lines += ["", "Ratios to sglang-router (same run):", "",
+                  "| target | req/s | p99 c=32 | CPU / req | added p50 c=1 (ms difference) |",
+                  "|---|---:|---:|---:|---:|"]
+        for t in result.targets:
+            if t.name in (DIRECT, ref.name):
+                continue
+            lines.append(
+                f"| {t.name} | {_ratio(t.median('rps'), ref.median('rps'))} | "
+                f"{_ratio(t.median('p99_ms'), ref.median('p99_ms'))} | "
+                f"{_ratio(t.median('cpu_s_per_1k'), ref.median('cpu_s_per_1k'))} | "
+                f"{t.seq_p50_ms - ref.seq_p50_ms:+.2f} |")
+    lines += ["", "Per repetition (req/s, p99 ms, CPU s / 1k):", ""]
+    for t in result.targets:
+        reps = "; ".join(f"{r.rps:,.0f}, {r.p99_ms:.1f}, {r.cpu_s_per_1k:.3f}" for r in t.reps)
+        lines.append(f"- {t.name}: {reps}")
+    for name, why in result.skipped.items():
+        lines.append(f"- {name}: not run ({why})")
+    if result.profile_top:
+        lines += ["", "py-spy, our gateway during the throughput repetitions (top functions by "
+                  "own samples):", "", "| function | own | inclusive |", "|---|---:|---:|"]
+        for fn, own, inclusive in result.profile_top:
+            lines.append(f"| `{fn}` | {own:.1%} | {inclusive:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_overhead",
+        description="Router CPU, throughput and added latency: ours vs sglang-router and smg.",
+    )
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--prefixes", type=int, default=20)
+    p.add_argument("--requests", type=int, default=2000, help="requests per repetition")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--sequential", type=int, default=300, help="sequential rounds (c=1)")
+    p.add_argument("--routers", default=",".join(ROUTERS),
+                   help=f"comma-separated, from {', '.join(ROUTERS)}")
+    p.add_argument("--procs", type=int, default=1, help="our gateway's processes")
+    p.add_argument("--gateway-arg", action="append", default=[],
+                   help="extra argument for our gateway (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
+                   help="also run our gateway as 'ours[LABEL]' with these extra arguments "
+                   "(repeatable), e.g. asyncio='--event-loop asyncio'; an argument @DIR runs "
+                   "the gateway from the checkout in DIR (e.g. the last release)")
+    p.add_argument("--profile", type=Path, help="py-spy our gateway; collapsed stacks to FILE")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path, help="also write the markdown to this file")
+    args = p.parse_args(argv)
+    if min(args.workers, args.prefixes, args.requests, args.concurrency, args.reps,
+           args.sequential, args.procs) < 1:
+        p.error("counts must be >= 1")
+    unknown = set(args.routers.split(",")) - set(ROUTERS)
+    if unknown:
+        p.error(f"unknown routers {sorted(unknown)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(args_list)
+    config = OverheadConfig(
+        workers=args.workers, prefixes=args.prefixes, requests=args.requests,
+        concurrency=args.concurrency, reps=args.reps, sequential=args.sequential,
+        routers=tuple(r for r in args.routers.split(",") if r), procs=args.procs,
+        gateway_args=tuple(args.gateway_arg),
+        variants=tuple(
+            (label, tuple(shlex.split(extra)))
+            for label, _, extra in (v.partition("=") for v in args.variant)
+        ),
+    )
+    command = shlex.join(["python", "-m", "loadtest.bench_overhead", *args_list])
+    try:
+        result = asyncio.run(run_bench(config, command, args.profile))
+    except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as exc:
+        print(f"bench_overhead: {exc}", file=sys.stderr)
+        return 1
+    if args.profile is not None and args.profile.exists():
+        result.profile_top = top_functions(args.profile.read_text("utf-8", "replace"))
+    emit(to_markdown(result), json.dumps(asdict(result), indent=2), args.out,
+         as_json=args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
