@@ -10,6 +10,7 @@ import sys
 from aiohttp import web
 
 from gateway.app import create_app
+from gateway.procs import run_supervisor, watch_parent
 from gateway.settings import GatewaySettings, parse_settings
 
 
@@ -35,6 +36,7 @@ def serve(settings: GatewaySettings) -> None:
     base = f"http://{settings.host}:{settings.port}"
     loop = new_event_loop(settings.event_loop)
     asyncio.set_event_loop(loop)
+    watch_parent(loop)
     web.run_app(
         create_app(settings),
         host=settings.host,
@@ -47,11 +49,13 @@ def serve(settings: GatewaySettings) -> None:
             flush=True,
         ),
         access_log=None,
+        reuse_port=settings.reuse_port or None,
         loop=loop,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
         settings = parse_settings(argv)
     except ValueError as exc:
@@ -65,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if settings.procs > 1:
+        return run_supervisor(settings, argv)
     try:
         serve(settings)
     except ImportError as exc:

@@ -29,6 +29,8 @@ from gateway.routing.types import Worker
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.store.base import MetadataStore
+from gateway.store.hub import SCHEME as HUB_SCHEME
+from gateway.store.hub import HubStore
 from gateway.store.memory import MemoryStore
 from gateway.store.redis import RedisStore
 from gateway.sync import StoreSync
@@ -138,6 +140,8 @@ def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator
 def build_store(settings: GatewaySettings) -> MetadataStore:
     if settings.store.startswith("memory://"):
         return MemoryStore()
+    if settings.store.startswith(HUB_SCHEME):  # the parent of --procs N serves it
+        return HubStore(settings.store)
     return RedisStore(settings.store, prefix=settings.store_prefix)
 
 

@@ -127,6 +127,15 @@ class GatewaySettings:
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_help("seconds in-flight requests get to finish on shutdown")
     )
+    procs: int = field(
+        default=1,
+        metadata=_help("gateway processes serving the port (SO_REUSEPORT); they keep affinity "
+                       "with each other through the store, or with memory:// through a hub "
+                       "in the parent process"),
+    )
+    reuse_port: bool = field(
+        default=False, metadata=_help("bind the port with SO_REUSEPORT (each of --procs does)")
+    )
     event_loop: str = field(
         default="auto", metadata=_help("event loop: auto (uvloop when installed), uvloop, asyncio")
     )
@@ -139,9 +148,11 @@ class GatewaySettings:
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         self.fingerprint_options()  # validates the block settings
+        if self.procs < 1:
+            raise ValueError("procs must be >= 1")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}")
-        if not self.store.startswith(("memory://", "redis://", "rediss://", "unix://")):
+        if not self.store.startswith(("memory://", "redis://", "rediss://", "unix://", "hub://")):
             raise ValueError(f"store must be memory:// or a redis:// URL, got {self.store!r}")
 
     def fingerprint_options(self) -> FingerprintOptions:

@@ -1,0 +1,80 @@
+"""``python -m gateway --procs 2``: two processes on one port that keep affinity through the hub."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import aiohttp
+
+from tests.conftest import MODEL, Processes
+
+PREFIX = "You answer questions about the rail tariff, and only from it. " * 20
+
+
+async def _until(predicate: Any, timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+def _fresh() -> aiohttp.ClientSession:
+    """One connection per request, so the kernel spreads them over the processes."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
+async def test_processes_share_one_port_and_the_prefix_index(processes: Processes) -> None:
+    workers = [(await processes.worker())[0] for _ in range(3)]
+    args = [a for url in workers for a in ("--worker", url)]
+    gateway = await processes.gateway("--procs", "2", *args)
+    views: dict[str, dict[str, Any]] = {}
+
+    async with _fresh() as http:
+        async def both_processes_answer() -> bool:
+            async with http.get(gateway + "/admin/rebalance") as r:
+                view = await r.json()
+            views[view["replica"]] = view
+            return len(views) == 2
+        await _until(both_processes_answer)
+
+        async def chat(i: int) -> dict[str, str]:
+            async with http.post(gateway + "/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 1,
+                "messages": [{"role": "system", "content": PREFIX},
+                             {"role": "user", "content": f"question {i}"}],
+            }) as r:
+                assert r.status == 200, await r.text()
+                return dict(r.headers)
+
+        first = await chat(0)
+        owner = first["x-route-worker"]
+        learned: set[str] = set()
+
+        async def every_process_knows_the_prefix() -> bool:
+            async with http.get(gateway + "/admin/rebalance") as r:
+                view = await r.json()
+            if view["workers"][owner]["held_blocks"] > 0:
+                learned.add(view["replica"])
+            return learned == set(views)
+        # One process routed the prefix; the other learns it through the hub.
+        await _until(every_process_knows_the_prefix)
+
+        replies = [await chat(i) for i in range(1, 13)]
+    assert {h["x-route-worker"] for h in replies} == {owner}
+    assert all(int(h["x-prefix-match-blocks"]) > 0 for h in replies)
+
+    await processes.stop_all()
+    pids = [int(replica.rsplit(":", 1)[1]) for replica in views]
+
+    async def replicas_gone() -> bool:
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            return False
+        return True
+    await _until(replicas_gone, timeout_s=15)
