@@ -83,6 +83,10 @@ class OverheadConfig:
     # Extra copies of our gateway, each with its own extra arguments: ("label", (args...)),
     # shown as "ours[label]", to measure one option's effect side by side.
     variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Long prompts: system prompt sizes in characters (~4 per token), sent sequentially,
+    # ``long_requests`` each; the router's CPU per request is reported per size.
+    long_chars: tuple[int, ...] = ()
+    long_requests: int = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,7 @@ class TargetResult:
     seq_p99_ms: float = 0.0
     seq_errors: int = 0
     worker_share: dict[str, int] = field(default_factory=dict)  # x-route-worker, if sent
+    long_cpu_ms: dict[int, float] = field(default_factory=dict)  # prompt chars -> CPU ms/req
 
     def median(self, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in self.reps) if self.reps else 0.0
@@ -234,6 +239,20 @@ async def running_targets(
 # -- load ----------------------------------------------------------------------------------
 
 _JSON = {"Content-Type": "application/json"}
+
+
+def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
+    """``long_requests`` chat bodies sharing one system prompt of ``chars`` characters."""
+    rng = random.Random(config.seed + chars)
+    text = words(rng, chars // 3 + 1)[:chars]
+    return [
+        json.dumps({
+            "model": MODEL, "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": text},
+                         {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"}],
+        }).encode()
+        for i in range(config.long_requests)
+    ]
 
 
 def bodies_for(config: OverheadConfig) -> list[bytes]:
@@ -382,6 +401,14 @@ async def run_bench(config: OverheadConfig, command: str, profile: Path | None) 
                         await throughput(session, t, bodies, config.concurrency, shares[t.name]))
         for name, share in shares.items():
             results[name].worker_share = dict(sorted(share.items()))
+        for chars in config.long_chars:
+            bodies = long_bodies(config, chars)
+            for t in targets:
+                if t.pid:
+                    print(f"[bench] long prompts, {chars} chars: {t.name} ...", file=sys.stderr,
+                          flush=True)
+                    one = await throughput(session, t, bodies, 1, Counter())
+                    results[t.name].long_cpu_ms[chars] = one.cpu_s_per_1k
     return OverheadResult(command, config, list(results.values()), skipped)
 
 
@@ -432,6 +459,16 @@ def to_markdown(result: OverheadResult) -> str:
     for t in result.targets:
         reps = "; ".join(f"{r.rps:,.0f}, {r.p99_ms:.1f}, {r.cpu_s_per_1k:.3f}" for r in t.reps)
         lines.append(f"- {t.name}: {reps}")
+    sizes = sorted({c for t in result.targets for c in t.long_cpu_ms})
+    if sizes:
+        lines += ["", f"Long prompts: {c.long_requests} sequential chat requests sharing one "
+                  "system prompt of the given size; router CPU ms per request:", "",
+                  "| target | " + " | ".join(f"{s:,} chars" for s in sizes) + " |",
+                  "|---|" + "---:|" * len(sizes)]
+        for t in result.targets:
+            if t.long_cpu_ms:
+                lines.append(f"| {t.name} | " + " | ".join(
+                    f"{t.long_cpu_ms.get(s, 0.0):.2f}" for s in sizes) + " |")
     for name, why in result.skipped.items():
         lines.append(f"- {name}: not run ({why})")
     if result.profile_top:
@@ -462,6 +499,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="also run our gateway as 'ours[LABEL]' with these extra arguments "
                    "(repeatable), e.g. asyncio='--event-loop asyncio'; an argument @DIR runs "
                    "the gateway from the checkout in DIR (e.g. the last release)")
+    p.add_argument("--long", default="", metavar="CHARS,...",
+                   help="also send long prompts of these sizes in characters, sequentially")
+    p.add_argument("--long-requests", type=int, default=20, help="requests per long size")
     p.add_argument("--profile", type=Path, help="py-spy our gateway; collapsed stacks to FILE")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path, help="also write the markdown to this file")
@@ -483,6 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         concurrency=args.concurrency, reps=args.reps, sequential=args.sequential,
         routers=tuple(r for r in args.routers.split(",") if r), procs=args.procs,
         gateway_args=tuple(args.gateway_arg),
+        long_chars=tuple(int(c) for c in args.long.split(",") if c.strip()),
+        long_requests=args.long_requests,
         variants=tuple(
             (label, tuple(shlex.split(extra)))
             for label, _, extra in (v.partition("=") for v in args.variant)
