@@ -8,10 +8,11 @@ gateway does not interpret are forwarded untouched, so worker-specific extension
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from gateway.errors import InvalidRequest
 from gateway.normalize import NormalizeOptions, normalize_messages, normalize_text, render_chat
@@ -27,12 +28,15 @@ class ParsedRequest:
     stream: bool
     max_tokens: int | None
     cache_salt: str
+    # Normalization changed nothing: ``body`` equals what the client sent, so the client's own
+    # bytes can be forwarded instead of encoding ``body`` again.
+    unchanged: bool = False
 
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:
     try:
-        value = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(value, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
@@ -101,7 +105,8 @@ def parse_completion(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequ
         raise InvalidRequest(
             "'prompt' must be a string, a non-empty list of strings, a list of token ids "
             "or a list of token-id lists", param="prompt", code="invalid_type")
-    return ParsedRequest(model, forwarded, text, stream, max_tokens, salt)
+    unchanged = forwarded["prompt"] == prompt
+    return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged)
 
 
 def _check_message(i: int, message: Any) -> None:
@@ -144,7 +149,12 @@ def parse_chat(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequest:
         _check_message(i, message)
     tools = body.get("tools")
     _expect(tools is None or isinstance(tools, list), "'tools' must be a list", "tools")
-    forwarded = dict(body)
-    forwarded["messages"] = normalized = normalize_messages(messages, opts)
+    normalized = normalize_messages(messages, opts)
+    unchanged = normalized == messages
+    if unchanged:
+        forwarded = body
+    else:
+        forwarded = dict(body)
+        forwarded["messages"] = normalized
     text = render_chat(normalized, tools)
-    return ParsedRequest(model, forwarded, text, stream, max_tokens, salt)
+    return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -156,10 +157,11 @@ class GatewaySettings:
             raise ValueError(f"store must be memory:// or a redis:// URL, got {self.store!r}")
 
     def fingerprint_options(self) -> FingerprintOptions:
-        return FingerprintOptions(self.block_chars, self.max_blocks, self.anchor_blocks)
+        """The same object for every request (built once per distinct setting)."""
+        return _fingerprint_options(self.block_chars, self.max_blocks, self.anchor_blocks)
 
     def normalize_options(self) -> NormalizeOptions:
-        return NormalizeOptions(enabled=self.normalize)
+        return _normalize_options(self.normalize)
 
     def policy_options(self) -> PolicyOptions:
         return PolicyOptions(
@@ -182,6 +184,18 @@ class GatewaySettings:
     def tokens_per_block(self) -> float:
         """Tokens in one fingerprint block, to convert worker cache sizes into blocks."""
         return self.block_chars / self.chars_per_token
+
+
+@functools.cache
+def _fingerprint_options(
+    block_chars: int, max_blocks: int, anchor_blocks: int
+) -> FingerprintOptions:
+    return FingerprintOptions(block_chars, max_blocks, anchor_blocks)
+
+
+@functools.cache
+def _normalize_options(enabled: bool) -> NormalizeOptions:
+    return NormalizeOptions(enabled=enabled)
 
 
 def parse_settings(

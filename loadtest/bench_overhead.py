@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import random
@@ -59,12 +58,11 @@ from loadtest.bench_gateway import (
     percentile,
     start_server,
 )
+from loadtest.peers import PEERS, PeerUnavailableError, peer_launcher, running_peer
 from loadtest.workloads import system_prompt, words
 
-ROUTERS = ("ours", "sglang-router", "smg")
+ROUTERS = ("ours", *PEERS)
 DIRECT = "direct"
-# The Python module each Rust router is launched from (None: ours).
-PEER_MODULES = {"sglang-router": "sglang_router", "smg": "smg"}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -149,36 +147,28 @@ def proc_tree_cpu_s(pid: int) -> float:
     return total
 
 
-def router_command(name: str, port: int, worker_urls: Sequence[str], metrics_port: int,
-                   config: OverheadConfig, extra: Sequence[str] = ()) -> list[str]:
-    if name == "ours":
-        cmd = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(port),
-               "--policy", "cache_aware", *config.gateway_args, *extra]
-        if config.procs > 1:
-            cmd += ["--procs", str(config.procs)]
-        for url in worker_urls:
-            cmd += ["--worker", url]
-        source = next((a[1:] for a in extra if a.startswith("@")), "")
-        if source:  # another checkout of the gateway: run it from there
-            cmd = ["env", "-C", source, f"PYTHONPATH={source}",
-                   *(a for a in cmd if not a.startswith("@"))]
-        return cmd
-    module = PEER_MODULES[name]
-    return [
-        sys.executable, "-m", module, "launch", "--host", HOST, "--port", str(port),
-        "--worker-urls", *worker_urls, "--policy", "cache_aware",
-        "--prometheus-port", str(metrics_port), "--log-level", "warn",
-    ]
+def gateway_command(port: int, worker_urls: Sequence[str], config: OverheadConfig,
+                    extra: Sequence[str] = ()) -> list[str]:
+    """Our gateway (cache_aware) in front of ``worker_urls``; an ``@DIR`` in ``extra`` runs the
+    gateway from the checkout in DIR instead of this one."""
+    cmd = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(port),
+           "--policy", "cache_aware", *config.gateway_args,
+           *(a for a in extra if not a.startswith("@"))]
+    if config.procs > 1:
+        cmd += ["--procs", str(config.procs)]
+    for url in worker_urls:
+        cmd += ["--worker", url]
+    source = next((a[1:] for a in extra if a.startswith("@")), "")
+    if source:
+        cmd = ["env", "-C", source, f"PYTHONPATH={source}", *cmd]
+    return cmd
 
 
 def available(name: str) -> str:
     """Why router ``name`` cannot run here ("" if it can)."""
     if name == "ours":
         return ""
-    module = PEER_MODULES.get(name)
-    if module is None:
-        return "unknown router"
-    return "" if importlib.util.find_spec(module) is not None else f"{module} is not installed"
+    return "" if peer_launcher(name) is not None else "not installed (pip install '.[peers]')"
 
 
 async def wait_routing(session: aiohttp.ClientSession, url: str, body: bytes,
@@ -211,26 +201,36 @@ async def running_targets(
     routers = [r for r in config.routers if not skipped.setdefault(r, available(r))]
     for r in routers:
         skipped.pop(r)
-    launches = [(r, r, ()) for r in routers] + [
-        (f"ours[{label}]", "ours", tuple(args)) for label, args in config.variants]
-    base = free_port_block(config.workers + 2 * len(launches))
+    ours: list[tuple[str, tuple[str, ...]]] = [("ours", ())] if "ours" in routers else []
+    ours += [(f"ours[{label}]", tuple(args)) for label, args in config.variants]
+    base = free_port_block(config.workers + len(ours))
     worker_urls = [f"http://{HOST}:{base + i}" for i in range(config.workers)]
     procs: list[asyncio.subprocess.Process] = []
     logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="bench-overhead-"))
     try:
-        for i, url in enumerate(worker_urls):
-            cmd = [sys.executable, "-m", "worker", "--host", HOST, "--port", str(base + i),
-                   "--model", MODEL, "--cache-blocks", "4096", *ZERO_COST_WORKER_ARGS]
-            await start_server(cmd, url, logs / f"worker{i}.log", procs)
-        targets = [Target(DIRECT, worker_urls[0] + "/v1/chat/completions", 0)]
-        for j, (name, kind, extra) in enumerate(launches):
-            port = base + config.workers + 2 * j
-            url = f"http://{HOST}:{port}"
-            cmd = router_command(kind, port, worker_urls, port + 1, config, extra)
-            await start_server(cmd, url, logs / f"{name}.log", procs)
-            await wait_routing(session, url + "/v1/chat/completions", probe)
-            targets.append(Target(name, url + "/v1/chat/completions", procs[-1].pid))
-        yield targets
+        async with contextlib.AsyncExitStack() as stack:
+            for i, url in enumerate(worker_urls):
+                cmd = [sys.executable, "-m", "worker", "--host", HOST, "--port", str(base + i),
+                       "--model", MODEL, "--cache-blocks", "4096", *ZERO_COST_WORKER_ARGS]
+                await start_server(cmd, url, logs / f"worker{i}.log", procs)
+            targets = [Target(DIRECT, worker_urls[0] + "/v1/chat/completions", 0)]
+            for j, (name, extra) in enumerate(ours):
+                url = f"http://{HOST}:{base + config.workers + j}"
+                cmd = gateway_command(base + config.workers + j, worker_urls, config, extra)
+                await start_server(cmd, url, logs / f"{name}.log", procs)
+                targets.append(Target(name, url + "/v1/chat/completions", procs[-1].pid))
+            for name in routers:
+                if name in PEERS:
+                    try:
+                        peer = await stack.enter_async_context(
+                            running_peer(name, worker_urls, logs, host=HOST))
+                    except PeerUnavailableError as exc:
+                        skipped[name] = str(exc).splitlines()[0]
+                        continue
+                    targets.append(Target(name, peer.url + "/v1/chat/completions", peer.pid))
+            for t in targets:
+                await wait_routing(session, t.url, probe)
+            yield targets
     finally:
         await stop_processes(procs, grace_s=5.0)
         await asyncio.to_thread(shutil.rmtree, logs, True)

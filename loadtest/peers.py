@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import shutil
 import socket
@@ -33,6 +34,9 @@ from infra.local import stop_processes
 
 # name -> the PyPI release the benchmarks were run with (the `peers` extra pins the same).
 PEERS: dict[str, str] = {"sglang-router": "0.3.2", "smg": "1.13.0"}
+# name -> its Python module. Both wheels install an ``smg`` console script (sglang-router 0.3's
+# points at sglang_router), so whichever was installed last owns it: the module is unambiguous.
+PEER_MODULES: dict[str, str] = {"sglang-router": "sglang_router", "smg": "smg"}
 READY_TIMEOUT_S = 60.0
 
 
@@ -58,16 +62,27 @@ def peer_binary(name: str) -> str | None:
     return shutil.which(name)
 
 
+def peer_launcher(name: str) -> list[str] | None:
+    """The command that runs peer ``name``: ``python -m <module>`` when this interpreter has
+    its module, else its executable; None when neither is there."""
+    module = PEER_MODULES.get(name, "")
+    if module and importlib.util.find_spec(module) is not None:
+        return [sys.executable, "-m", module]
+    binary = peer_binary(name)
+    return [binary] if binary is not None else None
+
+
 def available_peers() -> list[str]:
     """The peers installed here, in :data:`PEERS` order."""
-    return [name for name in PEERS if peer_binary(name) is not None]
+    return [name for name in PEERS if peer_launcher(name) is not None]
 
 
-def peer_command(binary: str, host: str, port: int, metrics_port: int,
+def peer_command(launcher: str | Sequence[str], host: str, port: int, metrics_port: int,
                  worker_urls: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
-    """``<binary> launch`` in cache_aware mode in front of ``worker_urls``."""
+    """``<launcher> launch`` in cache_aware mode in front of ``worker_urls``."""
+    head = [launcher] if isinstance(launcher, str) else list(launcher)
     return [
-        binary, "launch", "--host", host, "--port", str(port),
+        *head, "launch", "--host", host, "--port", str(port),
         "--worker-urls", *worker_urls,
         "--policy", "cache_aware",
         "--prometheus-host", host, "--prometheus-port", str(metrics_port),
@@ -121,11 +136,11 @@ async def running_peer(
     Its output goes to ``log_dir/<name>.log``. Raises :class:`PeerUnavailableError` when the
     binary is missing or the router does not get ready in time (the log tail is in the message).
     """
-    binary = peer_binary(name)
-    if binary is None:
+    launcher = peer_launcher(name)
+    if launcher is None:
         raise PeerUnavailableError(f"{name} is not installed (pip install '.[peers]')")
     port = port or _free_port(host)
-    cmd = peer_command(binary, host, port, _free_port(host), worker_urls, extra)
+    cmd = peer_command(launcher, host, port, _free_port(host), worker_urls, extra)
     log_path = log_dir / f"{name}.log"
     log = await asyncio.to_thread(log_path.open, "wb")
     try:

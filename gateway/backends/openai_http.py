@@ -104,7 +104,11 @@ class OpenAIHTTPBackend:
         self._client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=limit, limit_per_host=per_host),
             timeout=self._timeout,
+            # Bodies are relayed as they come: never ask for a compressed one the client would
+            # receive without its Content-Encoding.
             auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            cookie_jar=aiohttp.DummyCookieJar(),  # workers set no cookies worth keeping
         )
 
     @property

@@ -330,3 +330,31 @@ def test_parse_chat_same_conversation_same_fingerprint_text() -> None:
     b = {"messages": [{"content": [{"type": "text", "text": "hi there  "}], "role": "user"}],
          "model": "m"}
     assert parse_chat(a, OPTS).fingerprint_text == parse_chat(b, OPTS).fingerprint_text
+
+
+@pytest.mark.parametrize(
+    ("parser", "body", "unchanged"),
+    [
+        pytest.param(parse_chat, {"model": "m", "messages": [
+            {"role": "user", "content": "plain text"}]}, True, id="chat-clean"),
+        pytest.param(parse_chat, {"model": "m", "messages": [
+            {"role": "user", "content": "non\u00a0breaking"}]}, False, id="chat-nbsp"),
+        pytest.param(parse_chat, {"model": "m", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "trailing  "}]}]}, False,
+            id="chat-parts-trailing"),
+        pytest.param(parse_completion, {"model": "m", "prompt": "clean"}, True,
+                     id="completion-clean"),
+        pytest.param(parse_completion, {"model": "m", "prompt": "crlf\r\nline"}, False,
+                     id="completion-crlf"),
+        pytest.param(parse_completion, {"model": "m", "prompt": [1, 2, 3]}, True,
+                     id="completion-token-ids"),
+    ],
+)
+def test_unchanged_means_the_client_bytes_can_be_forwarded(
+    parser: Parser, body: dict[str, Any], unchanged: bool
+) -> None:
+    raw = json.dumps(body).encode()
+    parsed = parser(decode_json_object(raw), NormalizeOptions())
+    assert parsed.unchanged is unchanged
+    # Forwarding the client's bytes is only allowed where they decode to the forwarded body.
+    assert (json.loads(raw) == parsed.body) is unchanged
