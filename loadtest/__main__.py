@@ -1,4 +1,5 @@
-"""``python -m loadtest <command>``: ``run`` (live load test, :mod:`loadtest.run`) or
+"""``python -m loadtest <command>``: ``run`` (live load test, :mod:`loadtest.run`),
+``replay`` (live trace replay through the gateway and peer routers, :mod:`loadtest.replay`) or
 ``simulate`` (the cluster simulator, :mod:`loadtest.simulate`)."""
 
 from __future__ import annotations
@@ -6,9 +7,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-USAGE = """usage: python -m loadtest {run,simulate} [options]
+USAGE = """usage: python -m loadtest {run,replay,simulate} [options]
 
   run        live load test: workers + gateway per policy, locust headless, report + plots
+  replay     live closed-loop trace replay: gateway (and --peers) on the same workers
   simulate   cluster simulator (same as python -m loadtest.simulate)
 
 python -m loadtest run --help   for the options
@@ -25,6 +27,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from loadtest.run import main as run_main
 
         return run_main(rest)
+    if command == "replay":
+        from loadtest.replay import main as replay_main
+
+        return replay_main(rest)
     if command == "simulate":
         from loadtest.simulate import main as simulate_main
 

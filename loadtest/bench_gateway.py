@@ -91,6 +91,7 @@ class Reply:
     seconds: float
     reason: str = ""  # x-route-reason
     index_blocks: int = 0  # x-prefix-match-blocks: what the gateway's index expected
+    sent_at: float = 0.0  # perf_counter() when the request was sent
 
 
 def reason_kind(reason: str) -> str:
@@ -285,15 +286,19 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
             await response.read()
             return Reply(
                 status=response.status,
-                worker=response.headers.get("x-route-worker", ""),
+                # Behind another router only the worker's own header names the worker.
+                worker=response.headers.get("x-route-worker")
+                or response.headers.get("x-worker-id")
+                or "",
                 input_tokens=_int(response.headers, "x-cache-input-tokens"),
                 matched_tokens=_int(response.headers, "x-cache-matched-tokens"),
                 seconds=time.perf_counter() - started,
                 reason=response.headers.get("x-route-reason", ""),
                 index_blocks=_int(response.headers, "x-prefix-match-blocks"),
+                sent_at=started,
             )
     except (aiohttp.ClientError, TimeoutError):
-        return Reply(0, "", 0, 0, time.perf_counter() - started)
+        return Reply(0, "", 0, 0, time.perf_counter() - started, sent_at=started)
 
 
 async def replay(

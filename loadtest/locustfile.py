@@ -9,7 +9,10 @@ Run it as locust users expect, against a running gateway::
 (or ``python -m loadtest run ...``, which starts a cluster, runs this file headless and writes a
 report). Workloads: ``chat`` (multi-turn, growing history), ``tenants`` (many system prompts),
 ``rag`` (document prefix + question), ``fewshot`` (templates), ``mooncake`` (trace replay, each
-block id a deterministic text chunk); see :mod:`loadtest.workloads` and :mod:`loadtest.textgen`.
+block id a deterministic text chunk), ``shared-prompts`` (20 shared system prompts + unique
+suffixes) and ``agent-sessions`` (long agent contexts growing per turn), the last two generated
+traces replayed like ``mooncake``; see :mod:`loadtest.workloads`, :mod:`loadtest.trace_workloads`
+and :mod:`loadtest.textgen`.
 Pick one with ``--workload`` (env ``LOADTEST_WORKLOAD``) or by naming its user class; with
 neither, ``chat``.
 
@@ -51,8 +54,15 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from loadtest.samples import AffinityTally, Sample, StreamScan, int_header
 from loadtest.textgen import TextSynth, trace_request
+from loadtest.trace_workloads import workload_trace
 from loadtest.traces import DEFAULT_TRACE_DIR, TraceRequest, read_mooncake
-from loadtest.workloads import WORKLOADS, LiveRequest, LiveSpec, user_requests
+from loadtest.workloads import (
+    REPLAYED_WORKLOADS,
+    WORKLOADS,
+    LiveRequest,
+    LiveSpec,
+    user_requests,
+)
 
 log = logging.getLogger("loadtest")
 
@@ -90,8 +100,14 @@ class LoadState:
         self.trace_path: str = options.trace
 
     def load_trace(self) -> None:
-        if self.workload == "mooncake" and not self.trace:
+        if self.trace or self.workload not in REPLAYED_WORKLOADS:
+            return
+        if self.workload == "mooncake":
             self.trace = read_mooncake(self.trace_path)
+        else:
+            self.trace = workload_trace(self.workload, seed=self.spec.seed)
+            if self.workload == "agent-sessions":
+                self.max_blocks = 0  # the long contexts are the point
 
     def next_user(self) -> int:
         self.users += 1
@@ -148,7 +164,7 @@ class LLMUser(FastHttpUser):
         self.index = self.state.next_user()
         self.think_rng = random.Random(f"{self.state.spec.seed}:think:{self.index}")
         self.requests = (
-            None if self.workload == "mooncake"
+            None if self.workload in REPLAYED_WORKLOADS
             else user_requests(self.workload, self.state.spec, self.index)
         )
 
@@ -297,8 +313,23 @@ class MooncakeUser(LLMUser):
     workload = "mooncake"
 
 
+class SharedPromptsUser(LLMUser):
+    """20 shared system prompts, each request one of them plus a unique suffix (generated
+    trace, replayed in order like ``mooncake``)."""
+
+    workload = "shared-prompts"
+
+
+class AgentSessionsUser(LLMUser):
+    """Long-context agent sessions: one shared tool + system prefix, contexts growing by a few
+    thousand tokens per turn (generated trace, replayed in order, whole prompts)."""
+
+    workload = "agent-sessions"
+
+
 USER_CLASSES: dict[str, type[LLMUser]] = {
-    c.workload: c for c in (ChatUser, TenantsUser, RagUser, FewShotUser, MooncakeUser)
+    c.workload: c for c in (ChatUser, TenantsUser, RagUser, FewShotUser, MooncakeUser,
+                            SharedPromptsUser, AgentSessionsUser)
 }
 
 

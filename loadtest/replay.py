@@ -1,0 +1,526 @@
+"""Live trace replay: reference workers, the gateway and (optionally) peer routers, side by side.
+
+``python -m loadtest replay (--trace PATH | --workload W) --workers N --cache-blocks C
+[--concurrency K] [--policy P|all] [--gateway URL] [--peers] [--no-report-cache-size]
+[--repeat R] [--simulate] [--json]``
+
+N reference workers start on loopback (``python -m worker``, simulated engine) with the
+``chars`` tokenizer (one token per 4 characters) and KV blocks of ``--block-chars / 4`` tokens,
+so one trace block, synthesized as ``--block-chars`` characters of text
+(:class:`loadtest.textgen.TextSynth`), is exactly one cache block and a worker holds exactly
+``C`` trace blocks. The trace is replayed closed-loop, in order, with ``K`` requests in flight
+(one ``/v1/completions`` call per trace request, ``--max-tokens`` output tokens) through each
+router in turn: the gateway with each ``--policy``, then, with ``--peers``, sglang-router and
+smg in cache_aware mode (:mod:`loadtest.peers`). Between routers every worker's cache is
+flushed (``POST /admin/flush``), so each router starts from the same empty fleet; the workers
+keep their ports, so every gateway run has the same ring. ``--repeat R`` restarts the whole
+fleet R times and reports the median of each metric per router.
+
+Per router, from what the workers report in every reply (``x-cache-*``), as
+:mod:`loadtest.simulate` reports it: ``block_hit_rate``, ``pooled_bound`` (one LRU cache of all
+workers' blocks, the same sequence), ``hit_over_bound``, ``routed_max_over_mean`` (blocks routed
+per worker), ``prefill_max_over_mean`` (uncached blocks per worker), latency ``p50_ms`` /
+``p99_ms`` (whole request, client side), and ``cpu_s_per_1k``: the router process's user +
+system CPU seconds per 1,000 requests (``/proc``). ``--simulate`` also runs the simulator with the
+same fleet, costs and concurrency for each gateway policy (``simulated`` in the JSON).
+
+Experiments for the telemetry-driven correction of the gateway's index: ``--restart-worker I@T``
+restarts worker I T seconds into every gateway run (its cache empties);
+``--misreport-worker I`` makes worker I report twice its real cache size. ``--timeline DIR``
+writes the per-worker hit rate and mispredictions over time (:mod:`loadtest.timeline`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from gateway.fingerprint import PrefixKey
+from gateway.routing.policies import POLICY_NAMES
+from gateway.settings import GatewaySettings
+from infra.local import LocalCluster, stop_processes
+from loadtest.bench_gateway import (
+    MODEL,
+    Reply,
+    free_port_block,
+    percentile,
+    replay,
+    start_server,
+    wait_all_workers_up,
+)
+from loadtest.peers import PEERS, PeerUnavailableError, process_cpu_seconds, running_peer
+from loadtest.sim.cluster import SimConfig, pooled_bound, simulate
+from loadtest.sim.report import max_over_mean, metrics
+from loadtest.simulate import DEFAULT_TRACE
+from loadtest.textgen import TextSynth
+from loadtest.timeline import timeline, write_timeline
+from loadtest.trace_workloads import TRACE_WORKLOADS, workload_trace
+from loadtest.traces import TraceRequest, read_mooncake
+from loadtest.workloads import COMPLETIONS_PATH, LiveSpec, trace_body
+from worker.engines.sim import SimCosts
+
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    workers: int
+    cache_blocks: int
+    concurrency: int = 64
+    block_chars: int = 64
+    max_tokens: int = 1
+    prefill_us_per_token: float = 0.0
+    cached_us_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    max_running: int = 32
+    report_cache_size: bool = True
+    misreport_worker: int | None = None
+    restart_worker: tuple[int, float] | None = None
+    bucket_s: float = 2.0
+    timeout_s: float = 300.0
+
+    @property
+    def block_tokens(self) -> int:
+        return self.block_chars // 4
+
+    def worker_args(self) -> tuple[str, ...]:
+        return (
+            "--tokenizer", "chars", "--block-size", str(self.block_tokens),
+            "--max-running", str(self.max_running),
+            "--prefill-us-per-token", str(self.prefill_us_per_token),
+            "--prefill-us-per-cached-token", str(self.cached_us_per_token),
+            "--decode-ms-per-token", str(self.decode_ms_per_token),
+            "--max-model-len", "1000000",
+            *(() if self.report_cache_size else ("--no-report-cache-size",)),
+        )
+
+    def sim_costs(self) -> SimCosts:
+        return SimCosts(prefill_us_per_token=self.prefill_us_per_token,
+                        prefill_us_per_cached_token=self.cached_us_per_token,
+                        decode_ms_per_token=self.decode_ms_per_token)
+
+
+@dataclass(slots=True)
+class RunResult:
+    router: str
+    repeat: int
+    requests: int
+    errors: int
+    block_hit_rate: float
+    pooled_bound: float
+    hit_over_bound: float
+    routed_max_over_mean: float
+    requests_max_over_mean: float
+    prefill_max_over_mean: float
+    p50_ms: float
+    p99_ms: float
+    cpu_s_per_1k: float | None
+    seconds: float
+    per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+
+
+# -- the fleet -----------------------------------------------------------------------------
+
+
+class Fleet:
+    """N reference workers on consecutive ports; flushed between routers, restartable."""
+
+    def __init__(self, config: ReplayConfig, base_port: int, logs: Path) -> None:
+        self.config = config
+        self.cluster = LocalCluster(
+            host=HOST, gateway_port=base_port, worker_base_port=base_port + 1,
+            workers=config.workers, model=MODEL, cache_blocks=config.cache_blocks,
+            worker_args=config.worker_args(),
+        )
+        self.urls = self.cluster.worker_urls()
+        self.commands = self.cluster.worker_commands()
+        if config.misreport_worker is not None:
+            self.commands[config.misreport_worker] += [
+                "--reported-cache-blocks", str(2 * config.cache_blocks)]
+        self.logs = logs
+        self.procs: list[asyncio.subprocess.Process | None] = [None] * config.workers
+
+    async def start(self, i: int) -> None:
+        started: list[asyncio.subprocess.Process] = []
+        try:
+            await start_server(self.commands[i], self.urls[i], self.logs / f"worker{i}.log",
+                               started)
+        finally:
+            self.procs[i] = started[0] if started else None
+
+    async def stop(self, i: int) -> None:
+        proc = self.procs[i]
+        if proc is not None:
+            await stop_processes([proc], grace_s=5.0)
+        self.procs[i] = None
+
+    async def restart(self, i: int) -> None:
+        await self.stop(i)
+        await self.start(i)
+
+    async def flush(self, session: aiohttp.ClientSession) -> None:
+        for url in self.urls:
+            async with session.post(url + "/admin/flush", json={}) as response:
+                response.raise_for_status()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Fleet]:
+        try:
+            outcomes = await asyncio.gather(*(self.start(i) for i in range(len(self.urls))),
+                                            return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            yield self
+        finally:
+            await asyncio.gather(*(self.stop(i) for i in range(len(self.urls))))
+
+
+# -- one run -------------------------------------------------------------------------------
+
+
+def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float,
+              pooled: float, cpu_s: float | None, worker_ids: Sequence[str],
+              config: ReplayConfig) -> RunResult:
+    ok = [r for r in replies if r.status == 200]
+    bt = config.block_tokens
+    per_worker = {w: {"requests": 0, "blocks": 0, "matched_blocks": 0, "uncached_blocks": 0}
+                  for w in worker_ids}
+    for r in ok:
+        row = per_worker.setdefault(r.worker, {"requests": 0, "blocks": 0, "matched_blocks": 0,
+                                               "uncached_blocks": 0})
+        blocks, matched = r.input_tokens // bt, r.matched_tokens // bt
+        row["requests"] += 1
+        row["blocks"] += blocks
+        row["matched_blocks"] += matched
+        row["uncached_blocks"] += blocks - matched
+    blocks = sum(w["blocks"] for w in per_worker.values())
+    matched = sum(w["matched_blocks"] for w in per_worker.values())
+    hit = matched / blocks if blocks else 0.0
+    ms = [r.seconds * 1e3 for r in ok] or [0.0]
+    return RunResult(
+        router=router, repeat=repeat, requests=len(replies), errors=len(replies) - len(ok),
+        block_hit_rate=hit, pooled_bound=pooled, hit_over_bound=hit / pooled if pooled else 0.0,
+        routed_max_over_mean=max_over_mean([w["blocks"] for w in per_worker.values()]),
+        requests_max_over_mean=max_over_mean([w["requests"] for w in per_worker.values()]),
+        prefill_max_over_mean=max_over_mean(
+            [w["uncached_blocks"] for w in per_worker.values()]),
+        p50_ms=statistics.median(ms), p99_ms=percentile(ms, 99),
+        cpu_s_per_1k=None if cpu_s is None else cpu_s / max(1, len(replies)) * 1000.0,
+        seconds=seconds, per_worker=dict(sorted(per_worker.items())),
+    )
+
+
+async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fleet | None,
+                  bodies: Sequence[dict[str, Any]], pooled: float, config: ReplayConfig,
+                  worker_ids: Sequence[str], *, restart: bool = False) -> RunResult:
+    """Replay ``bodies`` through ``url``; charge the CPU of process ``pid`` (if known)."""
+    timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+    connector = aiohttp.TCPConnector(limit=max(64, 2 * config.concurrency))
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        cpu0 = process_cpu_seconds(pid) if pid else None
+        started = time.perf_counter()
+        restarter = None
+        if restart and fleet is not None and config.restart_worker is not None:
+            index, at_s = config.restart_worker
+
+            async def later() -> None:
+                await asyncio.sleep(at_s)
+                print(f"[replay] {router}: restarting worker {index} at {at_s:g}s",
+                      file=sys.stderr, flush=True)
+                await fleet.restart(index)
+            restarter = asyncio.create_task(later())
+        replies = await replay(session, url + COMPLETIONS_PATH, bodies, config.concurrency)
+        seconds = time.perf_counter() - started
+        cpu_s = process_cpu_seconds(pid) - cpu0 if pid and cpu0 is not None else None
+        if restarter is not None:
+            await restarter
+    result = summarize(router, repeat, replies, seconds, pooled, cpu_s, worker_ids, config)
+    result.timeline = timeline(replies, started, config.bucket_s, config.block_tokens)
+    return result
+
+
+@contextlib.asynccontextmanager
+async def gateway_running(fleet: Fleet, policy: str) -> AsyncIterator[tuple[str, int]]:
+    """A fresh gateway with ``policy`` in front of the fleet: (URL, pid)."""
+    cluster = fleet.cluster
+    cmd = [*LocalCluster(
+        host=cluster.host, gateway_port=cluster.gateway_port,
+        worker_base_port=cluster.worker_base_port, workers=cluster.workers, policy=policy,
+    ).gateway_command()]
+    procs: list[asyncio.subprocess.Process] = []
+    url = f"http://{cluster.host}:{cluster.gateway_port}"
+    try:
+        await start_server(cmd, url, fleet.logs / f"gateway-{policy}.log", procs)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            await wait_all_workers_up(session, url, cluster.workers)
+        yield url, procs[0].pid
+    finally:
+        await stop_processes(procs, grace_s=5.0)
+
+
+# -- the whole benchmark -------------------------------------------------------------------
+
+
+def request_bodies(requests: Sequence[TraceRequest], block_chars: int, max_tokens: int,
+                   seed: int = 0) -> list[dict[str, Any]]:
+    """One non-streaming completions body per trace request: its blocks as text chunks."""
+    synth = TextSynth(chars=block_chars, seed=seed)
+    spec = LiveSpec(model=MODEL, max_tokens=max_tokens, stream=False)
+    return [trace_body(spec, synth.prompt(r.blocks), r.output_tokens) for r in requests]
+
+
+def live_units(requests: Sequence[TraceRequest], config: ReplayConfig) -> list[TraceRequest]:
+    """The trace as the live run sends it, for the simulator: every block is ``block_tokens``
+    worker tokens and ``block_chars`` characters, decode capped at ``max_tokens``."""
+    bt = config.block_tokens
+    return [
+        TraceRequest(r.index, r.arrival_s, len(r.blocks) * bt, min(r.output_tokens,
+                                                                   config.max_tokens),
+                     PrefixKey(r.key.blocks, r.key.anchor, len(r.blocks) * config.block_chars))
+        for r in requests
+    ]
+
+
+def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: str,
+              pooled: float) -> dict[str, Any]:
+    sim = SimConfig(
+        workers=config.workers, cache_blocks=config.cache_blocks, policy=policy,
+        mode="sequential", concurrency=config.concurrency, max_running=config.max_running,
+        costs=config.sim_costs(), index_knows_capacity=config.report_cache_size,
+    )
+    result = simulate(live_units(requests, config), sim)
+    m = metrics(result, pooled)
+    keys = ("block_hit_rate", "pooled_bound", "hit_over_bound", "prefill_max_over_mean",
+            "routed_max_over_mean", "ttft_p50", "ttft_p99")
+    return {"router": f"ours:{policy}", **{k: m[k] for k in keys},
+            "routed_blocks_max_over_mean": max_over_mean([w.blocks for w in result.per_worker])}
+
+
+async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
+                     policies: Sequence[str], peers: Sequence[str], repeats: int,
+                     gateway: str = "") -> list[RunResult]:
+    bodies = request_bodies(requests, config.block_chars, config.max_tokens)
+    pooled = pooled_bound(requests, config.workers * config.cache_blocks)
+    results: list[RunResult] = []
+    if gateway:
+        for r in range(repeats):
+            results.append(await measure(f"gateway@{gateway}", r, gateway, None, None, bodies,
+                                         pooled, config, []))
+        return results
+    base = free_port_block(config.workers + 1)
+    for r in range(repeats):
+        logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="replay-"))
+        fleet = Fleet(config, base, logs)
+        ids = [url.removeprefix("http://") for url in fleet.urls]
+        try:
+            async with fleet.running():
+                for router in [*(f"ours:{p}" for p in policies), *peers]:
+                    async with aiohttp.ClientSession() as session:
+                        await fleet.flush(session)
+                    print(f"[replay] repeat {r + 1}/{repeats}: {router} ({len(bodies)} "
+                          "requests) ...", file=sys.stderr, flush=True)
+                    if router.startswith("ours:"):
+                        async with gateway_running(fleet, router[5:]) as (url, pid):
+                            res = await measure(router, r, url, pid, fleet, bodies, pooled,
+                                                config, ids, restart=True)
+                    else:
+                        async with running_peer(router, fleet.urls, logs) as peer:
+                            res = await measure(router, r, peer.url, peer.pid, fleet, bodies,
+                                                pooled, config, ids)
+                    print(f"[replay] {router}: hit {res.block_hit_rate:.3f} "
+                          f"({res.hit_over_bound:.3f} of bound), routed max/mean "
+                          f"{res.routed_max_over_mean:.2f}, p50 {res.p50_ms:.0f} ms, "
+                          f"{res.seconds:.0f}s, errors {res.errors}", file=sys.stderr,
+                          flush=True)
+                    results.append(res)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, logs, True)
+    return results
+
+
+MEDIAN_KEYS = ("block_hit_rate", "hit_over_bound", "routed_max_over_mean",
+               "requests_max_over_mean", "prefill_max_over_mean", "p50_ms", "p99_ms",
+               "cpu_s_per_1k")
+
+
+def medians(results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """Per router (first-seen order), the median of each metric over its repeats."""
+    by_router: dict[str, list[RunResult]] = {}
+    for res in results:
+        by_router.setdefault(res.router, []).append(res)
+    out = []
+    for router, runs in by_router.items():
+        row: dict[str, Any] = {"router": router, "repeats": len(runs),
+                               "pooled_bound": runs[0].pooled_bound,
+                               "errors": sum(r.errors for r in runs)}
+        for key in MEDIAN_KEYS:
+            values = [getattr(r, key) for r in runs if getattr(r, key) is not None]
+            row[key] = statistics.median(values) if values else None
+        out.append(row)
+    return out
+
+
+def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> str:
+    lines = ["| router | runs | hit | hit / pooled bound | routed blocks max/mean | "
+             "prefill max/mean | p50 ms | p99 ms | CPU s / 1k req | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        cpu = "-" if r["cpu_s_per_1k"] is None else f"{r['cpu_s_per_1k']:.2f}"
+        lines.append(f"| {r['router']} | {r['repeats']} | {r['block_hit_rate']:.3f} | "
+                     f"{r['hit_over_bound']:.3f} | {r['routed_max_over_mean']:.2f} | "
+                     f"{r['prefill_max_over_mean']:.2f} | {r['p50_ms']:.1f} | "
+                     f"{r['p99_ms']:.1f} | {cpu} | {r['errors']} |")
+    for s in sims:
+        lines.append(f"| {s['router']} (simulated) | 1 | {s['block_hit_rate']:.3f} | "
+                     f"{s['hit_over_bound']:.3f} | {s['routed_blocks_max_over_mean']:.2f} | "
+                     f"{s['prefill_max_over_mean']:.2f} | - | - | - | 0 |")
+    return "\n".join(lines) + "\n"
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest replay",
+                                description="Live closed-loop trace replay through the gateway "
+                                "and peer routers in front of the same reference workers.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--trace", type=Path, help=f"Mooncake jsonl trace (default {DEFAULT_TRACE})")
+    src.add_argument("--workload", choices=TRACE_WORKLOADS,
+                     help="a generated workload (loadtest.trace_workloads) instead of a file")
+    p.add_argument("--requests", type=int, default=0,
+                   help="--workload: requests to generate (0: the shape's default)")
+    p.add_argument("--limit", type=int, help="only the first K requests of the trace")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--cache-blocks", type=int, default=500, help="trace blocks per worker cache")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight")
+    p.add_argument("--policy", default=GatewaySettings().policy,
+                   help="gateway policy, a comma list, or 'all' (default: the gateway default)")
+    p.add_argument("--gateway", default="", help="replay through this running gateway instead")
+    p.add_argument("--peers", action="store_true", help="also sglang-router and smg")
+    p.add_argument("--report-cache-size", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers publish vllm:cache_config_info (default yes)")
+    p.add_argument("--repeat", type=int, default=1, help="fleets, each router once per fleet")
+    p.add_argument("--block-chars", type=int, default=64,
+                   help="characters of text per trace block (multiple of 64; default 64)")
+    p.add_argument("--max-tokens", type=int, default=1, help="output tokens per request cap")
+    p.add_argument("--prefill-us-per-token", type=float, default=0.0,
+                   help="worker cost per uncached token (a token is 4 characters)")
+    p.add_argument("--cached-us-per-token", type=float, default=0.0)
+    p.add_argument("--decode-ms-per-token", type=float, default=0.0)
+    p.add_argument("--max-running", type=int, default=32, help="worker admission limit")
+    p.add_argument("--simulate", action="store_true",
+                   help="also run the simulator on the same fleet for each gateway policy")
+    p.add_argument("--restart-worker", metavar="I@T",
+                   help="restart worker I T seconds into every gateway run")
+    p.add_argument("--misreport-worker", type=int, metavar="I",
+                   help="worker I reports twice its real cache size")
+    p.add_argument("--timeline", type=Path, metavar="DIR",
+                   help="write timeline.json and timeline.png (per-worker hit rate and "
+                   "mispredictions over time) per run into DIR")
+    p.add_argument("--bucket", type=float, default=2.0, help="timeline: seconds per point")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def parse_policies(text: str) -> list[str]:
+    if text == "all":
+        return list(POLICY_NAMES)
+    names = [p for p in text.split(",") if p]
+    unknown = sorted(set(names) - set(POLICY_NAMES))
+    if unknown or not names:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICY_NAMES)}")
+    return names
+
+
+def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> ReplayConfig:
+    if min(args.workers, args.cache_blocks, args.concurrency, args.repeat,
+           args.max_tokens, args.max_running) < 1:
+        p.error("--workers, --cache-blocks, --concurrency, --repeat, --max-tokens and "
+                "--max-running must be >= 1")
+    if args.block_chars < 64 or args.block_chars % 64:
+        p.error("--block-chars must be a multiple of 64 (the gateway's block)")
+    restart = None
+    if args.restart_worker:
+        index, _, at = args.restart_worker.partition("@")
+        try:
+            restart = (int(index), float(at))
+        except ValueError:
+            p.error("--restart-worker takes I@T, e.g. 0@20")
+    for index in (restart[0] if restart else None, args.misreport_worker):
+        if index is not None and not 0 <= index < args.workers:
+            p.error(f"worker index {index} is not in 0..{args.workers - 1}")
+    return ReplayConfig(
+        workers=args.workers, cache_blocks=args.cache_blocks, concurrency=args.concurrency,
+        block_chars=args.block_chars, max_tokens=args.max_tokens,
+        prefill_us_per_token=args.prefill_us_per_token,
+        cached_us_per_token=args.cached_us_per_token,
+        decode_ms_per_token=args.decode_ms_per_token, max_running=args.max_running,
+        report_cache_size=args.report_cache_size, misreport_worker=args.misreport_worker,
+        restart_worker=restart, bucket_s=args.bucket,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    config = config_from_args(parser, args)
+    try:
+        policies = parse_policies(args.policy)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.gateway and (args.peers or args.simulate or len(policies) > 1):
+        parser.error("--gateway replays through that gateway only (no --peers, --simulate)")
+    if args.workload:
+        requests = workload_trace(args.workload, args.requests, args.seed)
+        source = f"{args.workload} (seed {args.seed})"
+    else:
+        requests = read_mooncake(args.trace or DEFAULT_TRACE)
+        source = str(args.trace or DEFAULT_TRACE)
+    if args.limit:
+        requests = requests[: args.limit]
+    peers = list(PEERS) if args.peers else []
+    sims = []
+    if args.simulate:
+        pooled = pooled_bound(requests, config.workers * config.cache_blocks)
+        sims = [simulated(requests, config, p, pooled) for p in policies]
+    try:
+        results = asyncio.run(run_replay(config, requests, policies, peers, args.repeat,
+                                         args.gateway.rstrip("/")))
+    except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError,
+            PeerUnavailableError) as exc:
+        print(f"python -m loadtest replay: {exc}", file=sys.stderr)
+        return 1
+    if args.timeline is not None:
+        for res in results:
+            write_timeline(res.timeline, args.timeline / f"{res.router.replace(':', '-')}"
+                           f"-{res.repeat}", res.router)
+    rows = medians(results)
+    command = shlex.join(["python", "-m", "loadtest", "replay", *args_list])
+    if args.json:
+        print(json.dumps({"command": command, "trace": source, "requests": len(requests),
+                          "config": asdict(config), "medians": rows, "simulated": sims,
+                          "runs": [asdict(r) for r in results]}, indent=2))
+    else:
+        print(f"```\n{command}\n```\n\n{source}: {len(requests)} requests, {config.workers} "
+              f"workers x {config.cache_blocks} blocks, concurrency {config.concurrency}\n")
+        print(markdown(rows, sims), end="")
+    return 0 if all(r.errors == 0 for r in results) else 1
