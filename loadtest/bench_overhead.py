@@ -16,6 +16,9 @@ One run, one set of workers:
    Reported per target: requests/s, p50/p99 latency, errors, and the router's CPU seconds per
    1,000 requests, read from ``/proc/<pid>/stat`` (user + system time of the router process and
    its child processes), not wall time. ``direct`` sends to one worker, no router in between.
+   *Prefix affinity*: the share of requests that reached their system prompt's most used
+   worker (from the worker's ``x-worker-id``, where the router relays it); with ``--procs N``
+   it shows whether the processes agree on where a prefix lives.
 3. **Added latency**: ``--sequential`` rounds of one request to each target in turn (the order
    rotates each round); p50/p99 per target, minus the direct p50.
 
@@ -103,7 +106,10 @@ class TargetResult:
     seq_p50_ms: float = 0.0
     seq_p99_ms: float = 0.0
     seq_errors: int = 0
-    worker_share: dict[str, int] = field(default_factory=dict)  # x-route-worker, if sent
+    worker_share: dict[str, int] = field(default_factory=dict)  # x-worker-id, if relayed
+    # Share of requests that reached their prefix's most used worker (1.0: every prefix always
+    # went to one worker); 0 when the router does not relay the worker's id.
+    affinity: float = 0.0
     long_cpu_ms: dict[int, float] = field(default_factory=dict)  # prompt chars -> CPU ms/req
 
     def median(self, attr: str) -> float:
@@ -255,21 +261,33 @@ def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
     ]
 
 
-def bodies_for(config: OverheadConfig) -> list[bytes]:
-    """``requests`` chat bodies: one of ``prefixes`` system prompts + a short unique question."""
+def bodies_for(config: OverheadConfig) -> tuple[list[bytes], list[int]]:
+    """``requests`` chat bodies: one of ``prefixes`` system prompts + a short unique question;
+    and the prefix each body uses."""
     rng = random.Random(config.seed)
     prompts = [system_prompt(config.seed, t, (1800, 2200)) for t in range(config.prefixes)]
-    out = []
+    out, prefixes = [], []
     for i in range(config.requests):
+        prefix = rng.randrange(config.prefixes)
         body = {
             "model": MODEL, "max_tokens": 1, "temperature": 0,
             "messages": [
-                {"role": "system", "content": prompts[rng.randrange(config.prefixes)]},
+                {"role": "system", "content": prompts[prefix]},
                 {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"},
             ],
         }
         out.append(json.dumps(body).encode())
-    return out
+        prefixes.append(prefix)
+    return out, prefixes
+
+
+def prefix_affinity(routed: Counter[tuple[int, str]]) -> float:
+    """Share of requests that went to their prefix's most used worker."""
+    best: dict[int, int] = {}
+    for (prefix, _), n in routed.items():
+        best[prefix] = max(best.get(prefix, 0), n)
+    total = sum(routed.values())
+    return sum(best.values()) / total if total else 0.0
 
 
 async def send(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, float, str]:
@@ -277,14 +295,16 @@ async def send(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[i
     try:
         async with session.post(url, data=body, headers=_JSON) as response:
             await response.read()
-            worker = response.headers.get("x-route-worker", "")
+            headers = response.headers
+            worker = headers.get("x-worker-id") or headers.get("x-route-worker", "")
             return response.status, time.perf_counter() - started, worker
     except (aiohttp.ClientError, TimeoutError):
         return 0, time.perf_counter() - started, ""
 
 
 async def throughput(session: aiohttp.ClientSession, target: Target, bodies: Sequence[bytes],
-                     concurrency: int, share: Counter[str]) -> Rep:
+                     concurrency: int, routed: Counter[tuple[int, str]],
+                     prefixes: Sequence[int] = ()) -> Rep:
     order = iter(range(len(bodies)))
     seconds: list[float] = []
     errors = 0
@@ -296,7 +316,7 @@ async def throughput(session: aiohttp.ClientSession, target: Target, bodies: Seq
             seconds.append(s)
             errors += status != 200
             if worker:
-                share[worker] += 1
+                routed[prefixes[i] if prefixes else 0, worker] += 1
 
     cpu0 = await asyncio.to_thread(proc_tree_cpu_s, target.pid) if target.pid else 0.0
     started = time.perf_counter()
@@ -380,14 +400,14 @@ async def profiling(pid: int, out: Path | None) -> AsyncIterator[None]:
 
 
 async def run_bench(config: OverheadConfig, command: str, profile: Path | None) -> OverheadResult:
-    bodies = bodies_for(config)
+    bodies, prefixes = bodies_for(config)
     skipped: dict[str, str] = {}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=60)
     ) as session, running_targets(config, session, bodies[0], skipped) as targets:
         results = {t.name: TargetResult(t.name) for t in targets}
-        shares = {t.name: Counter[str]() for t in targets}
+        routed = {t.name: Counter[tuple[int, str]]() for t in targets}
         ours = next((t.pid for t in targets if t.name == "ours"), 0)
         for t in targets:  # warm every keep-alive pool and every router's tree
             await throughput(session, t, bodies[:200], config.concurrency, Counter())
@@ -397,10 +417,14 @@ async def run_bench(config: OverheadConfig, command: str, profile: Path | None) 
             for rep in range(config.reps):
                 for t in _rotated(targets, rep):
                     print(f"[bench] rep {rep + 1}: {t.name} ...", file=sys.stderr, flush=True)
-                    results[t.name].reps.append(
-                        await throughput(session, t, bodies, config.concurrency, shares[t.name]))
-        for name, share in shares.items():
+                    results[t.name].reps.append(await throughput(
+                        session, t, bodies, config.concurrency, routed[t.name], prefixes))
+        for name, pairs in routed.items():
+            share: Counter[str] = Counter()
+            for (_, worker), n in pairs.items():
+                share[worker] += n
             results[name].worker_share = dict(sorted(share.items()))
+            results[name].affinity = prefix_affinity(pairs)
         for chars in config.long_chars:
             bodies = long_bodies(config, chars)
             for t in targets:
@@ -431,8 +455,8 @@ def to_markdown(result: OverheadResult) -> str:
         f"(user + system, process and children). Our gateway: {c.procs} process(es).",
         "",
         "| target | req/s c=32 | p50 ms | p99 ms | CPU s / 1k req | added p50 c=1 ms | "
-        "p99 c=1 ms | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "p99 c=1 ms | prefix affinity | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     direct = next((t for t in result.targets if t.name == DIRECT), None)
     base_p50 = direct.seq_p50_ms if direct else 0.0
@@ -442,7 +466,8 @@ def to_markdown(result: OverheadResult) -> str:
         errors = sum(r.errors for r in t.reps) + t.seq_errors
         lines.append(
             f"| {t.name} | {t.median('rps'):,.0f} | {t.median('p50_ms'):.2f} | "
-            f"{t.median('p99_ms'):.2f} | {cpu} | {added} | {t.seq_p99_ms:.2f} | {errors} |")
+            f"{t.median('p99_ms'):.2f} | {cpu} | {added} | {t.seq_p99_ms:.2f} | "
+            f"{t.affinity:.3f} | {errors} |")
     if ref is not None:
         lines += ["", "Ratios to sglang-router (same run):", "",
                   "| target | req/s | p99 c=32 | CPU / req | added p50 c=1 (ms difference) |",
