@@ -13,7 +13,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.errors import ModelNotFound, NoWorkerAvailable
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.normalize import NormalizeOptions
-from gateway.openai_schema import ParsedRequest, decode_json_object, parse_chat, parse_completion
+from gateway.openai_schema import (
+    ParsedRequest,
+    decode_json_object,
+    forwarded_body,
+    parse_chat,
+    parse_completion,
+)
 from gateway.proxy import TENANT_KEY, dispatch
 from gateway.routing.types import RouteRequest
 from gateway.state import GatewayState
@@ -36,8 +42,8 @@ def tenant_of(request: web.Request) -> str:
 async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamResponse:
     state = request.app[STATE]
     settings = state.settings
-    body = decode_json_object(await request.read())
-    parsed = parse(body, settings.normalize_options())
+    raw = await request.read()
+    parsed = parse(decode_json_object(raw), settings.normalize_options())
     models = state.pool.models()
     if parsed.model not in models:
         if not state.pool.any_healthy():
@@ -55,7 +61,7 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
     route_request = RouteRequest(
         key=key, model=parsed.model, cost_tokens=cost, prompt_tokens=prompt_tokens
     )
-    return await dispatch(state, request, path, parsed.body, route_request)
+    return await dispatch(state, request, path, forwarded_body(parsed, raw), route_request)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -33,6 +33,30 @@ class ParsedRequest:
     unchanged: bool = False
 
 
+class ClientJSON(dict[str, Any]):
+    """A request body exactly as the client sent it: the decoded object, and in ``raw`` its
+    bytes, which a backend forwards instead of encoding the object again. Nothing mutates a
+    forwarded body (a backend that changes one builds a plain dict), so ``raw`` stays true."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, body: Mapping[str, Any], raw: bytes) -> None:
+        super().__init__(body)
+        self.raw = raw
+
+
+def forwarded_body(parsed: ParsedRequest, raw: bytes) -> dict[str, Any]:
+    """The body to send upstream: the client's own bytes where normalization changed nothing."""
+    return ClientJSON(parsed.body, raw) if parsed.unchanged else parsed.body
+
+
+def encode_body(body: Mapping[str, Any]) -> bytes:
+    """JSON bytes of an upstream body: the client's own for a :class:`ClientJSON`."""
+    if isinstance(body, ClientJSON):
+        return body.raw
+    return orjson.dumps(body)
+
+
 def decode_json_object(raw: bytes) -> dict[str, Any]:
     try:
         value = orjson.loads(raw)

@@ -16,7 +16,6 @@ gauges and counters (``vllm:num_requests_running``, ``..._waiting``, ``vllm:kv_c
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from gateway.backends.base import CACHE_CAPACITY_TOKENS, BackendUnavailable, WorkerProbe
+from gateway.openai_schema import encode_body
 from gateway.routing.types import Worker
 
 NAMESPACE_HEADER = "x-cache-namespace"
@@ -125,7 +125,7 @@ class OpenAIHTTPBackend:
             headers = {k: v for k, v in headers.items() if k != NAMESPACE_HEADER}
             if namespace and not body.get("cache_salt"):
                 body = {**body, "cache_salt": namespace}
-        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        data = encode_body(body)
         try:
             response = await self._session.post(
                 worker.url + path,

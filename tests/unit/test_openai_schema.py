@@ -11,7 +11,15 @@ import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.normalize import NormalizeOptions, normalize_messages, render_chat
-from gateway.openai_schema import ParsedRequest, decode_json_object, parse_chat, parse_completion
+from gateway.openai_schema import (
+    ClientJSON,
+    ParsedRequest,
+    decode_json_object,
+    encode_body,
+    forwarded_body,
+    parse_chat,
+    parse_completion,
+)
 
 OPTS = NormalizeOptions()
 Parser = Callable[[dict[str, Any], NormalizeOptions], ParsedRequest]
@@ -358,3 +366,18 @@ def test_unchanged_means_the_client_bytes_can_be_forwarded(
     assert parsed.unchanged is unchanged
     # Forwarding the client's bytes is only allowed where they decode to the forwarded body.
     assert (json.loads(raw) == parsed.body) is unchanged
+
+
+def test_forwarded_body_is_the_client_bytes_only_when_unchanged() -> None:
+    clean = b'{"model": "m",  "messages": [{"role": "user", "content": "hi"}], "x_ext": 1.50}'
+    parsed = parse_chat(decode_json_object(clean), NormalizeOptions())
+    body = forwarded_body(parsed, clean)
+    assert encode_body(body) == clean  # byte for byte, spacing and number format included
+    salted = {**body, "cache_salt": "tenant"}  # what a backend that edits the body does
+    assert json.loads(encode_body(salted)) == {**json.loads(clean), "cache_salt": "tenant"}
+
+    dirty = '{"model": "m", "messages": [{"role": "user", "content": "hi\u00a0there "}]}'
+    parsed = parse_chat(decode_json_object(dirty.encode()), NormalizeOptions())
+    body = forwarded_body(parsed, dirty.encode())
+    assert not isinstance(body, ClientJSON)
+    assert json.loads(encode_body(body))["messages"][0]["content"] == "hi there"
