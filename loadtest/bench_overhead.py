@@ -296,7 +296,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[i
         async with session.post(url, data=body, headers=_JSON) as response:
             await response.read()
             headers = response.headers
-            worker = headers.get("x-worker-id") or headers.get("x-route-worker", "")
+            worker = headers.get("x-worker-id") or headers.get("x-route-worker") or ""
             return response.status, time.perf_counter() - started, worker
     except (aiohttp.ClientError, TimeoutError):
         return 0, time.perf_counter() - started, ""
