@@ -166,7 +166,8 @@ def gateway_command(port: int, worker_urls: Sequence[str], config: OverheadConfi
         cmd += ["--worker", url]
     source = next((a[1:] for a in extra if a.startswith("@")), "")
     if source:
-        cmd = ["env", "-C", source, f"PYTHONPATH={source}", *cmd]
+        path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
+        cmd = ["env", "-C", source, f"PYTHONPATH={path}", *cmd]
     return cmd
 
 
