@@ -32,13 +32,18 @@ def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def serve(settings: GatewaySettings) -> None:
+def serve(settings: GatewaySettings) -> int:
     base = f"http://{settings.host}:{settings.port}"
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # a malformed worker URL, a tokenizer file that cannot load
+        print(f"python -m gateway: {exc}", file=sys.stderr)
+        return 2
     loop = new_event_loop(settings.event_loop)
     asyncio.set_event_loop(loop)
     watch_parent(loop)
     web.run_app(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         shutdown_timeout=settings.shutdown_timeout_s,
@@ -52,6 +57,7 @@ def serve(settings: GatewaySettings) -> None:
         reuse_port=settings.reuse_port or None,
         loop=loop,
     )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,11 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     if settings.procs > 1:
         return run_supervisor(settings, argv)
     try:
-        serve(settings)
+        return serve(settings)
     except ImportError as exc:
         print(f"python -m gateway: --event-loop uvloop: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

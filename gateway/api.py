@@ -54,12 +54,21 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
         )
     tenant = tenant_of(request)
     request[TENANT_KEY] = tenant
-    namespace = Namespace(tenant=tenant, model=parsed.model, cache_salt=parsed.cache_salt)
-    key = fingerprint(parsed.fingerprint_text, namespace, settings.fingerprint_options())
-    prompt_tokens = math.ceil(len(parsed.fingerprint_text) / settings.chars_per_token)
+    tokenized = await state.exact.key(
+        parsed.body, chat=path == "/v1/chat/completions", tenant=tenant,
+        cache_salt=parsed.cache_salt,
+    )
+    block_tokens = 0
+    if tokenized is not None:  # token-exact: the blocks the engine will cache
+        key, prompt_tokens, block_tokens = tokenized.key, tokenized.tokens, tokenized.block_size
+    else:
+        namespace = Namespace(tenant=tenant, model=parsed.model, cache_salt=parsed.cache_salt)
+        key = fingerprint(parsed.fingerprint_text, namespace, settings.fingerprint_options())
+        prompt_tokens = math.ceil(len(parsed.fingerprint_text) / settings.chars_per_token)
     cost = prompt_tokens + (parsed.max_tokens or settings.default_max_tokens)
     route_request = RouteRequest(
-        key=key, model=parsed.model, cost_tokens=cost, prompt_tokens=prompt_tokens
+        key=key, model=parsed.model, cost_tokens=cost, prompt_tokens=prompt_tokens,
+        block_tokens=block_tokens,
     )
     return await dispatch(state, request, path, forwarded_body(parsed, raw), route_request)
 
@@ -126,10 +135,15 @@ async def admin_workers(request: web.Request) -> web.Response:
                 # The prefix index's model of its cache: size (0 = unknown) and blocks held.
                 "capacity_blocks": s.capacity_blocks,
                 "modelled_blocks": state.index.held_blocks(s.worker.id),
+                # Where routing learns what it caches: its KV events, or the model above.
+                "cache_source": state.exact.source_of(s.worker.id),
+                "kv_events": state.exact.describe(s.worker.id),
+                "predictions": {"responses": s.predictions, "exact": s.predicted_exactly},
             }
         )
     return web.json_response(
-        {"policy": state.engine.name, "index_blocks": len(state.index), "workers": workers}
+        {"policy": state.engine.name, "index_blocks": len(state.index), "workers": workers,
+         "tokenizer": state.exact.tokenizer_stats()}
     )
 
 

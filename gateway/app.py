@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
+from prometheus_client import Histogram
 
 from gateway.api import STATE, add_routes
 from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
@@ -21,6 +23,8 @@ from gateway.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
+from gateway.kvevents.source import ExactSource
+from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.pool import WorkerPool
 from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.routing.policies import build_engine
@@ -117,6 +121,7 @@ def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator
         await state.store.start()
         await state.sync.start()
         await _probe_all(state)
+        await state.exact.start(state.pool)
         tasks = [
             asyncio.create_task(_health_loop(state), name="gateway-health"),
             asyncio.create_task(state.rebalancer.run(), name="gateway-rebalance"),
@@ -129,6 +134,7 @@ def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await state.exact.close()
             await state.sync.stop()
             await state.store.close()
             for backend in state.backends.values():
@@ -155,9 +161,29 @@ def _http_backend(settings: GatewaySettings, *, namespace_in_body: bool) -> Open
     )
 
 
+def build_exact_source(settings: GatewaySettings, metrics: GatewayMetrics) -> ExactSource:
+    """The KV-event feeds and, with ``--tokenizer-file``, the token-exact keys."""
+    tokenizer = None
+    opts = settings.tokenizer_options()
+    if opts is not None:
+        seconds = Histogram(
+            "gateway_tokenize_seconds", "time to tokenize and key one prompt (in the pool)",
+            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+            registry=metrics.registry,
+        )
+        tokenizer = PromptTokenizer(opts, observe=seconds.observe)
+    return ExactSource(
+        tokenizer, max_blocks=settings.kv_events_max_blocks,
+        pending_ttl_s=settings.kv_pending_ttl_s,
+    )
+
+
 def create_app(settings: GatewaySettings) -> web.Application:
     index = PrefixIndex(capacity=settings.index_capacity, ttl_s=settings.index_ttl_s)
     pool = WorkerPool(settings.worker, index)
+    metrics = GatewayMetrics(pool)
+    exact = build_exact_source(settings, metrics)
+    pool.matcher = lambda base: exact.matcher(base, time.monotonic())
     backend = _http_backend(settings, namespace_in_body=False)
     store = build_store(settings)
     origin = settings.replica_id()
@@ -175,7 +201,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
                 max_connections=settings.max_connections,
             ),
         },
-        metrics=GatewayMetrics(pool),
+        metrics=metrics,
         store=store,
         sync=StoreSync(
             store, pool, index, origin=origin, tokens_per_block=settings.tokens_per_block(),
@@ -185,6 +211,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
             store, pool, index, origin,
             RebalanceOptions(interval_s=settings.rebalance_interval_s),
         ),
+        exact=exact,
     )
     app = web.Application(
         middlewares=[cancel_on_disconnect(), error_middleware],

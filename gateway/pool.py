@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from gateway.backends.sagemaker_target import is_sagemaker_url, parse_target
+from gateway.kvevents.endpoints import EventEndpoints, split_url
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.ring import Ring
-from gateway.routing.types import Snapshot, Worker, WorkerView
+from gateway.routing.types import PrefixMatcher, Snapshot, Worker, WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class WorkerState:
     matched_tokens: int = 0
     models: frozenset[str] = field(default_factory=frozenset)
     engine_metrics: Mapping[str, float] = field(default_factory=dict)  # scraped from /metrics
+    events: EventEndpoints | None = None  # where its engine publishes KV events
+    predictions: int = 0  # responses whose cached tokens the gateway had predicted
+    predicted_exactly: int = 0  # ... and got exactly right
 
     mean_cost_tokens: float = 0.0  # moving average of the cost of requests routed here
 
@@ -98,6 +102,8 @@ class WorkerPool:
         self._stale: set[str] = set()
         self._healthy_tokens = 0
         self._healthy_weight = 0.0
+        # Wraps the modelled index for routing (the engine-exact source, gateway.kvevents).
+        self.matcher: Callable[[PrefixMatcher], PrefixMatcher] | None = None
         for url in urls:
             self.add(url)
 
@@ -110,12 +116,17 @@ class WorkerPool:
         weight: float = 1.0,
         source: str = "static",
         kind: str | None = None,
+        events: EventEndpoints | None = None,
     ) -> str:
+        """Add a worker (no-op if known). A ``#kv-events=...&kv-replay=...`` fragment on
+        ``url`` names where its engine publishes KV events (see gateway.kvevents.endpoints)."""
+        url, in_url = split_url(url)
         url = url.rstrip("/")
+        events = events or in_url
         wid = wid or worker_id_for(url)
         if wid not in self._workers:
             worker = Worker(wid, plain_url(url), weight=weight, kind=kind or kind_for(url))
-            self._workers[wid] = WorkerState(worker, source=source)
+            self._workers[wid] = WorkerState(worker, source=source, events=events)
             self._stale.add(wid)
             self._rebuild_ring()
             log.info("worker %s joined (%s, %s)", wid, url, source)
@@ -127,6 +138,17 @@ class WorkerPool:
             self._index.forget_worker(wid)
             self._rebuild_ring()
             log.info("worker %s left", wid)
+
+    def set_events(self, wid: str, events: EventEndpoints | None) -> None:
+        state = self._workers.get(wid)
+        if state is not None:
+            state.events = events
+
+    def event_endpoints(self) -> dict[str, EventEndpoints]:
+        return {wid: s.events for wid, s in self._workers.items() if s.events is not None}
+
+    def healthy_ids(self) -> set[str]:
+        return {wid for wid, s in self._workers.items() if s.healthy}
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """New ring weights; the ring is rebuilt once, and only if one changed."""
@@ -231,6 +253,12 @@ class WorkerPool:
             state.input_tokens += input_tokens
             state.matched_tokens += matched_tokens
 
+    def record_prediction(self, wid: str, predicted_tokens: int, matched_tokens: int) -> None:
+        state = self._workers.get(wid)
+        if state is not None:
+            state.predictions += 1
+            state.predicted_exactly += predicted_tokens == matched_tokens
+
     # -- routing input ------------------------------------------------------------------------
     @property
     def ring(self) -> Ring:
@@ -260,9 +288,12 @@ class WorkerPool:
         """What routing sees now: costs O(workers changed since the last snapshot) plus one
         copy of the views tuple (a C-level copy, not a Python loop over the fleet)."""
         self._refresh_views()
+        index: PrefixMatcher = self._index
+        if self.matcher is not None:
+            index = self.matcher(index)
         return Snapshot(
             workers=tuple(self._views.values()),
-            index=self._index,
+            index=index,
             ring=self.ring,
             by_id=self._views,
             pool_load=(self._healthy_tokens, self._healthy_weight),

@@ -23,7 +23,7 @@ from aiohttp import web
 from gateway.backends.base import BackendUnavailable, UpstreamReply
 from gateway.backends.openai_http import NAMESPACE_HEADER
 from gateway.errors import NoWorkerAvailable, UpstreamError
-from gateway.routing.types import Decision, NoCandidates, RouteRequest
+from gateway.routing.types import Decision, NoCandidates, RouteRequest, Snapshot
 from gateway.state import GatewayState
 from gateway.store.base import CacheReport
 from gateway.telemetry import reason_kind
@@ -96,15 +96,19 @@ async def dispatch(
             # The last worker was busy (429/503): give the pool a moment before the next one.
             await asyncio.sleep(backoff_s * (0.5 + random.random()))
         started = time.perf_counter()
-        state.index.set_time(time.monotonic())
+        now = time.monotonic()
+        state.index.set_time(now)
+        snapshot = pool.snapshot()
         try:
-            decision = state.engine.route(route_request, pool.snapshot(), frozenset(excluded))
+            decision = state.engine.route(route_request, snapshot, frozenset(excluded))
         except NoCandidates:
             break
         wid = decision.worker_id
+        predicted = predicted_tokens(snapshot, route_request, decision)
         if state.engine.profile.uses_prefix_index:
             state.index.record(route_request.key.blocks, wid)
             state.sync.assigned(route_request.key.blocks, wid)
+            state.exact.sent(wid, route_request.key.blocks, now)
         state.metrics.decision_seconds.observe(time.perf_counter() - started)
         state.metrics.decisions.labels(decision.policy, reason_kind(decision.reason)).inc()
         pool.acquire(wid, route_request.cost_tokens)
@@ -120,12 +124,13 @@ async def dispatch(
                     if _is_stream(reply):
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
                         return await _relay_stream(
-                            state, http_request, reply, decision, route_request)
+                            state, http_request, reply, decision, route_request, predicted)
                     payload = await _read_whole(reply)
                     if payload is not None:
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
                         return _respond_whole(
-                            state, http_request, reply, payload, decision, route_request)
+                            state, http_request, reply, payload, decision, route_request,
+                            predicted)
                     # It broke off before the client saw a byte: try the next worker.
                     pool.mark_down(wid, "the connection broke off during its reply")
                     problems.append(f"{wid}: broke off its reply")
@@ -138,6 +143,7 @@ async def dispatch(
             state.metrics.retries.labels(wid).inc()
             # It never got the prompt: it holds no more of this prefix than it did before.
             state.index.forget(wid, route_request.key.blocks[decision.match_blocks :])
+            state.exact.unsent(wid, route_request.key.blocks[decision.match_blocks :])
         finally:
             pool.release(wid, route_request.cost_tokens)
     state.metrics.requests.labels(state.engine.name, "unavailable").inc()
@@ -173,20 +179,33 @@ def stats_from_usage(payload: bytes) -> tuple[int, int] | None:
     return None
 
 
+def predicted_tokens(snapshot: Snapshot, request: RouteRequest, decision: Decision) -> int | None:
+    """Prompt tokens the chosen worker should find cached: with token-exact keys, the leading
+    blocks its index source says it holds (not floored by the policy's minimum match); None
+    with character keys, whose prediction is scaled from the reply (:func:`report_cache`)."""
+    if not request.block_tokens:
+        return None
+    depth = snapshot.index.match(request.key.blocks).get(decision.worker_id, 0)
+    return depth * request.block_tokens
+
+
 def report_cache(
     state: GatewayState,
     http_request: web.Request,
     decision: Decision,
     route_request: RouteRequest,
     stats: tuple[int, int] | None,
+    predicted: int | None = None,
 ) -> None:
     """Count what the worker reused, against what the index predicted it would."""
     if stats is None:
         return  # this worker reports nothing we can read
     input_tokens, matched = stats
     state.pool.record_cache_stats(decision.worker_id, input_tokens, matched)
-    blocks = len(route_request.key.blocks)
-    predicted = round(input_tokens * decision.match_blocks / blocks) if blocks else 0
+    if predicted is None:
+        blocks = len(route_request.key.blocks)
+        predicted = round(input_tokens * decision.match_blocks / blocks) if blocks else 0
+    state.pool.record_prediction(decision.worker_id, predicted, matched)
     state.sync.reported(CacheReport(
         worker_id=decision.worker_id,
         tenant=http_request.get(TENANT_KEY, ""),
@@ -227,11 +246,12 @@ def _respond_whole(
     payload: bytes,
     decision: Decision,
     route_request: RouteRequest,
+    predicted: int | None,
 ) -> web.Response:
     stats = stats_from_headers(reply)
     if stats is None and reply.status == 200:
         stats = stats_from_usage(payload)
-    report_cache(state, http_request, decision, route_request, stats)
+    report_cache(state, http_request, decision, route_request, stats, predicted)
     return web.Response(
         body=payload, status=reply.status,
         headers=_client_headers(decision, route_request, reply),
@@ -244,6 +264,7 @@ async def _relay_stream(
     reply: UpstreamReply,
     decision: Decision,
     route_request: RouteRequest,
+    predicted: int | None,
 ) -> web.StreamResponse:
     headers = _client_headers(decision, route_request, reply)
     stats = stats_from_headers(reply)
@@ -269,7 +290,8 @@ async def _relay_stream(
     finally:
         # A reply not read to its end closes its connection: the worker sees its client leave.
         reply.release()
-    report_cache(state, http_request, decision, route_request, stats or stats_from_usage(tail))
+    report_cache(state, http_request, decision, route_request, stats or stats_from_usage(tail),
+                 predicted)
     await response.write_eof()
     return response
 

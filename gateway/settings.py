@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from gateway.config import load_settings
 from gateway.fingerprint import FingerprintOptions
+from gateway.kvevents.tokenize import TokenizerOptions
 from gateway.normalize import NormalizeOptions
 from gateway.routing.policies import POLICY_NAMES, PolicyOptions
 
@@ -98,6 +99,33 @@ class GatewaySettings:
     index_ttl_s: float = field(
         default=600.0, metadata=_help("seconds a recorded prefix counts as held by its worker")
     )
+    tokenizer_file: str = field(
+        default="",
+        metadata=_help("the served model's tokenizer.json (local file, HuggingFace tokenizers): "
+                       "prompts are keyed by token blocks, exactly as the engine caches them, "
+                       "and workers that publish KV events are routed on what they hold. "
+                       "Empty: character fingerprints"),
+    )
+    chat_template: str = field(
+        default="reference",
+        metadata=_help("chat template the served model renders messages with before "
+                       "tokenizing: reference (the reference worker's)"),
+    )
+    kv_block_size: int = field(
+        default=16, metadata=_help("tokens per engine KV block (vLLM --block-size)")
+    )
+    tokenize_threads: int = field(
+        default=2, metadata=_help("threads that tokenize prompts off the event loop")
+    )
+    kv_events_max_blocks: int = field(
+        default=1 << 20,
+        metadata=_help("most blocks remembered per event-fed worker (its engine's blocks)"),
+    )
+    kv_pending_ttl_s: float = field(
+        default=10.0,
+        metadata=_help("seconds a prompt sent to an event-fed worker counts as held before "
+                       "its events confirm it"),
+    )
     chars_per_token: float = field(
         default=4.0, metadata=_help("characters per token, to estimate request cost in tokens")
     )
@@ -149,12 +177,25 @@ class GatewaySettings:
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         self.fingerprint_options()  # validates the block settings
+        TokenizerOptions("", self.kv_block_size, anchor_blocks=self.anchor_blocks,
+                         threads=self.tokenize_threads, chat_template=self.chat_template)
+        if self.kv_events_max_blocks < 1 or self.kv_pending_ttl_s < 0:
+            raise ValueError("kv_events_max_blocks must be >= 1 and kv_pending_ttl_s >= 0")
         if self.procs < 1:
             raise ValueError("procs must be >= 1")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}")
         if not self.store.startswith(("memory://", "redis://", "rediss://", "unix://", "hub://")):
             raise ValueError(f"store must be memory:// or a redis:// URL, got {self.store!r}")
+
+    def tokenizer_options(self) -> TokenizerOptions | None:
+        if not self.tokenizer_file:
+            return None
+        return TokenizerOptions(
+            path=self.tokenizer_file, block_size=self.kv_block_size,
+            anchor_blocks=self.anchor_blocks, threads=self.tokenize_threads,
+            chat_template=self.chat_template,
+        )
 
     def fingerprint_options(self) -> FingerprintOptions:
         """The same object for every request (built once per distinct setting)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.backends.base import Backend
+from gateway.kvevents.source import ExactSource
 from gateway.pool import WorkerPool
 from gateway.rebalance import Rebalancer
 from gateway.routing.engine import RoutingEngine
@@ -27,6 +28,7 @@ class GatewayState:
     store: MetadataStore
     sync: StoreSync
     rebalancer: Rebalancer
+    exact: ExactSource  # engine-exact cache knowledge: KV-event feeds, tokenizer
 
     def backend_for(self, worker: Worker) -> Backend:
         backend = self.backends.get(worker.kind)

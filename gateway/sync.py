@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
+from gateway.kvevents.endpoints import EventEndpoints
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.store.base import (
@@ -149,7 +150,12 @@ class StoreSync:
         records = await self.store.list_workers()
         registered = {r.id for r in records}
         for record in records:
-            self.pool.add(record.url, wid=record.id, source="registry", kind=record.kind)
+            events = EventEndpoints(record.kv_events, record.kv_replay) if record.kv_events \
+                else None
+            self.pool.add(record.url, wid=record.id, source="registry", kind=record.kind,
+                          events=events)
+            if events is not None:
+                self.pool.set_events(record.id, events)
             if record.models:
                 self.pool.mark_up(record.id, frozenset(record.models))
         for state in self.pool.states():

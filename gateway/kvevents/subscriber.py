@@ -29,20 +29,13 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from gateway.kvevents.endpoints import EventEndpoints
 from gateway.kvevents.index import ExactIndex, WorkerBlocks
 from gateway.kvevents.wire import END_SEQ, WireError, decode_batch, decode_seq
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 200
-
-
-@dataclass(frozen=True, slots=True)
-class EventEndpoints:
-    """Where a worker publishes its KV events, and where it replays missed ones ("" = none)."""
-
-    events: str
-    replay: str = ""
 
 
 @dataclass(slots=True)

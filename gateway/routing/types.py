@@ -45,6 +45,9 @@ class RouteRequest:
     model: str
     cost_tokens: int  # the load it adds: prompt tokens plus its decode budget
     prompt_tokens: int = 0  # estimated prompt tokens (what a cache miss has to prefill)
+    # Tokens per key block when ``key`` holds token-exact block keys (gateway.kvevents);
+    # 0 when it is a character fingerprint.
+    block_tokens: int = 0
 
 
 class PrefixMatcher(Protocol):

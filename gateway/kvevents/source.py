@@ -1,0 +1,146 @@
+"""The gateway's engine-exact cache source: event feeds, the exact index, the tokenizer.
+
+One :class:`ExactSource` per gateway application. It
+
+* subscribes to the event endpoint of every worker that announces one (and drops the feed when
+  the worker leaves; a worker the pool marks down is emptied and bootstraps again);
+* turns requests into token-exact keys when a tokenizer is configured;
+* wraps the modelled index for routing (:class:`~gateway.kvevents.index.ExactMatcher`), so a
+  policy reads event-fed workers from their events and the others from the model;
+* remembers what this gateway just sent to event-fed workers until their events confirm it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from gateway.kvevents.endpoints import EventEndpoints
+from gateway.kvevents.index import ExactIndex, ExactMatcher
+from gateway.kvevents.keys import engine_namespace
+from gateway.kvevents.subscriber import KVEventHub
+from gateway.kvevents.tokenize import PromptTokenizer, TokenizedPrompt
+from gateway.routing.types import PrefixMatcher
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSet(Protocol):
+    def event_endpoints(self) -> dict[str, EventEndpoints]: ...
+
+    def healthy_ids(self) -> set[str]: ...
+
+
+class ExactSource:
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer | None = None,
+        *,
+        max_blocks: int = 1 << 20,
+        pending_ttl_s: float = 10.0,
+        replay_timeout_s: float = 1.0,
+        reconcile_s: float = 0.5,
+    ) -> None:
+        self.index = ExactIndex(max_blocks=max_blocks, pending_ttl_s=pending_ttl_s)
+        self.hub = KVEventHub(self.index, replay_timeout_s=replay_timeout_s)
+        self.tokenizer = tokenizer
+        self._reconcile_s = reconcile_s
+        self._task: asyncio.Task[None] | None = None
+        self._healthy: set[str] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self, workers: WorkerSet) -> None:
+        self.hub.start()
+        self.reconcile(workers)
+        self._task = asyncio.create_task(self._loop(workers), name="kv-events-reconcile")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.hub.close()
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+
+    async def _loop(self, workers: WorkerSet) -> None:
+        while True:
+            await asyncio.sleep(self._reconcile_s)
+            try:
+                self.reconcile(workers)
+            except Exception:
+                log.exception("kv events: reconciling the feeds failed")
+
+    def reconcile(self, workers: WorkerSet) -> None:
+        """Feeds follow the pool; a worker that went down loses what its feed said."""
+        self.hub.sync(workers.event_endpoints())
+        healthy = workers.healthy_ids()
+        for wid in self._healthy - healthy:
+            self.hub.worker_down(wid)
+        self._healthy = healthy
+
+    # -- the request path (no I/O but the tokenizer pool) ---------------------------------------
+    async def key(
+        self, body: Mapping[str, Any], *, chat: bool, tenant: str, cache_salt: str
+    ) -> TokenizedPrompt | None:
+        if self.tokenizer is None:
+            return None
+        return await self.tokenizer.key(
+            body, chat=chat, salt=engine_namespace(tenant, cache_salt)
+        )
+
+    def matcher(self, base: PrefixMatcher, now: float) -> PrefixMatcher:
+        if not self.index.live:
+            return base
+        return ExactMatcher(base, self.index, now)
+
+    def sent(self, worker_id: str, blocks: Sequence[int], now: float) -> None:
+        self.index.sent(worker_id, blocks, now)
+
+    def unsent(self, worker_id: str, blocks: Sequence[int]) -> None:
+        self.index.unsent(worker_id, blocks)
+
+    # -- the operator's view --------------------------------------------------------------------
+    def source_of(self, worker_id: str) -> str:
+        return "events" if self.index.is_live(worker_id) else "model"
+
+    def describe(self, worker_id: str) -> dict[str, Any] | None:
+        feed = self.hub.feed(worker_id)
+        if feed is None:
+            return None
+        blocks = self.index.get(worker_id)
+        s = feed.stats
+        return {
+            "endpoint": feed.endpoints.events,
+            "replay_endpoint": feed.endpoints.replay,
+            "state": feed.state,
+            "last_seq": s.last_seq,
+            "batches": s.batches,
+            "events": s.events,
+            "gaps": s.gaps,
+            "replayed_batches": s.replayed,
+            "unreplayable_gaps": s.unreplayable,
+            "restarts": s.restarts,
+            "bad_messages": s.bad_messages,
+            "blocks": len(blocks) if blocks is not None else 0,
+            "pending_blocks": blocks.pending if blocks is not None else 0,
+            "orphan_blocks": blocks.stats.orphans if blocks is not None else 0,
+        }
+
+    def tokenizer_stats(self) -> dict[str, Any] | None:
+        tok = self.tokenizer
+        if tok is None:
+            return None
+        s = tok.stats
+        return {
+            "file": tok.opts.path,
+            "block_size": tok.opts.block_size,
+            "prompts": s.prompts,
+            "fallbacks": s.fallbacks,
+            "tokens": s.tokens,
+            "mean_ms": 1000 * s.seconds / s.prompts if s.prompts else 0.0,
+        }

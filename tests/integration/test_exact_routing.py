@@ -1,0 +1,140 @@
+"""Engine-exact routing end to end: reference workers publish KV events, the gateway tokenizes
+prompts with the same tokenizer, and its predictions equal what the workers report."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.app import create_app as create_gateway
+from gateway.settings import GatewaySettings
+from loadtest.tiny_tokenizer import train
+from tests.conftest import FAST_WORKER, free_port, serve
+from worker.server import create_app as create_worker
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(train(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
+
+
+@dataclasses.dataclass
+class Setup:
+    gateway: str
+    workers: dict[str, str]  # worker id -> URL
+    runners: list[web.AppRunner]
+
+
+@pytest.fixture
+async def setup(tokenizer_file: str) -> AsyncIterator[Setup]:
+    runners: list[web.AppRunner] = []
+    urls: list[str] = []
+    workers: dict[str, str] = {}
+    for i in range(3):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        settings = dataclasses.replace(
+            FAST_WORKER, port=port, cache_blocks=96, tokenizer_file=tokenizer_file)
+        if i < 2:  # the third publishes nothing: the gateway models its cache
+            ev, rp = free_port(), free_port()
+            settings = dataclasses.replace(
+                settings, kv_events=f"tcp://127.0.0.1:{ev}", kv_replay=f"tcp://127.0.0.1:{rp}")
+            urls.append(f"{url}#kv-events=tcp://127.0.0.1:{ev}&kv-replay=tcp://127.0.0.1:{rp}")
+        else:
+            urls.append(url)
+        runners.append(await serve(create_worker(settings), port))
+        workers[f"127.0.0.1:{port}"] = url
+    gport = free_port()
+    gsettings = GatewaySettings(port=gport, worker=tuple(urls), tokenizer_file=tokenizer_file)
+    runners.insert(0, await serve(create_gateway(gsettings), gport))
+    yield Setup(f"http://127.0.0.1:{gport}", workers, runners)
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def admin(s: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    async with s.get(f"{base}/admin/workers") as r:
+        assert r.status == 200
+        body: dict[str, Any] = await r.json()
+        return body
+
+
+async def chat(s: aiohttp.ClientSession, base: str, system: str, question: str,
+               key: str = "k1") -> tuple[str, int]:
+    body = {"model": FAST_WORKER.model, "max_tokens": 2, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": question}]}
+    async with s.post(f"{base}/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status == 200, await r.text()
+        return r.headers["x-route-worker"], int(r.headers["x-cache-matched-tokens"])
+
+
+def system_prompt(i: int) -> str:
+    return f"You are agent {i}. " + " ".join(f"rule {j} for the billing team" for j in range(60))
+
+
+async def live(s: aiohttp.ClientSession, base: str, count: int) -> dict[str, Any]:
+    for _ in range(200):
+        view = await admin(s, base)
+        if sum(w["cache_source"] == "events" for w in view["workers"]) == count:
+            return view
+        await asyncio.sleep(0.02)
+    raise AssertionError("feeds did not go live")
+
+
+async def test_predictions_are_exact_and_admin_names_the_source(setup: Setup) -> None:
+    async with aiohttp.ClientSession() as s:
+        view = await live(s, setup.gateway, 2)
+        sources = {w["id"]: w["cache_source"] for w in view["workers"]}
+        assert sorted(sources.values()) == ["events", "events", "model"]
+        for i in range(36):
+            await chat(s, setup.gateway, system_prompt(i % 6), f"question {i} about invoices",
+                       key=f"k{i % 2}")
+            await asyncio.sleep(0.01)  # let the events of this reply arrive
+        view = await admin(s, setup.gateway)
+        assert view["tokenizer"]["prompts"] == 36
+        assert view["tokenizer"]["fallbacks"] == 0
+        evented = [w for w in view["workers"] if w["cache_source"] == "events"]
+        responses = sum(w["predictions"]["responses"] for w in evented)
+        assert responses > 0
+        assert sum(w["predictions"]["exact"] for w in evented) == responses
+        assert all(w["kv_events"]["gaps"] == 0 and w["kv_events"]["blocks"] > 0 for w in evented)
+        assert sum(w["matched_tokens"] for w in view["workers"]) > 0  # affinity found hits
+
+
+async def test_a_flushed_worker_is_known_cold(setup: Setup) -> None:
+    async with aiohttp.ClientSession() as s:
+        view = await live(s, setup.gateway, 2)
+        evented = {w["id"] for w in view["workers"] if w["cache_source"] == "events"}
+        for i in range(40):  # a prompt the ring places on an event-fed worker
+            system = system_prompt(100 + i)
+            wid, _ = await chat(s, setup.gateway, system, "first")
+            if wid in evented:
+                break
+        else:
+            raise AssertionError("no prompt landed on an event-fed worker")
+        await asyncio.sleep(0.05)
+        again, matched = await chat(s, setup.gateway, system, "second")
+        assert (again, matched > 0) == (wid, True)
+        async with s.post(f"{setup.workers[wid]}/admin/flush") as r:
+            assert r.status == 200
+        await asyncio.sleep(0.05)  # AllBlocksCleared reaches the gateway
+        view = await admin(s, setup.gateway)
+        before = {w["id"]: w["predictions"]["exact"] for w in view["workers"]}
+        where, matched = await chat(s, setup.gateway, system, "third")
+        view = await admin(s, setup.gateway)
+        after = {w["id"]: w["predictions"]["exact"] for w in view["workers"]}
+        # Wherever it went, the prediction was exact: the gateway knew the cache was gone.
+        assert after[where] == before[where] + 1
+        assert matched == 0
+
+
+async def test_bad_event_option_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown worker URL option"):
+        create_gateway(GatewaySettings(worker=("http://127.0.0.1:1#kv-event=tcp://x:1",)))
