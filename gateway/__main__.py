@@ -34,13 +34,14 @@ def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
 
 def serve(settings: GatewaySettings) -> int:
     base = f"http://{settings.host}:{settings.port}"
+    loop = new_event_loop(settings.event_loop)
+    asyncio.set_event_loop(loop)
     try:
         app = create_app(settings)
     except ValueError as exc:  # a malformed worker URL, a tokenizer file that cannot load
         print(f"python -m gateway: {exc}", file=sys.stderr)
+        loop.close()
         return 2
-    loop = new_event_loop(settings.event_loop)
-    asyncio.set_event_loop(loop)
     watch_parent(loop)
     web.run_app(
         app,
