@@ -36,6 +36,7 @@ from gateway.kvevents.wire import END_SEQ, WireError, decode_batch, decode_seq
 log = logging.getLogger(__name__)
 
 _POLL_MS = 200
+_RETRY_S = 1.0  # between bootstrap attempts while the replay socket does not answer
 
 
 @dataclass(slots=True)
@@ -65,6 +66,7 @@ class WorkerFeed:
     _gap_start: int | None = None  # a replay to make before the next live batch
     _reset: bool = False
     _after_loss: bool = False  # batches were lost: start again from whatever comes next
+    _tried_at: float = 0.0  # last bootstrap attempt (time.monotonic())
 
     @property
     def blocks(self) -> WorkerBlocks:
@@ -90,6 +92,9 @@ class WorkerFeed:
                     self._dedupe_until = -1
                     await self._bootstrap()
                 if not await sub.poll(_POLL_MS):
+                    if self.state == "connecting" and self.endpoints.replay \
+                            and time.monotonic() - self._tried_at >= _RETRY_S:
+                        await self._bootstrap()  # the replay socket may answer now
                     continue
                 frames = await sub.recv_multipart()
                 self._on_message(frames)
@@ -108,6 +113,7 @@ class WorkerFeed:
             self.state = "connecting"  # live at the first batch
             return
         self.state = "resync"
+        self._tried_at = time.monotonic()
         replayed = await self._replay(0)
         if replayed is None:
             log.warning("kv events of %s: replay endpoint %s did not answer; waiting for the "

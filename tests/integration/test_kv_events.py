@@ -191,3 +191,32 @@ async def test_unreplayable_gap_rebuilds_and_restart_empties(
     await publisher.send(0, publisher.stored([7], None, list(range(900, 900 + BS))))
     await eventually(lambda: feed.stats.restarts == 1)
     assert blocks.depth(keys, 0.0) == 0
+
+
+async def test_a_restarted_worker_is_followed_again(hub: KVEventHub) -> None:
+    ev, rp, port = free_port(), free_port(), free_port()
+    settings = dataclasses.replace(
+        FAST_WORKER, port=port, cache_blocks=64,
+        kv_events=f"tcp://127.0.0.1:{ev}", kv_replay=f"tcp://127.0.0.1:{rp}",
+    )
+    url = f"http://127.0.0.1:{port}"
+    prompt = list(range(3 * BS))
+    keys = token_block_keys(prompt, BS, chain_seed())
+    runner = await serve(create_worker(settings), port)
+    try:
+        hub.sync({"w": EventEndpoints(f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}")})
+        await eventually(lambda: hub.index.is_live("w"))
+        await complete(url, prompt)
+        blocks = hub.index.worker("w")
+        await eventually(lambda: blocks.depth(keys, 0.0) == 3)
+        await runner.cleanup()
+        hub.worker_down("w")  # the pool saw it go
+        assert not hub.index.is_live("w")
+        assert blocks.depth(keys, 0.0) == 0
+        runner = await serve(create_worker(settings), port)
+        await eventually(lambda: hub.index.is_live("w"))  # bootstraps from the new engine
+        assert blocks.depth(keys, 0.0) == 0
+        assert await complete(url, prompt) == 0
+        await eventually(lambda: blocks.depth(keys, 0.0) == 3)
+    finally:
+        await runner.cleanup()
