@@ -54,10 +54,12 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
         )
     tenant = tenant_of(request)
     request[TENANT_KEY] = tenant
-    tokenized = await state.exact.key(
-        parsed.body, chat=path == "/v1/chat/completions", tenant=tenant,
-        cache_salt=parsed.cache_salt,
-    )
+    tokenized = None
+    if state.exact.tokenizer is not None:
+        tokenized = await state.exact.key(
+            parsed.body, chat=path == "/v1/chat/completions", tenant=tenant,
+            cache_salt=parsed.cache_salt,
+        )
     block_tokens = 0
     if tokenized is not None:  # token-exact: the blocks the engine will cache
         key, prompt_tokens, block_tokens = tokenized.key, tokenized.tokens, tokenized.block_size
