@@ -232,6 +232,7 @@ async def running_targets(
                         peer = await stack.enter_async_context(
                             running_peer(name, worker_urls, logs, host=HOST))
                     except PeerUnavailableError as exc:
+                        print(f"[bench] {exc}", file=sys.stderr, flush=True)
                         skipped[name] = str(exc).splitlines()[0]
                         continue
                     targets.append(Target(name, peer.url + "/v1/chat/completions", peer.pid))
