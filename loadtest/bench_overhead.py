@@ -110,6 +110,9 @@ class TargetResult:
     # Share of requests that reached their prefix's most used worker (1.0: every prefix always
     # went to one worker); 0 when the router does not relay the worker's id.
     affinity: float = 0.0
+    # Our gateway: share of requests its index routed as a prefix hit (x-prefix-match-blocks
+    # > 0); -1 for routers that do not say. With --procs N: do the processes share the index?
+    index_hits: float = -1.0
     long_cpu_ms: dict[int, float] = field(default_factory=dict)  # prompt chars -> CPU ms/req
 
     def median(self, attr: str) -> float:
@@ -286,22 +289,28 @@ def bodies_for(config: OverheadConfig) -> tuple[list[bytes], list[int]]:
 def prefix_affinity(routed: Counter[tuple[int, str]]) -> float:
     """Share of requests that went to their prefix's most used worker."""
     best: dict[int, int] = {}
+    routed = Counter({k: n for k, n in routed.items() if k[0] >= 0})
     for (prefix, _), n in routed.items():
         best[prefix] = max(best.get(prefix, 0), n)
     total = sum(routed.values())
     return sum(best.values()) / total if total else 0.0
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, float, str]:
+async def send(session: aiohttp.ClientSession, url: str,
+               body: bytes) -> tuple[int, float, str, int]:
+    """Status, seconds, the worker's id (if relayed) and our gateway's
+    ``x-prefix-match-blocks`` (-1 where absent)."""
     started = time.perf_counter()
     try:
         async with session.post(url, data=body, headers=_JSON) as response:
             await response.read()
             headers = response.headers
             worker = headers.get("x-worker-id") or headers.get("x-route-worker") or ""
-            return response.status, time.perf_counter() - started, worker
+            blocks = headers.get("x-prefix-match-blocks", "")
+            return (response.status, time.perf_counter() - started, worker,
+                    int(blocks) if blocks.isdigit() else -1)
     except (aiohttp.ClientError, TimeoutError):
-        return 0, time.perf_counter() - started, ""
+        return 0, time.perf_counter() - started, "", -1
 
 
 async def throughput(session: aiohttp.ClientSession, target: Target, bodies: Sequence[bytes],
@@ -314,11 +323,13 @@ async def throughput(session: aiohttp.ClientSession, target: Target, bodies: Seq
     async def sender() -> None:
         nonlocal errors
         for i in order:
-            status, s, worker = await send(session, target.url, bodies[i])
+            status, s, worker, blocks = await send(session, target.url, bodies[i])
             seconds.append(s)
             errors += status != 200
             if worker:
                 routed[prefixes[i] if prefixes else 0, worker] += 1
+            if blocks >= 0:
+                routed[-1, "index hit" if blocks > 0 else "index miss"] += 1
 
     cpu0 = await asyncio.to_thread(proc_tree_cpu_s, target.pid) if target.pid else 0.0
     started = time.perf_counter()
@@ -343,7 +354,7 @@ async def sequential(session: aiohttp.ClientSession, targets: Sequence[Target],
     seconds: dict[str, list[float]] = {t.name: [] for t in targets}
     for i in range(rounds + 20):  # the first 20 rounds warm up
         for target in _rotated(targets, i):
-            status, s, _ = await send(session, target.url, bodies[i % len(bodies)])
+            status, s, _, _ = await send(session, target.url, bodies[i % len(bodies)])
             if i >= 20:
                 seconds[target.name].append(s)
                 results[target.name].seq_errors += status != 200
@@ -423,8 +434,11 @@ async def run_bench(config: OverheadConfig, command: str, profile: Path | None) 
                         session, t, bodies, config.concurrency, routed[t.name], prefixes))
         for name, pairs in routed.items():
             share: Counter[str] = Counter()
-            for (_, worker), n in pairs.items():
-                share[worker] += n
+            for (prefix, worker), n in pairs.items():
+                if prefix >= 0:
+                    share[worker] += n
+            seen = pairs[-1, "index hit"] + pairs[-1, "index miss"]
+            results[name].index_hits = pairs[-1, "index hit"] / seen if seen else -1.0
             results[name].worker_share = dict(sorted(share.items()))
             results[name].affinity = prefix_affinity(pairs)
         for chars in config.long_chars:
@@ -457,8 +471,8 @@ def to_markdown(result: OverheadResult) -> str:
         f"(user + system, process and children). Our gateway: {c.procs} process(es).",
         "",
         "| target | req/s c=32 | p50 ms | p99 ms | CPU s / 1k req | added p50 c=1 ms | "
-        "p99 c=1 ms | prefix affinity | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "p99 c=1 ms | prefix affinity | index hits | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     direct = next((t for t in result.targets if t.name == DIRECT), None)
     base_p50 = direct.seq_p50_ms if direct else 0.0
@@ -469,7 +483,8 @@ def to_markdown(result: OverheadResult) -> str:
         lines.append(
             f"| {t.name} | {t.median('rps'):,.0f} | {t.median('p50_ms'):.2f} | "
             f"{t.median('p99_ms'):.2f} | {cpu} | {added} | {t.seq_p99_ms:.2f} | "
-            f"{t.affinity:.3f} | {errors} |")
+            f"{t.affinity:.3f} | "
+            f"{f'{t.index_hits:.3f}' if t.index_hits >= 0 else '-'} | {errors} |")
     if ref is not None:
         lines += ["", "Ratios to sglang-router (same run):", "",
                   "| target | req/s | p99 c=32 | CPU / req | added p50 c=1 (ms difference) |",
