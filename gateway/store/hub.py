@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 SCHEME = "hub://"
 _HEADER = struct.Struct(">I")
 _MAX_FRAME = 64 * 1024 * 1024
-_STREAM_LIMIT = 100_000  # assignments kept for readers that fall behind
+_STREAM_LIMIT = 10_000  # assignments kept for readers that fall behind (read every ~20 ms)
 # What a client may call: the MetadataStore methods, nothing else.
 _METHODS = frozenset({
     "register_worker", "deregister_worker", "list_workers", "publish_assignments",
