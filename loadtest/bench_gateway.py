@@ -76,6 +76,7 @@ class BenchConfig:
     throughput_requests: int = 2000
     throughput_concurrency: int = 32
     policies: tuple[str, ...] = POLICIES
+    gateway_args: tuple[str, ...] = ()  # extra arguments for the gateway (e.g. --procs 2)
     base_port: int = 0  # 0: any free block of workers + 1 consecutive ports
 
 
@@ -253,7 +254,8 @@ async def running(cluster: LocalCluster, session: aiohttp.ClientSession) -> Asyn
 
 
 def cluster_for(
-    base_port: int, policy: str, workers: int, cache_blocks: int, worker_args: Sequence[str]
+    base_port: int, policy: str, workers: int, cache_blocks: int, worker_args: Sequence[str],
+    gateway_args: Sequence[str] = (),
 ) -> LocalCluster:
     """Gateway on ``base_port``, workers on the next ports. Worker ids are ``host:port``, so the
     same ports give every policy the same hash ring (and a rerun with ``--base-port`` too)."""
@@ -266,6 +268,7 @@ def cluster_for(
         model=MODEL,
         cache_blocks=cache_blocks,
         worker_args=tuple(worker_args),
+        gateway_args=tuple(gateway_args),
     )
 
 
@@ -340,7 +343,8 @@ async def bench_policy(
     config: BenchConfig, base_port: int, policy: str, bodies: Sequence[dict[str, Any]]
 ) -> AffinityResult:
     cluster = cluster_for(
-        base_port, policy, config.workers, config.cache_blocks, AFFINITY_WORKER_ARGS
+        base_port, policy, config.workers, config.cache_blocks, AFFINITY_WORKER_ARGS,
+        config.gateway_args,
     )
     async with client_session(config) as session, running(cluster, session) as gateway:
         started = time.perf_counter()
@@ -524,6 +528,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--latency-pairs", type=int, default=500, help="sequential pairs measured")
     p.add_argument("--throughput-requests", type=int, default=2000,
                    help="requests per side in the throughput test")
+    p.add_argument("--gateway-arg", action="append", default=[],
+                   help="extra argument for the gateway in the affinity runs (repeatable), "
+                   "e.g. --gateway-arg=--procs --gateway-arg=2")
     p.add_argument("--base-port", type=int, default=0,
                    help="gateway port; workers take the next ones (default: a free block). Worker "
                    "ids are host:port, so fixing it makes the hash ring reproducible")
@@ -573,6 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         throughput_requests=max(2, args.throughput_requests),
         policies=tuple(p for p in args.policies.split(",") if p),
         base_port=args.base_port,
+        gateway_args=tuple(args.gateway_arg),
     )
     command = shlex.join(["python", "-m", "loadtest.bench_gateway", *args_list])
     bodies, workload = workload_for(config.seed, config.requests, config.max_tokens)
