@@ -174,7 +174,7 @@ def build_exact_source(settings: GatewaySettings, metrics: GatewayMetrics) -> Ex
         tokenizer = PromptTokenizer(opts, observe=seconds.observe)
     return ExactSource(
         tokenizer, max_blocks=settings.kv_events_max_blocks,
-        pending_ttl_s=settings.kv_pending_ttl_s,
+        pending_ttl_s=settings.kv_pending_ttl_s, min_match_blocks=settings.min_match_blocks,
     )
 
 

@@ -23,6 +23,7 @@ from aiohttp import web
 from gateway.backends.base import BackendUnavailable, UpstreamReply
 from gateway.backends.openai_http import NAMESPACE_HEADER
 from gateway.errors import NoWorkerAvailable, UpstreamError
+from gateway.kvevents.index import ExactMatcher
 from gateway.routing.types import Decision, NoCandidates, RouteRequest, Snapshot
 from gateway.state import GatewayState
 from gateway.store.base import CacheReport
@@ -185,7 +186,11 @@ def predicted_tokens(snapshot: Snapshot, request: RouteRequest, decision: Decisi
     with character keys, whose prediction is scaled from the reply (:func:`report_cache`)."""
     if not request.block_tokens:
         return None
-    depth = snapshot.index.match(request.key.blocks).get(decision.worker_id, 0)
+    index, wid = snapshot.index, decision.worker_id
+    if isinstance(index, ExactMatcher):
+        depth = index.held(wid, request.key.blocks)
+    else:
+        depth = index.match(request.key.blocks).get(wid, 0)
     return depth * request.block_tokens
 
 

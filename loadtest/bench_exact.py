@@ -44,6 +44,7 @@ from loadtest.workloads import LiveRequest, LiveSpec, user_requests
 MODES = ("events", "model-tokens", "model-chars")
 WORKLOADS = ("tenants", "chat", "rag", "fewshot")
 MODEL = "sim-model"
+_USERS = 16
 
 
 @dataclass
@@ -145,7 +146,7 @@ async def ready(session: aiohttp.ClientSession, c: Cluster, mode: str) -> None:
 
 def requests_for(workload: str, count: int, seed: int) -> list[LiveRequest]:
     spec = LiveSpec(seed=seed, model=MODEL, max_tokens=4, stream=False)
-    users = [user_requests(workload, spec, u) for u in range(16)]
+    users = [user_requests(workload, spec, u) for u in range(_USERS)]
     return [next(users[i % len(users)]) for i in range(count)]
 
 
@@ -174,8 +175,9 @@ async def replay(session: aiohttp.ClientSession, c: Cluster, reqs: Sequence[Live
     queue = iter(enumerate(reqs))
 
     async def user() -> None:
+        # Request i is user i % 16's next turn: with two gateways, turns alternate between them.
         for i, req in queue:
-            await send(session, c.gateways[i % len(c.gateways)], req, tally)
+            await send(session, c.gateways[i // _USERS % len(c.gateways)], req, tally)
 
     await asyncio.gather(*(user() for _ in range(concurrency)))
     after = await predictions(session, c.gateways)
