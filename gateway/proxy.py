@@ -182,8 +182,9 @@ def stats_from_usage(payload: bytes) -> tuple[int, int] | None:
 
 def predicted_tokens(snapshot: Snapshot, request: RouteRequest, decision: Decision) -> int | None:
     """Prompt tokens the chosen worker should find cached: with token-exact keys, the leading
-    blocks its index source says it holds (not floored by the policy's minimum match); None
-    with character keys, whose prediction is scaled from the reply (:func:`report_cache`)."""
+    blocks its index source says it holds (not floored by the policy's minimum match; for vLLM
+    never the whole prompt); None with character keys, whose prediction is scaled from the
+    reply (:func:`report_cache`)."""
     if not request.block_tokens:
         return None
     index, wid = snapshot.index, decision.worker_id
@@ -191,6 +192,10 @@ def predicted_tokens(snapshot: Snapshot, request: RouteRequest, decision: Decisi
         depth = index.held(wid, request.key.blocks)
     else:
         depth = index.match(request.key.blocks).get(wid, 0)
+    if decision.worker.worker.kind == "vllm":
+        # vLLM computes at least the last prompt token: a fully cached prompt reports one
+        # block less.
+        depth = min(depth, max(0, request.prompt_tokens - 1) // request.block_tokens)
     return depth * request.block_tokens
 
 
