@@ -3,13 +3,18 @@
 One replica leads at a time (a lease in the store; the embedded store always leads). Each round
 it compares the shared hit counters with the previous round's and decides:
 
-* **misprediction**: the index said "held" and the worker answered "miss" for a large share of
-  a worker's predicted hits. The index overestimates what that worker keeps, so its modelled
-  capacity shrinks (its least recently used entries are dropped); a later round with no miss
-  grows it back towards the registered size.
-* **thrashing**: a worker's hit rate collapsed against the previous round while the index holds
-  at least as many of its prefixes as before. It sheds its least valuable prefixes (least
-  recently used) so they go cold and are re-placed by the ring walk on its successors.
+* **misprediction**: the index said "held" and the worker answered "miss" for more than
+  ``mispredict_ratio`` of a worker's responses in the round. The index overestimates what that
+  worker keeps (it restarted or flushed unnoticed, or reports a cache larger than it has), so
+  its modelled capacity shrinks, by the share that missed (at least ``1 - shrink_factor``, at
+  most ``max_shrink``), dropping its least recently used entries; a later round with no miss
+  grows it back towards the registered size. A worker reporting twice its real size is so
+  brought to its real size in a few rounds.
+* **thrashing**: a worker's hit rate collapsed against the previous round (below
+  ``collapse_ratio`` of it *and* by at least ``min_collapse_drop``, so the noise of a low hit
+  rate does not count) while the index holds at least as many of its prefixes as before. It
+  sheds its least valuable prefixes (least recently used) so they go cold and are re-placed by
+  the ring walk on its successors.
 
 Ring weights that follow capacity are not decided here: every replica derives them from the
 registry the same way (:mod:`gateway.sync`), so they agree without coordination.
@@ -38,10 +43,12 @@ ACTION_LOG_SIZE = 200
 @dataclass(frozen=True, slots=True)
 class RebalanceOptions:
     interval_s: float = 5.0
-    min_predictions: int = 20  # predicted hits in a round before mispredictions count
-    mispredict_ratio: float = 0.3  # share of predicted hits that missed
-    shrink_factor: float = 0.8  # modelled capacity kept after a misprediction round
+    min_predictions: int = 20  # responses in a round before mispredictions count
+    mispredict_ratio: float = 0.1  # share of a round's responses that missed a predicted hit
+    shrink_factor: float = 0.8  # modelled capacity kept after a misprediction round, at most
+    max_shrink: float = 0.5  # ... and at least this share of it
     collapse_ratio: float = 0.5  # hit rate below this fraction of the previous round's
+    min_collapse_drop: float = 0.15  # ... and this much lower in absolute terms
     min_requests: int = 20
     shed_fraction: float = 0.25
 
@@ -108,7 +115,8 @@ class Rebalancer:
             if d_pred > 0 and d_req >= opts.min_predictions and d_miss / d_req > (
                 opts.mispredict_ratio
             ):
-                keep = max(1, int(held * opts.shrink_factor))
+                kept = max(opts.max_shrink, min(opts.shrink_factor, 1.0 - d_miss / d_req))
+                keep = max(1, int(held * kept))
                 actions.append({
                     "id": seq + ":shrink", "at": now, "action": "shrink_capacity",
                     "worker": wid, "blocks": keep,
@@ -131,6 +139,7 @@ class Rebalancer:
                 d_req >= opts.min_requests
                 and wid in self._last_rate
                 and rate < opts.collapse_ratio * self._last_rate[wid]
+                and rate < self._last_rate[wid] - opts.min_collapse_drop
                 and held >= self._last_held.get(wid, 0) > 0
             ):
                 actions.append({
