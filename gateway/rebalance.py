@@ -7,9 +7,11 @@ it compares the shared hit counters with the previous round's and decides:
   ``mispredict_ratio`` of a worker's responses in the round. The index overestimates what that
   worker keeps (it restarted or flushed unnoticed, or reports a cache larger than it has), so
   its modelled capacity shrinks, by the share that missed (at least ``1 - shrink_factor``, at
-  most ``max_shrink``), dropping its least recently used entries; a later round with no miss
-  grows it back towards the registered size. A worker reporting twice its real size is so
-  brought to its real size in a few rounds.
+  most ``max_shrink``), dropping its least recently used entries. After ``grow_after_rounds``
+  rounds in a row with no miss it grows back towards the registered size by ``grow_factor``
+  per round: slowly, so a worker that really holds less stays near its real size instead of
+  swinging back and missing again. A worker reporting twice its real size is so brought to
+  its real size in a few rounds.
 * **thrashing**: a worker's hit rate collapsed against the previous round (below
   ``collapse_ratio`` of it *and* by at least ``min_collapse_drop``, so the noise of a low hit
   rate does not count) while the index holds at least as many of its prefixes as before. It
@@ -49,6 +51,8 @@ class RebalanceOptions:
     max_shrink: float = 0.5  # ... and at least this share of it
     collapse_ratio: float = 0.5  # hit rate below this fraction of the previous round's
     min_collapse_drop: float = 0.15  # ... and this much lower in absolute terms
+    grow_after_rounds: int = 3  # rounds in a row without a miss before the capacity grows
+    grow_factor: float = 1.05  # modelled capacity growth per round after that
     min_requests: int = 20
     shed_fraction: float = 0.25
 
@@ -65,6 +69,7 @@ class Rebalancer:
     _previous: dict[str, HitCounters] = field(default_factory=dict)
     _last_rate: dict[str, float] = field(default_factory=dict)
     _last_held: dict[str, int] = field(default_factory=dict)
+    _clean_rounds: dict[str, int] = field(default_factory=dict)
     _applied: set[str] = field(default_factory=set)
 
     async def run(self) -> None:
@@ -112,6 +117,8 @@ class Rebalancer:
             held = self.index.held_blocks(wid)
             rate = d_hit / d_in if d_in > 0 else 0.0
             seq = f"{self.origin}:{self.rounds}:{wid}"
+            clean = d_pred > 0 and d_req >= opts.min_predictions and d_miss == 0
+            self._clean_rounds[wid] = self._clean_rounds.get(wid, 0) + 1 if clean else 0
             if d_pred > 0 and d_req >= opts.min_predictions and d_miss / d_req > (
                 opts.mispredict_ratio
             ):
@@ -124,11 +131,11 @@ class Rebalancer:
                               f"modelled capacity {held} -> {keep} blocks",
                 })
             elif (
-                d_pred > 0 and d_req >= opts.min_predictions and d_miss == 0
+                self._clean_rounds[wid] >= opts.grow_after_rounds
                 and self.index.capacity(wid) < self.pool.get(wid).capacity_blocks
             ):
                 grown = min(self.pool.get(wid).capacity_blocks,
-                            int(self.index.capacity(wid) / opts.shrink_factor) + 1)
+                            int(self.index.capacity(wid) * opts.grow_factor) + 1)
                 actions.append({
                     "id": seq + ":grow", "at": now, "action": "shrink_capacity",
                     "worker": wid, "blocks": grown,

@@ -53,6 +53,21 @@ async def test_a_modest_share_of_misses_shrinks_by_at_least_the_factor() -> None
     assert index.capacity(W1) == 80
 
 
+async def test_capacity_grows_back_slowly_after_clean_rounds() -> None:
+    store, pool, index, rebalancer = _setup()
+    pool.set_capacity(W1, 100)
+    index.record(list(range(100)), W1)
+    await store.add_telemetry([_report(W1, 100, 0, 80)] * 20)
+    await rebalancer.step()
+    assert index.capacity(W1) == 50
+    capacities = []
+    for _ in range(4):
+        await store.add_telemetry([_report(W1, 100, 80, 80)] * 20)  # every prediction held
+        await rebalancer.step()
+        capacities.append(index.capacity(W1))
+    assert capacities == [50, 50, 53, 56]  # 3 clean rounds first, then +5% a round
+
+
 async def test_noise_in_a_low_hit_rate_is_not_thrashing() -> None:
     store, _, index, rebalancer = _setup()
     index.record(list(range(100)), W1)
