@@ -558,8 +558,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.timeline is not None:
         for res in results:
+            events = [(float(a["t"]), f"{a['action']} {a.get('blocks', '')}")
+                      for a in res.rebalance]
             write_timeline(res.timeline, args.timeline / f"{res.router.replace(':', '-')}"
-                           f"-{res.repeat}", res.router)
+                           f"-{res.repeat}", res.router, events)
     rows = medians(results)
     command = shlex.join(["python", "-m", "loadtest", "replay", *args_list])
     if args.json:
