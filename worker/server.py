@@ -66,6 +66,7 @@ ENGINE_KEY = web.AppKey("worker_engine", Engine)
 TOKENIZER_KEY = web.AppKey("worker_tokenizer", Tokenizer)
 METRICS_KEY = web.AppKey("worker_metrics", WorkerMetrics)
 STARTED_KEY = web.AppKey("worker_started", int)
+BOOT_ID_KEY = web.AppKey("worker_boot_id", str)
 
 NAMESPACE_HEADER = "x-cache-namespace"
 CLIENT_MAX_SIZE = 32 * 1024 * 1024
@@ -135,7 +136,12 @@ async def _system_tokens(tokenizer: Tokenizer, system_prefix: str, tokens: list[
 
 async def _run(request: web.Request, job: Job) -> web.StreamResponse:
     settings = request.app[SETTINGS_KEY]
-    headers = {"x-worker-id": settings.effective_worker_id, "x-request-id": job.response_id}
+    headers = {
+        "x-worker-id": settings.effective_worker_id,
+        "x-request-id": job.response_id,
+        # New at every start: a gateway that sees it change knows this cache is cold.
+        "x-worker-boot-id": request.app[BOOT_ID_KEY],
+    }
     engine, metrics = request.app[ENGINE_KEY], request.app[METRICS_KEY]
     if job.common.stream:
         return await respond_stream(request, job, headers, engine, metrics)
@@ -387,6 +393,7 @@ def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) 
         reported_cache_blocks=settings.reported_cache_blocks,
     )
     app[STARTED_KEY] = int(time.time())
+    app[BOOT_ID_KEY] = uuid.uuid4().hex[:16]
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
