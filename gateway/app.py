@@ -12,7 +12,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import Histogram
 
-from gateway import explain
+from gateway import explain, ui
 from gateway.api import STATE, add_routes
 from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
 from gateway.backends.openai_http import OpenAIHTTPBackend
@@ -255,4 +255,5 @@ def create_app(
     app.cleanup_ctx.append(_resources(state, telemetry))
     add_routes(app)
     explain.add_routes(app)
+    ui.add_routes(app)
     return app
