@@ -318,6 +318,8 @@ async def _relay_stream(
         # A reply not read to its end closes its connection: the worker sees its client leave.
         reply.release()
     observed.upstream_done(reply.status, broke_off)
+    # A usage event the backend held back from the client (it asked for it on our behalf).
+    tail += getattr(reply, "withheld", b"")
     report_cache(state, http_request, decision, route_request, stats or stats_from_usage(tail),
                  predicted, reply)
     await response.write_eof()
