@@ -71,11 +71,11 @@ async def test_vllm_streams_report_hits_without_changing_what_the_client_sees(
     runner = await serve(upstream.app(), port)
     try:
         cluster = await start_cluster(workers=0, worker=(f"vllm+http://127.0.0.1:{port}",))
-        async with aiohttp.ClientSession() as http:
-            async with http.post(cluster.gateway_url + "/v1/completions", json={
-                "model": MODEL, "prompt": "p", "max_tokens": 3, "stream": True,
-            }) as r:
-                raw = await r.read()
+        async with aiohttp.ClientSession() as http, http.post(
+            cluster.gateway_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "p", "max_tokens": 3, "stream": True},
+        ) as r:
+            raw = await r.read()
         events = [e for e in raw.split(b"\n\n") if e]
         assert events[-1] == b"data: [DONE]"
         assert len(events) == 4  # three tokens and [DONE]: no usage event
