@@ -143,7 +143,9 @@ class RequestRecord:
         self.total_blocks = len(blocks)
         best = decision.match_blocks
         if index is not None:
-            if best < len(blocks):
+            # A prefix hit went to a holder: take it as the deepest one and spare a second
+            # walk of the index on the hot path. Other decisions may have passed a holder by.
+            if self.kind != "prefix_hit" and best < len(blocks):
                 best = max(index.match(blocks).values(), default=0)
             self.worker_evicting = index.tail_age(decision.worker_id) != float("inf")
         self.best_blocks = max(best, decision.match_blocks)
