@@ -230,7 +230,7 @@ def create_app(
         store=store,
         sync=StoreSync(
             store, pool, index, origin=origin, tokens_per_block=settings.tokens_per_block(),
-            shares_state=not isinstance(store, MemoryStore),
+            shares_state=not isinstance(store, MemoryStore), history_s=settings.index_ttl_s,
         ),
         rebalancer=Rebalancer(
             store, pool, index, origin,

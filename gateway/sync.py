@@ -2,10 +2,13 @@
 
 Background loops, one per concern, each tolerant of the store going away:
 
-* membership: registered workers join the pool, expired ones leave; ring weights and the
-  index's capacity model follow each worker's registered cache size;
+* membership: registered workers join the pool; one whose entry is gone leaves it only once
+  the health probes also find it down (a Redis restart, flush or freeze removes entries, not
+  workers, and must not empty the pool or wipe the index); ring weights and the index's
+  capacity model follow each worker's registered cache size;
 * assignments: prefixes this replica routed are published in batches; those other replicas
-  routed are read and recorded in the local index;
+  routed are read and recorded in the local index. A starting replica first replays the
+  stream's recent history, so a restart does not begin with an empty index;
 * load: this replica's in-flight tokens per worker are published; the other replicas' shares
   are read and added to the snapshot;
 * telemetry: cache reports from responses are added to the shared counters.
@@ -75,6 +78,8 @@ class StoreSync:
         flush_interval_s: float = 0.02,
         telemetry_interval_s: float = 1.0,
         shares_state: bool = True,
+        history_s: float = 600.0,
+        history_entries: int = 5000,
     ) -> None:
         self.store = store
         self.pool = pool
@@ -85,6 +90,7 @@ class StoreSync:
         self._intervals = (membership_interval_s, load_interval_s, flush_interval_s,
                            telemetry_interval_s)
         self._shares_state = shares_state
+        self._history = (history_s, history_entries)
         self._assignments: deque[Assignment] = deque(maxlen=_BUFFER_LIMIT)
         self._reports: deque[CacheReport] = deque(maxlen=_BUFFER_LIMIT)
         self._tasks: list[asyncio.Task[None]] = []
@@ -102,6 +108,9 @@ class StoreSync:
     async def start(self) -> None:
         with contextlib.suppress(StoreUnavailable):
             await self._guard(self.sync_membership)
+        if self._shares_state:
+            with contextlib.suppress(StoreUnavailable):
+                await self._guard(self.replay_history)
         membership, load, flush, telemetry = self._intervals
         loops: list[tuple[str, Callable[[], Awaitable[None]], float]] = [
             ("membership", self.sync_membership, membership),
@@ -152,14 +161,19 @@ class StoreSync:
         for record in records:
             events = EventEndpoints(record.kv_events, record.kv_replay) if record.kv_events \
                 else None
-            self.pool.add(record.url, wid=record.id, source="registry", kind=record.kind,
-                          events=events)
+            known = record.id in self.pool
+            if not known:
+                self.pool.add(record.url, wid=record.id, source="registry", kind=record.kind,
+                              events=events)
             if events is not None:
                 self.pool.set_events(record.id, events)
+            if known:
+                continue  # its health is the probes' business from now on
             if record.models:
                 self.pool.mark_up(record.id, frozenset(record.models))
         for state in self.pool.states():
-            if state.source == "registry" and state.worker.id not in registered:
+            if (state.source == "registry" and state.worker.id not in registered
+                    and not state.healthy):
                 self.pool.remove(state.worker.id)
         self._apply_capacities(records)
 
@@ -191,6 +205,21 @@ class StoreSync:
             # Only the newest survive an outage: old decisions are stale by the time it ends.
             self._assignments.extendleft(reversed(batch[-1000:]))
             raise
+
+    async def replay_history(self) -> None:
+        """Record the stream's recent assignments (every replica's, this one's before a
+        restart too) and read on from its newest entry."""
+        max_age_s, limit = self._history
+        cursor, batch = await self.store.recent_assignments(max_age_s, limit)
+        self.index.set_time(time.monotonic())
+        replayed = 0
+        for a in batch:
+            if a.worker_id in self.pool:
+                self.index.record(a.blocks, a.worker_id)
+                replayed += 1
+        self._cursor = cursor
+        if replayed:
+            log.info("prefix index rebuilt from %d recent assignments", replayed)
 
     async def _read_assignments(self) -> None:
         self._cursor, batch = await self.store.read_assignments(self._cursor, block_s=1.0)

@@ -120,6 +120,13 @@ class MetadataStore(Protocol):
         """Assignments after ``cursor`` ("" = only new ones), waiting up to ``block_s``."""
         ...
 
+    async def recent_assignments(
+        self, max_age_s: float, limit: int
+    ) -> tuple[str, list[Assignment]]:
+        """Up to ``limit`` of the newest assignments at most ``max_age_s`` old, oldest first,
+        and the cursor to read on from (what a starting replica rebuilds its index from)."""
+        ...
+
     # -- load ---------------------------------------------------------------------------------
     async def publish_load(self, origin: str, load: Mapping[str, int], ttl_s: float) -> None:
         """This replica's in-flight tokens per worker; gone ``ttl_s`` after the last publish."""

@@ -50,6 +50,11 @@ class MemoryStore:
     async def read_assignments(self, cursor: str, block_s: float) -> tuple[str, list[Assignment]]:
         return cursor, []
 
+    async def recent_assignments(
+        self, max_age_s: float, limit: int
+    ) -> tuple[str, list[Assignment]]:
+        return "", []  # nothing outlives the one process
+
     async def publish_load(self, origin: str, load: Mapping[str, int], ttl_s: float) -> None:
         return None
 

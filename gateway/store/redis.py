@@ -220,6 +220,23 @@ class RedisStore:
 
         return await self._call(op)
 
+    async def recent_assignments(
+        self, max_age_s: float, limit: int
+    ) -> tuple[str, list[Assignment]]:
+        async def op() -> tuple[str, list[Assignment]]:
+            key = self.key("assignments")
+            cursor = await self._last_entry_id(key)
+            oldest = f"{max(0, int((time.time() - max_age_s) * 1000))}-0"
+            # Stream ids start with their time in ms: the newest ``limit`` since ``oldest``.
+            rows: Any = await self._r.xrevrange(key, max=cursor, min=oldest, count=limit)
+            out = [
+                Assignment(_s(f[b"o"]), _s(f[b"w"]), _unpack(f[b"b"]))
+                for _id, f in reversed(rows)
+            ]
+            return cursor, out
+
+        return await self._call(op)
+
     async def _last_entry_id(self, key: str) -> str:
         if not await self._r.exists(key):
             return "0-0"
