@@ -79,7 +79,7 @@ async def test_flushed_registry_keeps_healthy_workers_and_the_index(
         async with aiohttp.ClientSession() as http:
             async def both_healthy() -> bool:
                 view = await _workers(http, gateway)
-                return sum(w["healthy"] for w in view["workers"]) == 2
+                return sum(bool(w["healthy"]) for w in view["workers"]) == 2
             await _until(both_healthy)
             first = await _chat(http, gateway, "when is high tide?")
             blocks = (await _workers(http, gateway))["index_blocks"]
