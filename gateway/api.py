@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -10,7 +12,7 @@ import xxhash
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.errors import ModelNotFound, NoWorkerAvailable
+from gateway.errors import ModelNotFound, NoWorkerAvailable, RequestTimeout
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.misses import prompt_head_hash
 from gateway.normalize import NormalizeOptions
@@ -39,6 +41,17 @@ def tenant_of(request: web.Request) -> str:
     if auth.lower().startswith("bearer ") and auth[7:].strip():
         return xxhash.xxh3_64_hexdigest(auth[7:].strip().encode("utf-8"))
     return ""
+
+
+async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The request body, if the client sends all of it within ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g} seconds"
+        ) from None
 
 
 async def prepare(
@@ -82,7 +95,7 @@ async def prepare(
 async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamResponse:
     state = request.app[STATE]
     settings = state.settings
-    raw = await request.read()
+    raw = await _read_body(request, settings.body_timeout_s)
     body = decode_json_object(raw)
     parsed, route_request = await prepare(request, body, parse, path)
     record_of(request).parsed(
@@ -147,6 +160,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def admin_workers(request: web.Request) -> web.Response:
     state = request.app[STATE]
     workers = []
+    now = time.monotonic()
     for s in state.pool.states():
         workers.append(
             {
@@ -161,6 +175,7 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "matched_tokens": s.matched_tokens,
                 "hit_ratio": s.matched_tokens / s.input_tokens if s.input_tokens else 0.0,
                 "last_error": s.last_error,
+                "breaker": state.guard.breakers.state(s.worker.id, now),
                 "kind": s.worker.kind,
                 "engine_metrics": dict(s.engine_metrics),
                 # The prefix index's model of its cache: size (0 = unknown) and blocks held.

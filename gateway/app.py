@@ -17,6 +17,7 @@ from gateway.api import STATE, add_routes
 from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
 from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.backends.sagemaker import SageMakerBackend
+from gateway.breaker import BreakerOptions, Breakers
 from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import (
     GatewayError,
@@ -25,6 +26,7 @@ from gateway.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
+from gateway.guard import ConnectionSlots, UpstreamGuard
 from gateway.kvevents.source import ExactSource
 from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.pool import WorkerPool
@@ -121,6 +123,8 @@ async def _probe_all(state: GatewayState, telemetry: Telemetry) -> None:
                 state.pool.set_capacity(s.worker.id, blocks)
         else:
             state.pool.mark_down(s.worker.id, probe.error)
+            # Requests waiting on it for a first byte go elsewhere now.
+            state.guard.ejections.eject(s.worker.id, probe.error)
 
 
 async def _health_loop(state: GatewayState, telemetry: Telemetry) -> None:
@@ -237,6 +241,13 @@ def create_app(
             RebalanceOptions(interval_s=settings.rebalance_interval_s),
         ),
         exact=exact,
+        guard=UpstreamGuard(
+            slots=ConnectionSlots(settings.max_connections, settings.max_connections_per_worker,
+                                  settings.queue_timeout_s),
+            first_byte_timeout_s=settings.first_byte_timeout_s,
+            breakers=Breakers(BreakerOptions(settings.breaker_failures,
+                                             settings.breaker_cooldown_s)),
+        ),
     )
     state.metrics.watch_store(lambda: state.sync.health.available,
                               lambda: state.sync.health.outages)

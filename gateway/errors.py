@@ -92,6 +92,28 @@ class NoWorkerAvailable(GatewayError):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
+class RequestTimeout(GatewayError):
+    """The client did not send its request body in time (408; the connection is closed)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Connection": "close"})
+
+
+class ConnectionQueueFull(GatewayError):
+    """No connection to a worker became free in time (503, retry later)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "connection_queue_timeout"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
 class UpstreamError(GatewayError):
     """Every candidate worker failed for a request we accepted (502)."""
 

@@ -1,8 +1,10 @@
 """Send one routed request to a worker and relay its answer to the client.
 
-The attempt loop: route, send, and if the worker cannot be reached or answers 429/5xx before any
-byte went to the client, exclude it and route again (at most ``max_attempts`` workers; after a
-429 or 503 it first waits a short jittered backoff, 50 ms doubling up to 1 s). Once the
+The attempt loop: route (around workers whose circuit breaker is open), send, and if the worker
+cannot be reached, sends nothing before the first-byte timeout, is found down while we wait, or
+answers 429/5xx before any byte went to the client, exclude it and route again (at most
+``max_attempts`` workers; after a 429 or 503 it first waits a short jittered backoff, 50 ms
+doubling up to 1 s). Once the
 relay has started nothing is retried: a failure mid-stream ends the stream with an SSE error
 event, so the client is never left with a silently truncated answer.
 """
@@ -22,7 +24,8 @@ from aiohttp import web
 
 from gateway.backends.base import BackendUnavailable, UpstreamReply
 from gateway.backends.openai_http import NAMESPACE_HEADER
-from gateway.errors import NoWorkerAvailable, UpstreamError
+from gateway.errors import ConnectionQueueFull, NoWorkerAvailable, UpstreamError
+from gateway.guard import NoFirstByte, SlotTimeout
 from gateway.kvevents.index import ExactMatcher
 from gateway.routing.types import Decision, NoCandidates, RouteRequest, Snapshot
 from gateway.state import GatewayState
@@ -95,6 +98,8 @@ async def dispatch(
     if tenant:
         forward[NAMESPACE_HEADER] = tenant
     backoff_s = 0.0
+    guard = state.guard
+    busy = 0  # attempts that found no free connection to their worker
     for _ in range(settings.max_attempts):
         if backoff_s:
             # The last worker was busy (429/503): give the pool a moment before the next one.
@@ -104,7 +109,9 @@ async def dispatch(
         state.index.set_time(now)
         snapshot = pool.snapshot()
         try:
-            decision = state.engine.route(route_request, snapshot, frozenset(excluded))
+            decision = state.engine.route(
+                route_request, snapshot, frozenset(excluded) | guard.blocked(pool, now)
+            )
         except NoCandidates:
             break
         wid = decision.worker_id
@@ -118,17 +125,36 @@ async def dispatch(
         state.metrics.decision_seconds.observe(time.perf_counter() - started)
         state.metrics.decisions.labels(decision.policy, reason_kind(decision.reason)).inc()
         pool.acquire(wid, route_request.cost_tokens)
+        guard.breakers.attempt(wid, now)
+        release_slot = None
         try:
             try:
+                release_slot = await guard.slots.take(wid)
                 worker = decision.worker.worker
-                reply = await state.backend_for(worker).open(
-                    worker, path, body, observed.upstream_headers(forward))
+                reply = await guard.open(
+                    wid, state.backend_for(worker).open(
+                        worker, path, body, observed.upstream_headers(forward))
+                )
+            except SlotTimeout as exc:
+                if exc.scope != wid:  # the gateway's own limit: no other worker helps
+                    observed.upstream_done(None, str(exc))
+                    raise ConnectionQueueFull(
+                        f"the gateway is at its connection limit: {exc}") from None
+                busy += 1
+                observed.upstream_done(None, str(exc))
+                problems.append(f"{wid}: {exc}")
+            except NoFirstByte as exc:
+                observed.upstream_done(None, str(exc))
+                guard.breakers.failure(wid, time.monotonic())
+                problems.append(f"{wid}: {exc}")
             except BackendUnavailable as exc:
                 observed.upstream_done(None, str(exc))
                 pool.mark_down(wid, str(exc))
+                guard.breakers.failure(wid, time.monotonic())
                 problems.append(f"{wid}: {exc}")
             else:
                 if reply.status != 429 and reply.status < 500:
+                    guard.breakers.success(wid)
                     if _is_stream(reply):
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
                         return await _relay_stream(
@@ -143,6 +169,7 @@ async def dispatch(
                             predicted)
                     # It broke off before the client saw a byte: try the next worker.
                     pool.mark_down(wid, "the connection broke off during its reply")
+                    guard.breakers.failure(wid, time.monotonic())
                     problems.append(f"{wid}: broke off its reply")
                 else:
                     detail = ((await _read_whole(reply)) or b"")[:200].decode("utf-8", "replace")
@@ -150,14 +177,23 @@ async def dispatch(
                     problems.append(f"{wid}: HTTP {reply.status} {detail}")
                     if reply.status in (429, 503):
                         backoff_s = min(max(2 * backoff_s, _FIRST_BACKOFF_S), _MAX_BACKOFF_S)
+                    else:
+                        guard.breakers.failure(wid, time.monotonic())
             excluded.add(wid)
             state.metrics.retries.labels(wid).inc()
             # It never got the prompt: it holds no more of this prefix than it did before.
             state.index.forget(wid, route_request.key.blocks[decision.match_blocks :])
             state.exact.unsent(wid, route_request.key.blocks[decision.match_blocks :])
         finally:
+            if release_slot is not None:
+                release_slot()
+            guard.breakers.settled(wid)
             pool.release(wid, route_request.cost_tokens)
     state.metrics.requests.labels(state.engine.name, "unavailable").inc()
+    if busy and busy == len(problems):
+        raise ConnectionQueueFull(
+            "every worker tried is at its connection limit: " + "; ".join(problems)
+        )
     if not problems:
         raise NoWorkerAvailable("no healthy worker serves this request right now; retry shortly")
     log.warning("request failed on every worker tried: %s", "; ".join(problems))

@@ -152,6 +152,29 @@ class GatewaySettings:
     max_connections_per_worker: int = field(
         default=256, metadata=_help("connection pool limit towards one worker")
     )
+    first_byte_timeout_s: float = field(
+        default=0.0,
+        metadata=_help("give up on a worker that sent no reply (status line) within this many "
+                       "seconds and re-route the request (0: no limit; a non-streaming reply "
+                       "only starts when it is complete). A worker the health probes find down "
+                       "loses its waiting requests to other workers either way"),
+    )
+    breaker_failures: int = field(
+        default=5, metadata=_help("consecutive failed attempts that open a worker's circuit "
+                                  "breaker (0: no breakers)")
+    )
+    breaker_cooldown_s: float = field(
+        default=5.0, metadata=_help("seconds an open breaker keeps requests away before one "
+                                    "trial request (half-open); doubled after a failed trial")
+    )
+    body_timeout_s: float = field(
+        default=30.0, metadata=_help("seconds a client may take to send its request body "
+                                     "(408 after that)")
+    )
+    queue_timeout_s: float = field(
+        default=5.0, metadata=_help("seconds a request may wait for a free connection to a "
+                                    "worker (503 with Retry-After after that)")
+    )
     health_interval_s: float = field(
         default=5.0, metadata=_help("seconds between active health checks of workers")
     )
@@ -194,6 +217,10 @@ class GatewaySettings:
             raise ValueError(
                 f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
             )
+        if min(self.first_byte_timeout_s, self.breaker_cooldown_s, self.breaker_failures) < 0:
+            raise ValueError("first_byte_timeout_s, breaker_* must not be negative")
+        if self.body_timeout_s <= 0 or self.queue_timeout_s <= 0:
+            raise ValueError("body_timeout_s and queue_timeout_s must be positive")
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         self.fingerprint_options()  # validates the block settings

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.backends.base import Backend
+from gateway.guard import UpstreamGuard
 from gateway.kvevents.source import ExactSource
 from gateway.pool import WorkerPool
 from gateway.rebalance import Rebalancer
@@ -29,6 +30,7 @@ class GatewayState:
     sync: StoreSync
     rebalancer: Rebalancer
     exact: ExactSource  # engine-exact cache knowledge: KV-event feeds, tokenizer
+    guard: UpstreamGuard
 
     def backend_for(self, worker: Worker) -> Backend:
         backend = self.backends.get(worker.kind)

@@ -43,8 +43,8 @@ _STREAM_LIMIT = 10_000  # assignments kept for readers that fall behind (read ev
 # What a client may call: the MetadataStore methods, nothing else.
 _METHODS = frozenset({
     "register_worker", "deregister_worker", "list_workers", "publish_assignments",
-    "read_assignments", "publish_load", "read_load", "add_telemetry", "read_telemetry",
-    "try_lead", "log_action", "recent_actions",
+    "read_assignments", "recent_assignments", "publish_load", "read_load", "add_telemetry",
+    "read_telemetry", "try_lead", "log_action", "recent_actions",
 })
 
 
@@ -74,6 +74,14 @@ class HubState(MemoryStore):
                 await asyncio.wait_for(self._new.wait(), block_s)
         fresh = [a for seq, a in self._stream if seq > start] if self._seq > start else []
         return str(self._seq), fresh
+
+    async def recent_assignments(
+        self, max_age_s: float, limit: int
+    ) -> tuple[str, list[Assignment]]:
+        """The newest ``limit`` assignments (the hub keeps no ages: it lives only as long as
+        the processes it serves)."""
+        recent = list(self._stream)[-limit:] if limit > 0 else []
+        return str(self._seq), [a for _, a in recent]
 
     async def publish_load(self, origin: str, load: Mapping[str, int], ttl_s: float) -> None:
         self._load[origin] = (dict(load), time.monotonic() + ttl_s)
@@ -262,6 +270,13 @@ class HubStore:
     async def read_assignments(self, cursor: str, block_s: float) -> tuple[str, list[Assignment]]:
         result: tuple[str, list[Assignment]] = await self._call(
             "read_assignments", cursor, block_s, wait_s=block_s)
+        return result
+
+    async def recent_assignments(
+        self, max_age_s: float, limit: int
+    ) -> tuple[str, list[Assignment]]:
+        result: tuple[str, list[Assignment]] = await self._call(
+            "recent_assignments", max_age_s, limit)
         return result
 
     async def publish_load(self, origin: str, load: Mapping[str, int], ttl_s: float) -> None:

@@ -1,0 +1,157 @@
+"""Timeouts and ejection: hung workers, slow bodies, a full connection pool.
+
+A hung worker is a real worker process stopped with SIGSTOP: the kernel still accepts its
+connections, nothing answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.app import create_app as create_gateway
+from gateway.settings import GatewaySettings
+from tests.conftest import MODEL, Processes, StartCluster, free_port, serve
+
+
+def _chat(user: str, max_tokens: int = 2) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": user}]}
+
+
+@contextlib.asynccontextmanager
+async def _gateway(workers: list[str], **overrides: Any) -> AsyncIterator[str]:
+    port = free_port()
+    settings = dataclasses.replace(GatewaySettings(port=port, worker=tuple(workers)), **overrides)
+    runner = await serve(create_gateway(settings), port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def _stopped(proc: asyncio.subprocess.Process) -> AsyncIterator[None]:
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+async def _view(http: aiohttp.ClientSession, gateway: str) -> dict[str, dict[str, Any]]:
+    async with http.get(gateway + "/admin/workers") as response:
+        return {w["id"]: w for w in (await response.json())["workers"]}
+
+
+@pytest.fixture
+async def two_workers(processes: Processes) -> list[tuple[str, asyncio.subprocess.Process]]:
+    return [await processes.worker() for _ in range(2)]
+
+
+async def test_first_byte_timeout_reroutes_and_the_breaker_ejects_a_hung_worker(
+    two_workers: list[tuple[str, asyncio.subprocess.Process]],
+) -> None:
+    (hung_url, hung), (ok_url, _) = two_workers
+    hung_id = hung_url.removeprefix("http://")
+    async with _gateway(
+        [hung_url, ok_url], first_byte_timeout_s=0.3, breaker_failures=2,
+        breaker_cooldown_s=0.5, health_interval_s=3600.0,
+    ) as gateway, aiohttp.ClientSession() as http:
+        async with _stopped(hung):
+            replies = []
+            for i in range(12):
+                async with http.post(gateway + "/v1/chat/completions",
+                                     json=_chat(f"question {i} " * (i + 1))) as r:
+                    assert r.status == 200, await r.text()
+                    replies.append(r.headers["x-route-worker"])
+            assert set(replies) == {ok_url.removeprefix("http://")}
+            view = await _view(http, gateway)
+            assert view[hung_id]["breaker"] in ("open", "half_open")
+
+        # Back to life: once the cooldown ends, one trial request closes the breaker.
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            for i in range(4):
+                async with http.post(gateway + "/v1/chat/completions",
+                                     json=_chat(f"later {i} " * (i + 1))) as r:
+                    assert r.status == 200
+            if (await _view(http, gateway))[hung_id]["breaker"] == "closed":
+                break
+        else:
+            raise AssertionError("the breaker never closed again")
+
+
+async def test_worker_found_down_by_probes_loses_its_waiting_requests(
+    two_workers: list[tuple[str, asyncio.subprocess.Process]],
+) -> None:
+    (hung_url, hung), _ = two_workers
+    # No first-byte timeout: only the health probes can free the requests.
+    async with _gateway([hung_url], health_interval_s=0.2) as gateway, \
+            aiohttp.ClientSession() as http, _stopped(hung):
+        response = await asyncio.wait_for(
+            http.post(gateway + "/v1/chat/completions", json=_chat("hello")), 30
+        )
+        # The only worker hangs: the request fails (it does not wait for the read timeout).
+        assert response.status in (502, 503)
+        body = await response.json()
+        assert body["error"]["type"] in ("upstream_error", "service_unavailable")
+        response.release()
+
+
+async def test_slow_request_body_gets_408_in_openai_shape(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(workers=1, body_timeout_s=0.3)
+    port = int(cluster.gateway_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 200\r\n\r\n{\"model\": "
+    )
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 408")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    payload = await reader.readexactly(length)
+    writer.close()
+    error = json.loads(payload)["error"]
+    assert error["code"] == "request_timeout"
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_full_connection_pool_answers_503_with_retry_after(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(
+        workers=1, max_connections_per_worker=1, queue_timeout_s=0.2, max_attempts=1
+    )
+    url = cluster.gateway_url + "/v1/chat/completions"
+    async with aiohttp.ClientSession() as http:
+        slow = asyncio.create_task(http.post(url, json=_chat("long one", max_tokens=400)))
+        await asyncio.sleep(0.1)
+        async with http.post(url, json=_chat("short one")) as r:
+            assert r.status == 503
+            assert r.headers["Retry-After"] == "1"
+            assert (await r.json())["error"]["code"] == "connection_queue_timeout"
+        first = await slow
+        assert first.status == 200
+        first.release()
+        async with http.post(url, json=_chat("short one")) as r:
+            assert r.status == 200
+
+
+async def test_bad_timeout_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="body_timeout_s"):
+        GatewaySettings(body_timeout_s=0)
+    with pytest.raises(ValueError, match="first_byte_timeout_s"):
+        GatewaySettings(first_byte_timeout_s=-1)
+
