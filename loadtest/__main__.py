@@ -1,17 +1,19 @@
 """``python -m loadtest <command>``: ``run`` (live load test, :mod:`loadtest.run`),
-``replay`` (live trace replay through the gateway and peer routers, :mod:`loadtest.replay`) or
-``simulate`` (the cluster simulator, :mod:`loadtest.simulate`)."""
+``replay`` (live trace replay through the gateway and peer routers, :mod:`loadtest.replay`),
+``simulate`` (the cluster simulator, :mod:`loadtest.simulate`) or ``chaos`` (the fault
+catalogue, :mod:`loadtest.chaos`)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-USAGE = """usage: python -m loadtest {run,replay,simulate} [options]
+USAGE = """usage: python -m loadtest {run,replay,simulate,chaos} [options]
 
   run        live load test: workers + gateway per policy, locust headless, report + plots
   replay     live closed-loop trace replay: gateway (and --peers) on the same workers
   simulate   cluster simulator (same as python -m loadtest.simulate)
+  chaos      fault catalogue under steady load: kills, stops, Redis faults, drains, aborts
 
 python -m loadtest run --help   for the options
 """
@@ -35,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from loadtest.simulate import main as simulate_main
 
         return simulate_main(rest)
+    if command == "chaos":
+        from loadtest.chaos import main as chaos_main
+
+        return chaos_main(rest)
     print(f"python -m loadtest: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 
