@@ -125,6 +125,11 @@ async def test_membership_weights_and_capacity_follow_the_registry() -> None:
     assert pool.models() == {"m"}
     await store.deregister_worker("a")
     await sync.sync_membership()
+    # A missing entry alone does not remove a worker the probes still find alive...
+    assert {s.worker.id for s in pool.states()} == {"a", "b"}
+    pool.mark_down("a", "probe failed")
+    await sync.sync_membership()
+    # ...missing and down, it leaves.
     assert {s.worker.id for s in pool.states()} == {"b"}
 
 
