@@ -151,12 +151,9 @@ async def gateway_drain(ctx: Ctx) -> None:
 
 async def abort_clients(ctx: Ctx) -> None:
     config = ctx.config
-    hold_s = 2.0
-    burst = asyncio.create_task(
-        abort_burst(ctx.cluster.gateway, config.abort_clients, 2000, hold_s)
+    held, started = await abort_burst(
+        ctx.cluster.gateway, ctx.cluster.worker_urls, config.abort_clients, 2000
     )
-    await asyncio.sleep(hold_s)
-    started = await burst
     left = time.monotonic()
     await asyncio.sleep(0.3)
     ctx.load.pause()  # from here on, only the aborted requests could still generate tokens
@@ -170,8 +167,9 @@ async def abort_clients(ctx: Ctx) -> None:
         aborted += (await scrape(ctx.session, url)).get("worker_requests_aborted_total", 0.0)
     ctx.result.aborted_tokens_after_1s = int(after - before)
     ctx.result.notes.append(
-        f"{config.abort_clients} streams dropped after {hold_s:g} s ({started} had started "
-        f"streaming); workers counted {int(aborted)} aborted"
+        f"{config.abort_clients} streams (2,000 tokens each) dropped together once the workers "
+        f"held {held} requests, {started} of them streaming; the workers counted "
+        f"{int(aborted)} aborted"
     )
 
 

@@ -18,6 +18,7 @@ import re
 import signal
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,9 +125,12 @@ class Load:
             return False, type(exc).__name__
 
 
-async def abort_burst(gateway: str, clients: int, max_tokens: int, hold_s: float) -> int:
-    """``clients`` streaming requests at once, all dropped by their clients ``hold_s`` later
-    (queued at a worker or mid-stream); returns how many had received their first bytes."""
+async def abort_burst(
+    gateway: str, workers: Sequence[str], clients: int, max_tokens: int
+) -> tuple[int, int]:
+    """``clients`` streaming requests at once, all dropped by their clients together once the
+    workers hold them (running or queued; at most 30 s), half a second later. Returns (requests
+    the workers held, clients that had received the start of their stream)."""
     started = 0
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -141,11 +145,22 @@ async def abort_burst(gateway: str, clients: int, max_tokens: int, hold_s: float
                 await asyncio.Event().wait()
 
         tasks = [asyncio.create_task(one(k)) for k in range(clients)]
-        await asyncio.sleep(hold_s)
+        deadline = time.monotonic() + 30.0
+        held = 0
+        while time.monotonic() < deadline:
+            held = 0
+            for url in workers:
+                metrics = await scrape(session, url)
+                held += int(metrics.get("vllm:num_requests_running", 0.0)
+                            + metrics.get("vllm:num_requests_waiting", 0.0))
+            if held >= clients:
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return started
+    return held, started
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
