@@ -209,10 +209,9 @@ def recover_seconds(samples: Sequence[Sample], fault_at: float) -> float:
 async def run_fault(config: ChaosConfig, name: str) -> FaultResult:
     result = FaultResult(name)
     gateway_args = ("--first-byte-timeout-s", str(config.first_byte_timeout_s))
-    cluster = ChaosCluster(config.workers, gateway_args)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        cluster = await _started_cluster(config, gateway_args, session)
         try:
-            await cluster.start(session)
             load = Load(cluster.gateway, config.concurrency, config.max_tokens)
             await load.start()
             ctx = Ctx(config, cluster, load, session, result)
@@ -238,6 +237,26 @@ async def run_fault(config: ChaosConfig, name: str) -> FaultResult:
         finally:
             await cluster.stop()
     return result
+
+
+async def _started_cluster(
+    config: ChaosConfig, gateway_args: tuple[str, ...], session: aiohttp.ClientSession
+) -> ChaosCluster:
+    """A started cluster; a start that fails (a port taken meanwhile by another program) is
+    retried on fresh ports, twice."""
+    for attempt in range(3):
+        cluster = ChaosCluster(config.workers, gateway_args)
+        try:
+            await cluster.start(session)
+        except (RuntimeError, TimeoutError) as exc:
+            await cluster.stop()
+            if attempt == 2:
+                raise
+            print(f"chaos: cluster did not start ({str(exc).splitlines()[0]}); retrying",
+                  file=sys.stderr, flush=True)
+        else:
+            return cluster
+    raise AssertionError("unreachable")
 
 
 async def run_all(config: ChaosConfig) -> list[FaultResult]:
