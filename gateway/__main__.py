@@ -57,9 +57,15 @@ def serve(settings: GatewaySettings) -> int:
         ),
         access_log=None,
         reuse_port=settings.reuse_port or None,
+        backlog=LISTEN_BACKLOG,
         loop=loop,
     )
     return 0
+
+
+# Pending connections the kernel queues for accept(); aiohttp's 128 drops SYNs when hundreds
+# of clients connect at once (they then wait a 1 s SYN retransmit, or time out).
+LISTEN_BACKLOG = 2048
 
 
 def main(argv: list[str] | None = None) -> int:

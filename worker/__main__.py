@@ -16,6 +16,10 @@ from worker.settings import parse_settings
 from worker.tokenizer import TokenizerUnavailableError
 from worker.vllm_launcher import launch
 
+# Pending connections the kernel queues for accept(); aiohttp's 128 drops SYNs when a gateway
+# opens hundreds of connections at once (which then time out connecting).
+LISTEN_BACKLOG = 2048
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
@@ -42,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"max_running={settings.max_running} {engine.info()}",
         flush=True,
     )
-    web.run_app(app, host=settings.host, port=settings.port, access_log=None)
+    web.run_app(app, host=settings.host, port=settings.port, access_log=None,
+                backlog=LISTEN_BACKLOG)
     return 0
 
 
