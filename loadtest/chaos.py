@@ -11,7 +11,8 @@ an error event or misses its ``[DONE]``); retried (the gateway's ``gateway_retri
 seconds to recover (from the fault to the end of the last request that failed or took more
 than ``max(1 s, 5 x`` the median before the fault), 0 when none did); for the drains, requests
 in flight at the signal that failed (dropped); for the abort burst, the tokens the workers
-generated between 1 s and 3 s after the clients left (the steady load paused meanwhile).
+generated in the 2 s that start 1 s after the clients left, or later once the steady
+load (paused when they leave) has no request in flight.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class ChaosConfig:
     warm_s: float = 3.0
     observe_s: float = 8.0
     abort_clients: int = 500
-    first_byte_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 0.0
+    health_interval_s: float = 1.0
+    connect_timeout_s: float = 10.0
     only: tuple[str, ...] = ()
 
 
@@ -155,11 +158,14 @@ async def abort_clients(ctx: Ctx) -> None:
         ctx.cluster.gateway, ctx.cluster.worker_urls, config.abort_clients, 2000
     )
     left = time.monotonic()
-    await asyncio.sleep(0.3)
-    ctx.load.pause()  # from here on, only the aborted requests could still generate tokens
+    # From here on the steady load sends nothing; once its last requests are done, only the
+    # aborted requests could still make the workers generate.
+    ctx.load.pause()
+    await ctx.load.drained(10.0)
+    drained_s = time.monotonic() - left
     await _sleep_until(left + 1.0)
     before = await _generated(ctx)
-    await _sleep_until(left + 3.0)
+    await asyncio.sleep(2.0)
     after = await _generated(ctx)
     ctx.load.resume()
     aborted = 0.0
@@ -169,7 +175,7 @@ async def abort_clients(ctx: Ctx) -> None:
     ctx.result.notes.append(
         f"{config.abort_clients} streams (2,000 tokens each) dropped together once the workers "
         f"held {held} requests, {started} of them streaming; the workers counted "
-        f"{int(aborted)} aborted"
+        f"{int(aborted)} aborted; window from {max(1.0, drained_s):.1f} s"
     )
 
 
@@ -208,7 +214,13 @@ def recover_seconds(samples: Sequence[Sample], fault_at: float) -> float:
 
 async def run_fault(config: ChaosConfig, name: str) -> FaultResult:
     result = FaultResult(name)
-    gateway_args = ("--first-byte-timeout-s", str(config.first_byte_timeout_s))
+    gateway_args = (
+        "--first-byte-timeout-s", str(config.first_byte_timeout_s),
+        "--health-interval-s", str(config.health_interval_s),
+        "--connect-timeout-s", str(config.connect_timeout_s),
+        # Room for the abort burst: hundreds of open streams on one worker of a hot prefix.
+        "--max-connections-per-worker", str(max(256, config.abort_clients + 64)),
+    )
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         cluster = await _started_cluster(config, gateway_args, session)
         try:
@@ -276,7 +288,9 @@ def to_markdown(results: Sequence[FaultResult], config: ChaosConfig, command: st
         f"`{command}`",
         "",
         f"{config.workers} workers (simulated engine), 1 gateway with `--first-byte-timeout-s "
-        f"{config.first_byte_timeout_s:g}`, Redis; {config.concurrency} closed-loop clients "
+        f"{config.first_byte_timeout_s:g} --health-interval-s {config.health_interval_s:g} "
+        f"--connect-timeout-s {config.connect_timeout_s:g} --max-connections-per-worker "
+        f"{max(256, config.abort_clients + 64)}`, Redis; {config.concurrency} closed-loop clients "
         f"(half streaming, max_tokens {config.max_tokens}); fault at {config.warm_s:g} s, "
         f"{config.observe_s:g} s observed after it.",
         "",
@@ -302,7 +316,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--warm-s", type=float, default=3.0)
     parser.add_argument("--observe-s", type=float, default=8.0)
     parser.add_argument("--abort-clients", type=int, default=500)
-    parser.add_argument("--first-byte-timeout-s", type=float, default=2.0)
+    parser.add_argument("--first-byte-timeout-s", type=float, default=0.0,
+                        help="the gateway's; 0 (its default): hung workers are found by probes")
+    parser.add_argument("--health-interval-s", type=float, default=1.0)
+    parser.add_argument("--connect-timeout-s", type=float, default=10.0)
     parser.add_argument("--only", action="append", default=[], choices=list(FAULTS),
                         help="run only this fault (repeatable)")
     parser.add_argument("--json", action="store_true")
@@ -316,7 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = ChaosConfig(
         workers=args.workers, concurrency=args.concurrency, max_tokens=args.max_tokens,
         warm_s=args.warm_s, observe_s=args.observe_s, abort_clients=args.abort_clients,
-        first_byte_timeout_s=args.first_byte_timeout_s, only=tuple(args.only),
+        first_byte_timeout_s=args.first_byte_timeout_s,
+        health_interval_s=args.health_interval_s, connect_timeout_s=args.connect_timeout_s,
+        only=tuple(args.only),
     )
     results = asyncio.run(run_all(config))
     command = shlex.join(["python", "-m", "loadtest", "chaos", *args_list])

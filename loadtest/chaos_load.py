@@ -65,6 +65,7 @@ class Load:
     _stopped: bool = False
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _session: aiohttp.ClientSession | None = None
+    inflight: int = 0
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
@@ -73,6 +74,12 @@ class Load:
 
     def pause(self) -> None:
         self._running.clear()
+
+    async def drained(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no request of this load is in flight."""
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:  # noqa: ASYNC110 - a polled count
+            await asyncio.sleep(0.05)
 
     def resume(self) -> None:
         self._running.set()
@@ -102,7 +109,11 @@ class Load:
                 ],
             }
             start = time.monotonic()
-            ok, error = await self._send(body, stream)
+            self.inflight += 1
+            try:
+                ok, error = await self._send(body, stream)
+            finally:
+                self.inflight -= 1
             self.samples.append(Sample(start, time.monotonic(), stream, ok, error))
             if not ok:
                 await asyncio.sleep(0.05)  # a refused connection must not become a hot loop
@@ -128,9 +139,9 @@ class Load:
 async def abort_burst(
     gateway: str, workers: Sequence[str], clients: int, max_tokens: int
 ) -> tuple[int, int]:
-    """``clients`` streaming requests at once, all dropped by their clients together once the
-    workers hold them (running or queued; at most 30 s), half a second later. Returns (requests
-    the workers held, clients that had received the start of their stream)."""
+    """``clients`` streaming requests at once, all dropped by their clients together half a
+    second after the workers hold (nearly) all of them, running or queued (at most 30 s).
+    Returns (requests the workers held, clients whose stream had started)."""
     started = 0
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -140,8 +151,8 @@ async def abort_burst(
                     "messages": [{"role": "system", "content": SYSTEM_PROMPTS[k % 8]},
                                  {"role": "user", "content": f"long story {k}"}]}
             async with session.post(gateway + "/v1/chat/completions", json=body) as response:
-                await response.content.readany()
-                started += 1
+                if response.status == 200 and await response.content.readany():
+                    started += 1
                 await asyncio.Event().wait()
 
         tasks = [asyncio.create_task(one(k)) for k in range(clients)]
@@ -153,7 +164,7 @@ async def abort_burst(
                 metrics = await scrape(session, url)
                 held += int(metrics.get("vllm:num_requests_running", 0.0)
                             + metrics.get("vllm:num_requests_waiting", 0.0))
-            if held >= clients:
+            if held >= 0.95 * clients:
                 break
             await asyncio.sleep(0.2)
         await asyncio.sleep(0.5)
