@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import socket
 import sys
 
-from aiohttp import web
-
 from gateway.app import create_app
+from gateway.httpserver import run
 from gateway.procs import run_supervisor, watch_parent
+from gateway.redact import redact_url
 from gateway.settings import GatewaySettings, parse_settings
 from gateway.telemetry import access_log
 
@@ -39,23 +40,29 @@ def serve(settings: GatewaySettings) -> int:
     asyncio.set_event_loop(loop)
     try:
         app = create_app(settings)
-    except ValueError as exc:  # a malformed worker URL, a tokenizer file that cannot load
+    except ValueError as exc:  # a bad worker URL, tokenizer, keys or secret file
         print(f"python -m gateway: {exc}", file=sys.stderr)
         loop.close()
         return 2
     watch_parent(loop)
-    web.run_app(
+    # The admin port listens on loopback only; requests arriving there are admin requests.
+    admin = [
+        socket.create_server(("127.0.0.1", settings.admin_port),
+                             reuse_port=settings.reuse_port or settings.procs > 1)
+    ] if settings.admin_port else []
+    run(
         app,
         host=settings.host,
         port=settings.port,
-        shutdown_timeout=settings.shutdown_timeout_s,
-        print=lambda _: print(
+        extra_sockets=admin,
+        shutdown_timeout_s=settings.shutdown_timeout_s,
+        on_ready=lambda: print(
             f"gateway listening on {base} (policy {settings.policy}, "
-            f"{len(settings.worker)} static workers, store {settings.store}, "
-            f"loop {type(loop).__module__.split('.')[0]})",
+            f"{len(settings.worker)} static workers, store {redact_url(settings.store)}, "
+            f"loop {type(loop).__module__.split('.')[0]})"
+            + (f", admin on 127.0.0.1:{settings.admin_port}" if admin else ""),
             flush=True,
         ),
-        access_log=None,
         reuse_port=settings.reuse_port or None,
         backlog=LISTEN_BACKLOG,
         loop=loop,

@@ -8,12 +8,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import xxhash
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.auth import AUTH_KEY, IDENTITY_KEY, Identity
 from gateway.errors import ModelNotFound, NoWorkerAvailable, RequestTimeout
 from gateway.fingerprint import Namespace, fingerprint
+from gateway.limits import LIMITS_KEY
 from gateway.misses import prompt_head_hash
 from gateway.normalize import NormalizeOptions
 from gateway.openai_schema import (
@@ -23,8 +24,10 @@ from gateway.openai_schema import (
     parse_chat,
     parse_completion,
 )
-from gateway.proxy import TENANT_KEY, dispatch
+from gateway.openapi import openapi_document
+from gateway.proxy import NAMESPACE_KEY, TENANT_KEY, dispatch
 from gateway.routing.types import RouteRequest
+from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.store.base import StoreUnavailable
 from gateway.telemetry.middleware import record_of
@@ -35,12 +38,13 @@ T = TypeVar("T")
 Parser = Callable[[dict[str, Any], NormalizeOptions], ParsedRequest]
 
 
-def tenant_of(request: web.Request) -> str:
-    """The tenant is a hash of the bearer key: namespaces differ per key, the key is never kept."""
-    auth = request.headers.get("Authorization", "")
-    if auth.lower().startswith("bearer ") and auth[7:].strip():
-        return xxhash.xxh3_64_hexdigest(auth[7:].strip().encode("utf-8"))
-    return ""
+def request_cost(parsed: ParsedRequest, settings: GatewaySettings) -> tuple[int, int]:
+    """(prompt tokens, load in tokens) of a request as estimated before it runs: every prompt
+    of a batch, plus ``max_tokens`` (or the default budget) for every output it asks for."""
+    prompt_tokens = (math.ceil(parsed.prompt_chars / settings.chars_per_token)
+                     + parsed.prompt_token_ids)
+    budget = parsed.max_tokens or settings.default_max_tokens
+    return prompt_tokens, prompt_tokens + parsed.sequences * budget
 
 
 async def _read_body(request: web.Request, timeout_s: float) -> bytes:
@@ -66,25 +70,34 @@ async def prepare(
         if not state.pool.any_healthy():
             raise NoWorkerAvailable("no healthy worker right now; retry shortly")
         raise ModelNotFound(
-            f"the model {parsed.model!r} does not exist; available: {', '.join(sorted(models))}",
+            f"the model {parsed.model[:200]!r} does not exist; available: "
+            f"{', '.join(sorted(models))}",
             param="model",
         )
-    tenant = tenant_of(request)
+    identity = request.get(IDENTITY_KEY) or Identity("", "")
+    tenant = identity.tenant_id  # a keyed hash: what Redis and the fingerprints see
     request[TENANT_KEY] = tenant
+    # The cache namespace the workers see: the tenant's, split further by the client's salt.
+    namespace = request.app[AUTH_KEY].hasher.namespace(tenant, parsed.cache_salt)
+    request[NAMESPACE_KEY] = namespace
     tokenized = None
     if state.exact.tokenizer is not None:
         tokenized = await state.exact.key(
-            parsed.body, chat=path == "/v1/chat/completions", tenant=tenant,
+            parsed.body, chat=path == "/v1/chat/completions", tenant=namespace,
             cache_salt=parsed.cache_salt,
         )
     block_tokens = 0
+    prompt_tokens, cost = request_cost(parsed, settings)
     if tokenized is not None:  # token-exact: the blocks the engine will cache
-        key, prompt_tokens, block_tokens = tokenized.key, tokenized.tokens, tokenized.block_size
+        key, block_tokens = tokenized.key, tokenized.block_size
+        if parsed.sequences == 1:
+            cost += tokenized.tokens - prompt_tokens
+            prompt_tokens = tokenized.tokens
     else:
-        namespace = Namespace(tenant=tenant, model=parsed.model, cache_salt=parsed.cache_salt)
-        key = fingerprint(parsed.fingerprint_text, namespace, settings.fingerprint_options())
-        prompt_tokens = math.ceil(len(parsed.fingerprint_text) / settings.chars_per_token)
-    cost = prompt_tokens + (parsed.max_tokens or settings.default_max_tokens)
+        key = fingerprint(parsed.fingerprint_text,
+                          Namespace(tenant=tenant, model=parsed.model,
+                                    cache_salt=parsed.cache_salt),
+                          settings.fingerprint_options())
     route_request = RouteRequest(
         key=key, model=parsed.model, cost_tokens=cost, prompt_tokens=prompt_tokens,
         block_tokens=block_tokens,
@@ -105,7 +118,9 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
         namespace=Namespace(tenant=request[TENANT_KEY], model=parsed.model,
                             cache_salt=parsed.cache_salt).seed(),
     )
-    return await dispatch(state, request, path, forwarded_body(parsed, raw), route_request)
+    identity = request.get(IDENTITY_KEY) or Identity("", "")
+    async with request.app[LIMITS_KEY].admitted(identity.tenant, route_request.cost_tokens):
+        return await dispatch(state, request, path, forwarded_body(parsed, raw), route_request)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -229,6 +244,10 @@ async def _or_none(call: Awaitable[T]) -> T | None:
         return None
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(request.app[STATE].pool.models()))
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -239,3 +258,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/workers", admin_workers)
     app.router.add_get("/admin/rebalance", admin_rebalance)
+    app.router.add_get("/openapi.json", openapi)

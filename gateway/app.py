@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -14,10 +15,12 @@ from prometheus_client import Histogram
 
 from gateway import explain, ui
 from gateway.api import STATE, add_routes
+from gateway.auth import AUTH_KEY, Auth, KeyStore, TenantHasher, read_secret, tenant_secret
 from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
 from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.backends.sagemaker import SageMakerBackend
 from gateway.breaker import BreakerOptions, Breakers
+from gateway.credentials import worker_keys
 from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import (
     GatewayError,
@@ -29,6 +32,7 @@ from gateway.errors import (
 from gateway.guard import ConnectionSlots, UpstreamGuard
 from gateway.kvevents.source import ExactSource
 from gateway.kvevents.tokenize import PromptTokenizer
+from gateway.limits import LIMITS_KEY, Limits
 from gateway.pool import WorkerPool
 from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.routing.policies import build_engine
@@ -136,6 +140,50 @@ async def _health_loop(state: GatewayState, telemetry: Telemetry) -> None:
             log.exception("health check round failed")
 
 
+def _reload_keys(auth: Auth) -> None:
+    try:
+        count = auth.keys.reload()
+    except ValueError as exc:
+        log.error("SIGHUP: keys file not reloaded, the previous keys stay in use: %s", exc)
+    else:
+        log.info("SIGHUP: keys file reloaded (%d keys)", count)
+
+
+async def _key_reloading(app: web.Application) -> AsyncIterator[None]:
+    """SIGHUP re-reads ``--api-keys-file`` (where the loop can take signal handlers)."""
+    auth = app[AUTH_KEY]
+    loop = asyncio.get_running_loop()
+    installed = False
+    if app[STATE].settings.api_keys_file:
+        try:
+            loop.add_signal_handler(signal.SIGHUP, _reload_keys, auth)
+            installed = True
+        except (NotImplementedError, RuntimeError, ValueError):
+            log.warning("cannot handle SIGHUP here: the keys file is read once")
+    try:
+        yield
+    finally:
+        if installed:
+            loop.remove_signal_handler(signal.SIGHUP)
+
+
+def build_auth(settings: GatewaySettings) -> Auth:
+    """The access rules from the settings; raises ValueError for unreadable or bad files."""
+    keys = KeyStore(settings.api_key, settings.api_keys_file)
+    secret = read_secret(settings.tenant_secret, settings.tenant_secret_file, "tenant secret")
+    hasher = TenantHasher(tenant_secret(
+        secret, keys_configured=keys.configured,
+        shared_store=not settings.store.startswith("memory://"),
+    ))
+    return Auth(
+        keys, hasher,
+        admin_token=read_secret(settings.admin_token, settings.admin_token_file, "admin token"),
+        admin_port=settings.admin_port,
+        metrics_auth=settings.metrics_auth,
+        route_headers=settings.route_headers,
+    )
+
+
 def _resources(
     state: GatewayState, telemetry: Telemetry
 ) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -178,6 +226,9 @@ def build_store(settings: GatewaySettings) -> MetadataStore:
 
 def _http_backend(settings: GatewaySettings, *, namespace_in_body: bool) -> OpenAIHTTPBackend:
     return OpenAIHTTPBackend(
+        api_keys=worker_keys(settings.worker),
+        default_api_key=read_secret(
+            settings.worker_api_key, settings.worker_api_key_file, "worker API key"),
         connect_timeout_s=settings.connect_timeout_s,
         read_timeout_s=settings.read_timeout_s,
         max_connections=settings.max_connections,
@@ -235,6 +286,7 @@ def create_app(
         sync=StoreSync(
             store, pool, index, origin=origin, tokens_per_block=settings.tokens_per_block(),
             shares_state=not isinstance(store, MemoryStore), history_s=settings.index_ttl_s,
+            max_weight=settings.max_worker_weight,
         ),
         rebalancer=Rebalancer(
             store, pool, index, origin,
@@ -256,14 +308,20 @@ def create_app(
         tracing=Tracing.build(settings.tracing_options(), span_exporter),
         access_log=AccessLog(settings.access_log),
     )
+    auth = build_auth(settings)
     app = web.Application(
-        middlewares=[telemetry_middleware, cancel_on_disconnect(), error_middleware],
+        middlewares=[telemetry_middleware, cancel_on_disconnect(), error_middleware,
+                     auth.middleware],
         client_max_size=settings.max_body_bytes,
     )
     app[STATE] = state
     app[TELEMETRY_KEY] = telemetry
+    app[AUTH_KEY] = auth
+    app[LIMITS_KEY] = Limits(settings.limit_options())
     app.on_response_prepare.append(add_request_id)
+    app.on_response_prepare.append(auth.on_response_prepare)
     app.cleanup_ctx.append(_resources(state, telemetry))
+    app.cleanup_ctx.append(_key_reloading)
     add_routes(app)
     explain.add_routes(app)
     ui.add_routes(app)

@@ -105,6 +105,8 @@ def load_settings(
         if env.get(env_name, "").strip():  # an empty variable leaves the default
             default = _from_env(env[env_name], kind, env_name)
         help_text = str(field.metadata.get("help", "")) + f" [env {env_name}]"
+        if field.metadata.get("secret"):
+            help_text += "%(default).0s"  # argparse prints no default (the secret) for it
         if kind is bool:
             parser.add_argument(
                 flag, dest=field.name, action=argparse.BooleanOptionalAction, default=default,

@@ -17,6 +17,8 @@ import orjson
 from gateway.errors import InvalidRequest
 from gateway.normalize import NormalizeOptions, normalize_messages, normalize_text, render_chat
 
+MAX_TOKENS_LIMIT = 2**31 - 1  # larger values are no budget any server can honour
+MAX_N = 128
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -31,6 +33,29 @@ class ParsedRequest:
     # Normalization changed nothing: ``body`` equals what the client sent, so the client's own
     # bytes can be forwarded instead of encoding ``body`` again.
     unchanged: bool = False
+    prompt_chars: int = 0
+    """Characters of every text prompt (all prompts of a batch; a chat as rendered)."""
+    prompt_token_ids: int = 0
+    """Token ids given directly as prompts, summed over the batch."""
+    sequences: int = 1
+    """Outputs the worker generates: prompts x ``n``."""
+
+
+MAX_JSON_DEPTH = 64
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests containers deeper than ``limit`` (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 class ClientJSON(dict[str, Any]):
@@ -58,18 +83,30 @@ def encode_body(body: Mapping[str, Any]) -> bytes:
 
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or :class:`InvalidRequest` for anything else: bad
+    UTF-8 or JSON (orjson refuses unpaired surrogate escapes, NaN and numbers beyond a double),
+    nesting deeper than :data:`MAX_JSON_DEPTH` (a body re-encoded for a worker must encode)."""
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(value, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    containers = raw.count(b"[") + raw.count(b"{")  # an upper bound on the depth, in C
+    if containers > MAX_JSON_DEPTH and _depth_exceeds(value, MAX_JSON_DEPTH):
+        raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels",
+                             code="invalid_json")
     return value
 
 
 def _expect(cond: bool, message: str, param: str) -> None:
     if not cond:
         raise InvalidRequest(message, param=param, code="invalid_type")
+
+
+def _choices(body: Mapping[str, Any]) -> int:
+    n = body.get("n")
+    return n if isinstance(n, int) and n >= 1 else 1
 
 
 def _common(body: Mapping[str, Any]) -> tuple[str, bool, int | None, str]:
@@ -84,16 +121,17 @@ def _common(body: Mapping[str, Any]) -> tuple[str, bool, int | None, str]:
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value is not None:
-            _expect(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                    f"'{name}' must be an integer >= 1", name)
+            _expect(isinstance(value, int) and not isinstance(value, bool)
+                    and 1 <= value <= MAX_TOKENS_LIMIT,
+                    f"'{name}' must be an integer from 1 to {MAX_TOKENS_LIMIT}", name)
             max_tokens = value
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         value = body.get(name)
         _expect(value is None or (isinstance(value, int | float) and not isinstance(value, bool)),
                 f"'{name}' must be a number", name)
     n = body.get("n")
-    _expect(n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
-            "'n' must be an integer >= 1", "n")
+    _expect(n is None or (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N),
+            f"'n' must be an integer from 1 to {MAX_N}", "n")
     salt = body.get("cache_salt", "")
     _expect(salt is None or isinstance(salt, str), "'cache_salt' must be a string", "cache_salt")
     options = body.get("stream_options")
@@ -116,21 +154,29 @@ def parse_completion(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequ
                              code="missing_required_parameter")
     prompt = body["prompt"]
     forwarded = dict(body)
+    chars = ids = 0
+    count = 1
     if isinstance(prompt, str):
         forwarded["prompt"] = text = normalize_text(prompt, opts)
+        chars = len(text)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         forwarded["prompt"] = normalized = [normalize_text(p, opts) for p in prompt]
         text = normalized[0]
+        chars, count = sum(map(len, normalized)), len(normalized)
     elif isinstance(prompt, list) and prompt and _is_token_list(prompt):
         text = " ".join(map(str, prompt))
+        ids = len(prompt)
     elif isinstance(prompt, list) and prompt and all(_is_token_list(p) and p for p in prompt):
         text = " ".join(map(str, prompt[0]))
+        ids, count = sum(map(len, prompt)), len(prompt)
     else:
         raise InvalidRequest(
             "'prompt' must be a string, a non-empty list of strings, a list of token ids "
             "or a list of token-id lists", param="prompt", code="invalid_type")
     unchanged = forwarded["prompt"] == prompt
-    return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged)
+    return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged,
+                         prompt_chars=chars, prompt_token_ids=ids,
+                         sequences=count * _choices(body))
 
 
 def _check_message(i: int, message: Any) -> None:
@@ -181,4 +227,5 @@ def parse_chat(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequest:
         forwarded = dict(body)
         forwarded["messages"] = normalized
     text = render_chat(normalized, tools)
-    return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged)
+    return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged,
+                         prompt_chars=len(text), sequences=_choices(body))

@@ -47,8 +47,11 @@ def kind_for(url: str) -> str:
 
 
 def plain_url(url: str) -> str:
-    """The URL to send requests to: ``vllm+http://h:p`` is served at ``http://h:p``."""
-    return url.removeprefix("vllm+") if url.startswith(VLLM_SCHEMES) else url
+    """The URL to send requests to: ``vllm+http://h:p`` is served at ``http://h:p``; the query
+    of an HTTP worker URL names its credentials (see :mod:`gateway.credentials`), not a path."""
+    if is_sagemaker_url(url):
+        return url
+    return url.removeprefix("vllm+").split("?", 1)[0]
 
 
 @dataclass(slots=True)

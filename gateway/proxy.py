@@ -35,8 +35,10 @@ from gateway.telemetry.middleware import record_of
 
 log = logging.getLogger(__name__)
 
-# Request-scoped: the tenant id the handler derived from the API key.
+# Request-scoped: the tenant id the handler derived from the API key (a keyed hash), and the
+# cache namespace derived from it and the client's cache_salt.
 TENANT_KEY = web.RequestKey("tenant", str)
+NAMESPACE_KEY = web.RequestKey("namespace", str)
 
 CACHE_HEADERS = (
     "x-cache-input-tokens",
@@ -93,10 +95,10 @@ async def dispatch(
     forward: dict[str, str] = {}
     # A routing hint for backends that can use it (SageMaker: PrefixAwareId, sessions).
     forward["x-prefix-anchor"] = route_request.key.anchor_hex
-    # The tenant's cache namespace: our worker keys its cache by it, vLLM gets it as cache_salt.
-    tenant = http_request.get(TENANT_KEY, "")
-    if tenant:
-        forward[NAMESPACE_HEADER] = tenant
+    # The request's cache namespace: our worker keys its cache by it, vLLM gets it as cache_salt.
+    namespace = http_request.get(NAMESPACE_KEY, "")
+    if namespace:
+        forward[NAMESPACE_HEADER] = namespace
     backoff_s = 0.0
     guard = state.guard
     busy = 0  # attempts that found no free connection to their worker

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from gateway.config import load_settings
 from gateway.fingerprint import FingerprintOptions
 from gateway.kvevents.tokenize import TokenizerOptions
+from gateway.limits import LimitOptions
 from gateway.normalize import NormalizeOptions
 from gateway.routing.policies import POLICY_NAMES, PolicyOptions
 from gateway.telemetry.access_log import ACCESS_LOG_MODES
@@ -20,6 +21,14 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+def _secret(text: str) -> dict[str, object]:
+    """Metadata of a field that holds a secret: ``--help`` never prints its value."""
+    return {"help": text, "secret": True}
+
+
+ROUTE_HEADER_MODES = ("all", "admin", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +221,99 @@ class GatewaySettings:
         default="affinity-gateway", metadata=_help("service.name of the exported spans")
     )
 
+    api_key: tuple[str, ...] = field(
+        default=(), repr=False,
+        metadata=_secret("an API key clients must send as 'Authorization: Bearer KEY', with its "
+                         "tenant: KEY:TENANT (tenant names contain no ':'). With any key "
+                         "configured every /v1/* call needs one"),
+    )
+    api_keys_file: str = field(
+        default="",
+        metadata=_help("file of salted key hashes, one 'TENANT sha256$SALT$DIGEST' per line "
+                       "(python -m gateway.auth hash-key writes one); re-read on SIGHUP"),
+    )
+    admin_token: str = field(
+        default="", repr=False,
+        metadata=_secret("token for /admin/* ('Authorization: Bearer TOKEN' or "
+                         "'x-admin-token: TOKEN'); prefer GATEWAY_ADMIN_TOKEN or "
+                         "--admin-token-file"),
+    )
+    admin_token_file: str = field(
+        default="", metadata=_help("file holding the admin token (instead of --admin-token)")
+    )
+    admin_port: int = field(
+        default=0,
+        metadata=_help("also serve on 127.0.0.1:PORT, where /admin/* needs no token (0: off)"),
+    )
+    metrics_auth: bool = field(
+        default=False, metadata=_help("/metrics needs the admin token too")
+    )
+    route_headers: str = field(
+        default="",
+        metadata=_help("who sees the x-route-*, x-prefix-* and x-cache-* headers: all, admin "
+                       "(requests with the admin token) or none; default: none when API keys "
+                       "are configured, else all"),
+    )
+    tenant_secret: str = field(
+        default="", repr=False,
+        metadata=_secret("server secret of the keyed hashes that name tenants and cache "
+                         "namespaces outside the process (Redis, workers); replicas sharing a "
+                         "store need the same one. Prefer GATEWAY_TENANT_SECRET or "
+                         "--tenant-secret-file"),
+    )
+    tenant_secret_file: str = field(
+        default="", metadata=_help("file holding the tenant secret")
+    )
+    worker_api_key: str = field(
+        default="", repr=False,
+        metadata=_secret("API key the gateway sends to workers ('Authorization: Bearer'), e.g. "
+                         "a vLLM started with --api-key; a worker URL's ?api_key_env=NAME or "
+                         "?api_key_file=PATH overrides it for that worker"),
+    )
+    worker_api_key_file: str = field(
+        default="", metadata=_help("file holding --worker-api-key")
+    )
+    max_worker_weight: float = field(
+        default=4.0,
+        metadata=_help("most ring weight a registered worker gets from its cache size, as a "
+                       "multiple of the pool's median; its claim counts only once its own "
+                       "/metrics confirm it"),
+    )
+    tenant_rpm: float = field(
+        default=0.0, metadata=_help("requests per minute one tenant may send (token bucket, "
+                                    "bursts up to a minute's worth; 0: no limit)")
+    )
+    tenant_tpm: float = field(
+        default=0.0, metadata=_help("tokens per minute one tenant may use, prompt plus "
+                                    "max_tokens as estimated at admission (0: no limit)")
+    )
+    tenant_concurrency: int = field(
+        default=0, metadata=_help("requests one tenant may have in flight (0: no limit)")
+    )
+    max_inflight: int = field(
+        default=0, metadata=_help("requests the gateway serves at once; more wait in a "
+                                  "bounded queue (0: no limit)")
+    )
+    max_queue: int = field(
+        default=256, metadata=_help("requests that may wait for --max-inflight; beyond: 429")
+    )
+    admission_timeout_s: float = field(
+        default=10.0, metadata=_help("longest wait in the --max-inflight queue before a 429")
+    )
+
     def __post_init__(self) -> None:
+        if min(self.tenant_rpm, self.tenant_tpm, self.tenant_concurrency, self.max_inflight,
+               self.max_queue, self.admission_timeout_s) < 0:
+            raise ValueError("limits must be >= 0")
+        if self.route_headers not in ("", *ROUTE_HEADER_MODES):
+            raise ValueError(
+                f"route_headers must be one of {', '.join(ROUTE_HEADER_MODES)}, "
+                f"got {self.route_headers!r}"
+            )
+        if not 0 <= self.admin_port <= 65535:
+            raise ValueError(f"admin_port must be in 0..65535, got {self.admin_port}")
+        if self.max_worker_weight < 1:
+            raise ValueError("max_worker_weight must be >= 1")
         if self.policy not in POLICY_NAMES:
             raise ValueError(
                 f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
@@ -272,6 +373,13 @@ class GatewaySettings:
             ring_choices=self.ring_choices,
             spread_guard=self.spread_guard,
             pressure_weight=self.pressure_weight,
+        )
+
+    def limit_options(self) -> LimitOptions:
+        return LimitOptions(
+            tenant_rpm=self.tenant_rpm, tenant_tpm=self.tenant_tpm,
+            tenant_concurrency=self.tenant_concurrency, max_inflight=self.max_inflight,
+            max_queue=self.max_queue, queue_timeout_s=self.admission_timeout_s,
         )
 
     def replica_id(self) -> str:

@@ -27,8 +27,10 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
+from gateway.backends.base import CACHE_CAPACITY_TOKENS
 from gateway.kvevents.endpoints import EventEndpoints
 from gateway.pool import WorkerPool
+from gateway.registry_trust import trusted_capacities
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.store.base import (
     Assignment,
@@ -80,7 +82,9 @@ class StoreSync:
         shares_state: bool = True,
         history_s: float = 600.0,
         history_entries: int = 5000,
+        max_weight: float = 4.0,
     ) -> None:
+        self._max_weight = max_weight
         self.store = store
         self.pool = pool
         self.index = index
@@ -178,16 +182,16 @@ class StoreSync:
         self._apply_capacities(records)
 
     def _apply_capacities(self, records: Sequence[WorkerRecord]) -> None:
-        """Ring weights follow cache capacity; the index models each worker's real size."""
-        known = [r for r in records if r.capacity_tokens() > 0]
-        if not known:
-            return
-        mean = sum(r.capacity_tokens() for r in known) / len(known)
-        self.pool.set_weights({r.id: r.capacity_tokens() / mean for r in known})
-        for record in known:
-            self.pool.set_capacity(
-                record.id, max(1, int(record.capacity_tokens() / self._tokens_per_block))
-            )
+        """Ring weights follow cache capacity as far as probes confirm it (see
+        :mod:`gateway.registry_trust`); the index models each worker's believed size."""
+        probed = {
+            r.id: self.pool.get(r.id).engine_metrics.get(CACHE_CAPACITY_TOKENS, 0.0)
+            for r in records if r.id in self.pool
+        }
+        trusted = trusted_capacities(records, probed, self._max_weight)
+        self.pool.set_weights(trusted.weights)
+        for wid, tokens in trusted.capacity_tokens.items():
+            self.pool.set_capacity(wid, max(1, int(tokens / self._tokens_per_block)))
 
     async def _sync_load(self) -> None:
         ttl = max(2.0, 20 * self._intervals[1])

@@ -1,19 +1,22 @@
 """``python -m loadtest <command>``: ``run`` (live load test, :mod:`loadtest.run`),
 ``replay`` (live trace replay through the gateway and peer routers, :mod:`loadtest.replay`),
-``simulate`` (the cluster simulator, :mod:`loadtest.simulate`) or ``chaos`` (the fault
-catalogue, :mod:`loadtest.chaos`)."""
+``simulate`` (the cluster simulator, :mod:`loadtest.simulate`), ``chaos`` (the fault
+catalogue, :mod:`loadtest.chaos`), ``fuzz`` (schemathesis against a live gateway,
+:mod:`loadtest.fuzz`) or ``admission`` (cost of keys and limits, :mod:`loadtest.admission`)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-USAGE = """usage: python -m loadtest {run,replay,simulate,chaos} [options]
+USAGE = """usage: python -m loadtest {run,replay,simulate,chaos,fuzz,admission} [options]
 
   run        live load test: workers + gateway per policy, locust headless, report + plots
   replay     live closed-loop trace replay: gateway (and --peers) on the same workers
   simulate   cluster simulator (same as python -m loadtest.simulate)
   chaos      fault catalogue under steady load: kills, stops, Redis faults, drains, aborts
+  fuzz       schemathesis against a live gateway: every status counted, 0 5xx expected
+  admission  latency of keys and limits side by side; how a 64-prompt batch is counted
 
 python -m loadtest run --help   for the options
 """
@@ -33,6 +36,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from loadtest.replay import main as replay_main
 
         return replay_main(rest)
+    if command == "admission":
+        from loadtest.admission import main as admission_main
+
+        return admission_main(rest)
+    if command == "fuzz":
+        from loadtest.fuzz import main as fuzz_main
+
+        return fuzz_main(rest)
     if command == "simulate":
         from loadtest.simulate import main as simulate_main
 

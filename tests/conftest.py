@@ -24,6 +24,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.app import create_app as create_gateway
+from gateway.httpserver import JsonErrorRunner
 from gateway.settings import GatewaySettings
 from infra.local import stop_processes, wait_healthy
 from worker.server import create_app as create_worker
@@ -48,7 +49,7 @@ def free_port() -> int:
 
 
 async def serve(app: web.Application, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None)
+    runner = JsonErrorRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner

@@ -44,6 +44,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from gateway.kvevents.keys import engine_namespace
 from gateway.store.base import WorkerRecord
 from gateway.telemetry.tracing import Tracing
+from worker.auth import auth_middleware
 from worker.disconnect import cancel_on_disconnect
 from worker.engines.base import Engine, EngineUnavailableError
 from worker.engines.sim import WORDS, SimCosts, SimEngine
@@ -403,7 +404,12 @@ def create_app(
     and ``EngineUnavailableError`` when the engine cannot be built. ``span_exporter``: export
     spans there as they end (tests), whatever ``settings.otel_endpoint`` says."""
     app = web.Application(
-        middlewares=[cancel_on_disconnect(), error_middleware], client_max_size=CLIENT_MAX_SIZE
+        middlewares=[
+            cancel_on_disconnect(),
+            error_middleware,
+            auth_middleware(settings.api_key, settings.admin_token),
+        ],
+        client_max_size=CLIENT_MAX_SIZE,
     )
     tok = tokenizer if tokenizer is not None else load_tokenizer(
         settings.tokenizer_file, settings.tokenizer

@@ -189,6 +189,19 @@ class WorkerSettings:
         default="affinity-worker", metadata={"help": "service.name of the exported spans."}
     )
 
+    api_key: str = field(
+        default="", repr=False,
+        metadata={"help": "If set, every /v1/* request needs 'Authorization: Bearer KEY' (as "
+                  "vLLM's --api-key); the gateway sends it (its --worker-api-key). Prefer "
+                  "WORKER_API_KEY in the environment.", "secret": True},
+    )
+    admin_token: str = field(
+        default="", repr=False,
+        metadata={"help": "Token for /admin/* ('Authorization: Bearer TOKEN'); without one the "
+                  "--api-key guards them, and with neither they are open. Prefer "
+                  "WORKER_ADMIN_TOKEN.", "secret": True},
+    )
+
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise SettingsError(

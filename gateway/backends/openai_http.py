@@ -4,12 +4,14 @@ One pooled :class:`aiohttp.ClientSession` for all workers, with a bounded connec
 total and per worker), an explicit connect timeout and a read timeout between bytes (a long
 generation keeps streaming; a stuck worker is cut off).
 
-Tenant isolation: the gateway passes the tenant's cache namespace as the ``x-cache-namespace``
+Tenant isolation: the gateway passes the request's cache namespace (derived from the tenant and
+the client's ``cache_salt``, see :class:`gateway.auth.TenantHasher`) as the ``x-cache-namespace``
 header, which our reference worker honours. vLLM has no such header; for ``kind = "vllm"`` the
-namespace goes into the body as vLLM's ``cache_salt`` (unless the client set one), so tenants
-never share KV blocks there either. vLLM reports cached prompt tokens only in a stream's final
-usage event, so streams to ``kind = "vllm"`` always ask for it (``stream_options.include_usage``)
-and the gateway strips that event when the client did not ask for it.
+namespace, joined with the client's salt as our worker joins them, replaces ``cache_salt``, so
+tenants never share KV blocks there either. vLLM reports cached prompt tokens only in a
+stream's final usage event, so streams to ``kind = "vllm"`` always ask for it
+(``stream_options.include_usage``) and the gateway strips that event when the client did not
+ask for it.
 
 Health probes read ``/health`` and ``/v1/models``, and scrape ``/metrics`` for vLLM's engine
 gauges and counters (``vllm:num_requests_running``, ``..._waiting``, ``vllm:kv_cache_usage_perc``,
@@ -26,6 +28,7 @@ from typing import Any
 import aiohttp
 
 from gateway.backends.base import CACHE_CAPACITY_TOKENS, BackendUnavailable, WorkerProbe
+from gateway.kvevents.keys import engine_namespace
 from gateway.openai_schema import encode_body
 from gateway.routing.types import Worker
 
@@ -137,8 +140,12 @@ class OpenAIHTTPBackend:
         max_connections_per_worker: int,
         probe_timeout_s: float = 2.0,
         namespace_in_body: bool = False,
+        api_keys: Mapping[str, str] | None = None,
+        default_api_key: str = "",
     ) -> None:
         self._namespace_in_body = namespace_in_body
+        self._api_keys = dict(api_keys or {})  # worker id -> key it expects
+        self._default_api_key = default_api_key
         self._limits = (max_connections, max_connections_per_worker)
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
@@ -165,6 +172,10 @@ class OpenAIHTTPBackend:
             raise RuntimeError("backend used before start()")
         return self._client
 
+    def _credentials(self, worker: Worker) -> dict[str, str]:
+        key = self._api_keys.get(worker.id, self._default_api_key)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     async def open(
         self, worker: Worker, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
     ) -> HTTPReply:
@@ -172,8 +183,11 @@ class OpenAIHTTPBackend:
         strip_usage = False
         if self._namespace_in_body:
             headers = {k: v for k, v in headers.items() if k != NAMESPACE_HEADER}
-            if namespace and not body.get("cache_salt"):
-                body = {**body, "cache_salt": namespace}
+            if namespace:
+                # What our worker makes of header + salt, so both kinds key a request alike.
+                salt = body.get("cache_salt")
+                body = {**body, "cache_salt": engine_namespace(
+                    namespace, salt if isinstance(salt, str) else "")}
             # vLLM reports cached tokens only in usage: have every stream end with it, and
             # hold that event back when the client did not ask for it.
             options = body.get("stream_options")
@@ -188,22 +202,27 @@ class OpenAIHTTPBackend:
             response = await self._session.post(
                 worker.url + path,
                 data=data,
-                headers={**headers, "Content-Type": "application/json"},
+                headers={**headers, **self._credentials(worker),
+                         "Content-Type": "application/json"},
             )
         except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
         return HTTPReply(response, strip_usage=strip_usage)
 
     async def probe(self, worker: Worker) -> WorkerProbe:
+        auth = self._credentials(worker)
         try:
             async with self._session.get(
-                worker.url + "/health", timeout=self._probe_timeout
+                worker.url + "/health", timeout=self._probe_timeout, headers=auth
             ) as health:
                 if health.status != 200:
                     return WorkerProbe(False, frozenset(), f"/health answered {health.status}")
             async with self._session.get(
-                worker.url + "/v1/models", timeout=self._probe_timeout
+                worker.url + "/v1/models", timeout=self._probe_timeout, headers=auth
             ) as listing:
+                if listing.status != 200:
+                    return WorkerProbe(False, frozenset(),
+                                       f"/v1/models answered {listing.status}")
                 payload = await listing.json(content_type=None)
             metrics = await self._scrape(worker)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
@@ -218,7 +237,8 @@ class OpenAIHTTPBackend:
     async def _scrape(self, worker: Worker) -> dict[str, float]:
         """vLLM's engine metrics from ``/metrics``; empty if the server exposes none."""
         async with self._session.get(
-            worker.url + "/metrics", timeout=self._probe_timeout
+            worker.url + "/metrics", timeout=self._probe_timeout,
+            headers=self._credentials(worker),
         ) as response:
             if response.status != 200:
                 return {}

@@ -16,7 +16,7 @@ key                                     type    content, bound
 ``{p}:load:<replica>``                  hash    worker id -> in-flight tokens; TTL a few s
 ``{p}:telemetry:worker:<id>``           hash    requests, input/matched/predicted tokens,
                                                 mispredicted; TTL 1 day, refreshed
-``{p}:telemetry:tenant:<hash>``         hash    the same per tenant (hash of the API key)
+``{p}:telemetry:tenant:<hash>``         hash    the same per tenant (keyed hash of the tenant)
 ``{p}:leader``                          string  replica id holding the rebalancer lease; PX TTL
 ``{p}:rebalance``                       list    JSON of recent rebalancer actions; capped
 ======================================  ======  =============================================
@@ -34,6 +34,7 @@ from typing import Any, TypeVar, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.redact import redact_url
 from gateway.store.base import (
     Assignment,
     CacheReport,
@@ -91,7 +92,8 @@ class RedisStore:
 
     @property
     def url(self) -> str:
-        return self._url
+        """The store's URL for display and logs: any password is replaced by ``***``."""
+        return redact_url(self._url)
 
     def key(self, *parts: str) -> str:
         return ":".join((self._prefix, *parts))

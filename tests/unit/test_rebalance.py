@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.backends.base import CACHE_CAPACITY_TOKENS
 from gateway.pool import WorkerPool
 from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.routing.prefix_index import PrefixIndex
@@ -119,6 +120,11 @@ async def test_membership_weights_and_capacity_follow_the_registry() -> None:
     await store.register_worker(WorkerRecord("b", "http://b:1", ("m",), 2000, 16), ttl_s=60)
     await sync.sync_membership()
     assert {s.worker.id for s in pool.states()} == {"a", "b"}
+    # Claims count once the workers' own probes confirm them.
+    assert {s.worker.id: s.worker.weight for s in pool.states()} == {"a": 1.0, "b": 1.0}
+    for wid, tokens in (("a", 16_000.0), ("b", 32_000.0)):
+        pool.mark_up(wid, frozenset({"m"}), {CACHE_CAPACITY_TOKENS: tokens})
+    await sync.sync_membership()
     weights = {s.worker.id: s.worker.weight for s in pool.states()}
     assert weights["b"] == 2 * weights["a"]
     assert index.capacity("a") == 1000  # 1000 blocks x 16 tokens / 16 tokens per block

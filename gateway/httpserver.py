@@ -1,0 +1,164 @@
+"""The HTTP server around an application: aiohttp's, with its own errors in the OpenAI shape.
+
+aiohttp answers requests it cannot parse (oversized or malformed headers, smuggling attempts
+such as both ``Content-Length`` and ``Transfer-Encoding``, bad chunked framing) before any
+application code runs, as plain text, and logs each with a traceback; a client that aborts its
+upload is logged the same way. :class:`JsonErrorRunner` serves an application with a request
+handler that renders those answers as ``{"error": {...}}`` JSON and logs them as one line
+(tracebacks stay for real server errors). :func:`run` runs an application until SIGINT or
+SIGTERM, like ``aiohttp.web.run_app``, on a TCP address plus any extra listening sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+log = logging.getLogger(__name__)
+
+_CLIENT_GONE = (ConnectionError, asyncio.IncompleteReadError)
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "HTTP error"
+
+
+def error_body(status: int, message: str) -> bytes:
+    """An OpenAI error body; ``code`` is the status phrase in snake case (``bad_request``)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    code = _phrase(status).lower().replace(" ", "_").replace("-", "_")
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    ).encode()
+
+
+class JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering its own errors as OpenAI-shaped JSON."""
+
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        remote = getattr(request, "remote", None) or "?"
+        if isinstance(exc, _CLIENT_GONE) or _caused_by_client_gone(exc):
+            log.info("client %s went away during its request: %s", remote,
+                     type(exc).__name__ if exc is not None else "")
+        elif status < 500:
+            log.info("bad HTTP request from %s: %s", remote, _one_line(message or exc))
+        else:
+            self.log_exception("Error handling request from %s", remote, exc_info=exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started; cannot send an error")
+        text = message if status < 500 and message else _phrase(status)
+        resp = web.Response(status=status, body=error_body(status, _one_line(text)),
+                            content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+def _caused_by_client_gone(exc: BaseException | None) -> bool:
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, _CLIENT_GONE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def _one_line(value: object) -> str:
+    text = str(value) if value is not None else ""
+    return " ".join(text.split())[:300]
+
+
+class JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class JsonErrorRunner(web.AppRunner):
+    """An ``AppRunner`` whose connections use :class:`JsonErrorRequestHandler`."""
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()
+        server = JsonErrorServer(
+            plain.request_handler,
+            request_factory=plain.request_factory,
+            handler_cancellation=plain.handler_cancellation,
+            loop=asyncio.get_running_loop(),
+            **plain._kwargs,
+        )
+        return server
+
+
+async def _serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    extra_sockets: Sequence[socket.socket],
+    shutdown_timeout_s: float,
+    on_ready: Callable[[], None],
+    reuse_port: bool | None,
+    backlog: int,
+) -> None:
+    runner = JsonErrorRunner(app, access_log=None, handle_signals=True,
+                             shutdown_timeout=shutdown_timeout_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=backlog).start()
+        for sock in extra_sockets:
+            await web.SockSite(runner, sock).start()
+        on_ready()
+        await asyncio.Event().wait()  # until SIGINT/SIGTERM raise GracefulExit
+    finally:
+        await runner.cleanup()
+
+
+def run(
+    app: web.Application,
+    *,
+    host: str,
+    port: int,
+    extra_sockets: Sequence[socket.socket] = (),
+    shutdown_timeout_s: float = 30.0,
+    on_ready: Callable[[], None] = lambda: None,
+    reuse_port: bool | None = None,
+    backlog: int = 128,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> None:
+    """Serve ``app`` on ``loop`` (a new one by default) until SIGINT or SIGTERM, then drain
+    in-flight requests (up to ``shutdown_timeout_s``) and run its cleanup."""
+    if loop is None:
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    task = loop.create_task(_serve(app, host, port, extra_sockets, shutdown_timeout_s, on_ready,
+                                   reuse_port, backlog))
+    try:
+        loop.run_until_complete(task)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        task.cancel()  # its cleanup drains in-flight requests, then closes resources
+        with contextlib.suppress(asyncio.CancelledError, web.GracefulExit, KeyboardInterrupt):
+            loop.run_until_complete(task)
+        rest = asyncio.all_tasks(loop)
+        for other in rest:
+            other.cancel()
+        loop.run_until_complete(asyncio.gather(*rest, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

@@ -1,0 +1,226 @@
+"""Admission limits: per-tenant token buckets and concurrency, and a global bounded queue.
+
+* **Per tenant**: a token bucket on requests (``--tenant-rpm``) and one on tokens
+  (``--tenant-tpm``; a request costs its prompt tokens plus ``max_tokens`` for every prompt and
+  choice, as estimated at admission), each refilling continuously and holding up to a minute's
+  worth; and a cap on requests in flight (``--tenant-concurrency``). A request larger than a
+  whole bucket is admitted when the bucket is full and leaves it in debt, so it is not refused
+  forever.
+* **Global**: at most ``--max-inflight`` requests run at once; later ones wait in a FIFO queue
+  of at most ``--max-queue`` for up to ``--admission-timeout-s``.
+
+Over any limit the request is refused at once with 429 and ``Retry-After`` (seconds until the
+bucket holds enough, or 1 for concurrency and queue limits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.errors import GatewayError
+
+_MAX_TENANTS = 100_000  # buckets kept; the least recently seen are forgotten beyond this
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None) -> None:
+        seconds = max(1, math.ceil(retry_after_s))
+        super().__init__(message, code=code, headers={"Retry-After": str(seconds)})
+        self.retry_after_s = seconds
+
+
+class TokenBucket:
+    """``rate`` units per second, holding at most ``capacity``."""
+
+    __slots__ = ("capacity", "level", "rate", "stamp")
+
+    def __init__(self, rate: float, capacity: float, now: float) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self.level = capacity
+        self.stamp = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def take(self, amount: float, now: float) -> float:
+        """Take ``amount`` and return 0, or take nothing and return the seconds to wait."""
+        self._refill(now)
+        need = min(amount, self.capacity)
+        if self.level >= need:
+            self.level -= amount
+            return 0.0
+        return (need - self.level) / self.rate
+
+    def give_back(self, amount: float) -> None:
+        self.level = min(self.capacity, self.level + amount)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitOptions:
+    tenant_rpm: float = 0.0
+    tenant_tpm: float = 0.0
+    tenant_concurrency: int = 0
+    max_inflight: int = 0
+    max_queue: int = 256
+    queue_timeout_s: float = 10.0
+
+
+class _Buckets:
+    __slots__ = ("requests", "tokens")
+
+    def __init__(self, requests: TokenBucket | None, tokens: TokenBucket | None) -> None:
+        self.requests = requests
+        self.tokens = tokens
+
+
+class TenantLimiter:
+    def __init__(self, opts: LimitOptions, clock: Callable[[], float] = time.monotonic) -> None:
+        self._opts = opts
+        self._clock = clock
+        self._buckets: OrderedDict[str, _Buckets] = OrderedDict()
+        self.inflight: dict[str, int] = {}
+
+    def _of(self, tenant: str, now: float) -> _Buckets:
+        buckets = self._buckets.get(tenant)
+        if buckets is None:
+            rpm, tpm = self._opts.tenant_rpm, self._opts.tenant_tpm
+            buckets = _Buckets(TokenBucket(rpm / 60, rpm, now) if rpm else None,
+                               TokenBucket(tpm / 60, tpm, now) if tpm else None)
+            self._buckets[tenant] = buckets
+            if len(self._buckets) > _MAX_TENANTS:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(tenant)
+        return buckets
+
+    def admit(self, tenant: str, tokens: int) -> None:
+        """Count one request of ``tokens`` for ``tenant``, or raise :class:`RateLimited`."""
+        cap = self._opts.tenant_concurrency
+        if cap and self.inflight.get(tenant, 0) >= cap:
+            raise RateLimited(f"too many requests in flight for this key (limit {cap})",
+                              retry_after_s=1, code="concurrency_limit_exceeded")
+        now = self._clock()
+        buckets = self._of(tenant, now)
+        if buckets.requests is not None:
+            wait = buckets.requests.take(1, now)
+            if wait:
+                raise RateLimited(
+                    f"rate limit reached: {self._opts.tenant_rpm:g} requests per minute; "
+                    f"retry in {math.ceil(wait)} s", retry_after_s=wait)
+        if buckets.tokens is not None:
+            wait = buckets.tokens.take(tokens, now)
+            if wait:
+                if buckets.requests is not None:
+                    buckets.requests.give_back(1)
+                raise RateLimited(
+                    f"rate limit reached: {self._opts.tenant_tpm:g} tokens per minute, this "
+                    f"request counts {tokens}; retry in {math.ceil(wait)} s",
+                    retry_after_s=wait)
+        self.inflight[tenant] = self.inflight.get(tenant, 0) + 1
+
+    def refund(self, tenant: str, tokens: int) -> None:
+        """Undo :meth:`admit`'s bucket charges (the request was refused after all)."""
+        buckets = self._buckets.get(tenant)
+        if buckets is not None:
+            if buckets.requests is not None:
+                buckets.requests.give_back(1)
+            if buckets.tokens is not None:
+                buckets.tokens.give_back(tokens)
+
+    def release(self, tenant: str) -> None:
+        left = self.inflight.get(tenant, 0) - 1
+        if left > 0:
+            self.inflight[tenant] = left
+        else:
+            self.inflight.pop(tenant, None)
+
+
+class AdmissionQueue:
+    """At most ``max_inflight`` holders; up to ``max_queue`` more wait, first come first
+    served, each for at most ``timeout_s``."""
+
+    def __init__(self, max_inflight: int, max_queue: int, timeout_s: float) -> None:
+        self._max = max_inflight
+        self._max_queue = max_queue
+        self._timeout_s = timeout_s
+        self.inflight = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    async def acquire(self) -> None:
+        if not self._max:
+            return
+        if self.inflight < self._max and not self.queued:
+            self.inflight += 1
+            return
+        if self.queued >= self._max_queue:
+            raise RateLimited("the gateway is at capacity and its queue is full; retry shortly",
+                              retry_after_s=1, code="server_overloaded")
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), self._timeout_s)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # the slot came just as we gave up: pass it on
+            else:
+                waiter.cancel()
+                self._waiters.remove(waiter)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise RateLimited(
+                f"the gateway is at capacity; waited {self._timeout_s:g} s in its queue",
+                retry_after_s=1, code="server_overloaded") from None
+
+    def release(self) -> None:
+        if not self._max:
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot goes straight to the next in line
+                return
+        self.inflight -= 1
+
+
+class Limits:
+    def __init__(self, opts: LimitOptions, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tenants = TenantLimiter(opts, clock)
+        self.queue = AdmissionQueue(opts.max_inflight, opts.max_queue, opts.queue_timeout_s)
+
+    @asynccontextmanager
+    async def admitted(self, tenant: str, tokens: int) -> AsyncIterator[None]:
+        """Hold a place for one request (raises :class:`RateLimited` if there is none)."""
+        self.tenants.admit(tenant, tokens)
+        try:
+            await self.queue.acquire()
+        except BaseException:
+            self.tenants.release(tenant)
+            self.tenants.refund(tenant, tokens)
+            raise
+        try:
+            yield
+        finally:
+            self.queue.release()
+            self.tenants.release(tenant)
+
+
+LIMITS_KEY = web.AppKey("limits", Limits)

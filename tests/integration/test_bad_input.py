@@ -1,0 +1,163 @@
+"""Nothing a client sends gets a 5xx: the catalogue of hostile inputs, as table tests against a
+live gateway with reference workers; aiohttp's own errors come in the OpenAI shape too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import MODEL, Cluster, StartCluster
+
+KEY = "sk-catalogue"
+
+
+@pytest.fixture
+async def cluster(start_cluster: StartCluster) -> Cluster:
+    return await start_cluster(workers=2, api_key=(f"{KEY}:cat",))
+
+
+def _raw(text: str, *numbers: str) -> bytes:
+    """``text`` with ``@MODEL`` replaced by the served model and each ``@N`` by a number."""
+    for number in numbers:
+        text = text.replace("@N", number, 1)
+    return text.replace("@MODEL", MODEL).encode("utf-8")
+
+
+NESTED = b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "extra": ' + b"[" * 100_000 \
+    + b"]" * 100_000 + b"}"
+BODIES: list[tuple[str, bytes, str | None]] = [
+    ("lone surrogate in prompt",
+     _raw('{"model": "@MODEL", "prompt": "a \\ud800 b"}'), None),
+    ("lone low surrogate in chat",
+     _raw('{"model": "@MODEL", "messages": [{"role": "user", "content": "\\udfff"}]}'), None),
+    ("lone surrogate in model", _raw('{"model": "\\ud83d", "prompt": "x"}'), None),
+    ("lone surrogate in cache_salt",
+     _raw('{"model": "@MODEL", "prompt": "x", "cache_salt": "\\udc80"}'), None),
+    ("lone surrogate in a key", _raw('{"model": "@MODEL", "prompt": "x", "\\ud800": 1}'),
+     None),
+    ("JSON nested 100k deep", NESTED, None),
+    ("object nested 100k deep", b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, None),
+    ("integer over 4,300 digits",
+     _raw('{"model": "@MODEL", "prompt": "x", "seed": @N}', "9" * 5000), None),
+    ("max_tokens 10**400",
+     _raw('{"model": "@MODEL", "prompt": "x", "max_tokens": 1@N}', "0" * 400), None),
+    ("n 10**400", _raw('{"model": "@MODEL", "prompt": "x", "n": 1@N}', "0" * 400), None),
+    ("max_tokens 10**12", _raw('{"model": "@MODEL", "prompt": "x", "max_tokens": 1@N}',
+                               "0" * 12), "max_tokens"),
+    ("n 10**6", _raw('{"model": "@MODEL", "prompt": "x", "n": 1@N}', "0" * 6), "n"),
+    ("max_completion_tokens negative",
+     _raw('{"model": "@MODEL", "messages": [{"role": "user", "content": "x"}], '
+          '"max_completion_tokens": -1}'), "max_completion_tokens"),
+    ("token id 10**30", _raw('{"model": "@MODEL", "prompt": [1@N]}', "0" * 30), None),
+    ("temperature 1e400", _raw('{"model": "@MODEL", "prompt": "x", "max_tokens": 1, '
+                               '"temperature": 1e400}'), None),
+    ("NaN max_tokens", _raw('{"model": "@MODEL", "prompt": "x", "max_tokens": NaN}'), None),
+    ("not UTF-8", b'{"model": "\xff\xfe", "prompt": "x"}', None),
+    ("not JSON", b"model=sim&prompt=x", None),
+    ("empty", b"", None),
+    ("a list", b"[]", None),
+    ("huge model name", _raw('{"model": "@N", "prompt": "x"}', "m" * 1_000_000), "model"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "param"), BODIES, ids=[b[0] for b in BODIES])
+async def test_hostile_bodies_get_openai_shaped_4xx(
+    cluster: Cluster, name: str, body: bytes, param: str | None
+) -> None:
+    async with aiohttp.ClientSession() as http, http.post(
+        cluster.base_url + "/completions", data=body,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    ) as r:
+        payload = await r.json()
+        assert 400 <= r.status < 500 or r.status == 200, (r.status, payload)
+        if r.status != 200:
+            assert set(payload["error"]) >= {"message", "type", "param", "code"}
+            assert len(payload["error"]["message"]) < 2000
+            if param is not None:
+                assert payload["error"]["param"] == param
+
+
+async def _exchange(cluster: Cluster, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    host, port = cluster.gateway_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(raw)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.lower(): v.strip() for k, _, v in
+                   (line.partition(":") for line in lines[1:] if line)}
+        length = int(headers.get("content-length", "0"))
+        body = await asyncio.wait_for(reader.readexactly(length), 10) if length else b""
+        return status, headers, body
+    finally:
+        writer.close()
+
+
+def _request(*headers: str, body: bytes = b"", path: str = "/v1/completions") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: gateway", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+GOOD = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+WIRE: list[tuple[str, bytes, set[int]]] = [
+    ("non-UTF-8 Authorization",
+     _request("Content-Type: application/json", f"Content-Length: {len(GOOD)}", body=GOOD)
+     .replace(b"Host: gateway", b"Host: gateway\r\nAuthorization: Bearer \xff\xfe\xfa"), {401}),
+    ("huge header", _request("X-Big: " + "a" * 100_000, "Content-Length: 0"), {400, 431}),
+    ("many headers", _request(*[f"X-H{i}: v" for i in range(500)], "Content-Length: 0"),
+     {400, 401, 431}),
+    ("Content-Length and Transfer-Encoding",
+     _request("Content-Length: 4", "Transfer-Encoding: chunked", body=b"0\r\n\r\n"), {400}),
+    ("two Content-Lengths", _request("Content-Length: 2", "Content-Length: 3", body=b"{}"),
+     {400}),
+    ("bad chunk size",
+     _request("Transfer-Encoding: chunked", body=b"zz\r\nabc\r\n0\r\n\r\n"), {400}),
+    ("obfuscated Transfer-Encoding",
+     _request("Transfer-Encoding: xchunked", "Content-Length: 2", body=b"{}"), {400, 401, 501}),
+    ("space before colon", _request("Content-Length : 2", body=b"{}"), {400}),
+    ("bad method", b"G\x00T / HTTP/1.1\r\nHost: x\r\n\r\n", {400}),
+    ("bad version", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", {400, 505}),
+    ("NUL in header", _request("X-A: a\x00b", "Content-Length: 0"), {400}),
+]
+
+
+@pytest.mark.parametrize(("name", "raw", "statuses"), WIRE, ids=[w[0] for w in WIRE])
+async def test_malformed_http_gets_openai_shaped_4xx(
+    cluster: Cluster, name: str, raw: bytes, statuses: set[int]
+) -> None:
+    status, headers, body = await _exchange(cluster, raw)
+    assert status in statuses, (status, body[:200])
+    assert headers["content-type"].startswith("application/json")
+    error: dict[str, Any] = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"]
+
+
+async def test_aborted_upload_is_one_log_line(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    host, port = cluster.gateway_url.removeprefix("http://").split(":")
+    for _ in range(5):
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(_request(f"Authorization: Bearer {KEY}", "Content-Type: application/json",
+                              "Content-Length: 100000", body=b'{"model": "sim'))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+    await asyncio.sleep(0.3)
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 0
+    # The gateway still serves.
+    async with aiohttp.ClientSession() as http, http.post(
+        cluster.base_url + "/completions", data=GOOD,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    ) as r:
+        assert r.status == 200

@@ -1,0 +1,76 @@
+"""Limits through the gateway: the official openai client sees 429 with Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from tests.conftest import MODEL, StartCluster
+
+KEYS = ("sk-acme:acme", "sk-globex:globex", "sk-initech:initech", "sk-umbrella:umbrella")
+
+
+def client(base_url: str, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+
+
+async def test_request_rate_per_tenant(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(workers=1, api_key=KEYS, tenant_rpm=3)
+    async with client(cluster.base_url, "sk-acme") as acme, \
+            client(cluster.base_url, "sk-globex") as globex:
+        for _ in range(3):
+            await acme.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await acme.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert int(caught.value.response.headers["Retry-After"]) >= 1
+        body = caught.value.body
+        assert isinstance(body, dict)
+        assert body["code"] == "rate_limit_exceeded"
+        assert body["type"] == "rate_limit_error"
+        # The other tenant has its own bucket.
+        await globex.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+
+
+async def test_token_rate_counts_every_prompt_of_a_batch(start_cluster: StartCluster) -> None:
+    # 64 prompts of ~10 tokens with max_tokens 16 cost ~1,660 tokens; one prompt costs ~26.
+    cluster = await start_cluster(workers=1, api_key=KEYS, tenant_tpm=2000)
+    async with client(cluster.base_url, "sk-acme") as acme:
+        batch = await acme.completions.create(model=MODEL, prompt=["x" * 40] * 64, max_tokens=16)
+        assert len(batch.choices) == 64
+        with pytest.raises(openai.RateLimitError, match="tokens per minute"):
+            await acme.completions.create(model=MODEL, prompt=["x" * 40] * 64, max_tokens=16)
+        await acme.completions.create(model=MODEL, prompt="x" * 40, max_tokens=16)
+
+
+async def test_concurrency_per_tenant_and_global_queue(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(workers=1, api_key=KEYS, tenant_concurrency=1,
+                                  max_inflight=2, max_queue=1)
+    async with client(cluster.base_url, "sk-acme") as acme, \
+            client(cluster.base_url, "sk-globex") as globex, \
+            client(cluster.base_url, "sk-initech") as initech, \
+            client(cluster.base_url, "sk-umbrella") as umbrella:
+        long = await acme.completions.create(model=MODEL, prompt="a", max_tokens=2000,
+                                             stream=True)
+        first = await long.__anext__()  # acme now has one request in flight
+        assert first is not None
+        with pytest.raises(openai.RateLimitError) as caught:
+            await acme.completions.create(model=MODEL, prompt="b", max_tokens=1)
+        assert caught.value.body["code"] == "concurrency_limit_exceeded"  # type: ignore[index]
+        # Global: acme's and globex's streams run, initech's request waits, umbrella's is
+        # refused (the queue holds one).
+        second = await globex.completions.create(model=MODEL, prompt="c", max_tokens=2000,
+                                                 stream=True)
+        await second.__anext__()
+        queued = asyncio.create_task(
+            initech.completions.create(model=MODEL, prompt="d", max_tokens=1))
+        await asyncio.sleep(0.2)
+        assert not queued.done()
+        with pytest.raises(openai.RateLimitError) as caught:
+            await umbrella.completions.create(model=MODEL, prompt="e", max_tokens=1)
+        assert caught.value.body["code"] == "server_overloaded"  # type: ignore[index]
+        await long.close()  # its place goes to the queued request
+        done = await asyncio.wait_for(queued, 30)
+        assert done.choices[0].text is not None
+        await second.close()
