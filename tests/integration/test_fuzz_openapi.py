@@ -28,7 +28,7 @@ async def test_schemathesis_finds_no_server_error() -> None:
         schemathesis_binary()
     except RuntimeError as exc:
         pytest.skip(str(exc))
-    result = await fuzz(2000, seed=7, timeout_s=600)
+    result = await fuzz(2000, seed=7, timeout_s=1800)  # minutes on a busy shared machine
     assert result.returncode == 0, result.output_tail
     assert result.cases >= 2000, result.output_tail
     assert result.server_errors == 0, (result.statuses, result.worker_statuses)
