@@ -203,8 +203,8 @@ async def admin_workers(request: web.Request) -> web.Response:
             }
         )
     return web.json_response(
-        {"policy": state.engine.name, "index_blocks": len(state.index), "workers": workers,
-         "tokenizer": state.exact.tokenizer_stats()}
+        {"policy": state.session.router.name, "index_blocks": len(state.index),
+         "workers": workers, "tokenizer": state.exact.tokenizer_stats()}
     )
 
 

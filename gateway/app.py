@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -38,6 +37,7 @@ from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.routing.policies import build_engine
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
+from gateway.session import RoutingSession
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.store.base import MetadataStore
@@ -263,15 +263,21 @@ def create_app(
     pool = WorkerPool(settings.worker, index)
     metrics = GatewayMetrics(pool)
     exact = build_exact_source(settings, metrics)
-    pool.matcher = lambda base: exact.matcher(base, time.monotonic())
+    pool.matcher = exact.matcher
     backend = _http_backend(settings, namespace_in_body=False)
     store = build_store(settings)
     origin = settings.replica_id()
+    sync = StoreSync(
+        store, pool, index, origin=origin, tokens_per_block=settings.tokens_per_block(),
+        shares_state=not isinstance(store, MemoryStore), history_s=settings.index_ttl_s,
+        max_weight=settings.max_worker_weight,
+    )
+    engine = build_engine(settings.policy, settings.policy_options())
     state = GatewayState(
         settings=settings,
         pool=pool,
         index=index,
-        engine=build_engine(settings.policy, settings.policy_options()),
+        session=RoutingSession(engine, index, pool, sync, exact=exact),
         backends={
             "openai": backend,
             "vllm": _http_backend(settings, namespace_in_body=True),
@@ -283,11 +289,7 @@ def create_app(
         },
         metrics=metrics,
         store=store,
-        sync=StoreSync(
-            store, pool, index, origin=origin, tokens_per_block=settings.tokens_per_block(),
-            shares_state=not isinstance(store, MemoryStore), history_s=settings.index_ttl_s,
-            max_weight=settings.max_worker_weight,
-        ),
+        sync=sync,
         rebalancer=Rebalancer(
             store, pool, index, origin,
             RebalanceOptions(interval_s=settings.rebalance_interval_s),

@@ -33,13 +33,13 @@ async def explain(request: web.Request) -> web.Response:
         raise InvalidRequest("kind must be chat or completion", param="kind")
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     parsed, route_request = await prepare(request, body, parse, path)
-    state.index.set_time(time.monotonic())
-    snapshot = state.pool.snapshot()
+    router = state.session.router
+    snapshot = state.pool.snapshot(time.monotonic())
     key = route_request.key
     blocks = len(key.blocks)
-    matches = state.index.match(key.blocks) if state.engine.profile.uses_prefix_index else {}
+    matches = snapshot.index.match(key.blocks) if router.uses_prefix_index else {}
     try:
-        decision = state.engine.route(route_request, snapshot)
+        decision = router.route(route_request, snapshot)
     except NoCandidates as exc:
         decision_view: dict[str, Any] = {"worker": None, "reason": str(exc) or "no candidates"}
         scores: dict[str, float] = {}

@@ -106,7 +106,7 @@ class WorkerPool:
         self._healthy_tokens = 0
         self._healthy_weight = 0.0
         # Wraps the modelled index for routing (the engine-exact source, gateway.kvevents).
-        self.matcher: Callable[[PrefixMatcher], PrefixMatcher] | None = None
+        self.matcher: Callable[[PrefixMatcher, float], PrefixMatcher] | None = None
         for url in urls:
             self.add(url)
 
@@ -287,13 +287,14 @@ class WorkerPool:
                 self._healthy_weight += new.worker.weight
         self._stale.clear()
 
-    def snapshot(self) -> Snapshot:
-        """What routing sees now: costs O(workers changed since the last snapshot) plus one
-        copy of the views tuple (a C-level copy, not a Python loop over the fleet)."""
+    def snapshot(self, now: float) -> Snapshot:
+        """What routing sees at time ``now`` (the prefix index read at that instant). Costs
+        O(workers changed since the last snapshot) plus one copy of the views tuple (a C-level
+        copy, not a Python loop over the fleet)."""
         self._refresh_views()
-        index: PrefixMatcher = self._index
+        index: PrefixMatcher = self._index.at(now)
         if self.matcher is not None:
-            index = self.matcher(index)
+            index = self.matcher(index, now)
         return Snapshot(
             workers=tuple(self._views.values()),
             index=index,

@@ -12,6 +12,7 @@ event, so the client is never left with a silently truncated answer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -22,15 +23,12 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from gateway.backends.base import BackendUnavailable, UpstreamReply
-from gateway.backends.openai_http import NAMESPACE_HEADER
+from gateway.backends.base import BackendUnavailable, UpstreamReply, UpstreamRequest
 from gateway.errors import ConnectionQueueFull, NoWorkerAvailable, UpstreamError
 from gateway.guard import NoFirstByte, SlotTimeout
-from gateway.kvevents.index import ExactMatcher
-from gateway.routing.types import Decision, NoCandidates, RouteRequest, Snapshot
+from gateway.routing.types import Decision, NoCandidates, RouteRequest
+from gateway.session import Attempt, CacheUsage
 from gateway.state import GatewayState
-from gateway.store.base import CacheReport
-from gateway.telemetry import reason_kind
 from gateway.telemetry.middleware import record_of
 
 log = logging.getLogger(__name__)
@@ -88,17 +86,19 @@ async def dispatch(
     route_request: RouteRequest,
 ) -> web.StreamResponse:
     settings = state.settings
-    pool = state.pool
+    session = state.session
     excluded: set[str] = set()
     problems: list[str] = []
     observed = record_of(http_request)  # telemetry; it adds the request id and trace context
-    forward: dict[str, str] = {}
-    # A routing hint for backends that can use it (SageMaker: PrefixAwareId, sessions).
-    forward["x-prefix-anchor"] = route_request.key.anchor_hex
-    # The request's cache namespace: our worker keys its cache by it, vLLM gets it as cache_salt.
-    namespace = http_request.get(NAMESPACE_KEY, "")
-    if namespace:
-        forward[NAMESPACE_HEADER] = namespace
+    tenant = http_request.get(TENANT_KEY, "")
+    upstream = UpstreamRequest(
+        path=path,
+        body=body,
+        # The request's cache namespace: our worker keys its cache by it, vLLM gets it as
+        # cache_salt.
+        namespace=http_request.get(NAMESPACE_KEY, ""),
+        anchor=route_request.key.anchor_hex,
+    )
     backoff_s = 0.0
     guard = state.guard
     busy = 0  # attempts that found no free connection to their worker
@@ -107,35 +107,28 @@ async def dispatch(
             # The last worker was busy (429/503): give the pool a moment before the next one.
             await asyncio.sleep(backoff_s * (0.5 + random.random()))
         started = time.perf_counter()
-        now = time.monotonic()
-        state.index.set_time(now)
-        snapshot = pool.snapshot()
         try:
-            decision = state.engine.route(
-                route_request, snapshot, frozenset(excluded) | guard.blocked(pool, now)
-            )
+            now = time.monotonic()
+            attempt = session.route(
+                route_request, now, frozenset(excluded) | guard.blocked(state.pool, now), tenant)
         except NoCandidates:
             break
+        decision = attempt.decision
         wid = decision.worker_id
-        predicted = predicted_tokens(snapshot, route_request, decision)
-        uses_index = state.engine.profile.uses_prefix_index
-        observed.decided(decision, route_request, snapshot.index if uses_index else None, started)
-        if uses_index:
-            state.index.record(route_request.key.blocks, wid)
-            state.sync.assigned(route_request.key.blocks, wid)
-            state.exact.sent(wid, route_request.key.blocks, now)
+        uses_index = session.router.uses_prefix_index
+        observed.decided(decision, route_request, attempt.index if uses_index else None, started)
         state.metrics.decision_seconds.observe(time.perf_counter() - started)
-        state.metrics.decisions.labels(decision.policy, reason_kind(decision.reason)).inc()
-        pool.acquire(wid, route_request.cost_tokens)
+        state.metrics.decisions.labels(decision.policy, decision.label).inc()
         guard.breakers.attempt(wid, now)
         release_slot = None
         try:
             try:
                 release_slot = await guard.slots.take(wid)
                 worker = decision.worker.worker
+                attempt_upstream = dataclasses.replace(
+                    upstream, headers=observed.upstream_headers({}))
                 reply = await guard.open(
-                    wid, state.backend_for(worker).open(
-                        worker, path, body, observed.upstream_headers(forward))
+                    wid, state.backend_for(worker).open(worker, attempt_upstream)
                 )
             except SlotTimeout as exc:
                 if exc.scope != wid:  # the gateway's own limit: no other worker helps
@@ -151,7 +144,7 @@ async def dispatch(
                 problems.append(f"{wid}: {exc}")
             except BackendUnavailable as exc:
                 observed.upstream_done(None, str(exc))
-                pool.mark_down(wid, str(exc))
+                state.pool.mark_down(wid, str(exc))
                 guard.breakers.failure(wid, time.monotonic())
                 problems.append(f"{wid}: {exc}")
             else:
@@ -159,18 +152,15 @@ async def dispatch(
                     guard.breakers.success(wid)
                     if _is_stream(reply):
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
-                        return await _relay_stream(
-                            state, http_request, reply, decision, route_request, predicted)
+                        return await _relay_stream(state, http_request, reply, attempt)
                     payload = await _read_whole(reply)
                     observed.upstream_done(reply.status if payload is not None else None,
                                            "" if payload is not None else "broke off")
                     if payload is not None:
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
-                        return _respond_whole(
-                            state, http_request, reply, payload, decision, route_request,
-                            predicted)
+                        return _respond_whole(state, http_request, reply, payload, attempt)
                     # It broke off before the client saw a byte: try the next worker.
-                    pool.mark_down(wid, "the connection broke off during its reply")
+                    state.pool.mark_down(wid, "the connection broke off during its reply")
                     guard.breakers.failure(wid, time.monotonic())
                     problems.append(f"{wid}: broke off its reply")
                 else:
@@ -183,15 +173,14 @@ async def dispatch(
                         guard.breakers.failure(wid, time.monotonic())
             excluded.add(wid)
             state.metrics.retries.labels(wid).inc()
-            # It never got the prompt: it holds no more of this prefix than it did before.
-            state.index.forget(wid, route_request.key.blocks[decision.match_blocks :])
-            state.exact.unsent(wid, route_request.key.blocks[decision.match_blocks :])
+            session.failed(attempt)
         finally:
             if release_slot is not None:
                 release_slot()
             guard.breakers.settled(wid)
-            pool.release(wid, route_request.cost_tokens)
-    state.metrics.requests.labels(state.engine.name, "unavailable").inc()
+            # The client went away mid-relay: release the worker, with nothing to report.
+            session.completed(attempt)
+    state.metrics.requests.labels(session.router.name, "unavailable").inc()
     if busy and busy == len(problems):
         raise ConnectionQueueFull(
             "every worker tried is at its connection limit: " + "; ".join(problems)
@@ -204,14 +193,16 @@ async def dispatch(
     )
 
 
-def stats_from_headers(reply: UpstreamReply) -> tuple[int, int] | None:
-    """(input tokens, matched tokens) from our worker's ``x-cache-*`` headers."""
+def stats_from_headers(reply: UpstreamReply) -> CacheUsage | None:
+    """What our worker reused, from its ``x-cache-*`` headers."""
     input_tokens = _int_header(reply, "x-cache-input-tokens")
-    return (input_tokens, _int_header(reply, "x-cache-matched-tokens")) if input_tokens else None
+    if not input_tokens:
+        return None
+    return CacheUsage(input_tokens, _int_header(reply, "x-cache-matched-tokens"))
 
 
-def stats_from_usage(payload: bytes) -> tuple[int, int] | None:
-    """(prompt tokens, cached tokens) from an OpenAI ``usage`` (vLLM fills
+def stats_from_usage(payload: bytes) -> CacheUsage | None:
+    """Prompt and cached tokens from an OpenAI ``usage`` (vLLM fills
     ``prompt_tokens_details.cached_tokens``), in a JSON body or the tail of an SSE stream."""
     for line in reversed(payload.splitlines()):
         line = line.removeprefix(b"data:").strip()
@@ -224,56 +215,15 @@ def stats_from_usage(payload: bytes) -> tuple[int, int] | None:
             cached = int(details.get("cached_tokens") or 0)
         except (ValueError, AttributeError, TypeError):
             return None
-        return (prompt, cached) if prompt > 0 else None
+        return CacheUsage(prompt, cached) if prompt > 0 else None
     return None
 
 
-def predicted_tokens(snapshot: Snapshot, request: RouteRequest, decision: Decision) -> int | None:
-    """Prompt tokens the chosen worker should find cached: with token-exact keys, the leading
-    blocks its index source says it holds (not floored by the policy's minimum match; for vLLM
-    never the whole prompt); None with character keys, whose prediction is scaled from the
-    reply (:func:`report_cache`)."""
-    if not request.block_tokens:
-        return None
-    index, wid = snapshot.index, decision.worker_id
-    if isinstance(index, ExactMatcher):
-        depth = index.held(wid, request.key.blocks)
-    else:
-        depth = index.match(request.key.blocks).get(wid, 0)
-    if decision.worker.worker.kind == "vllm":
-        # vLLM computes at least the last prompt token: a fully cached prompt reports one
-        # block less.
-        depth = min(depth, max(0, request.prompt_tokens - 1) // request.block_tokens)
-    return depth * request.block_tokens
-
-
-def report_cache(
-    state: GatewayState,
-    http_request: web.Request,
-    decision: Decision,
-    route_request: RouteRequest,
-    stats: tuple[int, int] | None,
-    predicted: int | None = None,
-    reply: UpstreamReply | None = None,
-) -> None:
-    """Count what the worker reused, against what the index predicted it would."""
-    if stats is None:
-        return  # this worker reports nothing we can read
-    input_tokens, matched = stats
-    boot_id = reply.headers.get(WORKER_BOOT_HEADER, "") if reply is not None else ""
-    record_of(http_request).cache_reported(input_tokens, matched, boot_id)
-    state.pool.record_cache_stats(decision.worker_id, input_tokens, matched)
-    if predicted is None:
-        blocks = len(route_request.key.blocks)
-        predicted = round(input_tokens * decision.match_blocks / blocks) if blocks else 0
-    state.pool.record_prediction(decision.worker_id, predicted, matched)
-    state.sync.reported(CacheReport(
-        worker_id=decision.worker_id,
-        tenant=http_request.get(TENANT_KEY, ""),
-        input_tokens=input_tokens,
-        matched_tokens=matched,
-        predicted_tokens=predicted,
-    ))
+def _report(http_request: web.Request, reply: UpstreamReply, usage: CacheUsage | None) -> None:
+    """What the worker said it reused, for the request's telemetry record."""
+    if usage is not None:
+        boot_id = reply.headers.get(WORKER_BOOT_HEADER, "")
+        record_of(http_request).cache_reported(usage.input_tokens, usage.matched_tokens, boot_id)
 
 
 def _is_stream(reply: UpstreamReply) -> bool:
@@ -290,9 +240,8 @@ async def _read_whole(reply: UpstreamReply) -> bytes | None:
         reply.release()
 
 
-def _client_headers(decision: Decision, route_request: RouteRequest,
-                    reply: UpstreamReply) -> dict[str, str]:
-    headers = route_headers(decision, route_request)
+def _client_headers(attempt: Attempt, reply: UpstreamReply) -> dict[str, str]:
+    headers = route_headers(attempt.decision, attempt.request)
     for name in _RELAYED_HEADERS:
         value = reply.headers.get(name)
         if value is not None:
@@ -305,38 +254,30 @@ def _respond_whole(
     http_request: web.Request,
     reply: UpstreamReply,
     payload: bytes,
-    decision: Decision,
-    route_request: RouteRequest,
-    predicted: int | None,
+    attempt: Attempt,
 ) -> web.Response:
     stats = stats_from_headers(reply)
     if stats is None and reply.status == 200:
         stats = stats_from_usage(payload)
-    report_cache(state, http_request, decision, route_request, stats, predicted, reply)
-    return web.Response(
-        body=payload, status=reply.status,
-        headers=_client_headers(decision, route_request, reply),
-    )
+    _report(http_request, reply, stats)
+    state.session.completed(attempt, stats)
+    return web.Response(body=payload, status=reply.status, headers=_client_headers(attempt, reply))
 
 
 async def _relay_stream(
-    state: GatewayState,
-    http_request: web.Request,
-    reply: UpstreamReply,
-    decision: Decision,
-    route_request: RouteRequest,
-    predicted: int | None,
+    state: GatewayState, http_request: web.Request, reply: UpstreamReply, attempt: Attempt
 ) -> web.StreamResponse:
-    headers = _client_headers(decision, route_request, reply)
+    headers = _client_headers(attempt, reply)
     stats = stats_from_headers(reply)
     response = web.StreamResponse(status=reply.status, headers=headers)
     tail = b""  # the end of the stream, where a final usage chunk sits
     observed = record_of(http_request)
     broke_off = ""
+    wid = attempt.worker_id
     try:
         # Inside the try: if the client is already gone, the upstream reply is still released.
         await response.prepare(http_request)
-        async for chunk in _upstream_chunks(reply, decision.worker_id):
+        async for chunk in _upstream_chunks(reply, wid):
             observed.first_byte()
             await response.write(chunk)
             if stats is None:
@@ -345,7 +286,7 @@ async def _relay_stream(
         broke_off = f"broke off: {exc}"
         error = {
             "error": {
-                "message": f"the worker {decision.worker_id} broke off the stream: {exc}",
+                "message": f"the worker {wid} broke off the stream: {exc}",
                 "type": "upstream_error",
                 "param": None,
                 "code": "stream_interrupted",
@@ -358,8 +299,9 @@ async def _relay_stream(
     observed.upstream_done(reply.status, broke_off)
     # A usage event the backend held back from the client (it asked for it on our behalf).
     tail += getattr(reply, "withheld", b"")
-    report_cache(state, http_request, decision, route_request, stats or stats_from_usage(tail),
-                 predicted, reply)
+    usage = stats or stats_from_usage(tail)
+    _report(http_request, reply, usage)
+    state.session.completed(attempt, usage)
     await response.write_eof()
     return response
 

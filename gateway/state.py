@@ -9,9 +9,9 @@ from gateway.guard import UpstreamGuard
 from gateway.kvevents.source import ExactSource
 from gateway.pool import WorkerPool
 from gateway.rebalance import Rebalancer
-from gateway.routing.engine import RoutingEngine
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
+from gateway.session import RoutingSession
 from gateway.settings import GatewaySettings
 from gateway.store.base import MetadataStore
 from gateway.sync import StoreSync
@@ -23,7 +23,7 @@ class GatewayState:
     settings: GatewaySettings
     pool: WorkerPool
     index: PrefixIndex
-    engine: RoutingEngine
+    session: RoutingSession  # routes and accounts every attempt (owns index writes per request)
     backends: dict[str, Backend]
     metrics: GatewayMetrics
     store: MetadataStore

@@ -215,11 +215,11 @@ class StoreSync:
         restart too) and read on from its newest entry."""
         max_age_s, limit = self._history
         cursor, batch = await self.store.recent_assignments(max_age_s, limit)
-        self.index.set_time(time.monotonic())
+        now = time.monotonic()
         replayed = 0
         for a in batch:
             if a.worker_id in self.pool:
-                self.index.record(a.blocks, a.worker_id)
+                self.index.record(a.blocks, a.worker_id, now)
                 replayed += 1
         self._cursor = cursor
         if replayed:
@@ -227,10 +227,10 @@ class StoreSync:
 
     async def _read_assignments(self) -> None:
         self._cursor, batch = await self.store.read_assignments(self._cursor, block_s=1.0)
-        self.index.set_time(time.monotonic())
+        now = time.monotonic()
         for a in batch:
             if a.origin != self.origin and a.worker_id in self.pool:
-                self.index.record(a.blocks, a.worker_id)
+                self.index.record(a.blocks, a.worker_id, now)
 
     async def _flush_telemetry(self) -> None:
         if not self._reports:

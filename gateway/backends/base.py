@@ -33,6 +33,24 @@ class WorkerProbe:
     metrics: Mapping[str, float] = field(default_factory=dict)  # engine metrics, if scraped
 
 
+@dataclass(frozen=True, slots=True)
+class UpstreamRequest:
+    """One request for a worker, as the gateway hands it to a backend.
+
+    ``namespace`` is the tenant's cache namespace (our worker keys its cache by it, vLLM gets it
+    as ``cache_salt``); ``anchor`` is the prefix anchor (hex) of the routing decision, which a
+    target that routes inside itself can use (SageMaker ``PrefixAwareId``, stateful sessions).
+    ``headers`` are the plain HTTP headers passed on as they are (``x-request-id``).
+    """
+
+    path: str
+    body: Mapping[str, Any]
+    namespace: str = ""
+    anchor: str = ""
+    request_id: str = ""
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
 class UpstreamReply(Protocol):
     status: int
     headers: Mapping[str, str]
@@ -51,9 +69,7 @@ class Backend(Protocol):
         """Open pooled resources; called once inside the running event loop."""
         ...
 
-    async def open(
-        self, worker: Worker, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
-    ) -> UpstreamReply:
+    async def open(self, worker: Worker, request: UpstreamRequest) -> UpstreamReply:
         """Send one request; raise :class:`BackendUnavailable` if the worker is unreachable."""
         ...
 

@@ -23,11 +23,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 
 import aiohttp
 
-from gateway.backends.base import CACHE_CAPACITY_TOKENS, BackendUnavailable, WorkerProbe
+from gateway.backends.base import (
+    CACHE_CAPACITY_TOKENS,
+    BackendUnavailable,
+    UpstreamRequest,
+    WorkerProbe,
+)
 from gateway.kvevents.keys import engine_namespace
 from gateway.openai_schema import encode_body
 from gateway.routing.types import Worker
@@ -176,13 +180,15 @@ class OpenAIHTTPBackend:
         key = self._api_keys.get(worker.id, self._default_api_key)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    async def open(
-        self, worker: Worker, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
-    ) -> HTTPReply:
-        namespace = headers.get(NAMESPACE_HEADER, "")
+    async def open(self, worker: Worker, request: UpstreamRequest) -> HTTPReply:
+        body = request.body
+        headers = {**request.headers, **self._credentials(worker),
+                   "Content-Type": "application/json"}
+        if request.request_id:
+            headers["x-request-id"] = request.request_id
+        namespace = request.namespace
         strip_usage = False
         if self._namespace_in_body:
-            headers = {k: v for k, v in headers.items() if k != NAMESPACE_HEADER}
             if namespace:
                 # What our worker makes of header + salt, so both kinds key a request alike.
                 salt = body.get("cache_salt")
@@ -197,14 +203,12 @@ class OpenAIHTTPBackend:
                 extra = options if isinstance(options, dict) else {}
                 body = {**body, "stream_options": {**extra, "include_usage": True}}
                 strip_usage = True
+        elif namespace:
+            headers[NAMESPACE_HEADER] = namespace
         data = encode_body(body)
         try:
-            response = await self._session.post(
-                worker.url + path,
-                data=data,
-                headers={**headers, **self._credentials(worker),
-                         "Content-Type": "application/json"},
-            )
+            response = await self._session.post(worker.url + request.path, data=data,
+                                                 headers=headers)
         except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
         return HTTPReply(response, strip_usage=strip_usage)

@@ -9,8 +9,8 @@ names one endpoint variant or inference component. ``stream: true`` requests go 
   one-region deployment that is one runtime client and one control-plane client (for probes).
   botocore's retries are off (``standard`` mode, ``total_max_attempts=1``): the gateway retries
   across targets itself, before the first byte, and never after streaming began.
-* **Affinity inside a variant**: the gateway's prefix anchor (the ``x-prefix-anchor`` hint the
-  proxy passes to every backend) goes out as ``PrefixAwareId`` (a modeled parameter of the
+* **Affinity inside a variant**: the gateway's prefix anchor (``UpstreamRequest.anchor``, the
+  routing decision's anchor) goes out as ``PrefixAwareId`` (a modeled parameter of the
   installed botocore, header ``X-Amzn-SageMaker-Prefix-Aware-Id``), so a ``PREFIX_AWARE`` variant
   keeps one prefix on one instance. With ``session=auto`` a prefix seen ``session_after`` times
   opens a stateful session (``SessionId=NEW_SESSION``, non-streaming calls only, as the API
@@ -52,7 +52,7 @@ from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
 
-from gateway.backends.base import BackendUnavailable, WorkerProbe
+from gateway.backends.base import BackendUnavailable, UpstreamRequest, WorkerProbe
 from gateway.backends.eventstream import LineBuffer
 from gateway.backends.sagemaker_body import (
     BodyError,
@@ -67,7 +67,6 @@ from gateway.routing.types import Worker
 
 log = logging.getLogger(__name__)
 
-ANCHOR_HINT = "x-prefix-anchor"  # set by gateway.proxy: the request's prefix anchor (hex)
 NEW_SESSION = "NEW_SESSION"
 RETRIED = {  # SageMaker error code -> reply status that makes the proxy try another target
     "ThrottlingException": 429,
@@ -301,7 +300,7 @@ class SageMakerBackend:
 
     # -- invoke ----------------------------------------------------------------------------------
     def _params(
-        self, target: SageMakerTarget, payload: bytes, headers: Mapping[str, str]
+        self, target: SageMakerTarget, payload: bytes, request: UpstreamRequest
     ) -> dict[str, Any]:
         params: dict[str, Any] = {
             "EndpointName": target.endpoint,
@@ -313,10 +312,11 @@ class SageMakerBackend:
             params["TargetVariant"] = target.variant
         if target.component:
             params["InferenceComponentName"] = target.component
-        anchor = headers.get(ANCHOR_HINT, "")
+        anchor = request.anchor
         if anchor and target.prefix_aware:
             params["PrefixAwareId"] = anchor[:64]
-        request_id = headers.get("x-request-id", "")
+        headers = request.headers
+        request_id = request.request_id or headers.get("x-request-id", "")
         if request_id:
             params["InferenceId"] = request_id[:64]
         # The trace context reaches the container the only way SageMaker passes caller data
@@ -327,16 +327,17 @@ class SageMakerBackend:
         return params
 
     async def open(
-        self, worker: Worker, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
+        self, worker: Worker, request: UpstreamRequest
     ) -> BufferedReply | StreamReply:
         target = self.target(worker)
+        path, body = request.path, request.body
         try:
             payload = encode_request(target.body, path, body)
         except BodyError as exc:
             return BufferedReply(400, _openai_error(400, str(exc), "unsupported_for_target"))
         stream = bool(body.get("stream"))
-        params = self._params(target, payload, headers)
-        anchor = headers.get(ANCHOR_HINT, "")
+        params = self._params(target, payload, request)
+        anchor = request.anchor
         key: SessionKey = (target.id, anchor)
         session = ""
         if target.sessions and anchor:

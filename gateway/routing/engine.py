@@ -2,8 +2,8 @@
 
 A *profile* names a policy and lists its plugins. Filters drop workers that must not get the
 request (unhealthy, wrong model, over the load bound); scorers give each remaining worker a score
-in [0, 1]; the picker chooses among the best total. The engine records why, as a short reason a
-human can read (``prefix_hit depth=37``, ``cold -> ring``, ``diverted: w1 over bounded_load ...``).
+in [0, 1]; the picker chooses among the best total. The engine records why, as a typed
+:class:`~gateway.routing.types.Decision` (kind, depth, the holder it passed over and why).
 
 Pure and synchronous: no awaits, no network, no clocks. The cluster simulator runs this very code.
 """
@@ -16,6 +16,7 @@ from typing import Protocol
 
 from gateway.routing.types import (
     Decision,
+    DecisionKind,
     NoCandidates,
     RouteRequest,
     Snapshot,
@@ -93,6 +94,11 @@ class RoutingEngine:
     def name(self) -> str:
         return self.profile.name
 
+    @property
+    def uses_prefix_index(self) -> bool:
+        """Whether each decision must be recorded in the prefix index."""
+        return self.profile.uses_prefix_index
+
     def route(
         self, request: RouteRequest, snapshot: Snapshot, exclude: frozenset[str] = frozenset()
     ) -> Decision:
@@ -118,15 +124,7 @@ class RoutingEngine:
             for wid, s in scorer.score(ctx, candidates).items():
                 totals[wid] += weight * _clamp(s)
         chosen, how = profile.picker.pick(ctx, candidates, totals)
-        depth = matches.get(chosen.id, 0)
-        return Decision(
-            worker=chosen,
-            policy=profile.name,
-            reason=self._reason(ctx, depth, how, dropped),
-            match_blocks=depth,
-            scores=totals,
-            load_bound=ctx.load_bounds.get(chosen.id),
-        )
+        return self._decision(ctx, chosen, how, dropped, totals)
 
     def _matches(self, request: RouteRequest, snapshot: Snapshot) -> tuple[dict[str, int], bool]:
         """Known holders of at least ``min_match_blocks`` of the prefix, and whether the
@@ -198,11 +196,28 @@ class RoutingEngine:
             candidates = kept
         return candidates
 
-    def _reason(self, ctx: Context, depth: int, how: str, dropped: Mapping[str, str]) -> str:
+    def _decision(
+        self,
+        ctx: Context,
+        chosen: WorkerView,
+        how: str,
+        dropped: Mapping[str, str],
+        totals: Mapping[str, float],
+    ) -> Decision:
+        profile = self.profile
+        depth = ctx.matches.get(chosen.id, 0)
+        holder, holder_blocks, why = "", 0, ""
         if depth > 0:
-            return f"prefix_hit depth={depth}"
-        if not ctx.matches:
-            return f"cold -> {how}" if self.profile.uses_prefix_index else how
-        best_id = max(ctx.matches, key=lambda wid: ctx.matches[wid])
-        why = dropped.get(best_id, "outscored")
-        return f"diverted: {best_id} {why} (depth={ctx.matches[best_id]}) -> {how}"
+            kind = DecisionKind.PREFIX_HIT
+        elif not ctx.matches:
+            kind = DecisionKind.COLD if profile.uses_prefix_index else DecisionKind.PLACED
+        else:
+            kind = DecisionKind.DIVERTED
+            holder = max(ctx.matches, key=lambda wid: ctx.matches[wid])
+            holder_blocks = ctx.matches[holder]
+            why = dropped.get(holder, "outscored")
+        return Decision(
+            worker=chosen, policy=profile.name, kind=kind, match_blocks=depth, placement=how,
+            picker=profile.picker.name, holder=holder, holder_blocks=holder_blocks,
+            diverted_by=why, scores=totals, load_bound=ctx.load_bounds.get(chosen.id),
+        )

@@ -10,7 +10,9 @@ The index models each worker's cache as an LRU of ``capacity`` blocks, the worke
 size when it is known (:meth:`set_capacity`): a prefix the worker has surely evicted by now stops
 counting as held, and a prompt's first blocks are kept longest (they are recorded last, so they
 are the most recently used), as in the worker's own cache. Entries also expire after ``ttl_s``.
-Time is passed in by the caller, so the simulator can replay traces on its own clock.
+Time is an argument of every call that depends on it (``now``, seconds on any monotonic
+origin), so the simulator replays traces on its own clock; :meth:`at` binds one instant for
+the routing policies (:class:`IndexView`).
 
 It also keeps each worker's recent *churn*, which the cold-placement picker balances
 (:mod:`gateway.routing.policies.spread_picker`): requests recorded for it and blocks they added
@@ -24,6 +26,16 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Churn:
+    """Requests recorded for a worker and the blocks they added, decayed; ``at`` = last update."""
+
+    requests: float = 0.0
+    new_blocks: float = 0.0
+    at: float = 0.0
 
 
 class PrefixIndex:
@@ -37,22 +49,21 @@ class PrefixIndex:
         self._heat: dict[int, tuple[float, float]] = {}
         self._default_capacity = capacity
         self._ttl_s = ttl_s
-        self._now = 0.0
         # block hash -> {worker id: time recorded}
         self._holders: dict[int, dict[str, float]] = {}
         # worker id -> its blocks, least recently used first
         self._lru: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}
-        # worker id -> [requests, new blocks, time of the last update], decayed; and all workers
-        self._churn: dict[str, list[float]] = {}
-        self._pool_churn = [0.0, 0.0, 0.0]
+        # worker id -> its recent requests and the blocks they added, decayed; and all workers
+        self._churn: dict[str, Churn] = {}
+        self._pool_churn = Churn()
 
     def __len__(self) -> int:
         return len(self._holders)
 
-    def set_time(self, now: float) -> None:
-        """Advance the index's clock (seconds, any monotonic origin)."""
-        self._now = now
+    def at(self, now: float) -> IndexView:
+        """The read side at one instant, as routing policies see it."""
+        return IndexView(self, now)
 
     def capacity(self, worker_id: str) -> int:
         return self._capacity.get(worker_id, self._default_capacity)
@@ -66,12 +77,11 @@ class PrefixIndex:
         lru = self._lru.get(worker_id)
         return len(lru) if lru is not None else 0
 
-    def record(self, blocks: Sequence[int], worker_id: str) -> None:
-        """``worker_id`` now holds every block of ``blocks``."""
+    def record(self, blocks: Sequence[int], worker_id: str, now: float) -> None:
+        """``worker_id`` holds every block of ``blocks`` from ``now`` on."""
         lru = self._lru.get(worker_id)
         if lru is None:
             lru = self._lru[worker_id] = OrderedDict()
-        now = self._now
         holders_of = self._holders
         heat = self._heat
         new = 0
@@ -80,7 +90,7 @@ class PrefixIndex:
             if h not in lru:
                 new += 1
             value, at = heat.get(h, (0.0, now))
-            heat[h] = (self._decayed(value, at) + 1.0, now)
+            heat[h] = (self._decayed(value, at, now) + 1.0, now)
             holders = holders_of.get(h)
             if holders is None:
                 holders_of[h] = {worker_id: now}
@@ -91,15 +101,15 @@ class PrefixIndex:
         self._trim(worker_id)
         churn = self._churn.get(worker_id)
         if churn is None:
-            churn = self._churn[worker_id] = [0.0, 0.0, now]
-        self._count(churn, new)
-        self._count(self._pool_churn, new)
+            churn = self._churn[worker_id] = Churn(at=now)
+        self._count(churn, new, now)
+        self._count(self._pool_churn, new, now)
 
-    def _count(self, churn: list[float], new_blocks: int) -> None:
-        keep = self._decay_factor(churn[2])
-        churn[0] = churn[0] * keep + 1.0
-        churn[1] = churn[1] * keep + new_blocks
-        churn[2] = self._now
+    def _count(self, churn: Churn, new_blocks: int, now: float) -> None:
+        keep = self._decay_factor(churn.at, now)
+        churn.requests = churn.requests * keep + 1.0
+        churn.new_blocks = churn.new_blocks * keep + new_blocks
+        churn.at = now
 
     def _trim(self, worker_id: str) -> None:
         lru = self._lru.get(worker_id)
@@ -118,43 +128,43 @@ class PrefixIndex:
                 del self._holders[h]
                 self._heat.pop(h, None)
 
-    def _decay_factor(self, at: float) -> float:
-        if self._half_life <= 0 or self._now <= at:
+    def _decay_factor(self, at: float, now: float) -> float:
+        if self._half_life <= 0 or now <= at:
             return 1.0
-        return float(0.5 ** ((self._now - at) / self._half_life))
+        return float(0.5 ** ((now - at) / self._half_life))
 
-    def _decayed(self, value: float, at: float) -> float:
-        return value * self._decay_factor(at)
+    def _decayed(self, value: float, at: float, now: float) -> float:
+        return value * self._decay_factor(at, now)
 
-    def recent_requests(self, worker_id: str) -> float:
+    def recent_requests(self, worker_id: str, now: float) -> float:
         """Requests recorded for ``worker_id``, halved every ``heat_half_life_s``."""
         churn = self._churn.get(worker_id)
-        return churn[0] * self._decay_factor(churn[2]) if churn is not None else 0.0
+        return churn.requests * self._decay_factor(churn.at, now) if churn is not None else 0.0
 
     def mean_new_blocks(self) -> float:
         """Blocks a recorded request added to its worker's cache, on average over all workers
         (recent requests weigh more); 0 before the first record."""
-        requests, blocks, _ = self._pool_churn
-        return blocks / requests if requests > 0 else 0.0
+        churn = self._pool_churn
+        return churn.new_blocks / churn.requests if churn.requests > 0 else 0.0
 
-    def tail_age(self, worker_id: str) -> float:
+    def tail_age(self, worker_id: str, now: float) -> float:
         """Seconds since the least recently used block of ``worker_id`` was recorded, once its
         modelled cache is full (the next block recorded evicts it); ``inf`` while it has room."""
         lru = self._lru.get(worker_id)
         if lru is None or len(lru) < self.capacity(worker_id):
             return math.inf
         oldest = next(iter(lru))
-        return max(0.0, self._now - self._holders[oldest][worker_id])
+        return max(0.0, now - self._holders[oldest][worker_id])
 
-    def heat(self, block: int) -> float:
+    def heat(self, block: int, now: float) -> float:
         """How many recorded requests contained ``block``, halved every ``heat_half_life_s``:
         a system prompt many users send is hot, one conversation's history is not."""
-        value, at = self._heat.get(block, (0.0, self._now))
-        return self._decayed(value, at)
+        value, at = self._heat.get(block, (0.0, now))
+        return self._decayed(value, at, now)
 
-    def match(self, blocks: Sequence[int]) -> dict[str, int]:
+    def match(self, blocks: Sequence[int], now: float) -> dict[str, int]:
         """Worker id -> number of leading blocks of ``blocks`` it holds (only those > 0)."""
-        cutoff = self._now - self._ttl_s
+        cutoff = now - self._ttl_s
         depth: dict[str, int] = {}
         alive: set[str] | None = None
         for i, h in enumerate(blocks):
@@ -194,3 +204,26 @@ class PrefixIndex:
         for h in self._lru.pop(worker_id, OrderedDict()):
             self._drop(h, worker_id)
         self._churn.pop(worker_id, None)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexView:
+    """A :class:`PrefixIndex` read at one instant: the ``PrefixMatcher`` routing policies see."""
+
+    index: PrefixIndex
+    now: float
+
+    def match(self, blocks: Sequence[int]) -> dict[str, int]:
+        return self.index.match(blocks, self.now)
+
+    def heat(self, block: int) -> float:
+        return self.index.heat(block, self.now)
+
+    def recent_requests(self, worker_id: str) -> float:
+        return self.index.recent_requests(worker_id, self.now)
+
+    def mean_new_blocks(self) -> float:
+        return self.index.mean_new_blocks()
+
+    def tail_age(self, worker_id: str) -> float:
+        return self.index.tail_age(worker_id, self.now)

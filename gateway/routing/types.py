@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 from gateway.fingerprint import PrefixKey
@@ -92,14 +93,33 @@ class Snapshot:
     pool_load: tuple[int, float] | None = None
 
 
+class DecisionKind(StrEnum):
+    """Why a worker was chosen, as a closed set (metric label, simulator tally, header)."""
+
+    PREFIX_HIT = "prefix_hit"  # it holds the deepest usable known prefix of the request
+    COLD = "cold"  # no worker is known to hold the prefix: placed from the anchor's ring walk
+    DIVERTED = "diverted"  # a holder exists but was filtered out or outscored (its load)
+    SPREAD = "spread"  # a hot prefix given to one more holder: waiting cost more than prefill
+    PLACED = "placed"  # a policy without a prefix index (ring, round robin, least load)
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The outcome of routing one request, with the reason a human can read."""
+    """The outcome of routing one request, in structured fields; :attr:`reason` renders them
+    for a human (``x-route-reason``) and nothing parses it back."""
 
     worker: WorkerView
     policy: str
-    reason: str
-    match_blocks: int = 0
+    kind: DecisionKind
+    match_blocks: int = 0  # leading blocks the chosen worker is known to hold
+    # How the picker chose among equals: "ring", "ring skip=2", "round_robin", ...
+    placement: str = ""
+    picker: str = ""  # the picker's name: the metric label of PLACED decisions
+    # The deepest known holder when it was not chosen (DIVERTED, SPREAD), why, and its depth.
+    holder: str = ""
+    holder_blocks: int = 0
+    diverted_by: str = ""  # a filter name, "outscored" or "failed"
+    note: str = ""  # free text appended to the reason (experiments)
     scores: Mapping[str, float] = field(default_factory=dict)
     # The chosen worker's load bound in tokens (before this request), when the policy has one.
     load_bound: float | None = None
@@ -107,6 +127,31 @@ class Decision:
     @property
     def worker_id(self) -> str:
         return self.worker.id
+
+    @property
+    def label(self) -> str:
+        """A low-cardinality label: the kind, or the picker for index-less policies."""
+        if self.kind is DecisionKind.PLACED:
+            return self.picker or self.kind.value
+        return self.kind.value
+
+    @property
+    def reason(self) -> str:
+        """One line a human reads: ``prefix_hit depth=37``, ``cold -> ring``, ..."""
+        match self.kind:
+            case DecisionKind.PREFIX_HIT:
+                text = f"prefix_hit depth={self.match_blocks}"
+            case DecisionKind.COLD:
+                text = f"cold -> {self.placement}"
+            case DecisionKind.DIVERTED:
+                text = (f"diverted: {self.holder} {self.diverted_by} "
+                        f"(depth={self.holder_blocks}) -> {self.placement}")
+            case DecisionKind.SPREAD:
+                text = (f"spread: {self.holder} {self.diverted_by} "
+                        f"(depth={self.holder_blocks}) -> {self.placement}")
+            case _:
+                text = self.placement
+        return f"{text} {self.note}" if self.note else text
 
 
 class NoCandidates(Exception):

@@ -72,7 +72,7 @@ async def data(request: web.Request) -> web.Response:
     now = time.time()
     return web.json_response({
         "now": now,
-        "policy": state.engine.name,
+        "policy": state.session.router.name,
         "replica": state.sync.origin,
         "store": {"url": state.store.url, "available": state.sync.health.available},
         "bucket_s": telemetry.window.bucket_s,

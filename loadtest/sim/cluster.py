@@ -19,11 +19,11 @@ fewer than ``concurrency`` are in flight (unbounded when ``None``). Two modes:
 * ``replay``: arrivals at ``timestamp / speedup`` (open loop unless ``concurrency`` is set), so
   queueing and TTFT reflect the trace's real burstiness under the cost model.
 
-**Gateway.** For each issued request: set the prefix index clock to the simulated time, build a
-:class:`~gateway.routing.types.Snapshot` (one ``WorkerView`` per worker, with in-flight requests
-and in-flight tokens as the gateway counts them: ``input + output`` tokens, added at dispatch,
-removed at completion), call ``route`` (timed with ``perf_counter``), then ``index.record`` when
-the policy uses the index -- the order of ``gateway.proxy.dispatch``.
+**Gateway.** The gateway's own :class:`~gateway.session.RoutingSession` over a real
+:class:`~gateway.pool.WorkerPool` and :class:`~gateway.routing.prefix_index.PrefixIndex`: for
+each issued request ``session.route(request, now)`` with the simulated time (snapshot, decision,
+index record, in-flight accounting: ``input + output`` tokens, added at dispatch), timed with
+``perf_counter``; ``session.completed`` with the blocks the worker reused when it finishes.
 
 **Worker** (cost model, shape of ``SimEngine``): at most ``max_running`` admitted requests; the
 rest wait in a FIFO queue (head-of-line: a request whose blocks do not fit waits, and so do the
@@ -53,12 +53,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.pool import WorkerPool
 from gateway.routing.policies import PolicyOptions
 from gateway.routing.prefix_index import PrefixIndex
-from gateway.routing.ring import Ring
-from gateway.routing.types import RouteRequest, Snapshot, Worker, WorkerView
+from gateway.routing.types import Decision, DecisionKind, RouteRequest, Worker
+from gateway.session import Attempt, CacheUsage, Router, RoutingSession
 from gateway.settings import GatewaySettings
-from gateway.telemetry import reason_kind
 from loadtest.sim.routers import build_router
 from loadtest.traces import BLOCK_TOKENS, TraceRequest
 from worker.engines.sim import SimCosts
@@ -148,13 +148,12 @@ class SimResult:
     best_known_blocks: int
     ttft_s: tuple[float, ...]
     decision_us: tuple[float, ...]
-    snapshot_us: tuple[float, ...]
     sim_seconds: float
     wall_seconds: float
     per_worker: tuple[WorkerResult, ...]
     # The worker each dispatched request went to, in dispatch (= trace) order.
     assignments: tuple[str, ...] = ()
-    # Decisions by kind of reason (gateway.telemetry.reason_kind; "diverted:<why>" split out).
+    # Decisions by label (Decision.label; "diverted:<why>" split out).
     reasons: Mapping[str, int] = field(default_factory=dict)
     ring_seed: int = 0
 
@@ -164,30 +163,26 @@ class _Job:
     req: TraceRequest
     rid: str
     dispatched: float
+    attempt: Attempt
+    matched_blocks: int = 0
 
 
 class _SimWorker:
     __slots__ = (
-        "blocks", "cache", "idx", "inflight_requests", "inflight_tokens", "matched_blocks",
-        "max_queue", "prefill_free_at", "queue", "routed", "running", "worker",
+        "blocks", "cache", "matched_blocks", "max_queue", "prefill_free_at", "queue", "routed",
+        "running", "worker",
     )
 
-    def __init__(self, idx: int, worker: Worker, cache: PrefixCache) -> None:
-        self.idx = idx
+    def __init__(self, worker: Worker, cache: PrefixCache) -> None:
         self.worker = worker
         self.cache = cache
         self.queue: deque[_Job] = deque()
         self.running = 0
         self.prefill_free_at = 0.0
-        self.inflight_requests = 0
-        self.inflight_tokens = 0
         self.routed = 0
         self.blocks = 0
         self.matched_blocks = 0
         self.max_queue = 0
-
-    def view(self) -> WorkerView:
-        return WorkerView(self.worker, True, self.inflight_requests, self.inflight_tokens)
 
     def result(self) -> WorkerResult:
         return WorkerResult(self.worker.id, self.routed, self.blocks, self.matched_blocks,
@@ -197,37 +192,35 @@ class _SimWorker:
 class ClusterSim:
     """One run of one policy over one trace (see module docstring). Use :func:`simulate`."""
 
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, router: Router | None = None) -> None:
         self.config = config
         ids = worker_ids(config.workers, config.ring_seed)
         caches = {wid: PrefixCache(config.cache_blocks, 1) for wid in ids}
-        self.workers = {
-            wid: _SimWorker(i, Worker(wid, f"sim://{wid}"), caches[wid])
-            for i, wid in enumerate(ids)
-        }
-        self.views = [w.view() for w in self.workers.values()]
-        # What the gateway's pool keeps for large fleets (see WorkerPool.snapshot): an
-        # id -> view map and the pool-wide load, so narrowing policies skip the full pass.
-        self.by_id = {v.id: v for v in self.views}
-        self.total_tokens = 0
-        self.ring = Ring(dict.fromkeys(ids, 1.0))
+        self.workers = {wid: _SimWorker(Worker(wid, f"sim://{wid}"), caches[wid]) for wid in ids}
         self.index = PrefixIndex(config.index_capacity, config.index_ttl_s)
-        if config.index_knows_capacity:
-            # As the gateway does once a worker registers its cache size (gateway.sync).
-            for wid in ids:
-                self.index.set_capacity(wid, config.cache_blocks)
-        self.router = build_router(config.policy, caches, config.policy_options)
+        self.pool = WorkerPool((), self.index)
+        for wid in ids:
+            self.pool.add(f"sim://{wid}", wid=wid)
+            self.pool.mark_up(wid, frozenset())
+            if config.index_knows_capacity:
+                # As the gateway does once a worker reports its cache size (gateway.sync).
+                self.pool.set_capacity(wid, config.cache_blocks)
+        router = router or build_router(config.policy, caches, config.policy_options)
+        self.session = RoutingSession(router, self.index, self.pool)
         self._events: list[tuple[float, int, _SimWorker, _Job]] = []
         self._seq = 0
         self._inflight = 0
         self._ttft: list[float] = []
         self._decision_us: list[float] = []
-        self._snapshot_us: list[float] = []
         self._predicted = 0
         self._best_known = 0
         self._rejected = 0
         self._assignments: list[str] = []
         self._reasons: Counter[str] = Counter()
+
+    @property
+    def router(self) -> Router:
+        return self.session.router
 
     # -- gateway side ---------------------------------------------------------------------------
 
@@ -235,34 +228,23 @@ class ClusterSim:
         if len(req.blocks) > self.config.cache_blocks:
             self._rejected += 1  # can never fit in one worker's cache
             return
-        t0 = time.perf_counter()
-        self.index.set_time(now)
-        snapshot = Snapshot(
-            tuple(self.views), self.index, self.ring, by_id=self.by_id,
-            pool_load=(self.total_tokens, float(len(self.views))),
-        )
         route_request = RouteRequest(
             key=req.key, model=MODEL, cost_tokens=req.cost_tokens, prompt_tokens=req.input_tokens
         )
-        t1 = time.perf_counter()
-        decision = self.router.route(route_request, snapshot)
-        t2 = time.perf_counter()
         if self.router.uses_prefix_index:
             # Diagnostic, untimed: the deepest prefix any worker was known to hold.
-            self._best_known += max(self.index.match(req.blocks).values(), default=0)
-            self.index.record(req.blocks, decision.worker_id)
-        self._snapshot_us.append((t1 - t0) * 1e6)
-        self._decision_us.append((t2 - t1) * 1e6)
+            self._best_known += max(self.index.match(req.blocks, now).values(), default=0)
+        t0 = time.perf_counter()
+        attempt = self.session.route(route_request, now)
+        self._decision_us.append((time.perf_counter() - t0) * 1e6)
+        decision = attempt.decision
         self._predicted += decision.match_blocks
-        self._reasons[_reason_label(decision.reason)] += 1
+        self._reasons[_reason_label(decision)] += 1
         w = self.workers[decision.worker_id]
         self._assignments.append(w.worker.id)
-        w.inflight_requests += 1
-        w.inflight_tokens += req.cost_tokens
         w.routed += 1
-        self._update_view(w, req.cost_tokens)
         self._inflight += 1
-        w.queue.append(_Job(req, str(req.index), now))
+        w.queue.append(_Job(req, str(req.index), now, attempt))
         w.max_queue = max(w.max_queue, len(w.queue))
         self._pump(w, now)
 
@@ -282,6 +264,7 @@ class ClusterSim:
             req = job.req
             w.blocks += len(req.blocks)
             w.matched_blocks += alloc.matched_blocks
+            job.matched_blocks = alloc.matched_blocks
             cached = min(alloc.matched_blocks * BLOCK_TOKENS, req.input_tokens)
             prefill = costs.prefill_seconds(req.input_tokens - cached, cached)
             start = max(now, w.prefill_free_at) if self.config.serial_prefill else now
@@ -293,16 +276,11 @@ class ClusterSim:
             self._seq += 1
             heapq.heappush(self._events, (done, self._seq, w, job))
 
-    def _update_view(self, w: _SimWorker, delta_tokens: int) -> None:
-        self.views[w.idx] = self.by_id[w.worker.id] = w.view()
-        self.total_tokens += delta_tokens
-
     def _complete(self, w: _SimWorker, job: _Job, now: float) -> None:
         w.cache.release(job.rid)
         w.running -= 1
-        w.inflight_requests -= 1
-        w.inflight_tokens -= job.req.cost_tokens
-        self._update_view(w, -job.req.cost_tokens)
+        # What the worker reports, in blocks (one trace block = one cache block).
+        self.session.completed(job.attempt, CacheUsage(len(job.req.blocks), job.matched_blocks))
         self._inflight -= 1
         self._pump(w, now)
 
@@ -344,20 +322,17 @@ class ClusterSim:
             matched_blocks=sum(w.matched_blocks for w in per_worker),
             predicted_blocks=self._predicted, best_known_blocks=self._best_known,
             ttft_s=tuple(self._ttft), decision_us=tuple(self._decision_us),
-            snapshot_us=tuple(self._snapshot_us), sim_seconds=now,
+            sim_seconds=now,
             wall_seconds=time.perf_counter() - started, per_worker=per_worker,
             assignments=tuple(self._assignments), reasons=dict(self._reasons),
             ring_seed=cfg.ring_seed,
         )
 
 
-def _reason_label(reason: str) -> str:
-    kind = reason_kind(reason)
-    if kind == "diverted":  # "diverted: <best holder> <why> (depth=...) -> ..."
-        words = reason.split()
-        if len(words) > 2:
-            kind += ":" + words[2]
-    return kind
+def _reason_label(decision: Decision) -> str:
+    if decision.kind is DecisionKind.DIVERTED:
+        return f"{decision.label}:{decision.diverted_by}"
+    return decision.label
 
 
 def simulate(requests: Sequence[TraceRequest], config: SimConfig) -> SimResult:

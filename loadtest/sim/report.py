@@ -68,7 +68,6 @@ def metrics(result: SimResult, pooled: float) -> Metrics:
         "ttft_p99": percentile(result.ttft_s, 99),
         "decision_us_p50": percentile(result.decision_us, 50),
         "decision_us_p99": percentile(result.decision_us, 99),
-        "snapshot_us_p50": percentile(result.snapshot_us, 50),
         "reasons": dict(sorted(result.reasons.items())),
         "sim_seconds": result.sim_seconds,
         "wall_seconds": result.wall_seconds,

@@ -9,12 +9,11 @@ actual KV cache (:meth:`worker.kvcache.PrefixCache.lookup`) instead of a prefix 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
 
-from gateway.routing.engine import RoutingEngine
 from gateway.routing.policies import POLICY_NAMES, PolicyOptions, build_engine
 from gateway.routing.policies.bounded_load import load_bound
-from gateway.routing.types import Decision, NoCandidates, RouteRequest, Snapshot
+from gateway.routing.types import Decision, DecisionKind, NoCandidates, RouteRequest, Snapshot
+from gateway.session import Router
 from worker.kvcache import PrefixCache
 
 ORACLE = "oracle"
@@ -23,36 +22,6 @@ ORACLE = "oracle"
 def policy_names() -> tuple[str, ...]:
     """Every policy the simulator can run: the gateway's, then the oracle."""
     return (*POLICY_NAMES, ORACLE)
-
-
-class Router(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def uses_prefix_index(self) -> bool:
-        """Whether the caller must record each decision in the prefix index."""
-        ...
-
-    def route(self, request: RouteRequest, snapshot: Snapshot) -> Decision: ...
-
-
-class EngineRouter:
-    """A gateway routing engine, called exactly as ``gateway.proxy.dispatch`` calls it."""
-
-    def __init__(self, engine: RoutingEngine) -> None:
-        self.engine = engine
-
-    @property
-    def name(self) -> str:
-        return self.engine.name
-
-    @property
-    def uses_prefix_index(self) -> bool:
-        return self.engine.profile.uses_prefix_index
-
-    def route(self, request: RouteRequest, snapshot: Snapshot) -> Decision:
-        return self.engine.route(request, snapshot)
 
 
 class OracleRouter:
@@ -73,8 +42,11 @@ class OracleRouter:
         self._c = c
         self._floor = floor_requests
 
-    def route(self, request: RouteRequest, snapshot: Snapshot) -> Decision:
-        views = [w for w in snapshot.workers if w.healthy and w.worker.serves(request.model)]
+    def route(
+        self, request: RouteRequest, snapshot: Snapshot, exclude: frozenset[str] = frozenset()
+    ) -> Decision:
+        views = [w for w in snapshot.workers
+                 if w.healthy and w.worker.serves(request.model) and w.id not in exclude]
         if not views:
             raise NoCandidates("no healthy worker serves the model")
         total = sum(w.inflight_tokens for w in views)
@@ -93,8 +65,9 @@ class OracleRouter:
             key = (-match, w.inflight_tokens, w.id)
             if best_key is None or key < best_key:
                 best_key, best, best_match = key, w, match
-        reason = f"oracle depth={best_match}" if best_match else "oracle cold -> least load"
-        return Decision(worker=best, policy=ORACLE, reason=reason, match_blocks=best_match)
+        kind = DecisionKind.PREFIX_HIT if best_match else DecisionKind.COLD
+        return Decision(worker=best, policy=ORACLE, kind=kind, match_blocks=best_match,
+                        placement="least load", picker="oracle")
 
 
 def build_router(name: str, caches: Mapping[str, PrefixCache],
@@ -103,4 +76,4 @@ def build_router(name: str, caches: Mapping[str, PrefixCache],
     opts = opts or PolicyOptions()
     if name == ORACLE:
         return OracleRouter(caches, opts.load_factor, opts.load_floor_requests)
-    return EngineRouter(build_engine(name, opts))
+    return build_engine(name, opts)

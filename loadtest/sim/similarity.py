@@ -53,7 +53,6 @@ from gateway.routing.types import Decision, RouteRequest, Snapshot, WorkerView
 from loadtest.rag_trace import RagSpec, rag_shape, rag_trace
 from loadtest.sim.cluster import ClusterSim, SimConfig, SimResult, pooled_bound, simulate
 from loadtest.sim.report import Metrics, metrics
-from loadtest.sim.routers import EngineRouter
 from loadtest.traces import TraceRequest
 
 Mode = Literal["cold", "tiebreak"]
@@ -200,7 +199,7 @@ class SimilarityScorer:
         return scores
 
 
-class SimilarityRouter(EngineRouter):
+class SimilarityRouter:
     """A gateway policy's engine plus the similarity scorer (simulator ``Router``).
 
     ``tiebreak`` weight: ``cache_cost`` scores equal-depth holders within ``queue_weight`` of
@@ -220,18 +219,26 @@ class SimilarityRouter(EngineRouter):
             name=f"{base.name}+similarity({opts.mode})",
             scorers=(*base.profile.scorers, (self.scorer, weight)),
         )
-        super().__init__(RoutingEngine(profile))
+        self.engine = RoutingEngine(profile)
         self.steered = 0  # decisions where the chosen worker had a similarity score
 
-    def route(self, request: RouteRequest, snapshot: Snapshot) -> Decision:
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def uses_prefix_index(self) -> bool:
+        return self.engine.uses_prefix_index
+
+    def route(
+        self, request: RouteRequest, snapshot: Snapshot, exclude: frozenset[str] = frozenset()
+    ) -> Decision:
         sketch = self.scorer.sketch_for(request)
-        decision = self.engine.route(request, snapshot)
+        decision = self.engine.route(request, snapshot, exclude)
         similarity = self.scorer.last.get(decision.worker_id)
         if similarity is not None:
             self.steered += 1
-            decision = dataclasses.replace(
-                decision, reason=f"{decision.reason} similar={similarity:.2f}"
-            )
+            decision = dataclasses.replace(decision, note=f"similar={similarity:.2f}")
         self.index.record(self.content_of(request), sketch, decision.worker_id)
         return decision
 
@@ -257,9 +264,8 @@ def simulate_with_similarity(requests: Sequence[TraceRequest],
 
     The decision time the simulator reports includes the sketch, the LSH query and the record.
     """
-    sim = ClusterSim(config)
     router = SimilarityRouter(config.policy, content_lookup(content), config.policy_options, opts)
-    sim.router = router
+    sim = ClusterSim(config, router)
     result = dataclasses.replace(sim.run(requests), policy=router.name)
     return SimilarityRun(result, router.steered, len(router.index))
 

@@ -7,6 +7,7 @@ import openai
 
 from gateway.backends.openai_http import parse_engine_metrics
 from gateway.proxy import stats_from_usage
+from gateway.session import CacheUsage
 from tests.conftest import MODEL, StartCluster
 
 PROMPT = "Summarise the maintenance manual of the tandem bicycle, chapter by chapter. " * 20
@@ -30,11 +31,11 @@ def test_engine_metrics_page_gives_load_and_cache_capacity() -> None:
 def test_cache_stats_come_from_usage_in_bodies_and_streams() -> None:
     body = b'{"id": "x", "usage": {"prompt_tokens": 120, "completion_tokens": 3, ' \
            b'"prompt_tokens_details": {"cached_tokens": 96}}}'
-    assert stats_from_usage(body) == (120, 96)
+    assert stats_from_usage(body) == CacheUsage(120, 96)
     stream = (b'data: {"choices": [{"text": "a"}]}\n\n'
               b'data: {"choices": [], "usage": {"prompt_tokens": 50, '
               b'"prompt_tokens_details": null}}\n\ndata: [DONE]\n\n')
-    assert stats_from_usage(stream) == (50, 0)
+    assert stats_from_usage(stream) == CacheUsage(50, 0)
     assert stats_from_usage(b'{"choices": []}') is None
     assert stats_from_usage(b"data: {not json, \"usage\"}\n\n") is None
 

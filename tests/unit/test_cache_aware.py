@@ -26,7 +26,7 @@ def _route(
 ) -> tuple[str, str]:
     index = PrefixIndex()
     for wid, depth in held.items():
-        index.record(BLOCKS[:depth], wid)
+        index.record(BLOCKS[:depth], wid, 0.0)
     views = tuple(
         WorkerView(Worker(wid, f"http://{wid}"), True, 1 if loads.get(wid) else 0,
                    loads.get(wid, 0))
@@ -34,7 +34,7 @@ def _route(
     )
     request = RouteRequest(PrefixKey(BLOCKS, ANCHOR, 640), "m", prompt_tokens + 10, prompt_tokens)
     engine = build_engine("cache_aware", opts or PolicyOptions())
-    decision = engine.route(request, Snapshot(views, index, RING))
+    decision = engine.route(request, Snapshot(views, index.at(0.0), RING))
     return decision.worker_id, decision.reason
 
 
@@ -93,14 +93,14 @@ def test_hot_prefix_holder_gets_the_tight_bound_and_spreads() -> None:
     loads = {"w0": 100, "w1": 100, "w2": 600, "w3": 100}  # w2: 600 > 1.25/4 x 950 = 297
     index = PrefixIndex()
     for _ in range(3):
-        index.record(BLOCKS, "w2")
+        index.record(BLOCKS, "w2", 0.0)
     views = tuple(WorkerView(Worker(w, f"http://{w}"), True, 1, loads[w]) for w in IDS)
     request = RouteRequest(PrefixKey(BLOCKS, ANCHOR, 640), "m", 50, 40)
-    snap = Snapshot(views, index, RING)
+    snap = Snapshot(views, index.at(0.0), RING)
     cold_ish = build_engine("cache_aware", PolicyOptions(hot_threshold=8.0)).route(request, snap)
     assert cold_ish.worker_id == "w2"  # 3 requests: not hot, the 3 x guard lets it stay
     for _ in range(6):
-        index.record(BLOCKS, "w2")
+        index.record(BLOCKS, "w2", 0.0)
     hot = build_engine("cache_aware", PolicyOptions(hot_threshold=8.0)).route(request, snap)
     assert hot.worker_id != "w2"
     assert hot.reason.startswith("diverted: w2 bounded_load")

@@ -63,9 +63,9 @@ def _views(
 def _snapshot(views: tuple[WorkerView, ...], held: Mapping[str, int] | None = None) -> Snapshot:
     index = PrefixIndex()
     for wid, depth in (held or {}).items():
-        index.record(BLOCKS[:depth], wid)
+        index.record(BLOCKS[:depth], wid, 0.0)
     ring = Ring({v.id: v.worker.weight for v in views})
-    return Snapshot(workers=views, index=index, ring=ring)
+    return Snapshot(workers=views, index=index.at(0.0), ring=ring)
 
 
 def test_anchor_fixture_walk() -> None:
@@ -211,7 +211,7 @@ def test_floor_keeps_a_lightly_loaded_owner(floor: float, expected: str) -> None
     """w0 (the ring owner) runs one request, the rest idle: only the floor keeps w0."""
     engine = build_engine("bounded_hash", PolicyOptions(load_floor_requests=floor))
     views = _views({"w0": 100})
-    snap = Snapshot(workers=views, index=PrefixIndex(), ring=RING4)
+    snap = Snapshot(workers=views, index=PrefixIndex().at(0.0), ring=RING4)
     decision = engine.route(RouteRequest(_key(), MODEL, 100), snap)
     assert decision.worker_id == expected
 
@@ -301,7 +301,7 @@ def test_no_candidates(
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_empty_pool_raises_no_candidates(policy: str) -> None:
-    snap = Snapshot(workers=(), index=PrefixIndex(), ring=Ring({}))
+    snap = Snapshot(workers=(), index=PrefixIndex().at(0.0), ring=Ring({}))
     with pytest.raises(NoCandidates):
         build_engine(policy).route(RouteRequest(_key(), MODEL, 100), snap)
 
@@ -333,7 +333,7 @@ def test_worker_without_models_serves_any_model() -> None:
 
 def test_worker_not_on_ring_still_routable() -> None:
     views = _views()
-    snap = Snapshot(workers=views, index=PrefixIndex(), ring=Ring({}))
+    snap = Snapshot(workers=views, index=PrefixIndex().at(0.0), ring=Ring({}))
     decision = build_engine("consistent_hash").route(RouteRequest(_key(), MODEL, 1), snap)
     assert decision.worker_id == "w0"
     assert decision.reason == "ring (not on ring)"
@@ -376,8 +376,8 @@ def test_chosen_worker_within_load_bound(policy: str, c: float) -> None:
         blocks = tuple(rnd.getrandbits(64) for _ in range(rnd.randint(1, 12)))
         for wid in ids:
             if rnd.random() < 0.4:
-                index.record(blocks[: rnd.randint(1, len(blocks))], wid)
-        snap = Snapshot(workers=views, index=index, ring=_ring_for(weights))
+                index.record(blocks[: rnd.randint(1, len(blocks))], wid, 0.0)
+        snap = Snapshot(workers=views, index=index.at(0.0), ring=_ring_for(weights))
         cost = rnd.randint(1, 3000)
         key = PrefixKey(blocks=blocks, anchor=rnd.getrandbits(64), text_chars=64)
         decision = engine.route(RouteRequest(key, MODEL, cost), snap)
@@ -397,7 +397,7 @@ def test_chosen_worker_within_load_bound(policy: str, c: float) -> None:
         assert decision.load_bound == pytest.approx(bound)
         if policy == "prefix_affinity" and decision.match_blocks:
             # A holder was chosen: no candidate within the bound holds a longer prefix.
-            matches = index.match(blocks)
+            matches = index.match(blocks, 0.0)
             eligible = [
                 v for v in candidates
                 if v.inflight_tokens <= bounds[v.id]

@@ -12,7 +12,7 @@ WID = "10.0.0.1:8001"
 
 
 def _view_load(pool: WorkerPool) -> tuple[int, int]:
-    view = pool.snapshot().workers[0]
+    view = pool.snapshot(0.0).workers[0]
     return view.inflight_requests, view.inflight_tokens
 
 
@@ -55,7 +55,7 @@ def test_snapshot_totals_follow_every_change() -> None:
     ids = [f"10.0.0.{i}:8001" for i in range(3)]
 
     def expected() -> tuple[int, float]:
-        views = [v for v in pool.snapshot().workers if v.healthy]
+        views = [v for v in pool.snapshot(0.0).workers if v.healthy]
         return sum(v.inflight_tokens for v in views), sum(v.worker.weight for v in views)
 
     for wid in ids:
@@ -72,7 +72,7 @@ def test_snapshot_totals_follow_every_change() -> None:
     ]
     for step in steps:
         step()
-        snap = pool.snapshot()
+        snap = pool.snapshot(0.0)
         assert snap.pool_load == expected()
         assert snap.by_id is not None
         assert set(snap.by_id) == {v.id for v in snap.workers}

@@ -5,21 +5,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.fingerprint import PrefixKey
-from gateway.proxy import predicted_tokens
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.ring import Ring
-from gateway.routing.types import Decision, RouteRequest, Snapshot, Worker, WorkerView
+from gateway.routing.types import (
+    Decision,
+    DecisionKind,
+    RouteRequest,
+    Snapshot,
+    Worker,
+    WorkerView,
+)
+from gateway.session import predicted_tokens
 
 
 def case(kind: str, held: Sequence[int], blocks: Sequence[int], prompt_tokens: int,
          block_tokens: int = 16) -> int | None:
     index = PrefixIndex()
-    index.record(held, "w")
+    index.record(held, "w", 0.0)
     view = WorkerView(Worker("w", "http://w", kind=kind))
-    snapshot = Snapshot(workers=(view,), index=index, ring=Ring({"w": 1.0}))
+    snapshot = Snapshot(workers=(view,), index=index.at(0.0), ring=Ring({"w": 1.0}))
     request = RouteRequest(PrefixKey(tuple(blocks), 0, 0), "m", 0, prompt_tokens,
                            block_tokens=block_tokens)
-    return predicted_tokens(snapshot, request, Decision(view, "p", "r"))
+    return predicted_tokens(snapshot, request, Decision(view, "p", DecisionKind.COLD))
 
 
 def test_token_keys_predict_whole_blocks_held() -> None:

@@ -45,16 +45,16 @@ def test_match(
 ) -> None:
     index = PrefixIndex()
     for blocks, wid in recordings:
-        index.record(blocks, wid)
-    assert index.match(query) == expected
+        index.record(blocks, wid, 0.0)
+    assert index.match(query, 0.0) == expected
 
 
 def test_record_is_idempotent() -> None:
     index = PrefixIndex()
-    index.record([1, 2, 3], "w1")
-    index.record([1, 2, 3], "w1")
+    index.record([1, 2, 3], "w1", 0.0)
+    index.record([1, 2, 3], "w1", 0.0)
     assert len(index) == 3
-    assert index.match([1, 2, 3]) == {"w1": 3}
+    assert index.match([1, 2, 3], 0.0) == {"w1": 3}
 
 
 @pytest.mark.parametrize(
@@ -86,43 +86,41 @@ def test_ttl(
 ) -> None:
     index = PrefixIndex(ttl_s=10.0)
     for t, blocks, wid in events:
-        index.set_time(t)
-        index.record(blocks, wid)
-    index.set_time(now)
-    assert index.match([1, 2, 3]) == expected
+        index.record(blocks, wid, t)
+    assert index.match([1, 2, 3], now) == expected
 
 
 def test_capacity_is_per_worker_lru() -> None:
     index = PrefixIndex(capacity=3)
     for h in (1, 2, 3):
-        index.record([h], "w1")
-    index.record([1], "w2")  # another worker's record does not refresh w1's entry
-    index.record([1], "w1")  # refreshes block 1 for w1: block 2 is now its oldest
-    index.record([4], "w1")
+        index.record([h], "w1", 0.0)
+    index.record([1], "w2", 0.0)  # another worker's record does not refresh w1's entry
+    index.record([1], "w1", 0.0)  # refreshes block 1 for w1: block 2 is now its oldest
+    index.record([4], "w1", 0.0)
     assert index.held_blocks("w1") == 3
-    assert index.match([2]) == {}
-    assert index.match([1]) == {"w1": 1, "w2": 1}
-    assert index.match([3]) == {"w1": 1}
-    index.record([5, 6], "w1")  # evicts w1's two oldest: 3, then 1
-    assert index.match([3]) == {}
-    assert index.match([4]) == {"w1": 1}
-    assert index.match([1]) == {"w2": 1}  # w2's own LRU still holds it
-    assert index.match([5, 6]) == {"w1": 2}
+    assert index.match([2], 0.0) == {}
+    assert index.match([1], 0.0) == {"w1": 1, "w2": 1}
+    assert index.match([3], 0.0) == {"w1": 1}
+    index.record([5, 6], "w1", 0.0)  # evicts w1's two oldest: 3, then 1
+    assert index.match([3], 0.0) == {}
+    assert index.match([4], 0.0) == {"w1": 1}
+    assert index.match([1], 0.0) == {"w2": 1}  # w2's own LRU still holds it
+    assert index.match([5, 6], 0.0) == {"w1": 2}
 
 
 def test_a_prompts_head_outlives_its_tail() -> None:
     """Recording deepest-first keeps the first blocks most recently used, as a worker does."""
     index = PrefixIndex(capacity=4)
-    index.record([1, 2, 3], "w1")
-    index.record([7, 8], "w1")  # evicts the least recently used: block 3, the old tail
-    assert index.match([1, 2, 3]) == {"w1": 2}
+    index.record([1, 2, 3], "w1", 0.0)
+    index.record([7, 8], "w1", 0.0)  # evicts the least recently used: block 3, the old tail
+    assert index.match([1, 2, 3], 0.0) == {"w1": 2}
 
 
 def test_capacity_never_exceeded_per_worker() -> None:
     index = PrefixIndex(capacity=50)
     index.set_capacity("w0", 20)
     for i in range(40):
-        index.record(range(i * 7, i * 7 + 7), f"w{i % 3}")
+        index.record(range(i * 7, i * 7 + 7), f"w{i % 3}", 0.0)
         assert index.held_blocks("w0") <= 20
         assert index.held_blocks("w1") <= 50
     assert index.held_blocks("w0") == 20
@@ -132,13 +130,13 @@ def test_capacity_never_exceeded_per_worker() -> None:
 
 def test_set_capacity_trims_and_shed_drops_the_oldest() -> None:
     index = PrefixIndex()
-    index.record(list(range(10)), "w1")
+    index.record(list(range(10)), "w1", 0.0)
     index.set_capacity("w1", 6)
-    assert index.match(list(range(10))) == {"w1": 6}
+    assert index.match(list(range(10)), 0.0) == {"w1": 6}
     assert index.shed("w1", 0.5) == 3
-    assert index.match(list(range(10))) == {"w1": 3}
+    assert index.match(list(range(10)), 0.0) == {"w1": 3}
     index.forget("w1", [1])
-    assert index.match(list(range(10))) == {"w1": 1}
+    assert index.match(list(range(10)), 0.0) == {"w1": 1}
 
 
 @pytest.mark.parametrize("capacity", [0, -1])
@@ -149,78 +147,78 @@ def test_capacity_must_be_positive(capacity: int) -> None:
 
 def test_forget_worker() -> None:
     index = PrefixIndex()
-    index.record([1, 2, 3], "w1")
-    index.record([1, 2], "w2")
-    index.record([7, 8], "w1")
+    index.record([1, 2, 3], "w1", 0.0)
+    index.record([1, 2], "w2", 0.0)
+    index.record([7, 8], "w1", 0.0)
     assert len(index) == 5
     index.forget_worker("w1")
-    assert index.match([1, 2, 3]) == {"w2": 2}
-    assert index.match([7, 8]) == {}
+    assert index.match([1, 2, 3], 0.0) == {"w2": 2}
+    assert index.match([7, 8], 0.0) == {}
     assert len(index) == 2  # blocks nobody holds any more are dropped
     index.forget_worker("w1")  # forgetting twice is harmless
     index.forget_worker("unknown")
     assert len(index) == 2
     index.forget_worker("w2")
     assert len(index) == 0
-    assert index.match([1, 2]) == {}
+    assert index.match([1, 2], 0.0) == {}
 
 
 def test_forgotten_worker_can_record_again() -> None:
     index = PrefixIndex()
-    index.record([1, 2], "w1")
+    index.record([1, 2], "w1", 0.0)
     index.forget_worker("w1")
-    index.record([1], "w1")
-    assert index.match([1, 2]) == {"w1": 1}
+    index.record([1], "w1", 0.0)
+    assert index.match([1, 2], 0.0) == {"w1": 1}
 
 
 def test_heat_counts_recent_requests_and_halves_with_time() -> None:
     index = PrefixIndex(heat_half_life_s=10.0)
     for _ in range(8):
-        index.record([1, 2], "w1")
-    index.record([1, 3], "w2")
-    assert index.heat(1) == pytest.approx(9.0)
-    assert index.heat(2) == pytest.approx(8.0)
-    assert index.heat(3) == pytest.approx(1.0)
-    assert index.heat(99) == 0.0
-    index.set_time(10.0)
-    assert index.heat(1) == pytest.approx(4.5)
-    index.record([1], "w1")
-    assert index.heat(1) == pytest.approx(5.5)
+        index.record([1, 2], "w1", 0.0)
+    index.record([1, 3], "w2", 0.0)
+    assert index.heat(1, 0.0) == pytest.approx(9.0)
+    assert index.heat(2, 0.0) == pytest.approx(8.0)
+    assert index.heat(3, 0.0) == pytest.approx(1.0)
+    assert index.heat(99, 0.0) == 0.0
+    now = 10.0
+    assert index.heat(1, now) == pytest.approx(4.5)
+    index.record([1], "w1", now)
+    assert index.heat(1, now) == pytest.approx(5.5)
     index.forget_worker("w1")
     index.forget_worker("w2")
-    assert index.heat(1) == 0.0  # gone with the last holder
+    assert index.heat(1, now) == 0.0  # gone with the last holder
 
 
 def test_churn_counts_requests_and_new_blocks_and_halves_with_time() -> None:
     index = PrefixIndex(heat_half_life_s=10.0)
-    index.set_time(100.0)
-    index.record([1, 2, 3, 4], "w1")  # 4 new blocks
-    index.record([1, 2, 3, 4, 5, 6], "w1")  # 2 new blocks: the first 4 are held
-    index.record([7, 8], "w2")  # 2 new blocks on another worker
-    assert index.recent_requests("w1") == pytest.approx(2.0)
-    assert index.recent_requests("w2") == pytest.approx(1.0)
-    assert index.recent_requests("w9") == 0.0
+    now = 100.0
+    index.record([1, 2, 3, 4], "w1", now)  # 4 new blocks
+    index.record([1, 2, 3, 4, 5, 6], "w1", now)  # 2 new blocks: the first 4 are held
+    index.record([7, 8], "w2", now)  # 2 new blocks on another worker
+    assert index.recent_requests("w1", now) == pytest.approx(2.0)
+    assert index.recent_requests("w2", now) == pytest.approx(1.0)
+    assert index.recent_requests("w9", now) == 0.0
     assert index.mean_new_blocks() == pytest.approx((4 + 2 + 2) / 3)
-    index.set_time(110.0)  # one half-life later
-    assert index.recent_requests("w1") == pytest.approx(1.0)
-    index.record([9] * 1 + [10, 11, 12, 13, 14, 15, 16], "w2")  # 8 new blocks, weighs double
+    now = 110.0  # one half-life later
+    assert index.recent_requests("w1", now) == pytest.approx(1.0)
+    index.record([9] * 1 + [10, 11, 12, 13, 14, 15, 16], "w2", now)  # 8 new blocks, weighs double
     assert index.mean_new_blocks() == pytest.approx((8 * 0.5 + 8) / (3 * 0.5 + 1))
     index.forget_worker("w1")
-    assert index.recent_requests("w1") == 0.0
+    assert index.recent_requests("w1", now) == 0.0
 
 
 def test_tail_age_is_infinite_until_the_modelled_cache_is_full() -> None:
     index = PrefixIndex()
     index.set_capacity("w1", 4)
-    index.set_time(10.0)
-    index.record([1, 2], "w1")
-    assert index.tail_age("w1") == float("inf")
-    assert index.tail_age("unknown") == float("inf")
-    index.set_time(25.0)
-    index.record([3, 4], "w1")  # full now: its oldest blocks were recorded at t=10
-    index.set_time(30.0)
-    assert index.tail_age("w1") == pytest.approx(20.0)
-    index.record([5], "w1")  # evicts block 2 (the deepest of the oldest prompt goes first)
-    assert index.tail_age("w1") == pytest.approx(20.0)  # block 1 is still from t=10
-    index.record([6], "w1")  # evicts block 1: now the oldest is from t=25
-    assert index.tail_age("w1") == pytest.approx(5.0)
+    now = 10.0
+    index.record([1, 2], "w1", now)
+    assert index.tail_age("w1", now) == float("inf")
+    assert index.tail_age("unknown", now) == float("inf")
+    now = 25.0
+    index.record([3, 4], "w1", now)  # full now: its oldest blocks were recorded at t=10
+    now = 30.0
+    assert index.tail_age("w1", now) == pytest.approx(20.0)
+    index.record([5], "w1", now)  # evicts block 2 (the deepest of the oldest prompt goes first)
+    assert index.tail_age("w1", now) == pytest.approx(20.0)  # block 1 is still from t=10
+    index.record([6], "w1", now)  # evicts block 1: now the oldest is from t=25
+    assert index.tail_age("w1", now) == pytest.approx(5.0)

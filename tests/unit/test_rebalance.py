@@ -30,7 +30,7 @@ def _report(wid: str, inp: int, hit: int, pred: int) -> CacheReport:
 
 async def test_mispredictions_shrink_the_modelled_capacity() -> None:
     store, _, index, rebalancer = _setup()
-    index.record(list(range(100)), W1)
+    index.record(list(range(100)), W1, 0.0)
     await store.add_telemetry([_report(W1, 100, 0, 80)] * 20)  # predicted hits, all missed
     actions = await rebalancer.step()
     assert [a["action"] for a in actions] == ["shrink_capacity"]
@@ -42,7 +42,7 @@ async def test_mispredictions_shrink_the_modelled_capacity() -> None:
 
 async def test_a_modest_share_of_misses_shrinks_by_at_least_the_factor() -> None:
     store, _, index, rebalancer = _setup()
-    index.record(list(range(100)), W1)
+    index.record(list(range(100)), W1, 0.0)
     # 3 of 20 responses (15%) missed their predicted hit: a worker that holds a bit less
     # than it says; ordinary noise stays below the 10% threshold.
     await store.add_telemetry([_report(W1, 100, 0, 80)] * 3 + [_report(W1, 100, 80, 80)] * 17)
@@ -57,7 +57,7 @@ async def test_a_modest_share_of_misses_shrinks_by_at_least_the_factor() -> None
 async def test_capacity_grows_back_slowly_after_clean_rounds() -> None:
     store, pool, index, rebalancer = _setup()
     pool.set_capacity(W1, 100)
-    index.record(list(range(100)), W1)
+    index.record(list(range(100)), W1, 0.0)
     await store.add_telemetry([_report(W1, 100, 0, 80)] * 20)
     await rebalancer.step()
     assert index.capacity(W1) == 50
@@ -71,10 +71,10 @@ async def test_capacity_grows_back_slowly_after_clean_rounds() -> None:
 
 async def test_noise_in_a_low_hit_rate_is_not_thrashing() -> None:
     store, _, index, rebalancer = _setup()
-    index.record(list(range(100)), W1)
+    index.record(list(range(100)), W1, 0.0)
     await store.add_telemetry([_report(W1, 100, 8, 0)] * 20)  # hit rate 0.08
     assert await rebalancer.step() == []
-    index.record(list(range(1000, 1100)), W1)
+    index.record(list(range(1000, 1100)), W1, 0.0)
     await store.add_telemetry([_report(W1, 100, 3, 0)] * 20)  # 0.03: half, but only -0.05
     assert await rebalancer.step() == []
     assert index.held_blocks(W1) == 200
@@ -82,7 +82,7 @@ async def test_noise_in_a_low_hit_rate_is_not_thrashing() -> None:
 
 async def test_correct_predictions_change_nothing() -> None:
     store, _, index, rebalancer = _setup()
-    index.record(list(range(100)), W1)
+    index.record(list(range(100)), W1, 0.0)
     await store.add_telemetry([_report(W1, 100, 80, 80)] * 20)
     assert await rebalancer.step() == []
     assert index.held_blocks(W1) == 100
@@ -90,10 +90,10 @@ async def test_correct_predictions_change_nothing() -> None:
 
 async def test_thrashing_worker_sheds_its_oldest_prefixes() -> None:
     store, _, index, rebalancer = _setup()
-    index.record(list(range(100)), W1)
+    index.record(list(range(100)), W1, 0.0)
     await store.add_telemetry([_report(W1, 100, 60, 0)] * 20)  # hit rate 0.6
     assert await rebalancer.step() == []
-    index.record(list(range(1000, 1100)), W1)  # its prefixes grow...
+    index.record(list(range(1000, 1100)), W1, 0.0)  # its prefixes grow...
     await store.add_telemetry([_report(W1, 100, 5, 0)] * 20)  # ...while hits collapse
     actions = await rebalancer.step()
     assert [a["action"] for a in actions] == ["shed"]
@@ -103,7 +103,7 @@ async def test_thrashing_worker_sheds_its_oldest_prefixes() -> None:
 
 async def test_actions_apply_once() -> None:
     store, _, index, rebalancer = _setup()
-    index.record(list(range(100)), W2)
+    index.record(list(range(100)), W2, 0.0)
     await store.log_action({"id": "x:1", "action": "shed", "worker": W2, "fraction": 0.5,
                             "reason": "test"}, keep=10)
     await rebalancer.step()

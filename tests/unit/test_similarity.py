@@ -144,7 +144,7 @@ def test_scorer_modes() -> None:
     content = [1, 2, 3, 4, 5, 6]
     request = _request(content)
     views = _views(0, 0, 0)
-    snapshot = Snapshot(views, PrefixIndex(), Ring({"w0": 1.0, "w1": 1.0, "w2": 1.0}))
+    snapshot = Snapshot(views, PrefixIndex().at(0.0), Ring({"w0": 1.0, "w1": 1.0, "w2": 1.0}))
     for mode in sim.MODES:
         index = sim.SimilarityIndex(sim.SimilarityOptions(mode=mode))
         index.record(content, index.sketch(content), "w1")
@@ -167,12 +167,12 @@ def test_router_steers_a_cold_reordered_prompt_to_the_similar_worker() -> None:
     ring = Ring({"w0": 1.0, "w1": 1.0})
     plain = build_engine("cache_aware", PolicyOptions())
     router = sim.SimilarityRouter("cache_aware", sim.content_lookup(contents))
-    idle = Snapshot(_views(0, 0), PrefixIndex(), ring)
+    idle = Snapshot(_views(0, 0), PrefixIndex().at(0.0), ring)
     chosen = router.route(_request(first), idle).worker_id
     other = "w1" if chosen == "w0" else "w0"
     # the chosen worker now has one request in flight: without the hint the least loaded wins
     busy = _views(4096, 0) if chosen == "w0" else _views(0, 4096)
-    snapshot = Snapshot(busy, PrefixIndex(), ring)
+    snapshot = Snapshot(busy, PrefixIndex().at(0.0), ring)
     assert plain.route(_request(second), snapshot).worker_id == other
     decision = router.route(_request(second), snapshot)
     assert decision.worker_id == chosen

@@ -33,6 +33,7 @@ def _route(
     blocks: int,
     inflight: Mapping[str, int] | None = None,
     opts: PolicyOptions = OPTS,
+    now: float = 3.0,
 ) -> str:
     inflight = inflight or {}
     views = tuple(
@@ -41,7 +42,7 @@ def _route(
         for wid in IDS
     )
     decision = build_engine("cache_aware", opts).route(
-        _cold_request(blocks), Snapshot(views, index, RING)
+        _cold_request(blocks), Snapshot(views, index.at(now), RING)
     )
     assert decision.match_blocks == 0
     return decision.worker_id
@@ -50,8 +51,7 @@ def _route(
 def _fill(index: PrefixIndex, wid: str, first: int, count: int, times: Sequence[float]) -> None:
     """``len(times)`` one-block-per-step requests for ``wid``, block ids from ``first``."""
     for i, t in enumerate(times):
-        index.set_time(t)
-        index.record(list(range(first + i * count, first + (i + 1) * count)), wid)
+        index.record(list(range(first + i * count, first + (i + 1) * count)), wid, t)
 
 
 def test_fresh_index_goes_by_load_then_ring_order() -> None:
@@ -71,8 +71,7 @@ def test_old_requests_weigh_less_than_new_ones() -> None:
     index = PrefixIndex(heat_half_life_s=10.0)
     _fill(index, "w0", 0, 2, [0.0, 0.0, 0.0])  # three, long ago
     _fill(index, "w1", 1000, 2, [99.0])  # one, just now
-    index.set_time(100.0)
-    assert _route(index, 4) == "w0"
+    assert _route(index, 4, now=100.0) == "w0"
 
 
 def _two_kinds_of_load() -> PrefixIndex:
@@ -82,8 +81,7 @@ def _two_kinds_of_load() -> PrefixIndex:
         index.set_capacity(wid, 200)
     _fill(index, "w0", 0, 50, [10.0] * 4)  # 4 requests, full; oldest block 90 s old at t=100
     _fill(index, "w1", 1000, 100, [55.0] * 2)  # 2 requests, full; oldest block 45 s old
-    index.set_time(100.0)
-    return index
+    return index  # read at t = 100
 
 
 @pytest.mark.parametrize(("blocks", "expected"), [(1, "w1"), (150, "w0")])
@@ -94,12 +92,12 @@ def test_a_long_prompt_goes_where_eviction_is_cheapest_a_short_one_where_request
     # requests 4 vs 2 (1.33 vs 0.67 of the mean), turnover 1/90 vs 1/45 (0.67 vs 1.33).
     # 1 block:   w0 1.33 + 4 * 0.015 * 0.67 = 1.37,  w1 0.67 + 4 * 0.015 * 1.33 = 0.75 -> w1
     # 150 blocks: w0 1.33 + 4 * 2.25 * 0.67 = 7.33,  w1 0.67 + 4 * 2.25 * 1.33 = 12.7 -> w0
-    assert _route(_two_kinds_of_load(), blocks) == expected
+    assert _route(_two_kinds_of_load(), blocks, now=100.0) == expected
 
 
 def test_pressure_weight_zero_balances_requests_only() -> None:
     opts = PolicyOptions(ring_choices=2, pressure_weight=0.0)
-    assert _route(_two_kinds_of_load(), 150, opts=opts) == "w1"
+    assert _route(_two_kinds_of_load(), 150, opts=opts, now=100.0) == "w1"
 
 
 def test_a_choice_far_over_the_mean_in_flight_is_skipped() -> None:

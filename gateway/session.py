@@ -1,0 +1,185 @@
+"""The bookkeeping around one routing decision, shared by the live gateway and the simulator.
+
+A :class:`RoutingSession` owns what happens around ``engine.route``: it reads a snapshot of
+the pool at the time it is given (``now`` is an argument, never a clock it reads), records the
+decision in the prefix index, publishes it to the other gateway replicas, counts the request in
+flight on the chosen worker, and settles the attempt exactly once: :meth:`RoutingSession.failed`
+undoes the prediction (the worker never got the prompt) and :meth:`RoutingSession.completed`
+counts what the worker reported it reused. ``gateway.proxy`` runs it with ``time.monotonic()``
+around a real backend; ``loadtest.sim`` runs the same object on simulated time, so the two
+route alike by construction.
+
+No I/O and no aiohttp here: publishing goes to an :class:`AssignmentSink` (the store sync
+buffers it for its background loops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.kvevents.index import ExactMatcher
+from gateway.pool import WorkerPool
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.types import Decision, PrefixMatcher, RouteRequest, Snapshot
+from gateway.store.base import CacheReport
+
+
+class Router(Protocol):
+    """What decides: a routing engine (or, in the simulator, a reference router)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def uses_prefix_index(self) -> bool: ...
+
+    def route(
+        self, request: RouteRequest, snapshot: Snapshot, exclude: frozenset[str] = ...
+    ) -> Decision: ...
+
+
+class AssignmentSink(Protocol):
+    """Where decisions and cache reports go to be shared (the store sync, or nowhere)."""
+
+    def assigned(self, blocks: Sequence[int], worker_id: str) -> None: ...
+
+    def reported(self, report: CacheReport) -> None: ...
+
+
+class SentBlocks(Protocol):
+    """Told which blocks went to which worker (the engine-exact index, awaiting its events)."""
+
+    def sent(self, worker_id: str, blocks: Sequence[int], now: float) -> None: ...
+
+    def unsent(self, worker_id: str, blocks: Sequence[int]) -> None: ...
+
+
+class NoSink:
+    """Shares nothing: a single gateway with no store, or the simulator."""
+
+    def assigned(self, blocks: Sequence[int], worker_id: str) -> None:
+        return None
+
+    def reported(self, report: CacheReport) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheUsage:
+    """What a worker said it reused: prompt tokens, and how many came from its prefix cache."""
+
+    input_tokens: int
+    matched_tokens: int
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One routed attempt of one request; settled once, by ``failed`` or ``completed``."""
+
+    request: RouteRequest
+    decision: Decision
+    tenant: str = ""
+    # With token-exact keys: prompt tokens the chosen worker should find cached (the leading
+    # blocks its index source says it holds, not floored by the policy's minimum match).
+    predicted_tokens: int | None = None
+    settled: bool = False
+    index: PrefixMatcher | None = None  # the prefix index as the decision saw it
+
+    @property
+    def worker_id(self) -> str:
+        return self.decision.worker_id
+
+
+def predicted_tokens(snapshot: Snapshot, request: RouteRequest, decision: Decision) -> int | None:
+    """Prompt tokens the chosen worker should find cached: with token-exact keys, the leading
+    blocks its index source says it holds (not floored by the policy's minimum match; for vLLM
+    never the whole prompt); None with character keys, whose prediction is scaled from the
+    worker's reply (:meth:`RoutingSession.completed`)."""
+    if not request.block_tokens:
+        return None
+    index, wid = snapshot.index, decision.worker_id
+    if isinstance(index, ExactMatcher):
+        depth = index.held(wid, request.key.blocks)
+    else:
+        depth = index.match(request.key.blocks).get(wid, 0)
+    if decision.worker.worker.kind == "vllm":
+        # vLLM computes at least the last prompt token: a fully cached prompt reports one
+        # block less.
+        depth = min(depth, max(0, request.prompt_tokens - 1) // request.block_tokens)
+    return depth * request.block_tokens
+
+
+class RoutingSession:
+    def __init__(
+        self,
+        router: Router,
+        index: PrefixIndex,
+        pool: WorkerPool,
+        sink: AssignmentSink | None = None,
+        exact: SentBlocks | None = None,
+    ) -> None:
+        self.router = router
+        self.index = index
+        self.pool = pool
+        self.sink: AssignmentSink = sink if sink is not None else NoSink()
+        self.exact = exact
+
+    def route(
+        self,
+        request: RouteRequest,
+        now: float,
+        exclude: frozenset[str] = frozenset(),
+        tenant: str = "",
+    ) -> Attempt:
+        """Decide at time ``now`` and account for it; raises ``NoCandidates`` when no worker
+        may take the request."""
+        snapshot = self.pool.snapshot(now)
+        decision = self.router.route(request, snapshot, exclude)
+        wid = decision.worker_id
+        blocks = request.key.blocks
+        predicted = predicted_tokens(snapshot, request, decision)
+        if self.router.uses_prefix_index:
+            self.index.record(blocks, wid, now)
+            self.sink.assigned(blocks, wid)
+            if self.exact is not None:
+                self.exact.sent(wid, blocks, now)
+        self.pool.acquire(wid, request.cost_tokens)
+        return Attempt(request, decision, tenant, predicted, index=snapshot.index)
+
+    def failed(self, attempt: Attempt) -> None:
+        """The worker never got the prompt: it holds no more of the prefix than before."""
+        if attempt.settled:
+            return
+        attempt.settled = True
+        blocks = attempt.request.key.blocks
+        unsent = blocks[attempt.decision.match_blocks :]
+        self.index.forget(attempt.worker_id, unsent)
+        if self.exact is not None:
+            self.exact.unsent(attempt.worker_id, unsent)
+        self.pool.release(attempt.worker_id, attempt.request.cost_tokens)
+
+    def completed(self, attempt: Attempt, usage: CacheUsage | None = None) -> None:
+        """The worker answered; ``usage`` is what it reported reusing (None: it reports
+        nothing we can read, or the client went away before the end)."""
+        if attempt.settled:
+            return
+        attempt.settled = True
+        wid = attempt.worker_id
+        if usage is not None:
+            self.pool.record_cache_stats(wid, usage.input_tokens, usage.matched_tokens)
+            blocks = len(attempt.request.key.blocks)
+            depth = attempt.decision.match_blocks
+            predicted = attempt.predicted_tokens
+            if predicted is None:  # character keys: scaled from the worker's count
+                predicted = round(usage.input_tokens * depth / blocks) if blocks else 0
+            self.pool.record_prediction(wid, predicted, usage.matched_tokens)
+            self.sink.reported(CacheReport(
+                worker_id=wid,
+                tenant=attempt.tenant,
+                input_tokens=usage.input_tokens,
+                matched_tokens=usage.matched_tokens,
+                predicted_tokens=predicted,
+            ))
+        self.pool.release(wid, attempt.request.cost_tokens)
