@@ -24,15 +24,25 @@ Why these choices:
   never shares a cache entry either.
 * **Full blocks only**: a partial trailing block is not hashed (the worker does not cache it
   either), except when the prompt is shorter than one block, so that every prompt has an anchor.
-* **Bounded**: at most ``max_blocks`` blocks are hashed (256 x 64 = 16 KiB by default), which
-  bounds the per-request cost; deeper prefixes route like their first 16 KiB.
-* **Anchor**: the hash at block ``anchor_blocks - 1`` (or the last block of a shorter prompt).
+* **Whole prompts, sparse checkpoints**: up to ``max_blocks`` blocks (16,384 x 64 characters =
+  1 MiB, about 256k tokens) are covered. The first ``dense_blocks`` blocks each get a hash;
+  beyond them a hash marks a *checkpoint* every ``stride`` blocks, where the stride is the
+  largest power of two not above ``depth / checkpoint_ratio`` (so about ``checkpoint_ratio``
+  checkpoints per doubling of the depth), and the prompt's last full block is always one. A
+  checkpoint's hash chains over the whole segment since the previous one, so it still names the
+  whole prefix. Positions depend only on the depth, never on the text, so two prompts that
+  share a prefix share every checkpoint inside it. Per request that is ~60 + 32 * log2(n / 64)
+  hashes instead of ``n`` (a 200k-token prompt: ~340 instead of 12,500); the bytes are hashed
+  once, by xxh3 in C. The cost: a shared prefix is known to the nearest checkpoint (within
+  1/32 of its depth).
+* **Anchor**: the hash at block ``anchor_blocks`` (or the last block of a shorter prompt).
   Consistent hashing places a cold prefix by its anchor, so prompts that share their first
   ``anchor_blocks`` blocks start from the same ring position.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import xxhash
@@ -57,25 +67,61 @@ class Namespace:
 @dataclass(frozen=True, slots=True)
 class FingerprintOptions:
     block_chars: int = 64
-    max_blocks: int = 256
+    max_blocks: int = 16_384
     anchor_blocks: int = 4
+    dense_blocks: int = 64
+    checkpoint_ratio: int = 32
 
     def __post_init__(self) -> None:
-        if self.block_chars < 1 or self.max_blocks < 1 or self.anchor_blocks < 1:
-            raise ValueError("block_chars, max_blocks and anchor_blocks must be >= 1")
+        if min(self.block_chars, self.max_blocks, self.anchor_blocks, self.dense_blocks,
+               self.checkpoint_ratio) < 1:
+            raise ValueError("block_chars, max_blocks, anchor_blocks, dense_blocks and "
+                             "checkpoint_ratio must be >= 1")
+
+
+def checkpoint_depths(blocks: int, opts: FingerprintOptions = FingerprintOptions()) -> list[int]:
+    """The depths (in blocks, 1-based) that get a hash in a prompt of ``blocks`` full blocks:
+    every block up to ``dense_blocks``, then steps of the largest power of two not above
+    ``depth / checkpoint_ratio``, and ``blocks`` itself last."""
+    depth = min(blocks, opts.dense_blocks)
+    depths = list(range(1, depth + 1))
+    ratio = opts.checkpoint_ratio
+    while depth < blocks:
+        stride = 1 << max(0, (depth // ratio).bit_length() - 1)
+        level_end = max(2 * ratio * stride, depth + 1)  # where the stride doubles
+        steps = range(depth + stride, min(level_end, blocks) + stride, stride)
+        depths.extend(steps)
+        depth = steps[-1]
+    if depths and depths[-1] > blocks:
+        depths[-1] = blocks
+    return depths
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixKey:
-    """The chained block hashes of one prompt, plus its ring anchor."""
+    """The chained hashes of one prompt at its checkpoints, plus its ring anchor.
+
+    ``blocks[i]`` names the prefix of ``depths[i]`` blocks; ``depths`` empty means every block
+    is a checkpoint (``depths[i] == i + 1``), as for keys built from a trace's block ids.
+    """
 
     blocks: tuple[int, ...]
     anchor: int
     text_chars: int
+    depths: tuple[int, ...] = ()
 
     @property
     def anchor_hex(self) -> str:
         return f"{self.anchor:016x}"
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks in the whole fingerprinted prompt (the depth of its last checkpoint)."""
+        return self.depths[-1] if self.depths else len(self.blocks)
+
+    def depth_at(self, i: int) -> int:
+        """Depth in blocks of checkpoint ``i``."""
+        return self.depths[i] if self.depths else i + 1
 
 
 def fingerprint(
@@ -85,13 +131,28 @@ def fingerprint(
     size = opts.block_chars
     full = min(len(text) // size, opts.max_blocks)
     seed = namespace.seed()
-    blocks: list[int] = []
-    h = seed
     hash_fn = xxhash.xxh3_64_intdigest
-    for i in range(full):
-        h = hash_fn(text[i * size : (i + 1) * size].encode("utf-8"), seed=h)
-        blocks.append(h)
-    if not blocks and text:
-        blocks.append(hash_fn(text.encode("utf-8"), seed=seed))
-    anchor = blocks[min(opts.anchor_blocks, len(blocks)) - 1] if blocks else seed
-    return PrefixKey(blocks=tuple(blocks), anchor=anchor, text_chars=len(text))
+    if full == 0:
+        blocks = [hash_fn(text.encode("utf-8"), seed=seed)] if text else []
+        anchor = blocks[0] if blocks else seed
+        return PrefixKey(tuple(blocks), anchor, len(text), (1,) if blocks else ())
+    depths = checkpoint_depths(full, opts)
+    blocks = []
+    h = seed
+    start = 0
+    if text.isascii():  # one character is one byte: slice the encoded text without copying
+        data = memoryview(text[: full * size].encode("ascii"))
+        for d in depths:
+            end = d * size
+            h = hash_fn(data[start:end], seed=h)
+            blocks.append(h)
+            start = end
+    else:
+        for d in depths:
+            end = d * size
+            h = hash_fn(text[start:end].encode("utf-8"), seed=h)
+            blocks.append(h)
+            start = end
+    # The deepest checkpoint within the first anchor_blocks blocks (the last, if fewer).
+    anchor = blocks[max(0, bisect.bisect_right(depths, opts.anchor_blocks) - 1)]
+    return PrefixKey(tuple(blocks), anchor, len(text), tuple(depths))

@@ -15,10 +15,12 @@ buffers it for its background loops).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.fingerprint import PrefixKey
 from gateway.kvevents.index import ExactMatcher
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
@@ -43,7 +45,7 @@ class Router(Protocol):
 class AssignmentSink(Protocol):
     """Where decisions and cache reports go to be shared (the store sync, or nowhere)."""
 
-    def assigned(self, blocks: Sequence[int], worker_id: str) -> None: ...
+    def assigned(self, key: PrefixKey, worker_id: str) -> None: ...
 
     def reported(self, report: CacheReport) -> None: ...
 
@@ -59,7 +61,7 @@ class SentBlocks(Protocol):
 class NoSink:
     """Shares nothing: a single gateway with no store, or the simulator."""
 
-    def assigned(self, blocks: Sequence[int], worker_id: str) -> None:
+    def assigned(self, key: PrefixKey, worker_id: str) -> None:
         return None
 
     def reported(self, report: CacheReport) -> None:
@@ -103,7 +105,8 @@ def predicted_tokens(snapshot: Snapshot, request: RouteRequest, decision: Decisi
     if isinstance(index, ExactMatcher):
         depth = index.held(wid, request.key.blocks)
     else:
-        depth = index.match(request.key.blocks).get(wid, 0)
+        held = index.match(request.key.blocks).get(wid, 0)  # checkpoints
+        depth = request.key.depth_at(held - 1) if held else 0
     if decision.worker.worker.kind == "vllm":
         # vLLM computes at least the last prompt token: a fully cached prompt reports one
         # block less.
@@ -138,11 +141,12 @@ class RoutingSession:
         snapshot = self.pool.snapshot(now)
         decision = self.router.route(request, snapshot, exclude)
         wid = decision.worker_id
-        blocks = request.key.blocks
+        key = request.key
+        blocks = key.blocks
         predicted = predicted_tokens(snapshot, request, decision)
         if self.router.uses_prefix_index:
-            self.index.record(blocks, wid, now)
-            self.sink.assigned(blocks, wid)
+            self.index.record(blocks, wid, now, key.depths)
+            self.sink.assigned(key, wid)
             if self.exact is not None:
                 self.exact.sent(wid, blocks, now)
         self.pool.acquire(wid, request.cost_tokens)
@@ -153,11 +157,12 @@ class RoutingSession:
         if attempt.settled:
             return
         attempt.settled = True
-        blocks = attempt.request.key.blocks
-        unsent = blocks[attempt.decision.match_blocks :]
-        self.index.forget(attempt.worker_id, unsent)
+        key = attempt.request.key
+        depth = attempt.decision.match_blocks
+        keep = bisect.bisect_right(key.depths, depth) if key.depths else depth
+        self.index.forget(attempt.worker_id, key.blocks, keep)
         if self.exact is not None:
-            self.exact.unsent(attempt.worker_id, unsent)
+            self.exact.unsent(attempt.worker_id, key.blocks[keep:])
         self.pool.release(attempt.worker_id, attempt.request.cost_tokens)
 
     def completed(self, attempt: Attempt, usage: CacheUsage | None = None) -> None:
@@ -169,7 +174,7 @@ class RoutingSession:
         wid = attempt.worker_id
         if usage is not None:
             self.pool.record_cache_stats(wid, usage.input_tokens, usage.matched_tokens)
-            blocks = len(attempt.request.key.blocks)
+            blocks = attempt.request.key.total_blocks
             depth = attempt.decision.match_blocks
             predicted = attempt.predicted_tokens
             if predicted is None:  # character keys: scaled from the worker's count

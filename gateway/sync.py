@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.backends.base import CACHE_CAPACITY_TOKENS
+from gateway.fingerprint import PrefixKey
 from gateway.kvevents.endpoints import EventEndpoints
 from gateway.pool import WorkerPool
 from gateway.registry_trust import trusted_capacities
@@ -101,9 +102,9 @@ class StoreSync:
         self._cursor = ""
 
     # -- called on the request path (no I/O) --------------------------------------------------
-    def assigned(self, blocks: Sequence[int], worker_id: str) -> None:
-        if self._shares_state and blocks:
-            self._assignments.append(Assignment(self.origin, worker_id, tuple(blocks)))
+    def assigned(self, key: PrefixKey, worker_id: str) -> None:
+        if self._shares_state and key.blocks:
+            self._assignments.append(Assignment(self.origin, worker_id, key.blocks, key.depths))
 
     def reported(self, report: CacheReport) -> None:
         self._reports.append(report)
@@ -230,7 +231,7 @@ class StoreSync:
         now = time.monotonic()
         for a in batch:
             if a.origin != self.origin and a.worker_id in self.pool:
-                self.index.record(a.blocks, a.worker_id, now)
+                self.index.record(a.blocks, a.worker_id, now, a.depths)
 
     async def _flush_telemetry(self) -> None:
         if not self._reports:

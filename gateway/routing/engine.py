@@ -127,18 +127,23 @@ class RoutingEngine:
         return self._decision(ctx, chosen, how, dropped, totals)
 
     def _matches(self, request: RouteRequest, snapshot: Snapshot) -> tuple[dict[str, int], bool]:
-        """Known holders of at least ``min_match_blocks`` of the prefix, and whether the
-        deepest known part of it is hot."""
+        """Known holders of at least ``min_match_blocks`` of the prefix (worker -> depth in
+        blocks), and whether the deepest known part of it is hot."""
         profile = self.profile
         if not profile.uses_prefix_index:
             return {}, False
-        blocks = request.key.blocks
+        key = request.key
         floor = profile.min_match_blocks
-        matches = {w: d for w, d in snapshot.index.match(blocks).items() if d >= floor}
+        matches: dict[str, int] = {}
+        deepest = 0  # checkpoints
+        for wid, count in snapshot.index.match(key.blocks).items():
+            depth = key.depth_at(count - 1)
+            if depth >= floor:
+                matches[wid] = depth
+                deepest = max(deepest, count)
         if not matches or profile.hot_threshold <= 0:
             return matches, False
-        deepest = max(matches.values())
-        return matches, snapshot.index.heat(blocks[deepest - 1]) >= profile.hot_threshold
+        return matches, snapshot.index.heat(key.blocks[deepest - 1]) >= profile.hot_threshold
 
     @staticmethod
     def _narrow(

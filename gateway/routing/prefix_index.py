@@ -1,18 +1,29 @@
-"""In-process index of which workers hold which prefixes: block hash -> holders.
+"""In-process index of which workers hold which prefixes: a tree of prefix checkpoints.
 
 Recorded at decision time (the gateway sends a prompt to a worker, so that worker will hold its
-blocks a moment later), and from other gateway replicas through the metadata store. Because
-block hashes are chained, holding block ``i`` of a prompt means holding its whole prefix, and
-the longest match of a worker is found by walking the chain from the first block until the
-worker no longer appears.
+blocks a moment later), and from other gateway replicas through the metadata store. A prompt is
+known by its checkpoint hashes (:class:`gateway.fingerprint.PrefixKey`): hash ``i`` names the
+whole prefix of ``depths[i]`` blocks, so the checkpoints of all recorded prompts form a tree
+(each node's parent is the checkpoint before it) and what one worker holds is a subtree that
+contains the root side of every path it holds: if it holds a checkpoint it holds the ones
+before it. That makes every question a binary search over the request's checkpoints:
 
-The index models each worker's cache as an LRU of ``capacity`` blocks, the worker's real cache
-size when it is known (:meth:`set_capacity`): a prefix the worker has surely evicted by now stops
-counting as held, and a prompt's first blocks are kept longest (they are recorded last, so they
-are the most recently used), as in the worker's own cache. Entries also expire after ``ttl_s``.
+* :meth:`PrefixIndex.match`: per worker, the deepest checkpoint it holds, in
+  O(distinct depths x log checkpoints) lookups, never a walk over the known part of the prompt;
+* :meth:`PrefixIndex.record`: finds what the worker already holds the same way and adds only
+  the checkpoints past it, so recording costs what the request adds, not its length.
+
+The index models each worker's cache as an LRU of ``capacity`` blocks (its real cache size when
+known: :meth:`set_capacity`), counting each prompt's real length in blocks. Recency follows the
+worker's own cache: using a prefix uses everything before it, so only the deepest checkpoint of
+a request is touched and a checkpoint is as recent as the newest use of anything below it. The
+least recently used *leaf* (a held checkpoint with no held checkpoint below it) is evicted
+first, then its parent once that becomes a leaf: a prompt's tail goes before its head, as in
+vLLM's prefix cache. Entries unused for ``ttl_s`` expire the same way.
+
 Time is an argument of every call that depends on it (``now``, seconds on any monotonic
-origin), so the simulator replays traces on its own clock; :meth:`at` binds one instant for
-the routing policies (:class:`IndexView`).
+origin), so the simulator replays traces on its own clock; :meth:`at` binds one instant for the
+routing policies (:class:`IndexView`).
 
 It also keeps each worker's recent *churn*, which the cold-placement picker balances
 (:mod:`gateway.routing.policies.spread_picker`): requests recorded for it and blocks they added
@@ -23,10 +34,10 @@ were used moments ago, so a new prefix placed there pushes out something likely 
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -38,6 +49,35 @@ class Churn:
     at: float = 0.0
 
 
+@dataclass(slots=True)
+class _Hold:
+    """One worker's hold on one checkpoint. ``seq``/``at``: its last use (for a leaf, the
+    newest use of anything below it too); ``children``: held checkpoints right below it."""
+
+    seq: int
+    at: float
+    children: int = 0
+
+
+@dataclass(slots=True)
+class _Node:
+    parent: int | None
+    depth: int  # blocks
+    holders: dict[str, _Hold] = field(default_factory=dict)
+    heat: float = 0.0
+    heat_at: float = 0.0
+
+
+@dataclass(slots=True)
+class _Cache:
+    """The modelled cache of one worker."""
+
+    held: int = 0  # blocks
+    nodes: set[int] = field(default_factory=set)
+    leaves: list[tuple[int, int]] = field(default_factory=list)  # heap of (seq, node hash)
+    churn: Churn = field(default_factory=Churn)
+
+
 class PrefixIndex:
     def __init__(
         self, capacity: int = 1_000_000, ttl_s: float = 600.0, heat_half_life_s: float = 30.0
@@ -45,21 +85,17 @@ class PrefixIndex:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self._half_life = heat_half_life_s
-        # block hash -> (requests that contained it, decayed; time of the last update)
-        self._heat: dict[int, tuple[float, float]] = {}
         self._default_capacity = capacity
         self._ttl_s = ttl_s
-        # block hash -> {worker id: time recorded}
-        self._holders: dict[int, dict[str, float]] = {}
-        # worker id -> its blocks, least recently used first
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._nodes: dict[int, _Node] = {}
+        self._caches: dict[str, _Cache] = {}
         self._capacity: dict[str, int] = {}
-        # worker id -> its recent requests and the blocks they added, decayed; and all workers
-        self._churn: dict[str, Churn] = {}
         self._pool_churn = Churn()
+        self._seq = 0
+        self._swept_at = -math.inf
 
     def __len__(self) -> int:
-        return len(self._holders)
+        return len(self._nodes)
 
     def at(self, now: float) -> IndexView:
         """The read side at one instant, as routing policies see it."""
@@ -71,39 +107,203 @@ class PrefixIndex:
     def set_capacity(self, worker_id: str, blocks: int) -> None:
         """How many blocks ``worker_id`` can hold; its least recently used excess is dropped."""
         self._capacity[worker_id] = max(1, blocks)
-        self._trim(worker_id)
+        self._trim(worker_id, self.capacity(worker_id))
 
     def held_blocks(self, worker_id: str) -> int:
-        lru = self._lru.get(worker_id)
-        return len(lru) if lru is not None else 0
+        cache = self._caches.get(worker_id)
+        return cache.held if cache is not None else 0
 
-    def record(self, blocks: Sequence[int], worker_id: str, now: float) -> None:
-        """``worker_id`` holds every block of ``blocks`` from ``now`` on."""
-        lru = self._lru.get(worker_id)
-        if lru is None:
-            lru = self._lru[worker_id] = OrderedDict()
-        holders_of = self._holders
-        heat = self._heat
-        new = 0
-        # Deepest first, so the head of the prompt ends up most recently used.
-        for h in reversed(blocks):
-            if h not in lru:
-                new += 1
-            value, at = heat.get(h, (0.0, now))
-            heat[h] = (self._decayed(value, at, now) + 1.0, now)
-            holders = holders_of.get(h)
-            if holders is None:
-                holders_of[h] = {worker_id: now}
+    # -- lookups ------------------------------------------------------------------------------
+
+    def _held_count(self, blocks: Sequence[int], worker_id: str, hi: int) -> int:
+        """How many leading checkpoints of ``blocks[:hi]`` ``worker_id`` holds."""
+        nodes = self._nodes
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            node = nodes.get(blocks[mid - 1])
+            if node is not None and worker_id in node.holders:
+                lo = mid
             else:
-                holders[worker_id] = now
-            lru[h] = None
-            lru.move_to_end(h)
-        self._trim(worker_id)
-        churn = self._churn.get(worker_id)
-        if churn is None:
-            churn = self._churn[worker_id] = Churn(at=now)
-        self._count(churn, new, now)
-        self._count(self._pool_churn, new, now)
+                hi = mid - 1
+        return lo
+
+    def _known_count(self, blocks: Sequence[int], hi: int, skip: dict[str, int]) -> int:
+        """How many leading checkpoints of ``blocks[:hi]`` some worker not in ``skip`` holds."""
+        nodes = self._nodes
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            node = nodes.get(blocks[mid - 1])
+            if node is not None and any(w not in skip for w in node.holders):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def match(self, blocks: Sequence[int], now: float) -> dict[str, int]:
+        """Worker id -> number of leading checkpoints of ``blocks`` it holds (only those > 0)."""
+        self._expire(now)
+        found: dict[str, int] = {}
+        hi = len(blocks)
+        while hi > 0:
+            count = self._known_count(blocks, hi, found)
+            if count == 0:
+                break
+            for wid in self._nodes[blocks[count - 1]].holders:
+                if wid not in found:
+                    found[wid] = count
+            hi = count - 1
+        return found
+
+    def heat(self, block: int, now: float) -> float:
+        """How many recorded requests shared the prefix ``block`` names (as their deepest known
+        part, or as their end), halved every ``heat_half_life_s``: a system prompt many users
+        send is hot, one conversation's history is not."""
+        node = self._nodes.get(block)
+        if node is None:
+            return 0.0
+        return node.heat * self._decay_factor(node.heat_at, now)
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def record(
+        self, blocks: Sequence[int], worker_id: str, now: float, depths: Sequence[int] = ()
+    ) -> None:
+        """``worker_id`` holds the prefixes ``blocks`` name from ``now`` on; ``depths[i]`` is
+        the depth in blocks of ``blocks[i]`` (empty: ``i + 1``, every block a checkpoint)."""
+        n = len(blocks)
+        if n == 0:
+            return
+        self._expire(now)
+        cache = self._caches.get(worker_id)
+        if cache is None:
+            cache = self._caches[worker_id] = _Cache(churn=Churn(at=now))
+        nodes = self._nodes
+        self._seq += 1
+        seq = self._seq
+        held = self._held_count(blocks, worker_id, n)
+        shared = max(held, self._known_count(blocks, n, {}))
+        if shared:
+            self._heat_up(nodes[blocks[shared - 1]], now)
+        parent = blocks[held - 1] if held else None
+        if parent is not None and held < n:
+            nodes[parent].holders[worker_id].children += 1
+        added = 0
+        for i in range(held, n):
+            h = blocks[i]
+            node = nodes.get(h)
+            if node is None:
+                depth = depths[i] if depths else i + 1
+                node = nodes[h] = _Node(parent, depth)
+            node.holders[worker_id] = _Hold(seq, now, 1 if i < n - 1 else 0)
+            cache.nodes.add(h)
+            parent = h
+            added += 1
+        last = nodes[blocks[n - 1]]
+        if held == n:  # already held: this is a use of it
+            hold = last.holders[worker_id]
+            hold.seq, hold.at = seq, now
+        if shared < n:
+            self._heat_up(last, now)
+        before = (depths[held - 1] if depths else held) if held else 0
+        new_blocks = last.depth - before if added else 0
+        cache.held += new_blocks
+        if last.holders[worker_id].children == 0:
+            heapq.heappush(cache.leaves, (seq, blocks[n - 1]))
+        self._trim(worker_id, self.capacity(worker_id))
+        self._count(cache.churn, new_blocks, now)
+        self._count(self._pool_churn, new_blocks, now)
+
+    def _heat_up(self, node: _Node | None, now: float) -> None:
+        if node is not None:
+            node.heat = node.heat * self._decay_factor(node.heat_at, now) + 1.0
+            node.heat_at = now
+
+    def forget(self, worker_id: str, blocks: Sequence[int], keep: int = 0) -> None:
+        """``worker_id`` does not hold ``blocks[keep:]`` (a prediction that did not happen):
+        its holds on them go, deepest first, as far as nothing below them is held."""
+        for h in reversed(blocks[keep:]):
+            node = self._nodes.get(h)
+            hold = node.holders.get(worker_id) if node is not None else None
+            if hold is None:
+                continue
+            if hold.children:
+                break
+            self._evict(worker_id, h)
+
+    def shed(self, worker_id: str, fraction: float) -> int:
+        """Drop the least recently used ``fraction`` of a worker's blocks; returns how many."""
+        held = self.held_blocks(worker_id)
+        target = held - int(held * min(1.0, max(0.0, fraction)))
+        self._trim(worker_id, target)
+        return held - self.held_blocks(worker_id)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop every entry of a worker that left or restarted (its cache is gone with it)."""
+        cache = self._caches.pop(worker_id, None)
+        if cache is None:
+            return
+        for h in cache.nodes:
+            node = self._nodes.get(h)
+            if node is not None:
+                node.holders.pop(worker_id, None)
+                if not node.holders:
+                    del self._nodes[h]
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    def _oldest_leaf(self, cache: _Cache, worker_id: str) -> tuple[int, _Hold] | None:
+        """The least recently used leaf of a worker (stale heap entries are dropped)."""
+        leaves = cache.leaves
+        nodes = self._nodes
+        while leaves:
+            seq, h = leaves[0]
+            node = nodes.get(h)
+            hold = node.holders.get(worker_id) if node is not None else None
+            if hold is not None and hold.children == 0 and hold.seq == seq:
+                return h, hold
+            heapq.heappop(leaves)
+        return None
+
+    def _evict(self, worker_id: str, h: int) -> None:
+        """Drop the hold of ``worker_id`` on leaf ``h``; its parent may become a leaf."""
+        nodes = self._nodes
+        node = nodes[h]
+        hold = node.holders.pop(worker_id)
+        cache = self._caches[worker_id]
+        cache.nodes.discard(h)
+        parent = nodes.get(node.parent) if node.parent is not None else None
+        cache.held -= node.depth - (parent.depth if parent is not None else 0)
+        if not node.holders:
+            del nodes[h]
+        up = parent.holders.get(worker_id) if parent is not None else None
+        if up is not None and node.parent is not None:
+            up.children -= 1
+            if up.children == 0:  # a leaf now, as recent as the newest use below it
+                up.seq = max(up.seq, hold.seq)
+                up.at = max(up.at, hold.at)
+                heapq.heappush(cache.leaves, (up.seq, node.parent))
+
+    def _trim(self, worker_id: str, limit: int) -> None:
+        cache = self._caches.get(worker_id)
+        while cache is not None and cache.held > limit:
+            oldest = self._oldest_leaf(cache, worker_id)
+            if oldest is None:
+                break
+            self._evict(worker_id, oldest[0])
+
+    def _expire(self, now: float) -> None:
+        """Drop entries unused for ``ttl_s`` (checked every ``ttl_s / 64`` at most)."""
+        if now - self._swept_at < self._ttl_s / 64:
+            return
+        self._swept_at = now
+        cutoff = now - self._ttl_s
+        for wid, cache in self._caches.items():
+            while (oldest := self._oldest_leaf(cache, wid)) is not None and oldest[1].at < cutoff:
+                self._evict(wid, oldest[0])
+
+    # -- churn --------------------------------------------------------------------------------
 
     def _count(self, churn: Churn, new_blocks: int, now: float) -> None:
         keep = self._decay_factor(churn.at, now)
@@ -111,35 +311,17 @@ class PrefixIndex:
         churn.new_blocks = churn.new_blocks * keep + new_blocks
         churn.at = now
 
-    def _trim(self, worker_id: str) -> None:
-        lru = self._lru.get(worker_id)
-        if lru is None:
-            return
-        excess = len(lru) - self.capacity(worker_id)
-        for _ in range(max(0, excess)):
-            h, _ = lru.popitem(last=False)
-            self._drop(h, worker_id)
-
-    def _drop(self, h: int, worker_id: str) -> None:
-        holders = self._holders.get(h)
-        if holders is not None:
-            holders.pop(worker_id, None)
-            if not holders:
-                del self._holders[h]
-                self._heat.pop(h, None)
-
     def _decay_factor(self, at: float, now: float) -> float:
         if self._half_life <= 0 or now <= at:
             return 1.0
         return float(0.5 ** ((now - at) / self._half_life))
 
-    def _decayed(self, value: float, at: float, now: float) -> float:
-        return value * self._decay_factor(at, now)
-
     def recent_requests(self, worker_id: str, now: float) -> float:
         """Requests recorded for ``worker_id``, halved every ``heat_half_life_s``."""
-        churn = self._churn.get(worker_id)
-        return churn.requests * self._decay_factor(churn.at, now) if churn is not None else 0.0
+        cache = self._caches.get(worker_id)
+        if cache is None:
+            return 0.0
+        return cache.churn.requests * self._decay_factor(cache.churn.at, now)
 
     def mean_new_blocks(self) -> float:
         """Blocks a recorded request added to its worker's cache, on average over all workers
@@ -148,62 +330,13 @@ class PrefixIndex:
         return churn.new_blocks / churn.requests if churn.requests > 0 else 0.0
 
     def tail_age(self, worker_id: str, now: float) -> float:
-        """Seconds since the least recently used block of ``worker_id`` was recorded, once its
+        """Seconds since the least recently used block of ``worker_id`` was last used, once its
         modelled cache is full (the next block recorded evicts it); ``inf`` while it has room."""
-        lru = self._lru.get(worker_id)
-        if lru is None or len(lru) < self.capacity(worker_id):
+        cache = self._caches.get(worker_id)
+        if cache is None or cache.held < self.capacity(worker_id):
             return math.inf
-        oldest = next(iter(lru))
-        return max(0.0, now - self._holders[oldest][worker_id])
-
-    def heat(self, block: int, now: float) -> float:
-        """How many recorded requests contained ``block``, halved every ``heat_half_life_s``:
-        a system prompt many users send is hot, one conversation's history is not."""
-        value, at = self._heat.get(block, (0.0, now))
-        return self._decayed(value, at, now)
-
-    def match(self, blocks: Sequence[int], now: float) -> dict[str, int]:
-        """Worker id -> number of leading blocks of ``blocks`` it holds (only those > 0)."""
-        cutoff = now - self._ttl_s
-        depth: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, h in enumerate(blocks):
-            holders = self._holders.get(h)
-            if not holders:
-                break
-            fresh = {w for w, t in holders.items() if t >= cutoff}
-            alive = fresh if alive is None else alive & fresh
-            if not alive:
-                break
-            for w in alive:
-                depth[w] = i + 1
-        return depth
-
-    def forget(self, worker_id: str, blocks: Iterable[int]) -> None:
-        """``worker_id`` no longer holds ``blocks`` (a prediction it answered with a miss)."""
-        lru = self._lru.get(worker_id)
-        if lru is None:
-            return
-        for h in blocks:
-            if lru.pop(h, 0) is None:
-                self._drop(h, worker_id)
-
-    def shed(self, worker_id: str, fraction: float) -> int:
-        """Drop the least recently used ``fraction`` of a worker's blocks; returns how many."""
-        lru = self._lru.get(worker_id)
-        if lru is None:
-            return 0
-        count = int(len(lru) * min(1.0, max(0.0, fraction)))
-        for _ in range(count):
-            h, _ = lru.popitem(last=False)
-            self._drop(h, worker_id)
-        return count
-
-    def forget_worker(self, worker_id: str) -> None:
-        """Drop every entry of a worker that left or restarted (its cache is gone with it)."""
-        for h in self._lru.pop(worker_id, OrderedDict()):
-            self._drop(h, worker_id)
-        self._churn.pop(worker_id, None)
+        oldest = self._oldest_leaf(cache, worker_id)
+        return math.inf if oldest is None else max(0.0, now - oldest[1].at)
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,12 +52,15 @@ class RouteRequest:
 
 
 class PrefixMatcher(Protocol):
-    """Read side of a prefix index: worker id -> number of leading blocks it holds."""
+    """Read side of a prefix index."""
 
-    def match(self, blocks: Sequence[int]) -> dict[str, int]: ...
+    def match(self, blocks: Sequence[int]) -> dict[str, int]:
+        """Worker id -> number of leading checkpoints of ``blocks`` (a ``PrefixKey.blocks``)
+        it holds; ``PrefixKey.depth_at`` turns that into blocks."""
+        ...
 
     def heat(self, block: int) -> float:
-        """Recent requests (decayed) that contained ``block``."""
+        """Recent requests (decayed) that shared the prefix ``block`` names."""
         ...
 
     def recent_requests(self, worker_id: str) -> float:

@@ -41,11 +41,13 @@ class WorkerRecord:
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    """A prefix (its chained block hashes) sent to a worker by one gateway replica."""
+    """A prefix (its checkpoint hashes, ``PrefixKey.blocks``) sent to a worker by one gateway
+    replica; ``depths`` as in ``PrefixKey`` (empty: every block a checkpoint)."""
 
     origin: str
     worker_id: str
     blocks: tuple[int, ...]
+    depths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,9 +191,12 @@ class RedisStore:
         async def op() -> None:
             async with self._r.pipeline(transaction=False) as pipe:
                 for a in batch:
+                    fields = {"o": a.origin, "w": a.worker_id, "b": _pack(a.blocks)}
+                    if a.depths:
+                        fields["d"] = _pack(a.depths)
                     pipe.xadd(
                         self.key("assignments"),
-                        {"o": a.origin, "w": a.worker_id, "b": _pack(a.blocks)},
+                        fields,  # type: ignore[arg-type]
                         maxlen=self._stream_maxlen,
                         approximate=True,
                     )
@@ -217,7 +220,8 @@ class RedisStore:
                 for entry_id, fields in entries:
                     last = _s(entry_id)
                     f = {_s(k): v for k, v in fields.items()}
-                    out.append(Assignment(_s(f["o"]), _s(f["w"]), _unpack(f["b"])))
+                    depths = _unpack(f["d"]) if "d" in f else ()
+                    out.append(Assignment(_s(f["o"]), _s(f["w"]), _unpack(f["b"]), depths))
             return last, out
 
         return await self._call(op)

@@ -7,8 +7,15 @@ import re
 import string
 
 import pytest
+import xxhash
 
-from gateway.fingerprint import FingerprintOptions, Namespace, PrefixKey, fingerprint
+from gateway.fingerprint import (
+    FingerprintOptions,
+    Namespace,
+    PrefixKey,
+    checkpoint_depths,
+    fingerprint,
+)
 
 NS = Namespace(tenant="t1", model="m1")
 OPTS = FingerprintOptions(block_chars=8, max_blocks=64, anchor_blocks=3)
@@ -124,8 +131,8 @@ def test_max_blocks_cap_keeps_the_prefix_hashes() -> None:
     text = _text(8 * 100, 13)
     capped = fingerprint(text, NS, FingerprintOptions(block_chars=8, max_blocks=10))
     uncapped = fingerprint(text, NS, FingerprintOptions(block_chars=8, max_blocks=1000))
-    assert len(capped.blocks) == 10
-    assert len(uncapped.blocks) == 100
+    assert capped.total_blocks == 10
+    assert uncapped.total_blocks == 100
     assert capped.blocks == uncapped.blocks[:10]
 
 
@@ -187,10 +194,50 @@ def test_blocks_are_characters_not_bytes() -> None:
 
 def test_default_options() -> None:
     opts = FingerprintOptions()
-    assert (opts.block_chars, opts.max_blocks, opts.anchor_blocks) == (64, 256, 4)
+    assert (opts.block_chars, opts.max_blocks, opts.anchor_blocks) == (64, 16_384, 4)
+    assert (opts.dense_blocks, opts.checkpoint_ratio) == (64, 32)
     key = fingerprint("x" * (64 * 300), NS)
-    assert len(key.blocks) == 256
+    assert key.total_blocks == 300
     assert key.anchor == key.blocks[3]
+    # A 256k-token prompt (1 MiB) is covered whole, with a few hundred checkpoints.
+    whole = fingerprint("y" * (1 << 20), NS)
+    assert whole.total_blocks == 16_384
+    assert len(whole.blocks) < 400
+
+
+@pytest.mark.parametrize(
+    ("blocks", "dense", "ratio", "expected"),
+    [
+        pytest.param(5, 8, 4, [1, 2, 3, 4, 5], id="all-dense"),
+        # from depth 8: stride = largest power of two <= depth / 4: 2 until 16, then 4
+        pytest.param(30, 8, 4, [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 30],
+                     id="strides-double-and-the-end-is-kept"),
+        pytest.param(9, 8, 4, [1, 2, 3, 4, 5, 6, 7, 8, 9], id="end-right-after-dense"),
+        pytest.param(0, 8, 4, [], id="empty"),
+    ],
+)
+def test_checkpoint_depths(blocks: int, dense: int, ratio: int, expected: list[int]) -> None:
+    opts = FingerprintOptions(dense_blocks=dense, checkpoint_ratio=ratio)
+    assert checkpoint_depths(blocks, opts) == expected
+
+
+@pytest.mark.parametrize("text", ["ascii only " * 60, "na\u00efve caf\u00e9 \u65e5\u672c " * 40])
+def test_sparse_checkpoints_chain_over_segments(text: str) -> None:
+    """Each checkpoint hash chains over the characters since the previous one, and two prompts
+    share exactly the checkpoints inside their common prefix."""
+    opts = FingerprintOptions(block_chars=8, dense_blocks=4, checkpoint_ratio=2)
+    key = fingerprint(text, NS, opts)
+    assert key.depths == tuple(checkpoint_depths(len(text) // 8, opts))
+    h, start = NS.seed(), 0
+    for depth, got in zip(key.depths, key.blocks, strict=True):
+        h = xxhash.xxh3_64_intdigest(text[start : depth * 8].encode("utf-8"), seed=h)
+        assert got == h
+        start = depth * 8
+    common = 8 * 37
+    other = fingerprint(text[:common] + "#" * (len(text) - common), NS, opts)
+    shared = [d for d in key.depths if d <= 37]
+    assert other.blocks[: len(shared)] == key.blocks[: len(shared)]
+    assert other.blocks[len(shared)] != key.blocks[len(shared)]
 
 
 @pytest.mark.parametrize(

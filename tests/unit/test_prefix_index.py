@@ -2,51 +2,55 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
+import xxhash
 
 from gateway.routing.prefix_index import PrefixIndex
 
-Recording = tuple[Sequence[int], str]
+Recording = tuple[str, str]
+
+
+def P(text: str) -> tuple[int, ...]:
+    """Chained block ids of a prompt of one-character blocks: id ``i`` names ``text[: i + 1]``
+    (as fingerprint hashes do, so equal ids mean equal prefixes)."""
+    return tuple(xxhash.xxh3_64_intdigest(text[: i + 1].encode()) for i in range(len(text)))
 
 
 @pytest.mark.parametrize(
     ("recordings", "query", "expected"),
     [
-        pytest.param([], [1, 2, 3], {}, id="empty-index"),
-        pytest.param([([1, 2, 3], "w1")], [], {}, id="empty-query"),
-        pytest.param([([1, 2, 3], "w1")], [1, 2, 3], {"w1": 3}, id="full-match"),
-        pytest.param([([1, 2, 3], "w1")], [1, 2, 3, 4, 5], {"w1": 3}, id="query-longer"),
-        pytest.param([([1, 2, 3, 4, 5], "w1")], [1, 2], {"w1": 2}, id="query-shorter"),
-        pytest.param([([1, 2, 3], "w1")], [9, 2, 3], {}, id="first-block-unknown"),
-        pytest.param([([1, 2, 4, 5], "w1")], [1, 2, 3, 4, 5], {"w1": 2}, id="stops-at-first-gap"),
+        pytest.param([], "abc", {}, id="empty-index"),
+        pytest.param([("abc", "w1")], "", {}, id="empty-query"),
+        pytest.param([("abc", "w1")], "abc", {"w1": 3}, id="full-match"),
+        pytest.param([("abc", "w1")], "abcde", {"w1": 3}, id="query-longer"),
+        pytest.param([("abcde", "w1")], "ab", {"w1": 2}, id="query-shorter"),
+        pytest.param([("abc", "w1")], "xbc", {}, id="first-block-differs"),
+        pytest.param([("abde", "w1")], "abcde", {"w1": 2}, id="stops-where-prompts-diverge"),
         pytest.param(
-            [([1, 2], "w1"), ([3, 4], "w2")], [1, 2, 3, 4], {"w1": 2},
-            id="later-holder-without-head-does-not-count",
+            [("ab", "w1"), ("cd", "w2")], "abcd", {"w1": 2},
+            id="a-prompt-that-starts-elsewhere-does-not-count",
         ),
         pytest.param(
-            [([1, 2, 3], "w1"), ([1], "w2"), ([1, 2, 3, 4, 5], "w3")],
-            [1, 2, 3, 4],
+            [("abc", "w1"), ("a", "w2"), ("abcde", "w3")],
+            "abcd",
             {"w1": 3, "w2": 1, "w3": 4},
             id="several-holders-different-depths",
         ),
+        pytest.param([("ab", "w1"), ("ab", "w2")], "ab", {"w1": 2, "w2": 2}, id="equal-holders"),
         pytest.param(
-            [([1, 2], "w1"), ([1, 2], "w2")], [1, 2], {"w1": 2, "w2": 2}, id="equal-holders",
+            [("abc", "w1"), ("ac", "w2")], "abc", {"w1": 3, "w2": 1}, id="sibling-branch",
         ),
         pytest.param(
-            [([1, 2, 3], "w1"), ([1, 3], "w2")], [1, 2, 3], {"w1": 3, "w2": 1},
-            id="holder-with-hole-stops-at-hole",
+            [("abcdefgh", "w1"), ("abcdxy", "w2"), ("abz", "w3"), ("q", "w4")], "abcdefgz",
+            {"w1": 7, "w2": 4, "w3": 2}, id="many-depths-found-by-search",
         ),
     ],
 )
-def test_match(
-    recordings: list[Recording], query: list[int], expected: dict[str, int]
-) -> None:
+def test_match(recordings: list[Recording], query: str, expected: dict[str, int]) -> None:
     index = PrefixIndex()
-    for blocks, wid in recordings:
-        index.record(blocks, wid, 0.0)
-    assert index.match(query, 0.0) == expected
+    for text, wid in recordings:
+        index.record(P(text), wid, 0.0)
+    assert index.match(P(query), 0.0) == expected
 
 
 def test_record_is_idempotent() -> None:
@@ -135,8 +139,9 @@ def test_set_capacity_trims_and_shed_drops_the_oldest() -> None:
     assert index.match(list(range(10)), 0.0) == {"w1": 6}
     assert index.shed("w1", 0.5) == 3
     assert index.match(list(range(10)), 0.0) == {"w1": 3}
-    index.forget("w1", [1])
+    index.forget("w1", list(range(10)), keep=1)  # a prediction past block 0 did not happen
     assert index.match(list(range(10)), 0.0) == {"w1": 1}
+    assert index.held_blocks("w1") == 1
 
 
 @pytest.mark.parametrize("capacity", [0, -1])
@@ -176,14 +181,16 @@ def test_heat_counts_recent_requests_and_halves_with_time() -> None:
     for _ in range(8):
         index.record([1, 2], "w1", 0.0)
     index.record([1, 3], "w2", 0.0)
-    assert index.heat(1, 0.0) == pytest.approx(9.0)
+    # A request heats the deepest part it shares with what is known, and its end when new:
+    # [1, 2] eight times heats 2 (new once, then shared seven times); [1, 3] shares 1.
+    assert index.heat(1, 0.0) == pytest.approx(1.0)
     assert index.heat(2, 0.0) == pytest.approx(8.0)
     assert index.heat(3, 0.0) == pytest.approx(1.0)
     assert index.heat(99, 0.0) == 0.0
     now = 10.0
-    assert index.heat(1, now) == pytest.approx(4.5)
-    index.record([1], "w1", now)
-    assert index.heat(1, now) == pytest.approx(5.5)
+    assert index.heat(2, now) == pytest.approx(4.0)
+    index.record([1, 2, 4], "w1", now)
+    assert index.heat(2, now) == pytest.approx(5.0)
     index.forget_worker("w1")
     index.forget_worker("w2")
     assert index.heat(1, now) == 0.0  # gone with the last holder

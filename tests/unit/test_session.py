@@ -24,8 +24,8 @@ class Sink:
     assignments: list[tuple[tuple[int, ...], str]]
     reports: list[CacheReport]
 
-    def assigned(self, blocks: Sequence[int], worker_id: str) -> None:
-        self.assignments.append((tuple(blocks), worker_id))
+    def assigned(self, key: PrefixKey, worker_id: str) -> None:
+        self.assignments.append((key.blocks, worker_id))
 
     def reported(self, report: CacheReport) -> None:
         self.reports.append(report)
@@ -69,9 +69,9 @@ def test_route_records_publishes_and_counts_in_flight() -> None:
 def test_time_is_an_argument_the_index_ttl_follows_it() -> None:
     session, _ = _session()
     wid = session.route(_request(), now=0.0).worker_id
-    ttl = 600.0  # PrefixIndex's default
+    ttl = 600.0  # PrefixIndex's default; expiry is checked every ttl / 64
     assert session.index.match(BLOCKS, ttl - 1) == {wid: len(BLOCKS)}
-    assert session.index.match(BLOCKS, ttl + 1) == {}
+    assert session.index.match(BLOCKS, ttl * 1.05) == {}
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ class CacheCostScorer:
         self.queue_weight = queue_weight
 
     def score(self, ctx: Context, candidates: Sequence[WorkerView]) -> dict[str, float]:
-        blocks = len(ctx.request.key.blocks)
+        blocks = ctx.request.key.total_blocks
         if blocks == 0 or not any(ctx.matches.get(w.id, 0) for w in candidates):
             return {w.id: 0.0 for w in candidates}
         prompt = max(ctx.request.prompt_tokens, 1)

@@ -12,7 +12,7 @@ class PrefixMatchScorer:
     name = "prefix_match"
 
     def score(self, ctx: Context, candidates: Sequence[WorkerView]) -> dict[str, float]:
-        total = len(ctx.request.key.blocks)
+        total = ctx.request.key.total_blocks
         if total == 0:
             return {w.id: 0.0 for w in candidates}
         return {w.id: ctx.matches.get(w.id, 0) / total for w in candidates}

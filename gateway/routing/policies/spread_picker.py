@@ -70,7 +70,7 @@ class SpreadPicker(RingPicker):
         pressure = {v.id: _pressure(index.tail_age(v.id)) for _, v in eligible}
         mean_recent = sum(recent.values()) / len(eligible) or 1.0
         mean_pressure = sum(pressure.values()) / len(eligible) or 1.0
-        blocks = len(ctx.request.key.blocks)
+        blocks = ctx.request.key.total_blocks
         mean_new = index.mean_new_blocks() or float(max(blocks, 1))
 
         def cost(sv: tuple[int, WorkerView]) -> tuple[float, float, int, int]:
