@@ -36,8 +36,9 @@ async def explain(request: web.Request) -> web.Response:
     router = state.session.router
     snapshot = state.pool.snapshot(time.monotonic())
     key = route_request.key
-    blocks = len(key.blocks)
-    matches = snapshot.index.match(key.blocks) if router.uses_prefix_index else {}
+    blocks = key.total_blocks
+    raw = snapshot.index.match(key.blocks) if router.uses_prefix_index else {}
+    matches = {wid: key.depth_at(count - 1) for wid, count in raw.items()}  # in blocks
     try:
         decision = router.route(route_request, snapshot)
     except NoCandidates as exc:
