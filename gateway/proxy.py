@@ -26,7 +26,7 @@ from aiohttp import web
 from gateway.backends.base import BackendUnavailable, UpstreamReply, UpstreamRequest
 from gateway.errors import ConnectionQueueFull, NoWorkerAvailable, UpstreamError
 from gateway.guard import NoFirstByte, SlotTimeout
-from gateway.routing.types import Decision, NoCandidates, RouteRequest
+from gateway.routing.types import Decision, NoCandidates, PrefixMatcher, RouteRequest
 from gateway.session import Attempt, CacheUsage
 from gateway.state import GatewayState
 from gateway.telemetry.middleware import record_of
@@ -107,16 +107,19 @@ async def dispatch(
             # The last worker was busy (429/503): give the pool a moment before the next one.
             await asyncio.sleep(backoff_s * (0.5 + random.random()))
         started = time.perf_counter()
+
+        def observe(decision: Decision, index: PrefixMatcher, started: float = started) -> None:
+            uses_index = session.router.uses_prefix_index
+            observed.decided(decision, route_request, index if uses_index else None, started)
+
         try:
             now = time.monotonic()
-            attempt = session.route(
-                route_request, now, frozenset(excluded) | guard.blocked(state.pool, now), tenant)
+            blocked = frozenset(excluded) | guard.blocked(state.pool, now)
+            attempt = session.route(route_request, now, blocked, tenant, observe)
         except NoCandidates:
             break
         decision = attempt.decision
         wid = decision.worker_id
-        uses_index = session.router.uses_prefix_index
-        observed.decided(decision, route_request, attempt.index if uses_index else None, started)
         state.metrics.decision_seconds.observe(time.perf_counter() - started)
         state.metrics.decisions.labels(decision.policy, decision.label).inc()
         guard.breakers.attempt(wid, now)

@@ -16,7 +16,7 @@ buffers it for its background loops).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -135,11 +135,14 @@ class RoutingSession:
         now: float,
         exclude: frozenset[str] = frozenset(),
         tenant: str = "",
+        observe: Callable[[Decision, PrefixMatcher], None] | None = None,
     ) -> Attempt:
         """Decide at time ``now`` and account for it; raises ``NoCandidates`` when no worker
         may take the request."""
         snapshot = self.pool.snapshot(now)
         decision = self.router.route(request, snapshot, exclude)
+        if observe is not None:  # sees the index as the decision did, before it is recorded
+            observe(decision, snapshot.index)
         wid = decision.worker_id
         key = request.key
         blocks = key.blocks

@@ -220,7 +220,7 @@ class StoreSync:
         replayed = 0
         for a in batch:
             if a.worker_id in self.pool:
-                self.index.record(a.blocks, a.worker_id, now)
+                self.index.record(a.blocks, a.worker_id, now, a.depths)
                 replayed += 1
         self._cursor = cursor
         if replayed:
