@@ -12,7 +12,8 @@ Trust model, in short (README has the whole of it):
   telemetry and fingerprints see. The cache namespace sent to workers is a second HMAC over that
   id *and* the client's ``cache_salt``, so a salt can narrow a tenant's namespace but never
   select another tenant's.
-* **Admin is separate.** ``/admin/*`` (and ``/metrics`` with ``--metrics-auth``) need the admin
+* **Admin is separate.** ``/admin/*``, the status page's data (``/ui/data``; the page itself is
+  static and asks for the token) and ``/metrics`` with ``--metrics-auth`` need the admin
   token, or a request on the loopback ``--admin-port``. With no key, no token and no admin port
   configured the gateway is open, as for local development (it listens on 127.0.0.1 then).
 """
@@ -283,7 +284,8 @@ class Auth:
             identity = self.identify(request)
             request[IDENTITY_KEY] = identity
             request[SHOW_ROUTE_HEADERS_KEY] = self.show_route_headers(identity)
-        elif path.startswith("/admin/") or (path == "/metrics" and self._metrics_auth):
+        elif (path.startswith(("/admin/", "/ui/data"))
+              or (path == "/metrics" and self._metrics_auth)):
             self.check_admin(request)
         return await handler(request)
 

@@ -94,7 +94,7 @@ async def test_route_headers_modes(start_cluster: StartCluster) -> None:
 async def test_admin_and_metrics_need_the_admin_token(start_cluster: StartCluster) -> None:
     cluster = await start_cluster(workers=1, api_key=KEYS, admin_token=ADMIN, metrics_auth=True)
     base = cluster.gateway_url
-    for path in ("/admin/workers", "/admin/rebalance", "/metrics"):
+    for path in ("/admin/workers", "/admin/rebalance", "/admin/misses", "/ui/data", "/metrics"):
         status, body = await _get(base + path)
         assert status == 401, path
         assert body["error"]["code"] == "invalid_api_key"
