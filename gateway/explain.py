@@ -1,7 +1,8 @@
 """Operator views of routing: ``POST /admin/explain`` (a dry run) and ``GET /admin/misses``.
 
 ``/admin/explain`` takes a completion or chat request body (a body with ``messages`` is a chat;
-``?kind=chat|completion`` says so explicitly) with the caller's ``Authorization`` header, and
+``?kind=chat|completion`` says so explicitly) with the caller's ``Authorization`` header (its
+key's tenant is the one explained), and
 answers, without sending anything to a worker or recording anything in the prefix index, the
 request's fingerprint, every worker's match, load and estimated cost, and the decision the
 policy would take now. (A round-robin policy's turn does advance.) No prompt text is echoed.
@@ -9,12 +10,14 @@ policy would take now. (A round-robin policy's turn does advance.) No prompt tex
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 from aiohttp import web
 
 from gateway.api import STATE, Parser, prepare
+from gateway.auth import AUTH_KEY, IDENTITY_KEY, Unauthorized
 from gateway.errors import InvalidRequest
 from gateway.openai_schema import decode_json_object, parse_chat, parse_completion
 from gateway.routing.types import NoCandidates
@@ -32,6 +35,10 @@ async def explain(request: web.Request) -> web.Response:
     if parse is None:
         raise InvalidRequest("kind must be chat or completion", param="kind")
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    # The tenant (and so the fingerprint's namespace) of the key in Authorization, exactly as
+    # the /v1 route would see it; an admin token there explains the request as the keyless one.
+    with contextlib.suppress(Unauthorized):
+        request[IDENTITY_KEY] = request.app[AUTH_KEY].identify(request)
     parsed, route_request = await prepare(request, body, parse, path)
     router = state.session.router
     snapshot = state.pool.snapshot(time.monotonic())
