@@ -100,7 +100,7 @@ class GatewaySettings:
     )
     normalize: bool = field(default=True, metadata=_help("normalize prompts before routing"))
     block_chars: int = field(default=64, metadata=_help("fingerprint block size in characters"))
-    max_blocks: int = field(default=256, metadata=_help("fingerprint at most this many blocks"))
+    max_blocks: int = field(default=16_384, metadata=_help("fingerprint at most this many blocks"))
     anchor_blocks: int = field(
         default=4, metadata=_help("blocks that form the ring anchor of a prefix")
     )

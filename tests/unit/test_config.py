@@ -197,7 +197,7 @@ def test_parse_settings_wrapper() -> None:
     assert settings.normalize_options().enabled is False
     assert settings.policy_options().load_factor == settings.load_factor
     opts = settings.fingerprint_options()
-    assert (opts.block_chars, opts.max_blocks, opts.anchor_blocks) == (64, 256, 4)
+    assert (opts.block_chars, opts.max_blocks, opts.anchor_blocks) == (64, 16_384, 4)
 
 
 def test_help_mentions_env_names(capsys: pytest.CaptureFixture[str]) -> None:
