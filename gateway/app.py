@@ -19,8 +19,8 @@ from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
 from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.backends.sagemaker import SageMakerBackend
 from gateway.breaker import BreakerOptions, Breakers
+from gateway.contracts.disconnect import cancel_on_disconnect
 from gateway.credentials import worker_keys
-from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,

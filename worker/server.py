@@ -41,11 +41,11 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from gateway.contracts.disconnect import cancel_on_disconnect
 from gateway.kvevents.keys import engine_namespace
 from gateway.store.base import WorkerRecord
 from gateway.telemetry.tracing import Tracing
 from worker.auth import auth_middleware
-from worker.disconnect import cancel_on_disconnect
 from worker.engines.base import Engine, EngineUnavailableError
 from worker.engines.sim import WORDS, SimCosts, SimEngine
 from worker.errors import ApiError, error_middleware

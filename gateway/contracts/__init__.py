@@ -1,1 +1,2 @@
-"""Contracts the gateway and the reference worker share (pure code, no I/O)."""
+"""Contracts the gateway and the reference worker share: chat rendering (pure) and the
+aiohttp middleware that cancels a request whose client went away."""

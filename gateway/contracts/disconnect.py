@@ -1,9 +1,13 @@
-"""Cancel a request's handler as soon as its client disconnects.
+"""Cancel a request's handler as soon as its client disconnects (gateway and worker alike).
 
 aiohttp (``handler_cancellation=False``, its default) lets a handler run on after its client is
-gone: a queued or non-streaming generation would keep its slot and produce tokens for nobody. This
-middleware watches the request's connection while the handler runs and cancels the handler's task
-once the connection is closed, so the engine gives the queue entry or KV blocks back at once.
+gone. In the gateway, a request waiting for a worker's answer (queued there, in prefill, or
+generating a non-streaming reply) would keep its upstream connection and the worker would
+generate for nobody; in the worker, a queued or non-streaming generation would keep its slot.
+This middleware watches the request's connection while the handler runs and cancels the
+handler's task once the connection is closed: the gateway then closes the upstream response (not
+returned to the pool half-read), which the worker sees as its own client going away, and the
+worker's engine gives the queue entry or KV blocks back at once.
 """
 
 from __future__ import annotations
