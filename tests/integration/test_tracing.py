@@ -82,7 +82,7 @@ async def test_gateway_and_worker_spans_form_one_trace(start_cluster: StartClust
     assert attrs["affinity.attempts"] == 1
     assert attrs["affinity.cached_tokens"] == 0
     assert int(str(attrs["affinity.input_tokens"])) > 0
-    assert len(str(attrs["affinity.tenant_hash"])) == 16
+    assert len(str(attrs["affinity.tenant_hash"])) == 24  # HMAC tenant id, never the key
     second_attrs = dict(second.attributes or {})
     assert second_attrs["affinity.decision.kind"] == "prefix_hit"
     assert int(str(second_attrs["affinity.predicted_match_blocks"])) > 0
