@@ -84,25 +84,15 @@ class HashTokenizer:
         ]
 
 
-class CharsTokenizer:
+class CharsTokenizer(HashTokenizer):
     """One token per :data:`CHUNK_CHARS` characters: ``xxh32(chunk) % vocab_size``."""
-
-    def __init__(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
-        if vocab_size < 2:
-            raise ValueError("vocab_size must be >= 2")
-        self.vocab_size = vocab_size
 
     @property
     def name(self) -> str:
         return f"chars-{CHUNK_CHARS}-{self.vocab_size}"
 
-    def encode(self, text: str) -> list[int]:
-        vocab = self.vocab_size
-        return [
-            xxhash.xxh32_intdigest(text[i : i + CHUNK_CHARS].encode("utf-8", "surrogatepass"))
-            % vocab
-            for i in range(0, len(text), CHUNK_CHARS)
-        ]
+    def pieces(self, text: str) -> list[str]:
+        return [text[i : i + CHUNK_CHARS] for i in range(0, len(text), CHUNK_CHARS)]
 
 
 class HFTokenizer:
