@@ -24,6 +24,8 @@ from gateway.proxy import TENANT_KEY, dispatch
 from gateway.routing.types import RouteRequest
 from gateway.state import GatewayState
 from gateway.store.base import StoreUnavailable
+from gateway.warmup import WarmupStatus
+from gateway.warmup_sources import WarmPrompt
 
 STATE = web.AppKey("state", GatewayState)
 T = TypeVar("T")
@@ -72,6 +74,8 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
         key=key, model=parsed.model, cost_tokens=cost, prompt_tokens=prompt_tokens,
         block_tokens=block_tokens,
     )
+    if state.warmup.sample.samples(tenant):  # opt-in: kept in this process's memory only
+        state.warmup.observe(WarmPrompt(path, parsed.body, tenant, parsed.model, key))
     return await dispatch(state, request, path, forwarded_body(parsed, raw), route_request)
 
 
@@ -119,6 +123,7 @@ async def admin_workers(request: web.Request) -> web.Response:
     state = request.app[STATE]
     workers = []
     for s in state.pool.states():
+        warmup = state.warmup.status.get(s.worker.id)
         workers.append(
             {
                 "id": s.worker.id,
@@ -141,12 +146,23 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "cache_source": state.exact.source_of(s.worker.id),
                 "kv_events": state.exact.describe(s.worker.id),
                 "predictions": {"responses": s.predictions, "exact": s.predicted_exactly},
+                # down / warming (left out of routing, or its weight still ramping) / serving
+                "state": _worker_phase(s.healthy, warmup),
+                "warmup": warmup.as_dict() if warmup is not None else None,
             }
         )
     return web.json_response(
         {"policy": state.engine.name, "index_blocks": len(state.index), "workers": workers,
-         "tokenizer": state.exact.tokenizer_stats()}
+         "tokenizer": state.exact.tokenizer_stats(),
+         "warming": sorted(state.warmup.warming())}
     )
+
+
+def _worker_phase(healthy: bool, warmup: WarmupStatus | None) -> str:
+    if not healthy:
+        return "down"
+    return "warming" if warmup is not None and warmup.warming else "serving"
+
 
 
 async def admin_rebalance(request: web.Request) -> web.Response:

@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import Histogram
 
 from gateway.api import STATE, add_routes
-from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
+from gateway.backends.base import CACHE_CAPACITY_TOKENS, Backend, WorkerProbe
 from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.backends.sagemaker import SageMakerBackend
 from gateway.disconnect import cancel_on_disconnect
@@ -39,6 +39,8 @@ from gateway.store.memory import MemoryStore
 from gateway.store.redis import RedisStore
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
+from gateway.warmup import WarmupManager, WarmupOptions
+from gateway.warmup_sources import PromptSample, WarmPrompt, load_warmup_file
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,7 @@ def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator
         await state.sync.start()
         await _probe_all(state)
         await state.exact.start(state.pool)
+        state.warmup.start()
         tasks = [
             asyncio.create_task(_health_loop(state), name="gateway-health"),
             asyncio.create_task(state.rebalancer.run(), name="gateway-rebalance"),
@@ -134,6 +137,7 @@ def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await state.warmup.stop()
             await state.exact.close()
             await state.sync.stop()
             await state.store.close()
@@ -178,7 +182,15 @@ def build_exact_source(settings: GatewaySettings, metrics: GatewayMetrics) -> Ex
     )
 
 
+def _warmup_prompts(settings: GatewaySettings) -> list[WarmPrompt]:
+    if not settings.warmup_file:
+        return []
+    return load_warmup_file(settings.warmup_file, normalize=settings.normalize_options(),
+                            fingerprint_options=settings.fingerprint_options())
+
+
 def create_app(settings: GatewaySettings) -> web.Application:
+    """The gateway application; raises ``ValueError`` for a bad ``--warmup-file``."""
     index = PrefixIndex(capacity=settings.index_capacity, ttl_s=settings.index_ttl_s)
     pool = WorkerPool(settings.worker, index)
     metrics = GatewayMetrics(pool)
@@ -187,31 +199,52 @@ def create_app(settings: GatewaySettings) -> web.Application:
     backend = _http_backend(settings, namespace_in_body=False)
     store = build_store(settings)
     origin = settings.replica_id()
+    sync = StoreSync(
+        store, pool, index, origin=origin, tokens_per_block=settings.tokens_per_block(),
+        shares_state=not isinstance(store, MemoryStore),
+    )
+    backends: dict[str, Backend] = {
+        "openai": backend,
+        "vllm": _http_backend(settings, namespace_in_body=True),
+        "sagemaker": SageMakerBackend(
+            connect_timeout_s=settings.connect_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
+            max_connections=settings.max_connections,
+        ),
+    }
+
+    def backend_for(worker: Worker) -> Backend:
+        found = backends.get(worker.kind)
+        if found is None:
+            raise LookupError(f"no backend for worker kind {worker.kind!r}")
+        return found
+
+    warmup = WarmupManager(
+        pool, index, sync, backend_for,
+        WarmupOptions(
+            enabled=settings.warmup, budget_s=settings.warmup_budget_s,
+            ramp_s=settings.warmup_ramp_s, cache_fraction=settings.warmup_cache_fraction,
+            concurrency=settings.warmup_concurrency, ring_choices=settings.ring_choices,
+            hot_uses=settings.hot_threshold,
+        ),
+        sample=PromptSample(tenants=settings.sampled_tenants()),
+        file_prompts=_warmup_prompts(settings),
+    )
     state = GatewayState(
         settings=settings,
         pool=pool,
         index=index,
         engine=build_engine(settings.policy, settings.policy_options()),
-        backends={
-            "openai": backend,
-            "vllm": _http_backend(settings, namespace_in_body=True),
-            "sagemaker": SageMakerBackend(
-                connect_timeout_s=settings.connect_timeout_s,
-                read_timeout_s=settings.read_timeout_s,
-                max_connections=settings.max_connections,
-            ),
-        },
+        backends=backends,
         metrics=metrics,
         store=store,
-        sync=StoreSync(
-            store, pool, index, origin=origin, tokens_per_block=settings.tokens_per_block(),
-            shares_state=not isinstance(store, MemoryStore),
-        ),
+        sync=sync,
         rebalancer=Rebalancer(
             store, pool, index, origin,
             RebalanceOptions(interval_s=settings.rebalance_interval_s),
         ),
         exact=exact,
+        warmup=warmup,
     )
     app = web.Application(
         middlewares=[cancel_on_disconnect(), error_middleware],

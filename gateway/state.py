@@ -15,6 +15,7 @@ from gateway.settings import GatewaySettings
 from gateway.store.base import MetadataStore
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
+from gateway.warmup import WarmupManager
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class GatewayState:
     sync: StoreSync
     rebalancer: Rebalancer
     exact: ExactSource  # engine-exact cache knowledge: KV-event feeds, tokenizer
+    warmup: WarmupManager
 
     def backend_for(self, worker: Worker) -> Backend:
         backend = self.backends.get(worker.kind)
