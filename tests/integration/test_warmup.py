@@ -121,7 +121,7 @@ async def test_a_joining_worker_is_warmed_with_the_sampled_prompts(
     await fleet.start_gateway(warmup=warmup, warmup_sample=("*",))
 
     async def two_up() -> bool:
-        return sum(w["healthy"] for w in (await fleet.workers()).values()) == 2
+        return sum(bool(w["healthy"]) for w in (await fleet.workers()).values()) == 2
 
     await until(two_up)
     await traffic(fleet.gateway, rounds=10)  # 10 requests per system prompt: all hot
