@@ -66,7 +66,9 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
     if tokenized is not None:  # token-exact: the blocks the engine will cache
         key, prompt_tokens, block_tokens = tokenized.key, tokenized.tokens, tokenized.block_size
     else:
-        namespace = Namespace(tenant=tenant, model=parsed.model, cache_salt=parsed.cache_salt)
+        # The model's version is part of the namespace: prefixes of an old model never match.
+        namespace = Namespace(tenant=tenant, model=state.pool.model_identity(parsed.model),
+                              cache_salt=parsed.cache_salt)
         key = fingerprint(parsed.fingerprint_text, namespace, settings.fingerprint_options())
         prompt_tokens = math.ceil(len(parsed.fingerprint_text) / settings.chars_per_token)
     cost = prompt_tokens + (parsed.max_tokens or settings.default_max_tokens)
@@ -75,7 +77,10 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
         block_tokens=block_tokens,
     )
     if state.warmup.sample.samples(tenant):  # opt-in: kept in this process's memory only
-        state.warmup.observe(WarmPrompt(path, parsed.body, tenant, parsed.model, key))
+        # Token-exact keys are not re-derived from text: the sample keeps the key as it is.
+        text = "" if tokenized is not None else parsed.fingerprint_text
+        state.warmup.observe(WarmPrompt(path, parsed.body, tenant, parsed.model, key,
+                                        text=text, cache_salt=parsed.cache_salt))
     return await dispatch(state, request, path, forwarded_body(parsed, raw), route_request)
 
 
@@ -149,6 +154,7 @@ async def admin_workers(request: web.Request) -> web.Response:
                 # down / warming (left out of routing, or its weight still ramping) / serving
                 "state": _worker_phase(s.healthy, warmup),
                 "warmup": warmup.as_dict() if warmup is not None else None,
+                "versions": dict(s.versions),
             }
         )
     return web.json_response(

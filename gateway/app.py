@@ -25,6 +25,7 @@ from gateway.errors import (
 )
 from gateway.kvevents.source import ExactSource
 from gateway.kvevents.tokenize import PromptTokenizer
+from gateway.lifecycle import CacheLifecycle
 from gateway.pool import WorkerPool
 from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.routing.policies import build_engine
@@ -99,6 +100,8 @@ async def _probe_all(state: GatewayState) -> None:
     for s, probe in zip(workers, probes, strict=True):
         if probe.healthy:
             state.pool.mark_up(s.worker.id, probe.models, probe.metrics)
+            if state.pool.set_versions(s.worker.id, probe.versions):
+                state.lifecycle.version_changed(s.worker)
             capacity = probe.metrics.get(CACHE_CAPACITY_TOKENS, 0.0)
             if capacity > 0:  # the index models the worker's cache at its real size
                 blocks = max(1, int(capacity / state.settings.tokens_per_block()))
@@ -137,6 +140,7 @@ def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await state.lifecycle.stop()
             await state.warmup.stop()
             await state.exact.close()
             await state.sync.stop()
@@ -225,7 +229,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
             enabled=settings.warmup, budget_s=settings.warmup_budget_s,
             ramp_s=settings.warmup_ramp_s, cache_fraction=settings.warmup_cache_fraction,
             concurrency=settings.warmup_concurrency, ring_choices=settings.ring_choices,
-            hot_uses=settings.hot_threshold,
+            hot_uses=settings.hot_threshold, fingerprint=settings.fingerprint_options(),
         ),
         sample=PromptSample(tenants=settings.sampled_tenants()),
         file_prompts=_warmup_prompts(settings),
@@ -245,6 +249,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
         ),
         exact=exact,
         warmup=warmup,
+        lifecycle=CacheLifecycle(pool, backend_for, warmup),
     )
     app = web.Application(
         middlewares=[cancel_on_disconnect(), error_middleware],

@@ -75,6 +75,7 @@ class WorkerState:
     # ramps up by this factor.
     held_out: bool = False
     ramp: float = 1.0
+    versions: dict[str, str] = field(default_factory=dict)  # model -> version it reported
 
     def view(self) -> WorkerView:
         """The router's view: what gateways have in flight there, or what the engine itself
@@ -236,6 +237,39 @@ class WorkerPool:
         state.last_error = ""
         if models and models != state.worker.models:
             state.worker = dataclasses.replace(state.worker, models=models)
+
+    def set_versions(self, wid: str, versions: Mapping[str, str]) -> list[str]:
+        """Record the model versions a worker reports; returns the models whose version
+        changed from one it reported before. Their cache is another model's now: whatever the
+        index knew about the worker is dropped."""
+        state = self._workers.get(wid)
+        if state is None or not versions:
+            return []
+        changed = [m for m, v in versions.items() if state.versions.get(m, v) != v]
+        state.versions = dict(versions)
+        if changed:
+            log.warning("worker %s now serves another version of %s: forgetting its cache",
+                        wid, ", ".join(sorted(changed)))
+            self._index.forget_worker(wid)
+        return changed
+
+    def forget_index(self, wid: str) -> None:
+        """Drop what the prefix index knows about ``wid`` (its cache was flushed)."""
+        self._index.forget_worker(wid)
+
+    def model_identity(self, model: str) -> str:
+        """``model`` plus the version most of its healthy workers report (the newest-looking
+        on a tie), for cache namespaces: prefixes keyed under one version never match requests
+        keyed under another. Just ``model`` while no worker reports a version."""
+        counts: dict[str, int] = {}
+        for state in self._workers.values():
+            version = state.versions.get(model) if state.healthy else None
+            if version:
+                counts[version] = counts.get(version, 0) + 1
+        if not counts:
+            return model
+        best = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        return f"{model}@{best}"
 
     def mark_down(self, wid: str, reason: str) -> None:
         state = self._workers.get(wid)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gateway.backends.base import Backend
 from gateway.kvevents.source import ExactSource
+from gateway.lifecycle import CacheLifecycle
 from gateway.pool import WorkerPool
 from gateway.rebalance import Rebalancer
 from gateway.routing.engine import RoutingEngine
@@ -31,6 +32,7 @@ class GatewayState:
     rebalancer: Rebalancer
     exact: ExactSource  # engine-exact cache knowledge: KV-event feeds, tokenizer
     warmup: WarmupManager
+    lifecycle: CacheLifecycle
 
     def backend_for(self, worker: Worker) -> Backend:
         backend = self.backends.get(worker.kind)

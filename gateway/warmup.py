@@ -28,6 +28,7 @@ import aiohttp
 
 from gateway.backends.base import Backend, BackendUnavailable
 from gateway.backends.openai_http import NAMESPACE_HEADER
+from gateway.fingerprint import FingerprintOptions
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
@@ -50,6 +51,7 @@ class WarmupOptions:
     ring_choices: int = 4
     hot_uses: float = 8.0
     health_wait_s: float = 30.0  # how long a joining worker may take to answer its probe
+    fingerprint: FingerprintOptions = field(default_factory=FingerprintOptions)
 
 
 @dataclass(slots=True)
@@ -165,8 +167,7 @@ class WarmupManager:
     # -- request path (no I/O) ----------------------------------------------------------------
     def observe(self, prompt: WarmPrompt) -> None:
         """A routed request of a tenant that may be sampled."""
-        self.sample.observe(prompt.path, prompt.body, prompt.tenant, prompt.model, prompt.key,
-                            time.monotonic())
+        self.sample.observe(prompt, time.monotonic())
 
     # -- one worker ---------------------------------------------------------------------------
     async def _warm(self, wid: str) -> None:
@@ -221,7 +222,10 @@ class WarmupManager:
         weights = {s.worker.id: s.worker.weight for s in self.pool.states()}
         capacity = self.index.capacity(wid)
         opts = self.options
-        candidates = [*self.file_prompts, *self.sample.prompts(time.monotonic())]
+        candidates = [
+            p.rekeyed(self.pool.model_identity(p.model), opts.fingerprint)
+            for p in (*self.file_prompts, *self.sample.prompts(time.monotonic()))
+        ]
         return plan(wid, candidates, weights, state.worker.models, PlanOptions(
             ring_choices=opts.ring_choices, hot_uses=opts.hot_uses,
             budget_blocks=capacity * opts.cache_fraction, max_prompts=opts.max_prompts,

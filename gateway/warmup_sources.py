@@ -20,6 +20,7 @@ budget is spent.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import OrderedDict
@@ -52,6 +53,16 @@ class WarmPrompt:
     key: PrefixKey
     uses: float = 1.0  # recent requests that shared its anchor (decayed)
     pinned: bool = False  # from the operator's warm-up file: always first
+    text: str = ""  # the normalized text it was fingerprinted from
+    cache_salt: str = ""
+
+    def rekeyed(self, model_identity: str, opts: FingerprintOptions) -> WarmPrompt:
+        """The same prompt keyed as a request for ``model_identity`` (the model and its current
+        version, :meth:`gateway.pool.WorkerPool.model_identity`) is keyed now."""
+        if not self.text:
+            return self
+        namespace = Namespace(tenant=self.tenant, model=model_identity, cache_salt=self.cache_salt)
+        return dataclasses.replace(self, key=fingerprint(self.text, namespace, opts))
 
     def replay_body(self) -> dict[str, Any]:
         """The prefill-only request: the same prompt, one output token, no streaming."""
@@ -92,8 +103,8 @@ class PromptSample:
     def samples(self, tenant: str) -> bool:
         return "*" in self.tenants or tenant in self.tenants
 
-    def observe(self, path: str, body: Mapping[str, Any], tenant: str, model: str,
-                key: PrefixKey, now: float) -> None:
+    def observe(self, prompt: WarmPrompt, now: float) -> None:
+        key, tenant = prompt.key, prompt.tenant
         if not self.samples(tenant) or not key.blocks or key.text_chars > self.max_chars:
             return
         entries = self._by_tenant.get(tenant)
@@ -105,7 +116,7 @@ class PromptSample:
             self._by_tenant.move_to_end(tenant)
         old = entries.get(key.anchor)
         uses = 1.0 + (self._decayed(old.uses, old.at, now) if old is not None else 0.0)
-        prompt = WarmPrompt(path, dict(body), tenant, model, key)
+        prompt = dataclasses.replace(prompt, body=dict(prompt.body))
         entries[key.anchor] = _Entry(prompt, uses, now)
         entries.move_to_end(key.anchor)
         while len(entries) > self.per_tenant:
@@ -120,9 +131,7 @@ class PromptSample:
         out = []
         for entries in self._by_tenant.values():
             for e in entries.values():
-                p = e.prompt
-                out.append(WarmPrompt(p.path, p.body, p.tenant, p.model, p.key,
-                                      uses=self._decayed(e.uses, e.at, now)))
+                out.append(dataclasses.replace(e.prompt, uses=self._decayed(e.uses, e.at, now)))
         return out
 
     def __len__(self) -> int:
@@ -153,7 +162,8 @@ def parse_prompt(
         raise ValueError(exc.message) from exc
     namespace = Namespace(tenant=tenant, model=parsed.model, cache_salt=parsed.cache_salt)
     key = fingerprint(parsed.fingerprint_text, namespace, fingerprint_options)
-    return WarmPrompt(path, parsed.body, tenant, parsed.model, key, pinned=pinned)
+    return WarmPrompt(path, parsed.body, tenant, parsed.model, key, pinned=pinned,
+                      text=parsed.fingerprint_text, cache_salt=parsed.cache_salt)
 
 
 def load_warmup_file(

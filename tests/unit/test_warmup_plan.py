@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,7 +27,7 @@ NORM = NormalizeOptions()
 def prompt(text: str, tenant: str = "t", uses: float = 1.0, pinned: bool = False) -> WarmPrompt:
     p = parse_prompt({"model": "m", "messages": [{"role": "system", "content": text}]},
                      default_model="m", normalize=NORM, fingerprint_options=FP, pinned=pinned)
-    return WarmPrompt(p.path, p.body, tenant, p.model, p.key, uses=uses, pinned=pinned)
+    return dataclasses.replace(p, tenant=tenant, uses=uses)
 
 
 def system_prompt(i: int, words: int = 80) -> str:
@@ -81,14 +82,14 @@ def test_plan_skips_models_the_worker_does_not_serve() -> None:
 def test_sample_is_opt_in_per_tenant_and_bounded() -> None:
     off = PromptSample()
     p = prompt(system_prompt(1))
-    off.observe(p.path, p.body, "t", "m", p.key, now=0.0)
+    off.observe(p, now=0.0)
     assert len(off) == 0
     assert not off.enabled
     sample = PromptSample(tenants=frozenset({"t"}), per_tenant=3)
     for i in range(5):
         q = prompt(system_prompt(i))
-        sample.observe(q.path, q.body, "t", "m", q.key, now=float(i))
-        sample.observe(q.path, q.body, "other", "m", q.key, now=float(i))  # not opted in
+        sample.observe(q, now=float(i))
+        sample.observe(dataclasses.replace(q, tenant="other"), now=float(i))  # not opted in
     assert len(sample) == 3
     assert {p.tenant for p in sample.prompts(5.0)} == {"t"}
 
@@ -97,7 +98,7 @@ def test_sample_counts_uses_per_anchor_with_decay() -> None:
     sample = PromptSample(tenants=frozenset({"*"}), half_life_s=10.0)
     p = prompt(system_prompt(1))
     for _ in range(4):
-        sample.observe(p.path, p.body, "x", "m", p.key, now=0.0)
+        sample.observe(p, now=0.0)
     (entry,) = sample.prompts(0.0)
     assert entry.uses == pytest.approx(4.0)
     (entry,) = sample.prompts(10.0)
