@@ -27,6 +27,7 @@ from gateway.kvevents.source import ExactSource
 from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.lifecycle import CacheLifecycle
 from gateway.pool import WorkerPool
+from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.routing.policies import build_engine
 from gateway.routing.prefix_index import PrefixIndex
@@ -140,6 +141,7 @@ def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await state.prewarmer.stop()
             await state.lifecycle.stop()
             await state.warmup.stop()
             await state.exact.close()
@@ -250,6 +252,10 @@ def create_app(settings: GatewaySettings) -> web.Application:
         exact=exact,
         warmup=warmup,
         lifecycle=CacheLifecycle(pool, backend_for, warmup),
+        prewarmer=PreWarmer(pool, index, warmup.replay, PrewarmOptions(
+            enabled=settings.prewarm, hot_threshold=settings.hot_threshold,
+            fraction=settings.prewarm_fraction,
+        )),
     )
     app = web.Application(
         middlewares=[cancel_on_disconnect(), error_middleware],

@@ -109,6 +109,7 @@ async def dispatch(
             state.index.record(route_request.key.blocks, wid)
             state.sync.assigned(route_request.key.blocks, wid)
             state.exact.sent(wid, route_request.key.blocks, now)
+            state.prewarmer.after_route(decision, route_request, path, body, tenant)
         state.metrics.decision_seconds.observe(time.perf_counter() - started)
         state.metrics.decisions.labels(decision.policy, reason_kind(decision.reason)).inc()
         pool.acquire(wid, route_request.cost_tokens)

@@ -182,6 +182,16 @@ class GatewaySettings:
     warmup_concurrency: int = field(
         default=2, metadata=_help("warm-up requests in flight at once on a joining worker")
     )
+    prewarm: bool = field(
+        default=True,
+        metadata=_help("predictive pre-warming: when a hot prefix's holder nears its load "
+                       "bound, replay the prefix on the next holder before the spread "
+                       "(see gateway.prewarm)"),
+    )
+    prewarm_fraction: float = field(
+        default=0.8, metadata=_help("share of the holder's load bound at which a hot prefix "
+                                    "is pre-warmed on its next holder")
+    )
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_help("seconds in-flight requests get to finish on shutdown")
     )
@@ -217,6 +227,8 @@ class GatewaySettings:
         if self.warmup_budget_s < 0 or self.warmup_ramp_s < 0 or self.warmup_concurrency < 1:
             raise ValueError("warmup_budget_s and warmup_ramp_s must be >= 0, "
                              "warmup_concurrency >= 1")
+        if not 0.0 < self.prewarm_fraction <= 1.0:
+            raise ValueError("prewarm_fraction must be in (0, 1]")
         if not 0.0 < self.warmup_cache_fraction <= 1.0:
             raise ValueError("warmup_cache_fraction must be in (0, 1]")
         if not self.store.startswith(("memory://", "redis://", "rediss://", "unix://", "hub://")):

@@ -8,6 +8,7 @@ from gateway.backends.base import Backend
 from gateway.kvevents.source import ExactSource
 from gateway.lifecycle import CacheLifecycle
 from gateway.pool import WorkerPool
+from gateway.prewarm import PreWarmer
 from gateway.rebalance import Rebalancer
 from gateway.routing.engine import RoutingEngine
 from gateway.routing.prefix_index import PrefixIndex
@@ -33,6 +34,7 @@ class GatewayState:
     exact: ExactSource  # engine-exact cache knowledge: KV-event feeds, tokenizer
     warmup: WarmupManager
     lifecycle: CacheLifecycle
+    prewarmer: PreWarmer
 
     def backend_for(self, worker: Worker) -> Backend:
         backend = self.backends.get(worker.kind)

@@ -3,13 +3,14 @@
 ``python -m loadtest.bench_scale [--rate 12] [--before-s 60] [--after-s 90] [--modes warmup,cold]
 [--out DIR]``
 
-For each mode, one after another on the same ports (so the same ring): a real redis-server,
-``--workers`` reference workers (simulated engine, its default costs: 200 us per uncached prompt
-token, 5 us per cached one) that register in it, and a gateway on that store that samples
-prompts for warm-up (``--warmup-sample '*'``; ``cold`` runs it with ``--no-warmup``). An
-open-loop chat + shared-system-prompt load (:func:`loadtest.workloads.chat_requests`, streaming)
-arrives at ``--rate`` requests per second; after ``--before-s`` seconds ``--add`` more workers
-start and register, and the load goes on for ``--after-s`` seconds.
+All modes run at once, each on its own ports (so they share the machine's noise), each with a
+real redis-server, ``--workers`` reference workers (simulated engine, its default costs: 200 us
+per uncached prompt token, 5 us per cached one) that register in it, and a gateway on that
+store that samples prompts for warm-up (``--warmup-sample '*'``; ``cold`` runs it with
+``--no-warmup``). An open-loop chat + shared-system-prompt load
+(:func:`loadtest.workloads.chat_requests`, streaming) arrives at ``--rate`` requests per
+second; after ``--before-s`` seconds ``--add`` more workers start and register, and the load
+goes on for ``--after-s`` seconds.
 
 Reported per mode: token hit rate and TTFT (time to the first content token) p50/p99 in the
 ``--steady-s`` seconds before the change (steady state) and in the ``--window-s`` seconds after
@@ -39,8 +40,8 @@ from typing import Any
 
 import aiohttp
 
-from infra.local import stop_processes
-from loadtest.bench_gateway import free_port_block, percentile, start_server
+from infra.local import stop_processes, wait_healthy
+from loadtest.bench_gateway import free_port_block, percentile
 from loadtest.workloads import WorkloadSpec, chat_requests
 
 HOST = "127.0.0.1"
@@ -87,6 +88,7 @@ class ScaleConfig:
     window_s: float = 60.0
     cache_blocks: int = 2048
     tenants: int = 12
+    max_tokens: int = 4
     seed: int = 2024
     modes: tuple[str, ...] = ("warmup", "cold")
     worker_args: tuple[str, ...] = ()
@@ -101,6 +103,7 @@ class Sample:
     input_tokens: int
     matched_tokens: int
     worker: str
+    error: str = ""  # why it failed
 
 
 @dataclass(slots=True)
@@ -165,7 +168,7 @@ async def _one(http: aiohttp.ClientSession, gateway: str, body: dict[str, Any], 
                out: list[Sample]) -> None:
     sent = time.monotonic()
     first: float | None = None
-    ok, inp, matched, worker = False, 0, 0, ""
+    ok, inp, matched, worker, error = False, 0, 0, "", ""
     try:
         async with http.post(gateway + "/v1/chat/completions",
                              json={**body, "stream": True}) as r:
@@ -178,9 +181,12 @@ async def _one(http: aiohttp.ClientSession, gateway: str, body: dict[str, Any], 
                 if b'"error"' in line:
                     raise ValueError("error event")
             ok = r.status == 200 and first is not None
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        ok = False
-    out.append(Sample(sent - t0, (first or time.monotonic()) - sent, ok, inp, matched, worker))
+            if r.status != 200:
+                error = f"HTTP {r.status}"
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        ok, error = False, type(exc).__name__
+    out.append(Sample(sent - t0, (first or time.monotonic()) - sent, ok, inp, matched, worker,
+                      error))
 
 
 def _has_content(payload: bytes) -> bool:
@@ -190,6 +196,17 @@ def _has_content(payload: bytes) -> bool:
         return False
     choices = chunk.get("choices") or [{}]
     return bool((choices[0].get("delta") or {}).get("content"))
+
+
+async def start_server(cmd: Sequence[str], url: str, log_path: Path,
+                       procs: list[asyncio.subprocess.Process]) -> None:
+    """Start one server (output to ``log_path``) and wait until it answers /health (a slow,
+    shared machine may take a while to import everything)."""
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log)
+    procs.append(proc)
+    await wait_healthy(url, timeout_s=180.0)
 
 
 def _worker_cmd(port: int, redis: str, config: ScaleConfig) -> list[str]:
@@ -243,7 +260,7 @@ async def _until_workers(http: aiohttp.ClientSession, gateway: str, count: int) 
 async def _load(http: aiohttp.ClientSession, gateway: str, config: ScaleConfig,
                 result: ModeResult, procs: list[asyncio.subprocess.Process], redis: str,
                 base: int, logs: Path) -> None:
-    spec = WorkloadSpec(seed=config.seed, tenants=config.tenants, max_tokens=4)
+    spec = WorkloadSpec(seed=config.seed, tenants=config.tenants, max_tokens=config.max_tokens)
     total = int(config.rate * (config.before_s + config.after_s))
     bodies = list(chat_requests(spec, total))
     rng = random.Random(config.seed)
@@ -356,6 +373,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ScaleConfig, Path]:
     p.add_argument("--window-s", type=float, default=d.window_s)
     p.add_argument("--cache-blocks", type=int, default=d.cache_blocks)
     p.add_argument("--tenants", type=int, default=d.tenants)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--modes", default=",".join(d.modes), help="warmup, cold (comma list)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
@@ -368,16 +386,25 @@ def parse_args(argv: Sequence[str]) -> tuple[ScaleConfig, Path]:
     config = ScaleConfig(
         workers=a.workers, add=a.add, rate=a.rate, before_s=a.before_s, after_s=a.after_s,
         steady_s=a.steady_s, window_s=a.window_s, cache_blocks=a.cache_blocks,
-        tenants=a.tenants, seed=a.seed, modes=modes, worker_args=tuple(a.worker_arg),
+        tenants=a.tenants, max_tokens=a.max_tokens, seed=a.seed, modes=modes,
+        worker_args=tuple(a.worker_arg),
         gateway_args=tuple(a.gateway_arg))
     return config, a.out
 
 
 async def run(config: ScaleConfig, logs: Path) -> list[ModeResult]:
-    # Below the ephemeral range, so no client connection takes a port between the modes.
+    """Every mode at once, each on its own ports with the same seeded load: on a shared,
+    noisy machine they see the same noise, so their figures compare side by side."""
+    # Below the ephemeral range, so no client connection takes a port during the run.
     size = config.workers + config.add + 2
-    base = next(b for b in range(21000, 32000, 32) if _free(range(b, b + size)))
-    return [await run_mode(mode, config, base, logs) for mode in config.modes]
+    bases: list[int] = []
+    for b in range(21000, 32000, 32):
+        if len(bases) == len(config.modes):
+            break
+        if _free(range(b, b + size)):
+            bases.append(b)
+    pairs = zip(config.modes, bases, strict=True)
+    return list(await asyncio.gather(*(run_mode(m, config, b, logs) for m, b in pairs)))
 
 
 def _free(ports: range) -> bool:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from gateway.app import create_app as create_gateway
 from gateway.settings import GatewaySettings
+from infra.warming import follow
 from tests.conftest import FAST_WORKER, MODEL, RedisServer, free_port, serve
 from worker.server import create_app as create_worker
 
@@ -134,6 +135,13 @@ async def test_a_joining_worker_is_warmed_with_the_sampled_prompts(
             return False
         return not warmup or w["state"] == "serving"
 
+    if warmup:  # what `infra local scale --gateway URL` prints
+        lines: list[str] = []
+        new_id = new.removeprefix("http://")
+        assert await follow(fleet.gateway, [new_id], timeout_s=20, interval_s=0.05,
+                            out=lines.append)
+        assert lines[-1] == f"{new_id}: serving (warmed 3/3 prompts, " + lines[-1].split(
+            ", ", 1)[1]
     await until(settled)
     seen = (await fleet.workers())[new]
     if warmup:
