@@ -9,13 +9,15 @@ per uncached prompt token, 5 us per cached one) that register in it, and a gatew
 store that samples prompts for warm-up (``--warmup-sample '*'``; ``cold`` runs it with
 ``--no-warmup``). An open-loop chat + shared-system-prompt load
 (:func:`loadtest.workloads.chat_requests`, streaming) arrives at ``--rate`` requests per
-second; after ``--before-s`` seconds ``--add`` more workers start and register, and the load
-goes on for ``--after-s`` seconds.
+second; after ``--before-s`` seconds ``--add`` more workers join (they were started, idle and
+unregistered, before the load, so their Python start-up does not fall into the transition on
+a busy machine; they join by registering in the store as a worker does), and the load goes on
+for ``--after-s`` seconds.
 
 Reported per mode: token hit rate and TTFT (time to the first content token) p50/p99 in the
 ``--steady-s`` seconds before the change (steady state) and in the ``--window-s`` seconds after
 it, p99 after / p99 before, failed requests, and the seconds until the hit rate (over 10 s
-windows) is back within 1 point of the steady state. ``report.md``, ``report.json``,
+windows) is back within 1 point of the steady state for good. ``report.md``, ``report.json``,
 ``scale.png`` (hit rate and TTFT p99 over time per mode) and the raw samples go to ``--out``.
 
 A benchmark, not a test: figures depend on the machine; compare the modes side by side only.
@@ -40,9 +42,12 @@ from typing import Any
 
 import aiohttp
 
+from gateway.store.base import WorkerRecord
+from gateway.store.redis import RedisStore
 from infra.local import stop_processes, wait_healthy
 from loadtest.bench_gateway import free_port_block, percentile
 from loadtest.workloads import WorkloadSpec, chat_requests
+from worker.register import heartbeat
 
 HOST = "127.0.0.1"
 BUCKET_S = 5.0
@@ -122,34 +127,40 @@ def hit_rate(samples: Sequence[Sample]) -> float:
 
 
 def ttft(samples: Sequence[Sample], q: float) -> float:
+    """The ``q``-th percentile (0-100] of TTFT over the requests that succeeded."""
     values = [s.ttft_s for s in samples if s.ok]
     return percentile(values, q) if values else float("nan")
 
 
 def recovery_s(result: ModeResult, steady: float, end: float) -> float | None:
-    """Seconds from the change until a 10 s window's hit rate is within 1 point of steady."""
+    """Seconds from the change until the hit rate is back within 1 point of steady state for
+    good: the end of the last 10 s window (slid by 1 s) below that, 0 if there is none; None
+    if the last window of the run is still below it."""
+    last_below: float | None = None
     t = 0.0
     while t + RECOVERY_WINDOW_S <= end:
-        if hit_rate(result.window(t, t + RECOVERY_WINDOW_S)) >= steady - 0.01:
-            return t
+        if hit_rate(result.window(t, t + RECOVERY_WINDOW_S)) < steady - 0.01:
+            last_below = t + RECOVERY_WINDOW_S
         t += 1.0
-    return None
+    if last_below is None:
+        return 0.0
+    return None if last_below > end - 1.0 else last_below
 
 
 def summarize(result: ModeResult, config: ScaleConfig) -> dict[str, Any]:
     steady = result.window(-config.steady_s, 0.0)
     after = result.window(0.0, config.window_s)
     steady_hit = hit_rate(steady)
-    p99_before, p99_after = ttft(steady, 0.99), ttft(after, 0.99)
+    p99_before, p99_after = ttft(steady, 99), ttft(after, 99)
     return {
         "mode": result.mode,
         "requests": len(result.samples),
         "failed": sum(1 for s in result.samples if not s.ok),
         "steady_hit_rate": steady_hit,
-        "steady_ttft_p50_ms": 1000 * ttft(steady, 0.5),
+        "steady_ttft_p50_ms": 1000 * ttft(steady, 50),
         "steady_ttft_p99_ms": 1000 * p99_before,
         "after_hit_rate": hit_rate(after),
-        "after_ttft_p50_ms": 1000 * ttft(after, 0.5),
+        "after_ttft_p50_ms": 1000 * ttft(after, 50),
         "after_ttft_p99_ms": 1000 * p99_after,
         "p99_ratio": p99_after / p99_before if p99_before > 0 else float("nan"),
         "new_worker_requests": sum(
@@ -178,15 +189,24 @@ async def _one(http: aiohttp.ClientSession, gateway: str, body: dict[str, Any], 
             async for line in r.content:
                 if first is None and line.startswith(b"data: {") and _has_content(line[6:]):
                     first = time.monotonic()
-                if b'"error"' in line:
-                    raise ValueError("error event")
+                if line.startswith(b"data: {") and _error_of(line[6:]):
+                    raise ValueError(_error_of(line[6:]))
             ok = r.status == 200 and first is not None
             if r.status != 200:
                 error = f"HTTP {r.status}"
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        ok, error = False, type(exc).__name__
+        ok, error = False, f"{type(exc).__name__}: {exc}"[:200]
     out.append(Sample(sent - t0, (first or time.monotonic()) - sent, ok, inp, matched, worker,
                       error))
+
+
+def _error_of(payload: bytes) -> str:
+    try:
+        chunk = json.loads(payload)
+    except ValueError:
+        return ""
+    error = chunk.get("error") if isinstance(chunk, dict) else None
+    return str(error.get("message") or error) if error else ""
 
 
 def _has_content(payload: bytes) -> bool:
@@ -210,10 +230,12 @@ async def start_server(cmd: Sequence[str], url: str, log_path: Path,
 
 
 def _worker_cmd(port: int, redis: str, config: ScaleConfig) -> list[str]:
+    """A worker that registers itself (``redis``), or not (empty: the bench registers it)."""
     url = f"http://{HOST}:{port}"
-    return [sys.executable, "-m", "worker", "--host", HOST, "--port", str(port),
-            "--store", redis, "--public-url", url, "--cache-blocks", str(config.cache_blocks),
-            "--heartbeat-s", "0.5", "--registry-ttl-s", "3", *config.worker_args]
+    store = ["--store", redis, "--public-url", url, "--heartbeat-s", "0.5",
+             "--registry-ttl-s", "3"] if redis else []
+    return [sys.executable, "-m", "worker", "--host", HOST, "--port", str(port), *store,
+            "--cache-blocks", str(config.cache_blocks), *config.worker_args]
 
 
 async def run_mode(mode: str, config: ScaleConfig, base: int, logs: Path) -> ModeResult:
@@ -222,10 +244,12 @@ async def run_mode(mode: str, config: ScaleConfig, base: int, logs: Path) -> Mod
     procs: list[asyncio.subprocess.Process] = []
     result = ModeResult(mode)
     try:
+        # The workers that join later start now, unregistered: their Python start-up must not
+        # fall into the transition window of a busy machine. They join by registering.
         await asyncio.gather(*(
-            start_server(_worker_cmd(base + i, redis.url, config), f"http://{HOST}:{base + i}",
-                         logs / f"{mode}-worker{i}.log", procs)
-            for i in range(config.workers)))
+            start_server(_worker_cmd(base + i, redis.url if i < config.workers else "", config),
+                         f"http://{HOST}:{base + i}", logs / f"{mode}-worker{i}.log", procs)
+            for i in range(config.workers + config.add)))
         gport = base + config.workers + config.add
         gateway = f"http://{HOST}:{gport}"
         gcmd = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(gport),
@@ -279,16 +303,30 @@ async def _load(http: aiohttp.ClientSession, gateway: str, config: ScaleConfig,
         tasks.append(asyncio.create_task(_one(http, gateway, body, t0, result.samples)))
     await asyncio.gather(*tasks)
     if scaled is not None:
-        await scaled
+        scaled.cancel()
+        await asyncio.gather(scaled, return_exceptions=True)
     result.samples.sort(key=lambda s: s.t)
 
 
 async def _scale(config: ScaleConfig, procs: list[asyncio.subprocess.Process], redis: str,
                  base: int, logs: Path, mode: str) -> None:
-    await asyncio.gather(*(
-        start_server(_worker_cmd(base + i, redis, config), f"http://{HOST}:{base + i}",
-                     logs / f"{mode}-worker{i}.log", procs)
-        for i in range(config.workers, config.workers + config.add)))
+    """The extra workers join: registered in the store as a worker registers itself, with
+    heartbeats until the run ends."""
+    store = RedisStore(redis)
+    await store.start()
+    beats = []
+    try:
+        for i in range(config.workers, config.workers + config.add):
+            record = WorkerRecord(id=f"{HOST}:{base + i}", url=f"http://{HOST}:{base + i}",
+                                  models=("sim-model",), capacity_blocks=config.cache_blocks)
+            await store.register_worker(record, ttl_s=3.0)
+            beats.append(asyncio.create_task(heartbeat(store, record, 0.5, 3.0)))
+        await asyncio.sleep(config.after_s + 5)
+    finally:
+        for beat in beats:
+            beat.cancel()
+        await asyncio.gather(*beats, return_exceptions=True)
+        await store.close()
 
 
 def buckets(result: ModeResult, config: ScaleConfig) -> list[dict[str, float]]:
@@ -298,8 +336,8 @@ def buckets(result: ModeResult, config: ScaleConfig) -> list[dict[str, float]]:
         chunk = result.window(t, t + BUCKET_S)
         if chunk:
             out.append({"t": t + BUCKET_S / 2, "hit_rate": hit_rate(chunk),
-                        "ttft_p99_ms": 1000 * ttft(chunk, 0.99),
-                        "ttft_p50_ms": 1000 * ttft(chunk, 0.5)})
+                        "ttft_p99_ms": 1000 * ttft(chunk, 99),
+                        "ttft_p50_ms": 1000 * ttft(chunk, 50)})
         t += BUCKET_S
     return out
 
