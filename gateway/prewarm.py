@@ -3,8 +3,9 @@
 The routing policy spreads a hot prefix (many recent requests share it) once its holder is over
 its load bound: the next request goes to the next worker on the anchor's ring walk, which
 prefills the whole prefix on the critical path. The pre-warmer watches the same quantities right
-after each decision: when the chosen worker held the prefix, the prefix is hot, and the holder's
-load with this request has reached ``fraction`` of its bound, the spread is imminent; it then
+after each decision: when the chosen worker held the prefix, the prefix is hot, the holder has
+at least ``min_holder_requests`` in flight and its load with this request has reached
+``fraction`` of its bound, the spread is imminent; it then
 replays this request as a prefill-only request (``max_tokens`` 1, the same body and namespace)
 on the first worker of the ring walk that does not hold the prefix, and records it there. When
 the spread happens, the new holder answers from its cache.
@@ -38,6 +39,10 @@ class PrewarmOptions:
     fraction: float = 0.8  # of the holder's load bound at which the spread is imminent
     cooldown_s: float = 10.0
     max_inflight: int = 4
+    # The holder must really be busy: with the bound's floor (one request's worth) a holder
+    # serving a single request already sits at its bound, and an engine scrape can show a
+    # request that has just finished; neither means the next request will be spread.
+    min_holder_requests: int = 2
 
 
 class PreWarmer:
@@ -62,6 +67,8 @@ class PreWarmer:
             return
         blocks = request.key.blocks
         if self.index.heat(blocks[depth - 1]) < opts.hot_threshold:
+            return
+        if decision.worker.inflight_requests < opts.min_holder_requests:
             return
         load = decision.worker.inflight_tokens + request.cost_tokens
         if load < opts.fraction * (decision.load_bound + request.cost_tokens):

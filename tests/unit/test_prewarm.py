@@ -29,14 +29,16 @@ def setup(heat: int) -> tuple[WorkerPool, PrefixIndex, RouteRequest, str]:
     return pool, index, request, holder
 
 
-def decision(pool: WorkerPool, holder: str, depth: int, inflight: int, bound: float) -> Decision:
+def decision(pool: WorkerPool, holder: str, depth: int, inflight: int, bound: float,
+             requests: int) -> Decision:
     view = pool.snapshot().by_id[holder]  # type: ignore[index]
-    view = type(view)(view.worker, True, 1, inflight)
+    view = type(view)(view.worker, True, requests, inflight)
     return Decision(worker=view, policy="cache_aware", reason="prefix_hit", match_blocks=depth,
                     load_bound=bound)
 
 
-async def run(heat: int, inflight: int, depth: int | None = None, calls: int = 1) -> list[str]:
+async def run(heat: int, inflight: int, depth: int | None = None, calls: int = 1,
+              requests: int = 3) -> list[str]:
     pool, index, request, holder = setup(heat)
     placed: list[str] = []
 
@@ -48,7 +50,7 @@ async def run(heat: int, inflight: int, depth: int | None = None, calls: int = 1
     warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
     d = len(request.key.blocks) if depth is None else depth
     for _ in range(calls):
-        warmer.after_route(decision(pool, holder, d, inflight, bound=1000.0), request,
+        warmer.after_route(decision(pool, holder, d, inflight, 1000.0, requests), request,
                            "/v1/completions", {"model": "m", "prompt": TEXT}, "")
         await asyncio.sleep(0)
     await asyncio.sleep(0.01)
@@ -65,3 +67,4 @@ async def test_cool_prefix_or_low_load_or_a_miss_is_left_alone() -> None:
     assert await run(heat=3, inflight=900) == []
     assert await run(heat=10, inflight=100) == []
     assert await run(heat=10, inflight=900, depth=0) == []
+    assert await run(heat=10, inflight=900, requests=1) == []  # one request: at the floor
