@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint typecheck redis clean
+.PHONY: serve test lint typecheck redis browser clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0 || echo "torch unavailable: torch tests will skip"
 	touch $(STAMP)
 
+# make serve PORT=9000 WORKERS=2 CONFIG=gateway.toml: the gateway on PORT, workers from PORT+1.
+PORT    ?= 8000
+WORKERS ?= 4
+CONFIG  ?=
+
 serve: $(STAMP)
-	$(PY) -m infra local serve --workers 4
+	$(PY) -m infra local serve --workers $(WORKERS) --port $(PORT) \
+	  --worker-base-port $(shell expr $(PORT) + 1) $(if $(CONFIG),--gateway-config $(CONFIG))
 
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -27,13 +33,22 @@ redis:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server missing and not root: Redis tests will be skipped"; fi; }
 
+# Headless Chromium and its driver for the status page's browser test (Debian packages).
+browser:
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing chromium and chromium-driver (Debian packages)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else echo "chromium missing and not root: the browser test will be skipped"; fi; }
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: $(STAMP) redis lint typecheck
+test: $(STAMP) redis browser lint typecheck
 	$(VENV)/bin/pytest -q
 
 clean:

@@ -12,6 +12,7 @@ from aiohttp import web
 from gateway.app import create_app
 from gateway.procs import run_supervisor, watch_parent
 from gateway.settings import GatewaySettings, parse_settings
+from gateway.telemetry import access_log
 
 
 def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m gateway: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    access_log.configure_stream()  # access lines bare on stdout, one per request
     if not settings.worker and settings.store.startswith("memory://"):
         print(
             "python -m gateway: give at least one --worker URL, or a --store redis://... "

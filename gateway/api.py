@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.errors import ModelNotFound, NoWorkerAvailable
 from gateway.fingerprint import Namespace, fingerprint
+from gateway.misses import prompt_head_hash
 from gateway.normalize import NormalizeOptions
 from gateway.openai_schema import (
     ParsedRequest,
@@ -24,6 +25,7 @@ from gateway.proxy import TENANT_KEY, dispatch
 from gateway.routing.types import RouteRequest
 from gateway.state import GatewayState
 from gateway.store.base import StoreUnavailable
+from gateway.telemetry.middleware import record_of
 from gateway.warmup import WarmupStatus
 from gateway.warmup_sources import WarmPrompt
 
@@ -41,11 +43,13 @@ def tenant_of(request: web.Request) -> str:
     return ""
 
 
-async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamResponse:
+async def prepare(
+    request: web.Request, body: dict[str, Any], parse: Parser, path: str
+) -> tuple[ParsedRequest, RouteRequest]:
+    """Validate a completion request and build what routing needs (raises 4xx errors)."""
     state = request.app[STATE]
     settings = state.settings
-    raw = await request.read()
-    parsed = parse(decode_json_object(raw), settings.normalize_options())
+    parsed = parse(body, settings.normalize_options())
     models = state.pool.models()
     if parsed.model not in models:
         if not state.pool.any_healthy():
@@ -81,6 +85,22 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
         text = "" if tokenized is not None else parsed.fingerprint_text
         state.warmup.observe(WarmPrompt(path, parsed.body, tenant, parsed.model, key,
                                         text=text, cache_salt=parsed.cache_salt))
+    return parsed, route_request
+
+
+async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamResponse:
+    state = request.app[STATE]
+    settings = state.settings
+    raw = await request.read()
+    body = decode_json_object(raw)
+    parsed, route_request = await prepare(request, body, parse, path)
+    record_of(request).parsed(
+        tenant=request[TENANT_KEY], model=parsed.model, stream=body.get("stream") is True,
+        text_hash=prompt_head_hash(parsed.fingerprint_text, settings.block_chars
+                                   * settings.anchor_blocks),
+        namespace=Namespace(tenant=request[TENANT_KEY], model=parsed.model,
+                            cache_salt=parsed.cache_salt).seed(),
+    )
     return await dispatch(state, request, path, forwarded_body(parsed, raw), route_request)
 
 
@@ -102,6 +122,15 @@ async def list_models(request: web.Request) -> web.Response:
                 for m in models
             ],
         }
+    )
+
+
+async def get_model(request: web.Request) -> web.Response:
+    model = request.match_info["model"]
+    if model not in request.app[STATE].pool.models():
+        raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+    return web.json_response(
+        {"id": model, "object": "model", "created": 0, "owned_by": "affinity-gateway"}
     )
 
 
@@ -211,6 +240,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

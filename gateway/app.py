@@ -9,8 +9,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
+from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import Histogram
 
+from gateway import explain, ui
 from gateway.api import STATE, add_routes
 from gateway.backends.base import CACHE_CAPACITY_TOKENS, Backend, WorkerProbe
 from gateway.backends.openai_http import OpenAIHTTPBackend
@@ -41,6 +43,15 @@ from gateway.store.memory import MemoryStore
 from gateway.store.redis import RedisStore
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
+from gateway.telemetry.access_log import AccessLog
+from gateway.telemetry.middleware import (
+    TELEMETRY_KEY,
+    add_request_id,
+    note_error,
+    telemetry_middleware,
+)
+from gateway.telemetry.record import Telemetry
+from gateway.telemetry.tracing import Tracing
 from gateway.warmup import WarmupManager, WarmupOptions
 from gateway.warmup_sources import PromptSample, WarmPrompt, load_warmup_file
 
@@ -75,16 +86,18 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except GatewayError as exc:
-        return _error_response(exc)
+        error = exc
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error_response(_from_http_exception(exc))
+        error = _from_http_exception(exc)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unexpected error serving %s %s", request.method, request.path)
-        return _error_response(GatewayError("internal error in the gateway"))
+        error = GatewayError("internal error in the gateway")
+    note_error(request, error.code or error.type)
+    return _error_response(error)
 
 
 async def _probe(state: GatewayState, worker: Worker) -> WorkerProbe:
@@ -95,10 +108,15 @@ async def _probe(state: GatewayState, worker: Worker) -> WorkerProbe:
     return await backend.probe(worker)
 
 
-async def _probe_all(state: GatewayState) -> None:
+async def _probe_all(state: GatewayState, telemetry: Telemetry) -> None:
     workers = state.pool.states()
     probes = await asyncio.gather(*(_probe(state, s.worker) for s in workers))
     for s, probe in zip(workers, probes, strict=True):
+        queries = probe.metrics.get("vllm:prefix_cache_queries_total")
+        if telemetry.misses.probed(s.worker.id, queries):
+            log.warning("worker %s restarted (its cache counters went back); its cache is "
+                        "cold", s.worker.id)
+            state.index.forget_worker(s.worker.id)
         if probe.healthy:
             state.pool.mark_up(s.worker.id, probe.models, probe.metrics)
             if state.pool.set_versions(s.worker.id, probe.versions):
@@ -111,26 +129,28 @@ async def _probe_all(state: GatewayState) -> None:
             state.pool.mark_down(s.worker.id, probe.error)
 
 
-async def _health_loop(state: GatewayState) -> None:
+async def _health_loop(state: GatewayState, telemetry: Telemetry) -> None:
     while True:
         await asyncio.sleep(state.settings.health_interval_s)
         try:
-            await _probe_all(state)
+            await _probe_all(state, telemetry)
         except Exception:
             log.exception("health check round failed")
 
 
-def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator[None]]:
+def _resources(
+    state: GatewayState, telemetry: Telemetry
+) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         for backend in state.backends.values():
             await backend.start()
         await state.store.start()
         await state.sync.start()
-        await _probe_all(state)
+        await _probe_all(state, telemetry)
         await state.exact.start(state.pool)
         state.warmup.start()
         tasks = [
-            asyncio.create_task(_health_loop(state), name="gateway-health"),
+            asyncio.create_task(_health_loop(state, telemetry), name="gateway-health"),
             asyncio.create_task(state.rebalancer.run(), name="gateway-rebalance"),
         ]
         try:
@@ -149,6 +169,7 @@ def _resources(state: GatewayState) -> Callable[[web.Application], AsyncIterator
             await state.store.close()
             for backend in state.backends.values():
                 await backend.close()
+            await telemetry.tracing.shutdown()
 
     return ctx
 
@@ -184,7 +205,7 @@ def build_exact_source(settings: GatewaySettings, metrics: GatewayMetrics) -> Ex
         tokenizer = PromptTokenizer(opts, observe=seconds.observe)
     return ExactSource(
         tokenizer, max_blocks=settings.kv_events_max_blocks,
-        pending_ttl_s=settings.kv_pending_ttl_s,
+        pending_ttl_s=settings.kv_pending_ttl_s, min_match_blocks=settings.min_match_blocks,
     )
 
 
@@ -195,8 +216,11 @@ def _warmup_prompts(settings: GatewaySettings) -> list[WarmPrompt]:
                             fingerprint_options=settings.fingerprint_options())
 
 
-def create_app(settings: GatewaySettings) -> web.Application:
-    """The gateway application; raises ``ValueError`` for a bad ``--warmup-file``."""
+def create_app(
+    settings: GatewaySettings, *, span_exporter: SpanExporter | None = None
+) -> web.Application:
+    """The gateway. ``span_exporter``: export spans there as they end (tests), whatever
+    ``settings.otel_endpoint`` says. Raises ``ValueError`` for a bad ``--warmup-file``."""
     index = PrefixIndex(capacity=settings.index_capacity, ttl_s=settings.index_ttl_s)
     pool = WorkerPool(settings.worker, index)
     metrics = GatewayMetrics(pool)
@@ -257,11 +281,22 @@ def create_app(settings: GatewaySettings) -> web.Application:
             fraction=settings.prewarm_fraction,
         )),
     )
+    state.metrics.watch_store(lambda: state.sync.health.available,
+                              lambda: state.sync.health.outages)
+    telemetry = Telemetry(
+        metrics=state.metrics,
+        tracing=Tracing.build(settings.tracing_options(), span_exporter),
+        access_log=AccessLog(settings.access_log),
+    )
     app = web.Application(
-        middlewares=[cancel_on_disconnect(), error_middleware],
+        middlewares=[telemetry_middleware, cancel_on_disconnect(), error_middleware],
         client_max_size=settings.max_body_bytes,
     )
     app[STATE] = state
-    app.cleanup_ctx.append(_resources(state))
+    app[TELEMETRY_KEY] = telemetry
+    app.on_response_prepare.append(add_request_id)
+    app.cleanup_ctx.append(_resources(state, telemetry))
     add_routes(app)
+    explain.add_routes(app)
+    ui.add_routes(app)
     return app

@@ -3,7 +3,9 @@
 Both servers (``python -m gateway`` and ``python -m worker``) describe their settings as a frozen
 dataclass whose fields carry ``help`` metadata. :func:`load_settings` turns that dataclass into an
 ``argparse`` parser, reads ``<PREFIX><FIELD>`` environment variables as defaults, and parses once.
-Precedence: command-line flag > environment variable > dataclass default.
+Precedence: command-line flag > environment variable > config file > dataclass default. The
+config file is TOML with the same keys (``--config FILE`` or ``<PREFIX>CONFIG``; see
+:mod:`gateway.config_file`).
 
 Supported field types: ``str``, ``int``, ``float``, ``bool`` (``--flag`` / ``--no-flag``) and
 ``tuple[str, ...]`` (repeatable flag; comma-separated in the environment).
@@ -17,6 +19,8 @@ import os
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
+
+from gateway import config_file
 
 T = TypeVar("T")
 
@@ -66,12 +70,26 @@ def load_settings(
         raise TypeError(f"{cls!r} is not a dataclass")
     env = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
+    config_env = env_prefix + "CONFIG"
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    config_path = known.config or env.get(config_env, "").strip()
+    try:
+        from_file = config_file.read(config_path, cls) if config_path else {}
+    except config_file.ConfigFileError as exc:
+        raise SettingsError(str(exc)) from exc
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
         epilog=f"Every option can also be set as an environment variable {env_prefix}<NAME>, "
-        f"for example {env_prefix}PORT=8000.",
+        f"for example {env_prefix}PORT=8000, or as a key of the --config file. Precedence: "
+        "flag > environment > file > default.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", metavar="FILE", default=None,
+        help=f"TOML file with settings, same keys as the flags [env {config_env}]",
     )
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
@@ -82,6 +100,8 @@ def load_settings(
         factory: Any = field.default_factory
         if default is dataclasses.MISSING and factory is not dataclasses.MISSING:
             default = factory()
+        if field.name in from_file:
+            default = from_file[field.name]
         if env.get(env_name, "").strip():  # an empty variable leaves the default
             default = _from_env(env[env_name], kind, env_name)
         help_text = str(field.metadata.get("help", "")) + f" [env {env_name}]"

@@ -23,10 +23,12 @@ from aiohttp import web
 from gateway.backends.base import BackendUnavailable, UpstreamReply
 from gateway.backends.openai_http import NAMESPACE_HEADER
 from gateway.errors import NoWorkerAvailable, UpstreamError
+from gateway.kvevents.index import ExactMatcher
 from gateway.routing.types import Decision, NoCandidates, RouteRequest, Snapshot
 from gateway.state import GatewayState
 from gateway.store.base import CacheReport
 from gateway.telemetry import reason_kind
+from gateway.telemetry.middleware import record_of
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,9 @@ CACHE_HEADERS = (
 _USAGE_TAIL_BYTES = 8192
 _FIRST_BACKOFF_S = 0.05  # before retrying elsewhere after a 429/503; doubles, jittered
 _MAX_BACKOFF_S = 1.0
-_RELAYED_HEADERS = ("Content-Type", "x-request-id", *CACHE_HEADERS)
+_RELAYED_HEADERS = ("Content-Type", *CACHE_HEADERS)
+# Our worker's boot id: a new value means it restarted with a cold cache.
+WORKER_BOOT_HEADER = "x-worker-boot-id"
 
 
 def route_headers(decision: Decision, request: RouteRequest) -> dict[str, str]:
@@ -82,8 +86,8 @@ async def dispatch(
     pool = state.pool
     excluded: set[str] = set()
     problems: list[str] = []
-    forward = {"x-request-id": http_request.headers.get("x-request-id", "")}
-    forward = {k: v for k, v in forward.items() if v}
+    observed = record_of(http_request)  # telemetry; it adds the request id and trace context
+    forward: dict[str, str] = {}
     # A routing hint for backends that can use it (SageMaker: PrefixAwareId, sessions).
     forward["x-prefix-anchor"] = route_request.key.anchor_hex
     # The tenant's cache namespace: our worker keys its cache by it, vLLM gets it as cache_salt.
@@ -105,7 +109,9 @@ async def dispatch(
             break
         wid = decision.worker_id
         predicted = predicted_tokens(snapshot, route_request, decision)
-        if state.engine.profile.uses_prefix_index:
+        uses_index = state.engine.profile.uses_prefix_index
+        observed.decided(decision, route_request, snapshot.index if uses_index else None, started)
+        if uses_index:
             state.index.record(route_request.key.blocks, wid)
             state.sync.assigned(route_request.key.blocks, wid)
             state.exact.sent(wid, route_request.key.blocks, now)
@@ -116,8 +122,10 @@ async def dispatch(
         try:
             try:
                 worker = decision.worker.worker
-                reply = await state.backend_for(worker).open(worker, path, body, forward)
+                reply = await state.backend_for(worker).open(
+                    worker, path, body, observed.upstream_headers(forward))
             except BackendUnavailable as exc:
+                observed.upstream_done(None, str(exc))
                 pool.mark_down(wid, str(exc))
                 problems.append(f"{wid}: {exc}")
             else:
@@ -127,6 +135,8 @@ async def dispatch(
                         return await _relay_stream(
                             state, http_request, reply, decision, route_request, predicted)
                     payload = await _read_whole(reply)
+                    observed.upstream_done(reply.status if payload is not None else None,
+                                           "" if payload is not None else "broke off")
                     if payload is not None:
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
                         return _respond_whole(
@@ -137,6 +147,7 @@ async def dispatch(
                     problems.append(f"{wid}: broke off its reply")
                 else:
                     detail = ((await _read_whole(reply)) or b"")[:200].decode("utf-8", "replace")
+                    observed.upstream_done(reply.status)
                     problems.append(f"{wid}: HTTP {reply.status} {detail}")
                     if reply.status in (429, 503):
                         backoff_s = min(max(2 * backoff_s, _FIRST_BACKOFF_S), _MAX_BACKOFF_S)
@@ -182,11 +193,20 @@ def stats_from_usage(payload: bytes) -> tuple[int, int] | None:
 
 def predicted_tokens(snapshot: Snapshot, request: RouteRequest, decision: Decision) -> int | None:
     """Prompt tokens the chosen worker should find cached: with token-exact keys, the leading
-    blocks its index source says it holds (not floored by the policy's minimum match); None
-    with character keys, whose prediction is scaled from the reply (:func:`report_cache`)."""
+    blocks its index source says it holds (not floored by the policy's minimum match; for vLLM
+    never the whole prompt); None with character keys, whose prediction is scaled from the
+    reply (:func:`report_cache`)."""
     if not request.block_tokens:
         return None
-    depth = snapshot.index.match(request.key.blocks).get(decision.worker_id, 0)
+    index, wid = snapshot.index, decision.worker_id
+    if isinstance(index, ExactMatcher):
+        depth = index.held(wid, request.key.blocks)
+    else:
+        depth = index.match(request.key.blocks).get(wid, 0)
+    if decision.worker.worker.kind == "vllm":
+        # vLLM computes at least the last prompt token: a fully cached prompt reports one
+        # block less.
+        depth = min(depth, max(0, request.prompt_tokens - 1) // request.block_tokens)
     return depth * request.block_tokens
 
 
@@ -197,11 +217,14 @@ def report_cache(
     route_request: RouteRequest,
     stats: tuple[int, int] | None,
     predicted: int | None = None,
+    reply: UpstreamReply | None = None,
 ) -> None:
     """Count what the worker reused, against what the index predicted it would."""
     if stats is None:
         return  # this worker reports nothing we can read
     input_tokens, matched = stats
+    boot_id = reply.headers.get(WORKER_BOOT_HEADER, "") if reply is not None else ""
+    record_of(http_request).cache_reported(input_tokens, matched, boot_id)
     state.pool.record_cache_stats(decision.worker_id, input_tokens, matched)
     if predicted is None:
         blocks = len(route_request.key.blocks)
@@ -252,7 +275,7 @@ def _respond_whole(
     stats = stats_from_headers(reply)
     if stats is None and reply.status == 200:
         stats = stats_from_usage(payload)
-    report_cache(state, http_request, decision, route_request, stats, predicted)
+    report_cache(state, http_request, decision, route_request, stats, predicted, reply)
     return web.Response(
         body=payload, status=reply.status,
         headers=_client_headers(decision, route_request, reply),
@@ -271,14 +294,18 @@ async def _relay_stream(
     stats = stats_from_headers(reply)
     response = web.StreamResponse(status=reply.status, headers=headers)
     tail = b""  # the end of the stream, where a final usage chunk sits
+    observed = record_of(http_request)
+    broke_off = ""
     try:
         # Inside the try: if the client is already gone, the upstream reply is still released.
         await response.prepare(http_request)
         async for chunk in _upstream_chunks(reply, decision.worker_id):
+            observed.first_byte()
             await response.write(chunk)
             if stats is None:
                 tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
     except _UpstreamBrokeOff as exc:
+        broke_off = f"broke off: {exc}"
         error = {
             "error": {
                 "message": f"the worker {decision.worker_id} broke off the stream: {exc}",
@@ -291,8 +318,11 @@ async def _relay_stream(
     finally:
         # A reply not read to its end closes its connection: the worker sees its client leave.
         reply.release()
+    observed.upstream_done(reply.status, broke_off)
+    # A usage event the backend held back from the client (it asked for it on our behalf).
+    tail += getattr(reply, "withheld", b"")
     report_cache(state, http_request, decision, route_request, stats or stats_from_usage(tail),
-                 predicted)
+                 predicted, reply)
     await response.write_eof()
     return response
 

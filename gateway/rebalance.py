@@ -3,13 +3,20 @@
 One replica leads at a time (a lease in the store; the embedded store always leads). Each round
 it compares the shared hit counters with the previous round's and decides:
 
-* **misprediction**: the index said "held" and the worker answered "miss" for a large share of
-  a worker's predicted hits. The index overestimates what that worker keeps, so its modelled
-  capacity shrinks (its least recently used entries are dropped); a later round with no miss
-  grows it back towards the registered size.
-* **thrashing**: a worker's hit rate collapsed against the previous round while the index holds
-  at least as many of its prefixes as before. It sheds its least valuable prefixes (least
-  recently used) so they go cold and are re-placed by the ring walk on its successors.
+* **misprediction**: the index said "held" and the worker answered "miss" for more than
+  ``mispredict_ratio`` of a worker's responses in the round. The index overestimates what that
+  worker keeps (it restarted or flushed unnoticed, or reports a cache larger than it has), so
+  its modelled capacity shrinks, by the share that missed (at least ``1 - shrink_factor``, at
+  most ``max_shrink``), dropping its least recently used entries. After ``grow_after_rounds``
+  rounds in a row with no miss it grows back towards the registered size by ``grow_factor``
+  per round: slowly, so a worker that really holds less stays near its real size instead of
+  swinging back and missing again. A worker reporting twice its real size is so brought to
+  its real size in a few rounds.
+* **thrashing**: a worker's hit rate collapsed against the previous round (below
+  ``collapse_ratio`` of it *and* by at least ``min_collapse_drop``, so the noise of a low hit
+  rate does not count) while the index holds at least as many of its prefixes as before. It
+  sheds its least valuable prefixes (least recently used) so they go cold and are re-placed by
+  the ring walk on its successors.
 
 Ring weights that follow capacity are not decided here: every replica derives them from the
 registry the same way (:mod:`gateway.sync`), so they agree without coordination.
@@ -38,10 +45,14 @@ ACTION_LOG_SIZE = 200
 @dataclass(frozen=True, slots=True)
 class RebalanceOptions:
     interval_s: float = 5.0
-    min_predictions: int = 20  # predicted hits in a round before mispredictions count
-    mispredict_ratio: float = 0.3  # share of predicted hits that missed
-    shrink_factor: float = 0.8  # modelled capacity kept after a misprediction round
+    min_predictions: int = 20  # responses in a round before mispredictions count
+    mispredict_ratio: float = 0.1  # share of a round's responses that missed a predicted hit
+    shrink_factor: float = 0.8  # modelled capacity kept after a misprediction round, at most
+    max_shrink: float = 0.5  # ... and at least this share of it
     collapse_ratio: float = 0.5  # hit rate below this fraction of the previous round's
+    min_collapse_drop: float = 0.15  # ... and this much lower in absolute terms
+    grow_after_rounds: int = 3  # rounds in a row without a miss before the capacity grows
+    grow_factor: float = 1.05  # modelled capacity growth per round after that
     min_requests: int = 20
     shed_fraction: float = 0.25
 
@@ -58,6 +69,7 @@ class Rebalancer:
     _previous: dict[str, HitCounters] = field(default_factory=dict)
     _last_rate: dict[str, float] = field(default_factory=dict)
     _last_held: dict[str, int] = field(default_factory=dict)
+    _clean_rounds: dict[str, int] = field(default_factory=dict)
     _applied: set[str] = field(default_factory=set)
 
     async def run(self) -> None:
@@ -105,10 +117,13 @@ class Rebalancer:
             held = self.index.held_blocks(wid)
             rate = d_hit / d_in if d_in > 0 else 0.0
             seq = f"{self.origin}:{self.rounds}:{wid}"
+            clean = d_pred > 0 and d_req >= opts.min_predictions and d_miss == 0
+            self._clean_rounds[wid] = self._clean_rounds.get(wid, 0) + 1 if clean else 0
             if d_pred > 0 and d_req >= opts.min_predictions and d_miss / d_req > (
                 opts.mispredict_ratio
             ):
-                keep = max(1, int(held * opts.shrink_factor))
+                kept = max(opts.max_shrink, min(opts.shrink_factor, 1.0 - d_miss / d_req))
+                keep = max(1, int(held * kept))
                 actions.append({
                     "id": seq + ":shrink", "at": now, "action": "shrink_capacity",
                     "worker": wid, "blocks": keep,
@@ -116,11 +131,11 @@ class Rebalancer:
                               f"modelled capacity {held} -> {keep} blocks",
                 })
             elif (
-                d_pred > 0 and d_req >= opts.min_predictions and d_miss == 0
+                self._clean_rounds[wid] >= opts.grow_after_rounds
                 and self.index.capacity(wid) < self.pool.get(wid).capacity_blocks
             ):
                 grown = min(self.pool.get(wid).capacity_blocks,
-                            int(self.index.capacity(wid) / opts.shrink_factor) + 1)
+                            int(self.index.capacity(wid) * opts.grow_factor) + 1)
                 actions.append({
                     "id": seq + ":grow", "at": now, "action": "shrink_capacity",
                     "worker": wid, "blocks": grown,
@@ -131,6 +146,7 @@ class Rebalancer:
                 d_req >= opts.min_requests
                 and wid in self._last_rate
                 and rate < opts.collapse_ratio * self._last_rate[wid]
+                and rate < self._last_rate[wid] - opts.min_collapse_drop
                 and held >= self._last_held.get(wid, 0) > 0
             ):
                 actions.append({

@@ -12,6 +12,8 @@ from gateway.fingerprint import FingerprintOptions
 from gateway.kvevents.tokenize import TokenizerOptions
 from gateway.normalize import NormalizeOptions
 from gateway.routing.policies import POLICY_NAMES, PolicyOptions
+from gateway.telemetry.access_log import ACCESS_LOG_MODES
+from gateway.telemetry.tracing import PROTOCOLS, TracingOptions
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
@@ -207,6 +209,24 @@ class GatewaySettings:
     event_loop: str = field(
         default="auto", metadata=_help("event loop: auto (uvloop when installed), uvloop, asyncio")
     )
+    access_log: str = field(
+        default="json", metadata=_help(f"one line per request: {', '.join(ACCESS_LOG_MODES)}")
+    )
+    otel_endpoint: str = field(
+        default="", metadata=_help("OpenTelemetry: OTLP endpoint to export traces to, e.g. "
+                                   "http://collector:4318 (http) or http://collector:4317 "
+                                   "(grpc); empty: tracing off")
+    )
+    otel_protocol: str = field(
+        default="http", metadata=_help(f"OTLP protocol: {', '.join(PROTOCOLS)}")
+    )
+    otel_sample_ratio: float = field(
+        default=1.0, metadata=_help("share of new traces sampled, 0-1 (a sampled caller's "
+                                    "trace is always followed)")
+    )
+    otel_service_name: str = field(
+        default="affinity-gateway", metadata=_help("service.name of the exported spans")
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -231,6 +251,10 @@ class GatewaySettings:
             raise ValueError("prewarm_fraction must be in (0, 1]")
         if not 0.0 < self.warmup_cache_fraction <= 1.0:
             raise ValueError("warmup_cache_fraction must be in (0, 1]")
+        if self.access_log not in ACCESS_LOG_MODES:
+            raise ValueError(f"access_log must be one of {', '.join(ACCESS_LOG_MODES)}, "
+                             f"got {self.access_log!r}")
+        self.tracing_options()  # validates the OpenTelemetry settings
         if not self.store.startswith(("memory://", "redis://", "rediss://", "unix://", "hub://")):
             raise ValueError(f"store must be memory:// or a redis:// URL, got {self.store!r}")
 
@@ -246,6 +270,10 @@ class GatewaySettings:
     def fingerprint_options(self) -> FingerprintOptions:
         """The same object for every request (built once per distinct setting)."""
         return _fingerprint_options(self.block_chars, self.max_blocks, self.anchor_blocks)
+
+    def tracing_options(self) -> TracingOptions:
+        return TracingOptions(self.otel_endpoint, self.otel_protocol, self.otel_sample_ratio,
+                              self.otel_service_name)
 
     def normalize_options(self) -> NormalizeOptions:
         return _normalize_options(self.normalize)

@@ -55,7 +55,11 @@ def _local_parser(targets: argparse._SubParsersAction[argparse.ArgumentParser]) 
     run.add_argument("--port", type=int, default=8000, help="gateway port")
     run.add_argument("--worker-base-port", type=int, default=8001,
                      help="first worker port; worker i listens on base + i")
-    run.add_argument("--policy", default=DEFAULT_POLICY, help="gateway routing policy")
+    run.add_argument("--policy", default=None,
+                     help=f"gateway routing policy (default: the config file's, else "
+                          f"{DEFAULT_POLICY})")
+    run.add_argument("--gateway-config", default=None, metavar="FILE",
+                     help="TOML settings file for the gateway (python -m gateway --config)")
     run.add_argument("--model", default="sim-model", help="model name the workers serve")
     run.add_argument("--cache-blocks", type=int, default=2048, help="KV blocks per worker")
 
@@ -170,8 +174,9 @@ def _local(args: argparse.Namespace) -> int:
             return 2
         cluster = LocalCluster(
             host=args.host, gateway_port=args.port, worker_base_port=args.worker_base_port,
-            workers=args.workers, policy=args.policy, model=args.model,
+            workers=args.workers, policy=args.policy or "", model=args.model,
             cache_blocks=args.cache_blocks,
+            gateway_args=("--config", args.gateway_config) if args.gateway_config else (),
         )
         return asyncio.run(serve(cluster))
     if args.action == "up":

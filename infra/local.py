@@ -28,7 +28,7 @@ class LocalCluster:
     gateway_port: int = 8000
     worker_base_port: int = 8001
     workers: int = 4
-    policy: str = DEFAULT_POLICY
+    policy: str = DEFAULT_POLICY  # "": the gateway decides (its --config file, else its default)
     model: str = "sim-model"
     cache_blocks: int = 2048
     worker_args: tuple[str, ...] = field(default_factory=tuple)
@@ -50,8 +50,10 @@ class LocalCluster:
     def gateway_command(self) -> list[str]:
         cmd = [
             sys.executable, "-m", "gateway", "--host", self.host,
-            "--port", str(self.gateway_port), "--policy", self.policy, *self.gateway_args,
+            "--port", str(self.gateway_port), *self.gateway_args,
         ]
+        if self.policy:
+            cmd += ["--policy", self.policy]
         for url in self.worker_urls():
             cmd += ["--worker", url]
         return cmd
@@ -121,8 +123,9 @@ async def _run_until_stopped(cluster: LocalCluster, procs: list[asyncio.subproce
     ))
     base = f"http://{cluster.host}:{cluster.gateway_port}"
     await _start_and_wait(cluster.gateway_command(), base, procs)
+    policy = cluster.policy or "from its settings"
     print(
-        f"\nGateway ready at {base}/v1 (OpenAI-compatible), policy {cluster.policy}, "
+        f"\nGateway ready at {base}/v1 (OpenAI-compatible), policy {policy}, "
         f"{cluster.workers} workers on ports {cluster.worker_base_port}-"
         f"{cluster.worker_base_port + cluster.workers - 1}.\n"
         f"Try:\n{sample_curl(base, cluster.model)}\n"

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +45,7 @@ from loadtest.workloads import LiveRequest, LiveSpec, user_requests
 MODES = ("events", "model-tokens", "model-chars")
 WORKLOADS = ("tenants", "chat", "rag", "fewshot")
 MODEL = "sim-model"
+_USERS = 16
 
 
 @dataclass
@@ -145,7 +147,7 @@ async def ready(session: aiohttp.ClientSession, c: Cluster, mode: str) -> None:
 
 def requests_for(workload: str, count: int, seed: int) -> list[LiveRequest]:
     spec = LiveSpec(seed=seed, model=MODEL, max_tokens=4, stream=False)
-    users = [user_requests(workload, spec, u) for u in range(16)]
+    users = [user_requests(workload, spec, u) for u in range(_USERS)]
     return [next(users[i % len(users)]) for i in range(count)]
 
 
@@ -174,8 +176,9 @@ async def replay(session: aiohttp.ClientSession, c: Cluster, reqs: Sequence[Live
     queue = iter(enumerate(reqs))
 
     async def user() -> None:
+        # Request i is user i % 16's next turn: with two gateways, turns alternate between them.
         for i, req in queue:
-            await send(session, c.gateways[i % len(c.gateways)], req, tally)
+            await send(session, c.gateways[i // _USERS % len(c.gateways)], req, tally)
 
     await asyncio.gather(*(user() for _ in range(concurrency)))
     after = await predictions(session, c.gateways)
@@ -237,6 +240,35 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+async def tokenize_cost(tok: Path, rounds: int = 200) -> str:
+    """Median cost of keying one prompt: in the pool (encode + keys) and awaited from the loop
+    (adds the thread hop), for chat prompts of about 2k, 16k and 64k characters."""
+    from gateway.kvevents.tokenize import PromptTokenizer, TokenizerOptions
+
+    tokenizer = PromptTokenizer(TokenizerOptions(str(tok)))
+    rows = ["| prompt chars | tokens | in pool, median ms | awaited, median ms |",
+            "|---:|---:|---:|---:|"]
+    try:
+        for chars in (2_000, 16_000, 64_000):
+            text = " ".join(r.body["messages"][-1]["content"]
+                            for r in requests_for("rag", 40, 1))[:chars]
+            body = {"messages": [{"role": "user", "content": text}]}
+            pool, awaited = [], []
+            tokens = 0
+            for _ in range(rounds):
+                before = tokenizer.stats.seconds
+                started = time.perf_counter()
+                out = await tokenizer.key(body, chat=True, salt="")
+                awaited.append(time.perf_counter() - started)
+                pool.append(tokenizer.stats.seconds - before)
+                tokens = out.tokens if out else 0
+            rows.append(f"| {len(text)} | {tokens} | {1000 * statistics.median(pool):.3f} | "
+                        f"{1000 * statistics.median(awaited):.3f} |")
+    finally:
+        tokenizer.close()
+    return "\n".join(rows)
+
+
 def to_markdown(out: dict[str, Any], args: argparse.Namespace) -> str:
     modes = args.modes
     lines = [
@@ -282,6 +314,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--out", type=Path, help="also write the markdown here")
+    p.add_argument("--tokenize-only", action="store_true",
+                   help="only measure what keying a prompt with the tokenizer costs")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     args.workloads = [w for w in args.workloads.split(",") if w]
@@ -293,8 +327,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    out = asyncio.run(bench(args))
-    markdown = to_markdown(out, args)
+    if args.tokenize_only:
+        with tempfile.TemporaryDirectory(prefix="bench-exact-") as tmp:
+            markdown = asyncio.run(tokenize_cost(train(Path(tmp) / "tokenizer.json")))
+    else:
+        markdown = to_markdown(asyncio.run(bench(args)), args)
     print(markdown)
     if args.out:
         args.out.write_text(markdown + "\n", encoding="utf-8")

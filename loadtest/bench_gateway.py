@@ -182,7 +182,8 @@ def free_port_block(size: int, preferred: int = 0) -> int:
 
 
 async def start_server(
-    cmd: Sequence[str], url: str, log_path: Path, procs: list[asyncio.subprocess.Process]
+    cmd: Sequence[str], url: str, log_path: Path, procs: list[asyncio.subprocess.Process],
+    timeout_s: float = 30.0,
 ) -> None:
     """Start one server (output to ``log_path``) and wait until it answers /health."""
     log = await asyncio.to_thread(log_path.open, "wb")
@@ -193,7 +194,7 @@ async def start_server(
     finally:
         await asyncio.to_thread(log.close)  # the child keeps its own copy of the descriptor
     procs.append(proc)
-    healthy = asyncio.create_task(wait_healthy(url))
+    healthy = asyncio.create_task(wait_healthy(url, timeout_s))
     exited = asyncio.create_task(proc.wait())
     done, _ = await asyncio.wait([healthy, exited], return_when=asyncio.FIRST_COMPLETED)
     healthy.cancel()

@@ -25,7 +25,8 @@ system CPU seconds per 1,000 requests (``/proc``). ``--simulate`` also runs the 
 same fleet, costs and concurrency for each gateway policy (``simulated`` in the JSON).
 
 Experiments for the telemetry-driven correction of the gateway's index: ``--restart-worker I@T``
-restarts worker I T seconds into every gateway run (its cache empties);
+restarts worker I T seconds into every gateway run (its cache empties), ``--flush-worker I@T``
+empties its cache without a restart (nothing but the hit telemetry tells the gateway);
 ``--misreport-worker I`` makes worker I report twice its real cache size. ``--timeline DIR``
 writes the per-worker hit rate and mispredictions over time (:mod:`loadtest.timeline`).
 """
@@ -74,6 +75,8 @@ from loadtest.workloads import COMPLETIONS_PATH, LiveSpec, trace_body
 from worker.engines.sim import SimCosts
 
 HOST = "127.0.0.1"
+# Many Python servers starting at once on a small shared machine take a while.
+START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +93,10 @@ class ReplayConfig:
     report_cache_size: bool = True
     misreport_worker: int | None = None
     restart_worker: tuple[int, float] | None = None
+    flush_worker: tuple[int, float] | None = None
     bucket_s: float = 2.0
     timeout_s: float = 300.0
+    extra_worker_args: tuple[str, ...] = ()
 
     @property
     def block_tokens(self) -> int:
@@ -106,6 +111,7 @@ class ReplayConfig:
             "--decode-ms-per-token", str(self.decode_ms_per_token),
             "--max-model-len", "1000000",
             *(() if self.report_cache_size else ("--no-report-cache-size",)),
+            *self.extra_worker_args,
         )
 
     def sim_costs(self) -> SimCosts:
@@ -132,6 +138,8 @@ class RunResult:
     seconds: float
     per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    # The gateway's rebalance actions (/admin/rebalance), "t" = seconds into the run.
+    rebalance: list[dict[str, Any]] = field(default_factory=list)
 
 
 # -- the fleet -----------------------------------------------------------------------------
@@ -159,7 +167,7 @@ class Fleet:
         started: list[asyncio.subprocess.Process] = []
         try:
             await start_server(self.commands[i], self.urls[i], self.logs / f"worker{i}.log",
-                               started)
+                               started, START_TIMEOUT_S)
         finally:
             self.procs[i] = started[0] if started else None
 
@@ -173,8 +181,9 @@ class Fleet:
         await self.stop(i)
         await self.start(i)
 
-    async def flush(self, session: aiohttp.ClientSession) -> None:
-        for url in self.urls:
+    async def flush(self, session: aiohttp.ClientSession,
+                    urls: Sequence[str] | None = None) -> None:
+        for url in self.urls if urls is None else urls:
             async with session.post(url + "/admin/flush", json={}) as response:
                 response.raise_for_status()
 
@@ -234,25 +243,46 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
     connector = aiohttp.TCPConnector(limit=max(64, 2 * config.concurrency))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         cpu0 = process_cpu_seconds(pid) if pid else None
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         restarter = None
-        if restart and fleet is not None and config.restart_worker is not None:
-            index, at_s = config.restart_worker
+        disrupt = config.restart_worker or config.flush_worker
+        if restart and fleet is not None and disrupt is not None:
+            index, at_s = disrupt
 
             async def later() -> None:
                 await asyncio.sleep(at_s)
-                print(f"[replay] {router}: restarting worker {index} at {at_s:g}s",
-                      file=sys.stderr, flush=True)
-                await fleet.restart(index)
+                if config.restart_worker is not None:
+                    print(f"[replay] {router}: restarting worker {index} at {at_s:g}s",
+                          file=sys.stderr, flush=True)
+                    await fleet.restart(index)
+                else:
+                    print(f"[replay] {router}: flushing worker {index} at {at_s:g}s",
+                          file=sys.stderr, flush=True)
+                    await fleet.flush(session, [fleet.urls[index]])
             restarter = asyncio.create_task(later())
         replies = await replay(session, url + COMPLETIONS_PATH, bodies, config.concurrency)
         seconds = time.perf_counter() - started
         cpu_s = process_cpu_seconds(pid) - cpu0 if pid and cpu0 is not None else None
         if restarter is not None:
             await restarter
+        actions = await rebalance_actions(session, url, wall) if router.startswith("ours") else []
     result = summarize(router, repeat, replies, seconds, pooled, cpu_s, worker_ids, config)
     result.timeline = timeline(replies, started, config.bucket_s, config.block_tokens)
+    result.rebalance = actions
     return result
+
+
+async def rebalance_actions(session: aiohttp.ClientSession, url: str,
+                            wall_start: float) -> list[dict[str, Any]]:
+    """The gateway's rebalance log, oldest first, timed from ``wall_start``."""
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+        async with session.get(url + "/admin/rebalance") as response:
+            data = await response.json()
+        actions = [dict(a) for a in data.get("actions", []) if isinstance(a, dict)]
+        for a in actions:
+            a["t"] = round(float(a.get("at", wall_start)) - wall_start, 2)
+        return sorted(actions, key=lambda a: float(a["t"]))
+    return []
 
 
 @contextlib.asynccontextmanager
@@ -266,9 +296,10 @@ async def gateway_running(fleet: Fleet, policy: str) -> AsyncIterator[tuple[str,
     procs: list[asyncio.subprocess.Process] = []
     url = f"http://{cluster.host}:{cluster.gateway_port}"
     try:
-        await start_server(cmd, url, fleet.logs / f"gateway-{policy}.log", procs)
+        await start_server(cmd, url, fleet.logs / f"gateway-{policy}.log", procs,
+                           START_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            await wait_all_workers_up(session, url, cluster.workers)
+            await wait_all_workers_up(session, url, cluster.workers, START_TIMEOUT_S)
         yield url, procs[0].pid
     finally:
         await stop_processes(procs, grace_s=5.0)
@@ -407,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=0,
                    help="--workload: requests to generate (0: the shape's default)")
     p.add_argument("--limit", type=int, help="only the first K requests of the trace")
+    p.add_argument("--skip", type=int, default=0,
+                   help="drop the first S requests (before --limit): replay a window from the "
+                   "middle of a long trace, e.g. agent sessions at long contexts")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--cache-blocks", type=int, default=500, help="trace blocks per worker cache")
@@ -430,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the simulator on the same fleet for each gateway policy")
     p.add_argument("--restart-worker", metavar="I@T",
                    help="restart worker I T seconds into every gateway run")
+    p.add_argument("--flush-worker", metavar="I@T",
+                   help="empty worker I's cache T seconds into every gateway run (the process "
+                   "stays up, so only the hit telemetry can tell the gateway)")
     p.add_argument("--misreport-worker", type=int, metavar="I",
                    help="worker I reports twice its real cache size")
     p.add_argument("--timeline", type=Path, metavar="DIR",
@@ -457,14 +494,21 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
                 "--max-running must be >= 1")
     if args.block_chars < 64 or args.block_chars % 64:
         p.error("--block-chars must be a multiple of 64 (the gateway's block)")
-    restart = None
-    if args.restart_worker:
-        index, _, at = args.restart_worker.partition("@")
+    def at(flag: str, text: str | None) -> tuple[int, float] | None:
+        if not text:
+            return None
+        index, _, seconds = text.partition("@")
         try:
-            restart = (int(index), float(at))
+            return int(index), float(seconds)
         except ValueError:
-            p.error("--restart-worker takes I@T, e.g. 0@20")
-    for index in (restart[0] if restart else None, args.misreport_worker):
+            p.error(f"{flag} takes I@T, e.g. 0@20")
+
+    restart = at("--restart-worker", args.restart_worker)
+    flush = at("--flush-worker", args.flush_worker)
+    if restart and flush:
+        p.error("--restart-worker or --flush-worker, not both")
+    for index in (restart[0] if restart else None, flush[0] if flush else None,
+                  args.misreport_worker):
         if index is not None and not 0 <= index < args.workers:
             p.error(f"worker index {index} is not in 0..{args.workers - 1}")
     return ReplayConfig(
@@ -474,7 +518,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         cached_us_per_token=args.cached_us_per_token,
         decode_ms_per_token=args.decode_ms_per_token, max_running=args.max_running,
         report_cache_size=args.report_cache_size, misreport_worker=args.misreport_worker,
-        restart_worker=restart, bucket_s=args.bucket,
+        restart_worker=restart, flush_worker=flush, bucket_s=args.bucket,
     )
 
 
@@ -495,6 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         requests = read_mooncake(args.trace or DEFAULT_TRACE)
         source = str(args.trace or DEFAULT_TRACE)
+    if args.skip > 0:
+        requests = requests[args.skip:]
+        source += f", from request {args.skip}"
     if args.limit:
         requests = requests[: args.limit]
     peers = list(PEERS) if args.peers else []
@@ -511,8 +558,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.timeline is not None:
         for res in results:
+            events = [(float(a["t"]), f"{a['action']} {a.get('blocks', '')}")
+                      for a in res.rebalance]
             write_timeline(res.timeline, args.timeline / f"{res.router.replace(':', '-')}"
-                           f"-{res.repeat}", res.router)
+                           f"-{res.repeat}", res.router, events)
     rows = medians(results)
     command = shlex.join(["python", "-m", "loadtest", "replay", *args_list])
     if args.json:

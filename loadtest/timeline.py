@@ -43,9 +43,11 @@ def timeline(replies: Sequence[Reply], started: float, bucket_s: float,
     return out
 
 
-def write_timeline(points: Sequence[dict[str, Any]], prefix: Path, title: str) -> list[Path]:
+def write_timeline(points: Sequence[dict[str, Any]], prefix: Path, title: str,
+                   events: Sequence[tuple[float, str]] = ()) -> list[Path]:
     """``<prefix>.json`` and, with matplotlib installed, ``<prefix>.png``: hit rate (top) and
-    mispredicted replies (bottom) per worker over time."""
+    mispredicted replies (bottom) per worker over time; ``events`` (seconds, label), e.g. the
+    gateway's rebalance actions, as dotted vertical lines."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     paths = [prefix.with_suffix(".json")]
     paths[0].write_text(json.dumps(list(points), indent=1), encoding="utf-8")
@@ -67,6 +69,11 @@ def write_timeline(points: Sequence[dict[str, Any]], prefix: Path, title: str) -
         if w != "*":
             bottom.plot(xs, [p["workers"][w]["mispredicted"] for p in points
                              if w in p["workers"]], label=label, **style)
+    for t, label in events:
+        for ax in (top, bottom):
+            ax.axvline(t, color="grey", linestyle=":", linewidth=1)
+        bottom.annotate(label, (t, 0), xytext=(2, 2), textcoords="offset points", fontsize=6,
+                        rotation=90, color="grey")
     top.set_ylabel("block hit rate")
     top.set_title(title)
     top.legend(fontsize=7, ncol=4)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.app import create_app as create_gateway
 from gateway.settings import GatewaySettings
@@ -85,6 +86,8 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
         worker_settings: WorkerSettings = FAST_WORKER,
         dead_workers: int = 0,
         scheme_prefix: str = "",
+        span_exporter: SpanExporter | None = None,
+        worker_span_exporter: SpanExporter | None = None,
         **gateway_overrides: Any,
     ) -> Cluster:
         runners: dict[str, web.AppRunner] = {}
@@ -93,7 +96,8 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             settings = dataclasses.replace(worker_settings, port=port)
-            runners[url] = await serve(create_worker(settings), port)
+            runners[url] = await serve(
+                create_worker(settings, span_exporter=worker_span_exporter), port)
             urls.append(url)
         # Workers that were never started: connections to them are refused.
         urls += [f"http://127.0.0.1:{free_port()}" for _ in range(dead_workers)]
@@ -102,7 +106,8 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
             GatewaySettings(port=gport, worker=tuple(scheme_prefix + u for u in urls)),
             **gateway_overrides,
         )
-        gateway_runner = await serve(create_gateway(gsettings), gport)
+        gateway_runner = await serve(
+            create_gateway(gsettings, span_exporter=span_exporter), gport)
         cluster = Cluster(f"http://127.0.0.1:{gport}", urls, {"gateway": gateway_runner})
         cluster.runners.update(runners)
         clusters.append(cluster)

@@ -197,6 +197,7 @@ class Call:
     instance: int | None
     status: int
     error: str = ""
+    custom_attributes: str = ""  # X-Amzn-SageMaker-Custom-Attributes as sent
 
 
 @dataclass
@@ -345,6 +346,7 @@ class SageMakerRuntimeServer:
             prefix_aware_id=h.get("X-Amzn-SageMaker-Prefix-Aware-Id", ""),
             inference_id=h.get("X-Amzn-SageMaker-Inference-Id", ""),
             instance=instance, status=status, error=error,
+            custom_attributes=h.get("X-Amzn-SageMaker-Custom-Attributes", ""),
         ))
 
     # -- handlers --------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Prometheus metrics with vLLM's names, in a per-app registry.
 
 Counters and gauges are read from the engine at scrape time (one source of truth); only the
-time-to-first-token histogram and the aborted-request counter (``worker_requests_aborted_total``,
+latency histograms (time to first token, end-to-end, queue time, time per output token; vLLM's
+names) and the aborted-request counter (``worker_requests_aborted_total``,
 not a vLLM name) are observed by the HTTP layer. All carry the label ``model_name``.
 """
 
@@ -18,6 +19,15 @@ from worker.engines.base import Engine
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+# vLLM's buckets for the request-level latency histograms (seconds).
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+TPOT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -98,6 +108,30 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self._model = model_name
+        small = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, *REQUEST_LATENCY_BUCKETS)
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency, seconds (arrival to last token).",
+            labelnames=["model_name"], buckets=small, registry=self.registry,
+        ).labels(model_name=model_name)
+        self._queue = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time a request waited for admission (a running slot and its KV blocks), seconds.",
+            labelnames=["model_name"], buckets=(0.0005, *small), registry=self.registry,
+        ).labels(model_name=model_name)
+        self._tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time per output token after the first (decode), seconds.",
+            labelnames=["model_name"], buckets=TPOT_BUCKETS, registry=self.registry,
+        ).labels(model_name=model_name)
+
+    def observe_request(self, e2e_s: float, queue_s: float, tpot_s: float | None) -> None:
+        """One finished prompt: its end-to-end latency, queue wait and time per output token
+        (None with fewer than two output tokens)."""
+        self._e2e.observe(e2e_s)
+        self._queue.observe(queue_s)
+        if tpot_s is not None:
+            self._tpot.observe(tpot_s)
 
     def count_abort(self, stage: str) -> None:
         self._aborted.labels(model_name=self._model, stage=stage).inc()

@@ -71,6 +71,52 @@ def _optional_positive_int(body: Mapping[str, Any], param: str) -> int | None:
     return int(value)
 
 
+def _absent(value: Any) -> bool:
+    return value is None or value is False or value == 0 or value in ("", [], {})
+
+
+# Parameters this worker does not implement, and the values that ask for nothing (so clients
+# that send the defaults explicitly are served). Anything else is a 400, not silently ignored.
+_UNSUPPORTED: dict[str, tuple[str, Any]] = {
+    # name: (what is missing, predicate "this value asks for nothing")
+    "tools": ("tool calling (send tool_choice \"none\" to use tools as context only)", None),
+    "tool_choice": ("tool calling", lambda v: v is None or v == "none"),
+    "functions": ("function calling", _absent),
+    "function_call": ("function calling", lambda v: v is None or v == "none"),
+    "response_format": (
+        "structured output", lambda v: v is None or (isinstance(v, dict) and v == {"type": "text"})
+    ),
+    "logprobs": ("log probabilities", lambda v: v is None or v is False),
+    "top_logprobs": ("log probabilities", _absent),
+    "best_of": ("best_of sampling", lambda v: v is None or v == 1),
+    "echo": ("echoing the prompt", lambda v: v is None or v is False),
+    "suffix": ("suffix insertion", _absent),
+    "logit_bias": ("logit bias", _absent),
+    "stop": ("stop sequences", _absent),
+    "prediction": ("predicted outputs", _absent),
+    "audio": ("audio output", _absent),
+    "modalities": ("non-text output", lambda v: v is None or v == ["text"]),
+}
+
+
+def reject_unsupported(body: Mapping[str, Any]) -> None:
+    """A 400 for any parameter this worker would otherwise ignore while the client relies on
+    it (tool calls, structured output, log probabilities, several choices, ...)."""
+    for param, (feature, asks_nothing) in _UNSUPPORTED.items():
+        if param not in body:
+            continue
+        value = body[param]
+        if param == "tools":
+            if _absent(value) or body.get("tool_choice") == "none":
+                continue
+        elif asks_nothing(value):
+            continue
+        raise ApiError(
+            f"'{param}' is not supported by this worker ({feature} is not implemented)",
+            param=param, code="unsupported_parameter",
+        )
+
+
 def parse_common(
     body: Mapping[str, Any], served_model: str, *, max_tokens_params: tuple[str, ...]
 ) -> CommonParams:
@@ -95,6 +141,7 @@ def parse_common(
     n = _optional_positive_int(body, "n")
     if n is not None and n != 1:
         raise ApiError("only n=1 is supported", param="n", code="unsupported_value")
+    reject_unsupported(body)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _type_error("stream", "a boolean")

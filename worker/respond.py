@@ -19,6 +19,7 @@ from aiohttp import web
 
 from worker.engines.base import Admission, Engine, GenerationRequest
 from worker.metrics import WorkerMetrics
+from worker.observe import PromptTiming, RequestTrace
 from worker.parsing import CommonParams
 
 
@@ -89,16 +90,33 @@ async def _produce(
     index: int,
     events: asyncio.Queue[_Event],
     on_first_token: Callable[[], None],
+    timing: PromptTiming,
 ) -> None:
+    loop = asyncio.get_running_loop()
     async with engine.admit(request) as generation:
-        events.put_nowait(_Admitted(index, generation.admission))
+        timing.admitted = loop.time()
+        admission = generation.admission
+        timing.input_tokens = admission.input_tokens
+        timing.cached_tokens = admission.matched_tokens
+        events.put_nowait(_Admitted(index, admission))
         first = True
         async for piece in generation.tokens():
             if first:
+                timing.first_token = loop.time()
                 on_first_token()
                 first = False
+            timing.output_tokens += 1
             events.put_nowait(_Piece(index, piece))
+    timing.done = loop.time()
     events.put_nowait(_Done(index))
+
+
+def _observe(metrics: WorkerMetrics, timing: PromptTiming) -> None:
+    if not timing.done:
+        return  # cancelled: the client went away
+    n = timing.output_tokens
+    tpot = (timing.done - timing.first_token) / (n - 1) if n > 1 and timing.first_token else None
+    metrics.observe_request(timing.done - timing.arrived, timing.admitted - timing.arrived, tpot)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -138,6 +156,7 @@ async def _run_prompts(
     metrics: WorkerMetrics,
     job: Job,
     handle: Callable[[_Event], Awaitable[None]],
+    trace: RequestTrace,
 ) -> None:
     """Run a job's prompts concurrently on the engine, passing each event to ``handle``.
 
@@ -151,6 +170,7 @@ async def _run_prompts(
         metrics.observe_ttft(loop.time() - t0)
 
     queue: asyncio.Queue[_Event] = asyncio.Queue()
+    timings = [trace.prompt(t0) for _ in job.token_lists]
     admitted = False
     try:
         async with asyncio.TaskGroup() as group:
@@ -163,7 +183,8 @@ async def _run_prompts(
                     priority=job.common.cache_priority,
                     system_tokens=job.system_tokens,
                 )
-                group.create_task(_produce(engine, request, i, queue, first_token))
+                group.create_task(
+                    _produce(engine, request, i, queue, first_token, timings[i]))
             remaining = len(job.token_lists)
             while remaining:
                 event = await queue.get()
@@ -176,6 +197,8 @@ async def _run_prompts(
         if _is_abort(exc):
             metrics.count_abort("running" if admitted else "waiting")
         raise
+    for timing in timings:
+        _observe(metrics, timing)
 
 
 def _is_abort(exc: BaseException) -> bool:
@@ -189,7 +212,7 @@ def _is_abort(exc: BaseException) -> bool:
 
 async def respond_whole(
     request: web.Request, job: Job, headers: dict[str, str], engine: Engine,
-    metrics: WorkerMetrics,
+    metrics: WorkerMetrics, trace: RequestTrace,
 ) -> web.Response:
     n = len(job.token_lists)
     admissions: list[Admission] = []
@@ -201,7 +224,7 @@ async def respond_whole(
         elif isinstance(event, _Piece):
             texts[event.index].append(event.text)
 
-    await _run_prompts(engine, metrics, job, collect)
+    await _run_prompts(engine, metrics, job, collect, trace)
     report = CacheReport.of(admissions)
     choices: list[dict[str, Any]] = []
     for i, pieces in enumerate(texts):
@@ -295,11 +318,11 @@ class _SseWriter:
 
 async def respond_stream(
     request: web.Request, job: Job, headers: dict[str, str], engine: Engine,
-    metrics: WorkerMetrics,
+    metrics: WorkerMetrics, trace: RequestTrace,
 ) -> web.StreamResponse:
     writer = _SseWriter(request, job, headers)
     try:
-        await _run_prompts(engine, metrics, job, writer.handle)
+        await _run_prompts(engine, metrics, job, writer.handle, trace)
         await writer.finish()
     except* ConnectionResetError:
         pass  # the client went away; the engine released the blocks on the way out

@@ -40,9 +40,11 @@ from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.kvevents.keys import engine_namespace
 from gateway.store.base import WorkerRecord
+from gateway.telemetry.tracing import Tracing
 from worker.disconnect import cancel_on_disconnect
 from worker.engines.base import Engine, EngineUnavailableError
 from worker.engines.sim import WORDS, SimCosts, SimEngine
@@ -51,6 +53,7 @@ from worker.kv_events import KVEventPublisher
 from worker.kvcache import PrefixCache
 from worker.lifecycle import IDENTITY_KEY, identity_for, set_model, ttl_context
 from worker.metrics import CONTENT_TYPE, WorkerMetrics
+from worker.observe import RequestTrace
 from worker.parsing import (
     CommonParams,
     Prompt,
@@ -68,6 +71,8 @@ ENGINE_KEY = web.AppKey("worker_engine", Engine)
 TOKENIZER_KEY = web.AppKey("worker_tokenizer", Tokenizer)
 METRICS_KEY = web.AppKey("worker_metrics", WorkerMetrics)
 STARTED_KEY = web.AppKey("worker_started", int)
+BOOT_ID_KEY = web.AppKey("worker_boot_id", str)
+TRACING_KEY = web.AppKey("worker_tracing", Tracing)
 
 NAMESPACE_HEADER = "x-cache-namespace"
 CLIENT_MAX_SIZE = 32 * 1024 * 1024
@@ -137,11 +142,33 @@ async def _system_tokens(tokenizer: Tokenizer, system_prefix: str, tokens: list[
 
 async def _run(request: web.Request, job: Job) -> web.StreamResponse:
     settings = request.app[SETTINGS_KEY]
-    headers = {"x-worker-id": settings.effective_worker_id, "x-request-id": job.response_id}
+    headers = {
+        "x-worker-id": settings.effective_worker_id,
+        "x-request-id": job.response_id,
+        # New at every start: a gateway that sees it change knows this cache is cold.
+        "x-worker-boot-id": request.app[BOOT_ID_KEY],
+    }
     engine, metrics = request.app[ENGINE_KEY], request.app[METRICS_KEY]
-    if job.common.stream:
-        return await respond_stream(request, job, headers, engine, metrics)
-    return await respond_whole(request, job, headers, engine, metrics)
+    loop = asyncio.get_running_loop()
+    trace = RequestTrace.start(
+        request.app[TRACING_KEY], request.headers, f"{request.method} {request.path}",
+        loop.time(), {"gen_ai.request.model": job.model, "worker.prompts": len(job.token_lists),
+                      "worker.id": settings.effective_worker_id},
+    )
+    status, error = 500, ""
+    try:
+        respond = respond_stream if job.common.stream else respond_whole
+        response = await respond(request, job, headers, engine, metrics, trace)
+        status = response.status
+        return response
+    except asyncio.CancelledError:
+        status, error = 499, "the client went away"
+        raise
+    except Exception as exc:
+        status, error = getattr(exc, "status", 500), type(exc).__name__
+        raise
+    finally:
+        trace.finish(loop.time(), status, error)
 
 
 # -- handlers ------------------------------------------------------------------------------
@@ -369,9 +396,15 @@ def _kv_events(settings: WorkerSettings, cache: PrefixCache) -> Callable[
     return ctx
 
 
-def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) -> web.Application:
+def create_app(
+    settings: WorkerSettings,
+    *,
+    tokenizer: Tokenizer | None = None,
+    span_exporter: SpanExporter | None = None,
+) -> web.Application:
     """The worker application. Raises ``TokenizerUnavailableError`` for a bad tokenizer file
-    and ``EngineUnavailableError`` when the engine cannot be built."""
+    and ``EngineUnavailableError`` when the engine cannot be built. ``span_exporter``: export
+    spans there as they end (tests), whatever ``settings.otel_endpoint`` says."""
     app = web.Application(
         middlewares=[cancel_on_disconnect(), error_middleware], client_max_size=CLIENT_MAX_SIZE
     )
@@ -393,6 +426,15 @@ def create_app(settings: WorkerSettings, *, tokenizer: Tokenizer | None = None) 
         reported_cache_blocks=settings.reported_cache_blocks,
     )
     app[STARTED_KEY] = int(time.time())
+    app[BOOT_ID_KEY] = uuid.uuid4().hex[:16]
+    tracing = Tracing.build(settings.tracing_options(), span_exporter)
+    app[TRACING_KEY] = tracing
+
+    async def _tracing_lifetime(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await tracing.shutdown()
+
+    app.cleanup_ctx.append(_tracing_lifetime)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from gateway.config import SettingsError, load_settings
+from gateway.telemetry.tracing import TracingOptions
 
 ENGINES = ("sim", "torch", "vllm")
 TOKENIZERS = ("hash", "chars")
@@ -186,6 +187,18 @@ class WorkerSettings:
         metadata={"help": "The registry entry expires this long after the last heartbeat, "
                   "so a dead worker leaves routing within a few seconds."},
     )
+    otel_endpoint: str = field(
+        default="", metadata={"help": "OpenTelemetry: OTLP endpoint to export traces to "
+                              "(continuing the gateway's traces); empty: tracing off."}
+    )
+    otel_protocol: str = field(default="http", metadata={"help": "OTLP protocol: http, grpc."})
+    otel_sample_ratio: float = field(
+        default=1.0, metadata={"help": "Share of traces started here that are sampled, 0-1 "
+                               "(a sampled caller's trace is always followed)."}
+    )
+    otel_service_name: str = field(
+        default="affinity-worker", metadata={"help": "service.name of the exported spans."}
+    )
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -243,6 +256,14 @@ class WorkerSettings:
             raise SettingsError(f"cache_ttl_s must be >= 0, got {self.cache_ttl_s}")
         if self.heartbeat_s <= 0 or self.registry_ttl_s <= self.heartbeat_s:
             raise SettingsError("need 0 < heartbeat_s < registry_ttl_s")
+        try:
+            self.tracing_options()
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from exc
+
+    def tracing_options(self) -> TracingOptions:
+        return TracingOptions(self.otel_endpoint, self.otel_protocol, self.otel_sample_ratio,
+                              self.otel_service_name)
 
     @property
     def effective_public_url(self) -> str:

@@ -7,7 +7,9 @@ generation keeps streaming; a stuck worker is cut off).
 Tenant isolation: the gateway passes the tenant's cache namespace as the ``x-cache-namespace``
 header, which our reference worker honours. vLLM has no such header; for ``kind = "vllm"`` the
 namespace goes into the body as vLLM's ``cache_salt`` (unless the client set one), so tenants
-never share KV blocks there either.
+never share KV blocks there either. vLLM reports cached prompt tokens only in a stream's final
+usage event, so streams to ``kind = "vllm"`` always ask for it (``stream_options.include_usage``)
+and the gateway strips that event when the client did not ask for it.
 
 Health probes read ``/health`` and ``/v1/models``, and scrape ``/metrics`` for vLLM's engine
 gauges and counters (``vllm:num_requests_running``, ``..._waiting``, ``vllm:kv_cache_usage_perc``,
@@ -16,6 +18,7 @@ gauges and counters (``vllm:num_requests_running``, ``..._waiting``, ``vllm:kv_c
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -77,15 +80,60 @@ def model_versions(entries: list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
+def _is_usage_only(event: bytes) -> bool:
+    """An SSE event that is only the final usage report (``"choices": []`` and a usage)."""
+    if b'"usage"' not in event:
+        return False
+    data = event.strip().removeprefix(b"data:").strip()
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        return False
+    return (isinstance(payload, dict) and payload.get("choices") == []
+            and bool(payload.get("usage")))
+
+
 class HTTPReply:
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    """One upstream response. With ``strip_usage`` (a stream for which the gateway asked the
+    server for a usage report the client did not ask for), that final usage event is kept in
+    :attr:`withheld` instead of being relayed."""
+
+    def __init__(self, response: aiohttp.ClientResponse, *, strip_usage: bool = False) -> None:
         self._response = response
         self.status = response.status
         self.headers: Mapping[str, str] = response.headers
+        self._strip_usage = strip_usage and response.headers.get(
+            "Content-Type", "").startswith("text/event-stream")
+        self.withheld = b""
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        if not self._strip_usage:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+            return
+        pending = b""
         async for chunk in self._response.content.iter_any():
-            yield chunk
+            pending += chunk
+            end = pending.rfind(b"\n\n")
+            if end < 0:
+                continue
+            ready, pending = pending[: end + 2], pending[end + 2 :]
+            out = self._without_usage(ready)
+            if out:
+                yield out
+        if pending:
+            yield self._without_usage(pending) or b""
+
+    def _without_usage(self, events: bytes) -> bytes:
+        if b'"usage"' not in events:
+            return events
+        kept: list[bytes] = []
+        for event in events.split(b"\n\n"):
+            if _is_usage_only(event):
+                self.withheld += event + b"\n\n"
+            elif event:
+                kept.append(event + b"\n\n")
+        return b"".join(kept)
 
     async def read(self) -> bytes:
         return await self._response.read()
@@ -136,10 +184,20 @@ class OpenAIHTTPBackend:
         self, worker: Worker, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
     ) -> HTTPReply:
         namespace = headers.get(NAMESPACE_HEADER, "")
+        strip_usage = False
         if self._namespace_in_body:
             headers = {k: v for k, v in headers.items() if k != NAMESPACE_HEADER}
             if namespace and not body.get("cache_salt"):
                 body = {**body, "cache_salt": namespace}
+            # vLLM reports cached tokens only in usage: have every stream end with it, and
+            # hold that event back when the client did not ask for it.
+            options = body.get("stream_options")
+            if body.get("stream") is True and not (
+                isinstance(options, dict) and options.get("include_usage") is True
+            ):
+                extra = options if isinstance(options, dict) else {}
+                body = {**body, "stream_options": {**extra, "include_usage": True}}
+                strip_usage = True
         data = encode_body(body)
         try:
             response = await self._session.post(
@@ -149,7 +207,7 @@ class OpenAIHTTPBackend:
             )
         except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        return HTTPReply(response)
+        return HTTPReply(response, strip_usage=strip_usage)
 
     async def probe(self, worker: Worker) -> WorkerProbe:
         try:

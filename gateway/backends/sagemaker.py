@@ -319,6 +319,11 @@ class SageMakerBackend:
         request_id = headers.get("x-request-id", "")
         if request_id:
             params["InferenceId"] = request_id[:64]
+        # The trace context reaches the container the only way SageMaker passes caller data
+        # through: CustomAttributes (ASCII, at most 1024 characters), as W3C key=value pairs.
+        trace = [f"{k}={headers[k]}" for k in ("traceparent", "tracestate") if headers.get(k)]
+        if trace and len(attributes := ";".join(trace)) <= 1024:
+            params["CustomAttributes"] = attributes
         return params
 
     async def open(

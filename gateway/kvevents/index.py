@@ -219,19 +219,36 @@ class ExactIndex:
 class ExactMatcher:
     """A :class:`PrefixMatcher`: depths from the exact index for workers with live events,
     from ``base`` (the modelled index) for the rest; heat and churn come from ``base``, which
-    records every decision of either kind."""
+    records every decision of either kind.
+
+    A prefix that no worker holds at least ``floor`` blocks of (the policy's shortest useful
+    match) is cold everywhere; for it the modelled depths stand, stale as they are: they name
+    the worker it lived on until it was evicted, which is where its siblings go back to, so
+    an evicted prefix returns to its home instead of a new worker each time. :meth:`held`
+    answers the exact question (what the prediction of cached tokens uses).
+    """
 
     base: PrefixMatcher
     exact: ExactIndex
     now: float
+    floor: int = 1
 
     def match(self, blocks: Sequence[int]) -> dict[str, int]:
         live = self.exact.live
         if not live:
             return self.base.match(blocks)
-        out = {w: d for w, d in self.base.match(blocks).items() if w not in live}
+        modelled = self.base.match(blocks)
+        out = {w: d for w, d in modelled.items() if w not in live}
         out.update(self.exact.match(blocks, self.now))
-        return out
+        if any(d >= self.floor for d in out.values()):
+            return out
+        return modelled
+
+    def held(self, worker_id: str, blocks: Sequence[int]) -> int:
+        """Leading blocks ``worker_id`` holds: its events' word when they are live."""
+        if self.exact.is_live(worker_id):
+            return self.exact.worker(worker_id).depth(blocks, self.now)
+        return self.base.match(blocks).get(worker_id, 0)
 
     def heat(self, block: int) -> float:
         return self.base.heat(block)

@@ -43,11 +43,13 @@ class ExactSource:
         pending_ttl_s: float = 10.0,
         replay_timeout_s: float = 1.0,
         reconcile_s: float = 0.5,
+        min_match_blocks: int = 1,
     ) -> None:
         self.index = ExactIndex(max_blocks=max_blocks, pending_ttl_s=pending_ttl_s)
         self.hub = KVEventHub(self.index, replay_timeout_s=replay_timeout_s)
         self.tokenizer = tokenizer
         self._reconcile_s = reconcile_s
+        self._floor = min_match_blocks
         self._task: asyncio.Task[None] | None = None
         self._healthy: set[str] = set()
 
@@ -96,7 +98,7 @@ class ExactSource:
     def matcher(self, base: PrefixMatcher, now: float) -> PrefixMatcher:
         if not self.index.live:
             return base
-        return ExactMatcher(base, self.index, now)
+        return ExactMatcher(base, self.index, now, self._floor)
 
     def sent(self, worker_id: str, blocks: Sequence[int], now: float) -> None:
         self.index.sent(worker_id, blocks, now)

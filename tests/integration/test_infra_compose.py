@@ -47,7 +47,11 @@ def test_the_schema_check_rejects_a_broken_file(tmp_path: Path) -> None:
 
 def test_workers_scale_by_registration() -> None:
     services = load()["services"]
-    assert set(services) == {"redis", "gateway", "worker"}
+    default = {name for name, service in services.items() if not service.get("profiles")}
+    assert default == {"redis", "gateway", "worker"}
+    # Prometheus and Grafana only on demand: docker compose --profile observability up
+    assert set(services) - default == {"prometheus", "grafana"}
+    assert all(services[n]["profiles"] == ["observability"] for n in ("prometheus", "grafana"))
     for name, service in services.items():
         assert "healthcheck" in service, name
     worker = services["worker"]

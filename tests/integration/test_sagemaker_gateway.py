@@ -295,3 +295,23 @@ async def test_reference_worker_behind_sagemaker_streams_through(
         assert done.usage.completion_tokens == 3
     finally:
         await worker.cleanup()
+
+
+async def test_trace_context_goes_to_sagemaker_as_custom_attributes(
+    start_cluster: StartCluster, runtime: tuple[SageMakerRuntimeServer, str]
+) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    server, base = runtime
+    server.add_endpoint("ep", {"A": [EchoContainer("openai")]})
+    spans = InMemorySpanExporter()
+    cluster = await start_cluster(workers=0, worker=(target_url("ep", base, variant="A"),),
+                                  span_exporter=spans)
+    async with client(cluster.base_url) as oa:
+        await oa.chat.completions.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "one two three"}])
+    (call,) = server.calls
+    (upstream,) = [s for s in spans.get_finished_spans() if s.name == "upstream"]
+    assert upstream.context is not None
+    trace_id, span_id = f"{upstream.context.trace_id:032x}", f"{upstream.context.span_id:016x}"
+    assert call.custom_attributes.startswith(f"traceparent=00-{trace_id}-{span_id}-")

@@ -158,7 +158,8 @@ async def test_redis_outage_keeps_serving_and_sharing_resumes(
             await _chat(http, a, fresh)
             await asyncio.sleep(0.2)
             _, headers = await _chat(http, b, fresh)
-            return int(headers["x-prefix-match-blocks"]) > 0
+            # Right after the restart B may still be re-learning its workers (no route headers).
+            return int(headers.get("x-prefix-match-blocks", "0")) > 0
         await _until(b_learns)
     assert [status for status, _ in during] == [200] * 20
 

@@ -358,9 +358,57 @@ async def test_tools_and_names_render_without_error(worker: Worker) -> None:
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         ],
         tools=[{"type": "function", "function": {"name": "weather", "parameters": {}}}],
+        tool_choice="none",  # tools as context only: this worker makes no tool calls
         max_tokens=2,
     )
     assert resp.choices[0].finish_reason == "length"
+
+
+_TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+_HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"tools": _TOOLS}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}},
+         "response_format"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/completions", {"logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+        ("/v1/completions", {"stop": ["\n"]}, "stop"),
+        ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+        ("/v1/completions", {"n": 2}, "n"),
+    ],
+)
+async def test_unimplemented_parameters_are_refused(
+    worker: Worker, path: str, extra: dict[str, Any], param: str
+) -> None:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 1, **extra}
+    body["messages" if "chat" in path else "prompt"] = _HI if "chat" in path else "hi"
+    async with aiohttp.ClientSession() as session, session.post(
+        worker.base_url + path, json=body
+    ) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] in ("unsupported_parameter", "unsupported_value")
+
+
+async def test_parameters_sent_with_their_defaults_are_served(worker: Worker) -> None:
+    body = {"model": MODEL, "messages": _HI, "max_tokens": 1, "n": 1, "logprobs": False,
+            "response_format": {"type": "text"}, "tools": [], "stop": None, "echo": False,
+            "logit_bias": {}, "tool_choice": "none"}
+    async with aiohttp.ClientSession() as session, session.post(
+        worker.base_url + "/v1/chat/completions", json=body
+    ) as resp:
+        assert resp.status == 200
 
 
 @pytest.mark.parametrize(

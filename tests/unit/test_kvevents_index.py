@@ -145,3 +145,18 @@ def test_matcher_takes_live_workers_from_events_and_the_rest_from_the_model() ->
     assert matcher.match(k) == {"modelled": 4, "evented": 1}
     exact.set_live("evented", False)  # its feed is down: the model stands in
     assert ExactMatcher(model, exact, now=0.0).match(k) == {"modelled": 4, "evented": 4}
+
+
+def test_a_prefix_evicted_everywhere_goes_back_to_its_modelled_home() -> None:
+    model = PrefixIndex()
+    exact = ExactIndex()
+    k = keys(list(range(16)))
+    model.record(k, "home")  # it lived here; the engine has evicted it since
+    exact.set_live("home", True)
+    exact.worker("home")
+    matcher = ExactMatcher(model, exact, now=0.0, floor=2)
+    assert matcher.match(k) == {"home": 4}  # cold everywhere: the model names its home
+    assert matcher.held("home", k) == 0  # ... and the prediction stays exact
+    exact.worker("home").apply(BlockStored((1, 2), None, tuple(range(8)), BS))
+    assert matcher.match(k) == {"home": 2}  # held again: the events' depth
+    assert matcher.held("home", k) == 2

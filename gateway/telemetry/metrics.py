@@ -1,0 +1,149 @@
+"""Prometheus metrics of one gateway process (a registry per application, no globals).
+
+Names follow Prometheus conventions: seconds and tokens as base units, ``_total`` on counters
+(added by the client library). Histograms are labelled by ``policy`` and ``worker`` (the worker
+that answered; empty when the gateway answered itself).
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable, Iterator
+from importlib import metadata
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.pool import WorkerPool
+
+# Seconds: from a few milliseconds (cache hits on a small model) to minutes (long generations).
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0,
+    60.0, 120.0, 300.0,
+)
+DECISION_KINDS = ("prefix_hit", "cold", "diverted", "spread", "ring", "round_robin",
+                  "least_load")
+
+
+def reason_kind(reason: str) -> str:
+    """Collapse a decision reason into a low-cardinality label."""
+    for kind in DECISION_KINDS:
+        if reason.startswith(kind):
+            return kind
+    return "other"
+
+
+def build_version() -> str:
+    try:
+        return metadata.version("affinity-gateway")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _PoolCollector(Collector):
+    """Reads per-worker state at scrape time, so the hot path updates nothing twice."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily("gateway_worker_healthy", "1 if the worker is routable",
+                                    labels=["worker"])
+        inflight = GaugeMetricFamily("gateway_worker_inflight_requests",
+                                     "requests in flight to the worker", labels=["worker"])
+        tokens = GaugeMetricFamily("gateway_worker_inflight_tokens",
+                                   "estimated tokens in flight to the worker", labels=["worker"])
+        inputs = CounterMetricFamily("gateway_worker_input_tokens",
+                                     "prompt tokens the worker reported", labels=["worker"])
+        matched = CounterMetricFamily("gateway_worker_matched_tokens",
+                                      "prompt tokens the worker served from its prefix cache",
+                                      labels=["worker"])
+        for state in self._pool.states():
+            wid = [state.worker.id]
+            healthy.add_metric(wid, 1.0 if state.healthy else 0.0)
+            inflight.add_metric(wid, state.inflight_requests)
+            tokens.add_metric(wid, state.inflight_tokens)
+            inputs.add_metric(wid, state.input_tokens)
+            matched.add_metric(wid, state.matched_tokens)
+        yield from (healthy, inflight, tokens, inputs, matched)
+
+
+class _StateCollector(Collector):
+    """Store health and build information, read at scrape time."""
+
+    def __init__(self, store_up: Callable[[], bool], store_outages: Callable[[], int]) -> None:
+        self._store_up = store_up
+        self._store_outages = store_outages
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("gateway_store_up",
+                               "1 while the metadata store answers, 0 during an outage")
+        up.add_metric([], 1.0 if self._store_up() else 0.0)
+        outages = CounterMetricFamily("gateway_store_outages",
+                                      "times the metadata store became unreachable")
+        outages.add_metric([], self._store_outages())
+        info = InfoMetricFamily("gateway_build", "version of the gateway and its Python")
+        info.add_metric([], {"version": build_version(),
+                             "python": platform.python_version()})
+        yield from (up, outages, info)
+
+
+class GatewayMetrics:
+    def __init__(self, pool: WorkerPool) -> None:
+        self._store_up: Callable[[], bool] = lambda: True
+        self._store_outages: Callable[[], int] = lambda: 0
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "gateway_requests", "requests routed, by policy and outcome",
+            ["policy", "outcome"], registry=self.registry,
+        )
+        self.decisions = Counter(
+            "gateway_route_decisions", "routing decisions by kind of reason",
+            ["policy", "reason"], registry=self.registry,
+        )
+        self.retries = Counter(
+            "gateway_retries", "requests re-routed after a worker failed before replying",
+            ["worker"], registry=self.registry,
+        )
+        self.decision_seconds = Histogram(
+            "gateway_route_decision_seconds", "time to fingerprint and route one request",
+            registry=self.registry,
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
+        )
+        self.request_seconds = Histogram(
+            "gateway_request_duration_seconds",
+            "end-to-end latency of completion requests, arrival to last byte sent",
+            ["policy", "worker"], registry=self.registry, buckets=LATENCY_BUCKETS,
+        )
+        self.ttft_seconds = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "streamed requests: arrival to the first byte of the answer relayed to the client",
+            ["policy", "worker"], registry=self.registry, buckets=LATENCY_BUCKETS,
+        )
+        self.upstream_seconds = Histogram(
+            "gateway_upstream_duration_seconds",
+            "one attempt at a worker: request sent to last byte received (or failure)",
+            ["policy", "worker"], registry=self.registry, buckets=LATENCY_BUCKETS,
+        )
+        self.errors = Counter(
+            "gateway_errors", "error responses the gateway itself produced, by status and code",
+            ["status", "code"], registry=self.registry,
+        )
+        self.predicted_tokens = Counter(
+            "gateway_predicted_cached_tokens",
+            "prompt tokens the prefix index predicted the chosen worker to hold",
+            ["worker"], registry=self.registry,
+        )
+        self.misses = Counter(
+            "gateway_cache_misses",
+            "requests that reused less of the cache than was possible, by diagnosed cause",
+            ["worker", "cause"], registry=self.registry,
+        )
+        self.registry.register(_PoolCollector(pool))
+        self.registry.register(
+            _StateCollector(lambda: self._store_up(), lambda: self._store_outages()))
+
+    def watch_store(self, up: Callable[[], bool], outages: Callable[[], int]) -> None:
+        """Where ``gateway_store_up`` and ``gateway_store_outages`` read from at scrape time."""
+        self._store_up, self._store_outages = up, outages

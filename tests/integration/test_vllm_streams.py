@@ -1,0 +1,102 @@
+"""Streams to ``vllm+http://`` workers report their cache hits: the gateway asks for
+``stream_options.include_usage`` and holds the usage event back from a client that did not ask.
+
+The upstream here stands in for vLLM's wire behaviour (no ``x-cache-*`` headers; cached tokens
+only in ``usage.prompt_tokens_details``; the usage event only when asked), which our reference
+worker does not have.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import openai
+from aiohttp import web
+
+from tests.conftest import MODEL, StartCluster, free_port, serve
+
+
+class VLLMLike:
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in ("alpha", " beta", " gamma"):
+            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
+                     "choices": [{"index": 0, "text": word, "finish_reason": None}]}
+            # Event boundaries and network chunks need not coincide.
+            data = f"data: {json.dumps(chunk)}\n\n".encode()
+            await response.write(data[:7])
+            await response.write(data[7:])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
+                     "choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 3,
+                                              "total_tokens": 43,
+                                              "prompt_tokens_details": {"cached_tokens": 32}}}
+            await response.write(f"data: {json.dumps(usage)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def app(self) -> web.Application:
+        app = web.Application()
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({})
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text="")
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+
+async def test_vllm_streams_report_hits_without_changing_what_the_client_sees(
+    start_cluster: StartCluster,
+) -> None:
+    upstream = VLLMLike()
+    port = free_port()
+    runner = await serve(upstream.app(), port)
+    try:
+        cluster = await start_cluster(workers=0, worker=(f"vllm+http://127.0.0.1:{port}",))
+        async with aiohttp.ClientSession() as http, http.post(
+            cluster.gateway_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "p", "max_tokens": 3, "stream": True},
+        ) as r:
+            raw = await r.read()
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        assert len(events) == 4  # three tokens and [DONE]: no usage event
+        assert b"usage" not in raw
+        assert upstream.bodies[0]["stream_options"] == {"include_usage": True}
+        # A client that asks gets the usage event, exactly once.
+        async with openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k",
+                                      max_retries=0) as oa:
+            stream = await oa.completions.create(
+                model=MODEL, prompt="p", max_tokens=3, stream=True,
+                stream_options={"include_usage": True})
+            usages = [c.usage async for c in stream if c.usage is not None]
+        assert len(usages) == 1
+        assert usages[0].prompt_tokens_details is not None
+        assert usages[0].prompt_tokens_details.cached_tokens == 32
+        async with aiohttp.ClientSession() as http, http.get(
+            cluster.gateway_url + "/admin/workers"
+        ) as r:
+            view = (await r.json())["workers"][0]
+        # Both streams were seen by telemetry, the one whose client did not ask included.
+        assert view["input_tokens"] == 80
+        assert view["matched_tokens"] == 64
+    finally:
+        await runner.cleanup()
