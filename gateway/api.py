@@ -31,6 +31,8 @@ from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.store.base import StoreUnavailable
 from gateway.telemetry.middleware import record_of
+from gateway.warmup import WarmupStatus
+from gateway.warmup_sources import WarmPrompt
 
 STATE = web.AppKey("state", GatewayState)
 T = TypeVar("T")
@@ -94,8 +96,9 @@ async def prepare(
             cost += tokenized.tokens - prompt_tokens
             prompt_tokens = tokenized.tokens
     else:
+        # The model's version is part of the namespace: prefixes of an old model never match.
         key = fingerprint(parsed.fingerprint_text,
-                          Namespace(tenant=tenant, model=parsed.model,
+                          Namespace(tenant=tenant, model=state.pool.model_identity(parsed.model),
                                     cache_salt=parsed.cache_salt),
                           settings.fingerprint_options())
     route_request = RouteRequest(
@@ -119,6 +122,13 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
                             cache_salt=parsed.cache_salt).seed(),
     )
     identity = request.get(IDENTITY_KEY) or Identity("", "")
+    if state.warmup.sample.samples(identity.tenant):  # opt-in: in this process's memory only
+        # Token-exact keys are not re-derived from text: the sample keeps the key as it is.
+        text = "" if route_request.block_tokens else parsed.fingerprint_text
+        state.warmup.observe(WarmPrompt(path, parsed.body, request[TENANT_KEY], parsed.model,
+                                        route_request.key, text=text,
+                                        cache_salt=parsed.cache_salt,
+                                        namespace=request[NAMESPACE_KEY]), identity.tenant)
     async with request.app[LIMITS_KEY].admitted(identity.tenant, route_request.cost_tokens):
         return await dispatch(state, request, path, forwarded_body(parsed, raw), route_request)
 
@@ -177,6 +187,7 @@ async def admin_workers(request: web.Request) -> web.Response:
     workers = []
     now = time.monotonic()
     for s in state.pool.states():
+        warmup = state.warmup.status.get(s.worker.id)
         workers.append(
             {
                 "id": s.worker.id,
@@ -200,12 +211,24 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "cache_source": state.exact.source_of(s.worker.id),
                 "kv_events": state.exact.describe(s.worker.id),
                 "predictions": {"responses": s.predictions, "exact": s.predicted_exactly},
+                # down / warming (left out of routing, or its weight still ramping) / serving
+                "state": _worker_phase(s.healthy, warmup),
+                "warmup": warmup.as_dict() if warmup is not None else None,
+                "versions": dict(s.versions),
             }
         )
     return web.json_response(
         {"policy": state.session.router.name, "index_blocks": len(state.index),
-         "workers": workers, "tokenizer": state.exact.tokenizer_stats()}
+         "workers": workers, "tokenizer": state.exact.tokenizer_stats(),
+         "warming": sorted(state.warmup.warming())}
     )
+
+
+def _worker_phase(healthy: bool, warmup: WarmupStatus | None) -> str:
+    if not healthy:
+        return "down"
+    return "warming" if warmup is not None and warmup.warming else "serving"
+
 
 
 async def admin_rebalance(request: web.Request) -> web.Response:

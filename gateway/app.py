@@ -15,7 +15,7 @@ from prometheus_client import Histogram
 from gateway import explain, ui
 from gateway.api import STATE, add_routes
 from gateway.auth import AUTH_KEY, Auth, KeyStore, TenantHasher, read_secret, tenant_secret
-from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
+from gateway.backends.base import CACHE_CAPACITY_TOKENS, Backend, WorkerProbe
 from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.backends.sagemaker import SageMakerBackend
 from gateway.breaker import BreakerOptions, Breakers
@@ -31,8 +31,10 @@ from gateway.errors import (
 from gateway.guard import ConnectionSlots, UpstreamGuard
 from gateway.kvevents.source import ExactSource
 from gateway.kvevents.tokenize import PromptTokenizer
+from gateway.lifecycle import CacheLifecycle
 from gateway.limits import LIMITS_KEY, Limits
 from gateway.pool import WorkerPool
+from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.routing.policies import build_engine
 from gateway.routing.prefix_index import PrefixIndex
@@ -56,6 +58,8 @@ from gateway.telemetry.middleware import (
 )
 from gateway.telemetry.record import Telemetry
 from gateway.telemetry.tracing import Tracing
+from gateway.warmup import WarmupManager, WarmupOptions
+from gateway.warmup_sources import PromptSample, WarmPrompt, load_warmup_file
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +125,8 @@ async def _probe_all(state: GatewayState, telemetry: Telemetry) -> None:
             state.index.forget_worker(s.worker.id)
         if probe.healthy:
             state.pool.mark_up(s.worker.id, probe.models, probe.metrics)
+            if state.pool.set_versions(s.worker.id, probe.versions):
+                state.lifecycle.version_changed(s.worker)
             capacity = probe.metrics.get(CACHE_CAPACITY_TOKENS, 0.0)
             if capacity > 0:  # the index models the worker's cache at its real size
                 blocks = max(1, int(capacity / state.settings.tokens_per_block()))
@@ -194,6 +200,7 @@ def _resources(
         await state.sync.start()
         await _probe_all(state, telemetry)
         await state.exact.start(state.pool)
+        state.warmup.start()
         tasks = [
             asyncio.create_task(_health_loop(state, telemetry), name="gateway-health"),
             asyncio.create_task(state.rebalancer.run(), name="gateway-rebalance"),
@@ -206,6 +213,9 @@ def _resources(
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await state.prewarmer.stop()
+            await state.lifecycle.stop()
+            await state.warmup.stop()
             await state.exact.close()
             await state.sync.stop()
             await state.store.close()
@@ -254,11 +264,24 @@ def build_exact_source(settings: GatewaySettings, metrics: GatewayMetrics) -> Ex
     )
 
 
+def _warmup_prompts(settings: GatewaySettings, hasher: TenantHasher) -> list[WarmPrompt]:
+    if not settings.warmup_file:
+        return []
+
+    def tenancy(name: str, cache_salt: str) -> tuple[str, str]:
+        # As for a request with the tenant's key: its keyed id, and the namespace from it.
+        tenant_id = hasher.tenant_id(name)
+        return tenant_id, hasher.namespace(tenant_id, cache_salt)
+
+    return load_warmup_file(settings.warmup_file, normalize=settings.normalize_options(),
+                            fingerprint_options=settings.fingerprint_options(), tenancy=tenancy)
+
+
 def create_app(
     settings: GatewaySettings, *, span_exporter: SpanExporter | None = None
 ) -> web.Application:
     """The gateway. ``span_exporter``: export spans there as they end (tests), whatever
-    ``settings.otel_endpoint`` says."""
+    ``settings.otel_endpoint`` says. Raises ``ValueError`` for a bad ``--warmup-file``."""
     index = PrefixIndex(capacity=settings.index_capacity, ttl_s=settings.index_ttl_s)
     pool = WorkerPool(settings.worker, index)
     metrics = GatewayMetrics(pool)
@@ -273,20 +296,40 @@ def create_app(
         max_weight=settings.max_worker_weight,
     )
     engine = build_engine(settings.policy, settings.policy_options())
+    backends: dict[str, Backend] = {
+        "openai": backend,
+        "vllm": _http_backend(settings, namespace_in_body=True),
+        "sagemaker": SageMakerBackend(
+            connect_timeout_s=settings.connect_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
+            max_connections=settings.max_connections,
+        ),
+    }
+
+    def backend_for(worker: Worker) -> Backend:
+        found = backends.get(worker.kind)
+        if found is None:
+            raise LookupError(f"no backend for worker kind {worker.kind!r}")
+        return found
+
+    auth = build_auth(settings)
+    warmup = WarmupManager(
+        pool, index, sync, backend_for,
+        WarmupOptions(
+            enabled=settings.warmup, budget_s=settings.warmup_budget_s,
+            ramp_s=settings.warmup_ramp_s, cache_fraction=settings.warmup_cache_fraction,
+            concurrency=settings.warmup_concurrency, ring_choices=settings.ring_choices,
+            hot_uses=settings.hot_threshold, fingerprint=settings.fingerprint_options(),
+        ),
+        sample=PromptSample(tenants=settings.sampled_tenants()),
+        file_prompts=_warmup_prompts(settings, auth.hasher),
+    )
     state = GatewayState(
         settings=settings,
         pool=pool,
         index=index,
         session=RoutingSession(engine, index, pool, sync, exact=exact),
-        backends={
-            "openai": backend,
-            "vllm": _http_backend(settings, namespace_in_body=True),
-            "sagemaker": SageMakerBackend(
-                connect_timeout_s=settings.connect_timeout_s,
-                read_timeout_s=settings.read_timeout_s,
-                max_connections=settings.max_connections,
-            ),
-        },
+        backends=backends,
         metrics=metrics,
         store=store,
         sync=sync,
@@ -302,6 +345,12 @@ def create_app(
             breakers=Breakers(BreakerOptions(settings.breaker_failures,
                                              settings.breaker_cooldown_s)),
         ),
+        warmup=warmup,
+        lifecycle=CacheLifecycle(pool, backend_for, warmup),
+        prewarmer=PreWarmer(pool, index, warmup.replay, PrewarmOptions(
+            enabled=settings.prewarm, hot_threshold=settings.hot_threshold,
+            fraction=settings.prewarm_fraction,
+        )),
     )
     state.metrics.watch_store(lambda: state.sync.health.available,
                               lambda: state.sync.health.outages)
@@ -310,7 +359,6 @@ def create_app(
         tracing=Tracing.build(settings.tracing_options(), span_exporter),
         access_log=AccessLog(settings.access_log),
     )
-    auth = build_auth(settings)
     app = web.Application(
         middlewares=[telemetry_middleware, cancel_on_disconnect(), error_middleware,
                      auth.middleware],

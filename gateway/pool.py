@@ -74,6 +74,11 @@ class WorkerState:
     predicted_exactly: int = 0  # ... and got exactly right
 
     mean_cost_tokens: float = 0.0  # moving average of the cost of requests routed here
+    # Warm-up (gateway.warmup): left out of routing while it warms, then its ring weight
+    # ramps up by this factor.
+    held_out: bool = False
+    ramp: float = 1.0
+    versions: dict[str, str] = field(default_factory=dict)  # model -> version it reported
 
     def view(self) -> WorkerView:
         """The router's view: what gateways have in flight there, or what the engine itself
@@ -90,7 +95,10 @@ class WorkerState:
             )
             requests = max(requests, int(queued))
             tokens = max(tokens, int(queued * self.mean_cost_tokens))
-        return WorkerView(self.worker, self.healthy, requests, tokens)
+        worker = self.worker
+        if self.ramp != 1.0:
+            worker = dataclasses.replace(worker, weight=worker.weight * self.ramp)
+        return WorkerView(worker, self.healthy and not self.held_out, requests, tokens)
 
 
 class WorkerPool:
@@ -107,6 +115,9 @@ class WorkerPool:
         self._healthy_weight = 0.0
         # Wraps the modelled index for routing (the engine-exact source, gateway.kvevents).
         self.matcher: Callable[[PrefixMatcher, float], PrefixMatcher] | None = None
+        # Called with the worker id when a worker joins or leaves (gateway.warmup).
+        self.on_join: Callable[[str], None] | None = None
+        self.on_leave: Callable[[str], None] | None = None
         for url in urls:
             self.add(url)
 
@@ -133,6 +144,8 @@ class WorkerPool:
             self._stale.add(wid)
             self._rebuild_ring()
             log.info("worker %s joined (%s, %s)", wid, url, source)
+            if self.on_join is not None:
+                self.on_join(wid)
         return wid
 
     def remove(self, wid: str) -> None:
@@ -141,6 +154,8 @@ class WorkerPool:
             self._index.forget_worker(wid)
             self._rebuild_ring()
             log.info("worker %s left", wid)
+            if self.on_leave is not None:
+                self.on_leave(wid)
 
     def set_events(self, wid: str, events: EventEndpoints | None) -> None:
         state = self._workers.get(wid)
@@ -163,6 +178,21 @@ class WorkerPool:
                 self._stale.add(wid)
                 changed = True
         if changed:
+            self._rebuild_ring()
+
+    def set_held_out(self, wid: str, held_out: bool) -> None:
+        """Leave a worker out of routing (it is warming up) or take it back in."""
+        state = self._workers.get(wid)
+        if state is not None and state.held_out != held_out:
+            state.held_out = held_out
+            self._stale.add(wid)
+
+    def set_ramp(self, wid: str, factor: float) -> None:
+        """Scale a worker's ring weight by ``factor`` (a joining worker's ramp to 1)."""
+        state = self._workers.get(wid)
+        if state is not None and abs(state.ramp - factor) > 1e-9:
+            state.ramp = factor
+            self._stale.add(wid)
             self._rebuild_ring()
 
     def set_capacity(self, wid: str, blocks: int) -> None:
@@ -210,6 +240,39 @@ class WorkerPool:
         state.last_error = ""
         if models and models != state.worker.models:
             state.worker = dataclasses.replace(state.worker, models=models)
+
+    def set_versions(self, wid: str, versions: Mapping[str, str]) -> list[str]:
+        """Record the model versions a worker reports; returns the models whose version
+        changed from one it reported before. Their cache is another model's now: whatever the
+        index knew about the worker is dropped."""
+        state = self._workers.get(wid)
+        if state is None or not versions:
+            return []
+        changed = [m for m, v in versions.items() if state.versions.get(m, v) != v]
+        state.versions = dict(versions)
+        if changed:
+            log.warning("worker %s now serves another version of %s: forgetting its cache",
+                        wid, ", ".join(sorted(changed)))
+            self._index.forget_worker(wid)
+        return changed
+
+    def forget_index(self, wid: str) -> None:
+        """Drop what the prefix index knows about ``wid`` (its cache was flushed)."""
+        self._index.forget_worker(wid)
+
+    def model_identity(self, model: str) -> str:
+        """``model`` plus the version most of its healthy workers report (the newest-looking
+        on a tie), for cache namespaces: prefixes keyed under one version never match requests
+        keyed under another. Just ``model`` while no worker reports a version."""
+        counts: dict[str, int] = {}
+        for state in self._workers.values():
+            version = state.versions.get(model) if state.healthy else None
+            if version:
+                counts[version] = counts.get(version, 0) + 1
+        if not counts:
+            return model
+        best = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        return f"{model}@{best}"
 
     def mark_down(self, wid: str, reason: str) -> None:
         state = self._workers.get(wid)
@@ -266,7 +329,8 @@ class WorkerPool:
     @property
     def ring(self) -> Ring:
         if self._ring_dirty:
-            self._ring = Ring({wid: s.worker.weight for wid, s in self._workers.items()})
+            self._ring = Ring(
+                {wid: s.worker.weight * s.ramp for wid, s in self._workers.items()})
             self._ring_dirty = False
         return self._ring
 

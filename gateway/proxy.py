@@ -120,6 +120,8 @@ async def dispatch(
             break
         decision = attempt.decision
         wid = decision.worker_id
+        if session.router.uses_prefix_index:  # a hot prefix near its holder's bound
+            state.prewarmer.after_route(decision, route_request, upstream, tenant, now)
         state.metrics.decision_seconds.observe(time.perf_counter() - started)
         state.metrics.decisions.labels(decision.policy, decision.label).inc()
         guard.breakers.attempt(wid, now)

@@ -187,6 +187,46 @@ class GatewaySettings:
     health_interval_s: float = field(
         default=5.0, metadata=_help("seconds between active health checks of workers")
     )
+    warmup: bool = field(
+        default=True,
+        metadata=_help("warm a joining worker before it takes its full share: replay the "
+                       "prefixes it is about to own as prefill-only requests, then ramp its "
+                       "ring weight (see gateway.warmup)"),
+    )
+    warmup_file: str = field(
+        default="", metadata=_help("JSON lines of OpenAI bodies (system prompts) to replay on "
+                                   "every joining worker; optional 'tenant' per line")
+    )
+    warmup_sample: tuple[str, ...] = field(
+        default=(),
+        metadata=_help("tenants (names as configured with their API keys) whose recent "
+                       "prompts the gateway may keep in memory (never in the store or logs) "
+                       "and replay on joining workers; '*' = every tenant, '-' = requests "
+                       "without an API key; default: none"),
+    )
+    warmup_budget_s: float = field(
+        default=30.0, metadata=_help("most seconds a warm-up may take before the worker serves")
+    )
+    warmup_ramp_s: float = field(
+        default=10.0, metadata=_help("seconds a warmed worker's ring weight takes to grow from "
+                                     "a quarter to its full value")
+    )
+    warmup_cache_fraction: float = field(
+        default=0.5, metadata=_help("share of a joining worker's cache the warm-up may fill")
+    )
+    warmup_concurrency: int = field(
+        default=2, metadata=_help("warm-up requests in flight at once on a joining worker")
+    )
+    prewarm: bool = field(
+        default=True,
+        metadata=_help("predictive pre-warming: when a hot prefix's holder nears its load "
+                       "bound, replay the prefix on the next holder before the spread "
+                       "(see gateway.prewarm)"),
+    )
+    prewarm_fraction: float = field(
+        default=0.8, metadata=_help("share of the holder's load bound at which a hot prefix "
+                                    "is pre-warmed on its next holder")
+    )
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_help("seconds in-flight requests get to finish on shutdown")
     )
@@ -333,6 +373,13 @@ class GatewaySettings:
             raise ValueError("procs must be >= 1")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}")
+        if self.warmup_budget_s < 0 or self.warmup_ramp_s < 0 or self.warmup_concurrency < 1:
+            raise ValueError("warmup_budget_s and warmup_ramp_s must be >= 0, "
+                             "warmup_concurrency >= 1")
+        if not 0.0 < self.prewarm_fraction <= 1.0:
+            raise ValueError("prewarm_fraction must be in (0, 1]")
+        if not 0.0 < self.warmup_cache_fraction <= 1.0:
+            raise ValueError("warmup_cache_fraction must be in (0, 1]")
         if self.access_log not in ACCESS_LOG_MODES:
             raise ValueError(f"access_log must be one of {', '.join(ACCESS_LOG_MODES)}, "
                              f"got {self.access_log!r}")
@@ -381,6 +428,10 @@ class GatewaySettings:
             tenant_concurrency=self.tenant_concurrency, max_inflight=self.max_inflight,
             max_queue=self.max_queue, queue_timeout_s=self.admission_timeout_s,
         )
+
+    def sampled_tenants(self) -> frozenset[str]:
+        """Tenant names of ``warmup_sample`` ('-' is the tenant of requests without a key)."""
+        return frozenset("" if t == "-" else t for t in self.warmup_sample)
 
     def replica_id(self) -> str:
         return self.gateway_id or f"{self.host}:{self.port}:{os.getpid()}"

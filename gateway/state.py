@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from gateway.backends.base import Backend
 from gateway.guard import UpstreamGuard
 from gateway.kvevents.source import ExactSource
+from gateway.lifecycle import CacheLifecycle
 from gateway.pool import WorkerPool
+from gateway.prewarm import PreWarmer
 from gateway.rebalance import Rebalancer
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
@@ -16,6 +18,7 @@ from gateway.settings import GatewaySettings
 from gateway.store.base import MetadataStore
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
+from gateway.warmup import WarmupManager
 
 
 @dataclass(slots=True)
@@ -31,6 +34,9 @@ class GatewayState:
     rebalancer: Rebalancer
     exact: ExactSource  # engine-exact cache knowledge: KV-event feeds, tokenizer
     guard: UpstreamGuard
+    warmup: WarmupManager
+    lifecycle: CacheLifecycle
+    prewarmer: PreWarmer
 
     def backend_for(self, worker: Worker) -> Backend:
         backend = self.backends.get(worker.kind)

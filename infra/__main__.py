@@ -1,7 +1,8 @@
 """``python -m infra``: start and manage the workers the gateway routes to.
 
 local serve                 N workers + a gateway in the foreground until Ctrl-C
-local up|scale|down|status  detached workers that register in the store (gateway --store ...)
+local up|scale|down|status  detached workers that register in the store (gateway --store ...);
+                            scale --gateway URL reports their warm-up until they serve
 sagemaker deploy|scale|weights|autoscale|status|register|teardown
                             SageMaker real-time endpoints (boto3; AWS credentials as usual)
 """
@@ -15,12 +16,31 @@ from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from gateway.backends.sagemaker_target import SageMakerTarget
 from gateway.store.base import StoreUnavailable
-from infra import local_detached, sagemaker
+from infra import local_detached, sagemaker, warming
 from infra.local import DEFAULT_POLICY, LocalCluster, serve
 from infra.sagemaker import DEFAULT_IMAGE, ROUTING_STRATEGIES
 
 _FMT = argparse.ArgumentDefaultsHelpFormatter
+
+
+def _follow_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gateway", default="",
+                        help="a gateway URL: report the new workers' warm-up until they serve")
+    parser.add_argument("--gateway-token", default="",
+                        help="bearer token for the gateway's /admin endpoints, if it needs one")
+    parser.add_argument("--warmup-timeout-s", type=float, default=120.0,
+                        help="stop reporting warm-up after this long")
+
+
+def _follow(args: argparse.Namespace, worker_ids: list[str]) -> int:
+    """With --gateway: print the warm-up progress of ``worker_ids``; 1 if it did not finish."""
+    if not args.gateway or not worker_ids:
+        return 0
+    done = asyncio.run(warming.follow(args.gateway, worker_ids, token=args.gateway_token,
+                                      timeout_s=args.warmup_timeout_s))
+    return 0 if done else 1
 
 
 def _local_parser(targets: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,6 +78,7 @@ def _local_parser(targets: argparse._SubParsersAction[argparse.ArgumentParser]) 
     up.add_argument("--cache-blocks", type=int, default=2048, help="KV blocks per worker")
     sc = detached("scale", "start or stop detached workers until N run")
     sc.add_argument("workers", type=int, help="number of workers wanted")
+    _follow_args(sc)
     detached("down", "stop every detached worker (each deregisters)")
     detached("status", "list the detached workers and their health")
 
@@ -98,6 +119,7 @@ def _sagemaker_parser(targets: argparse._SubParsersAction[argparse.ArgumentParse
     scale = action("scale", "set a variant's instance count")
     scale.add_argument("--variant", required=True, help="variant name")
     scale.add_argument("--instances", type=int, required=True, help="instances wanted")
+    _follow_args(scale)
 
     weights = action("weights", "set variant weights (traffic share without TargetVariant)")
     weights.add_argument("weights", nargs="+", metavar="VARIANT=WEIGHT")
@@ -164,8 +186,12 @@ def _local(args: argparse.Namespace) -> int:
               + ", ".join(w.url for w in state.workers))
         print(f"gateway: python -m gateway --store {state.store}")
     elif args.action == "scale":
+        before = local_detached.load_state(args.run_dir)
+        known = {w.pid for w in before.workers} if before is not None else set()
         state = local_detached.scale(args.run_dir, args.workers)
-        print(f"{len(state.workers)} worker(s) running")
+        print(f"{len(state.workers)} worker(s) running", flush=True)
+        new = [f"{state.host}:{w.port}" for w in state.workers if w.pid not in known]
+        return _follow(args, new)
     elif args.action == "down":
         print(f"stopped {local_detached.down(args.run_dir)} worker(s)")
     else:
@@ -191,6 +217,8 @@ def _sagemaker(args: argparse.Namespace) -> int:
         infra.deploy(spec, wait=not args.no_wait, poll_s=args.poll_s, timeout_s=args.timeout_s)
     elif args.action == "scale":
         infra.scale(args.name, args.variant, args.instances)
+        target = SageMakerTarget(endpoint=args.name, variant=args.variant, region=infra.region)
+        return _follow(args, [target.id])
     elif args.action == "weights":
         weights = {}
         for item in args.weights:

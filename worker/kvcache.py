@@ -57,8 +57,9 @@ cleared. The worker's KV-event publisher (:mod:`worker.kv_events`) is one.
 from __future__ import annotations
 
 import struct
+import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol
@@ -178,7 +179,9 @@ class PrefixCache:
       :meth:`lookup` does not count.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         if block_size < 1:
@@ -197,6 +200,8 @@ class PrefixCache:
             OrderedDict() for _ in Priority
         )
         self._num_evictable = 0
+        self._clock = clock
+        self._released_at = [0.0] * num_blocks  # when a cached block was last released
         self._requests: dict[str, Allocation] = {}
         self.queries_tokens = 0
         self.hit_tokens = 0
@@ -361,6 +366,7 @@ class PrefixCache:
         alloc = self._requests.pop(request_id, None)
         if alloc is None:
             raise KeyError(request_id)
+        now = self._clock()
         # Deepest block first so that it is evicted before its ancestors.
         for block in reversed(alloc.block_ids):
             self._ref[block] -= 1
@@ -371,6 +377,7 @@ class PrefixCache:
             else:
                 self._evictable[self._priority[block]][block] = None
                 self._num_evictable += 1
+                self._released_at[block] = now
 
     def discard(self, block_hash: int) -> bool:
         """Drop one cached, unreferenced block by hash (a priority-eviction or KV-event hook).
@@ -386,6 +393,23 @@ class PrefixCache:
         self._free.append(block)
         self.evicted_blocks += 1
         return True
+
+    def expire(self, max_age_s: float) -> int:
+        """Drop cached, unreferenced blocks no request has used for ``max_age_s`` seconds
+        (a cache TTL); returns how many. Each eviction queue is in release order, so this
+        stops at the first block of a queue that is young enough."""
+        cutoff = self._clock() - max_age_s
+        dropped = 0
+        for queue in self._evictable:
+            while queue:
+                block = next(iter(queue))
+                if self._released_at[block] > cutoff:
+                    break
+                h = self._hash_of[block]
+                if h is None or not self.discard(h):  # never: queued blocks are cached
+                    break
+                dropped += 1
+        return dropped
 
     def clear(self) -> None:
         """Drop all cached (unreferenced) content; referenced blocks are untouched."""

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` as
 server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, vLLM
-names), ``GET /stats`` (the same numbers as JSON, plus ``engine_info``), ``POST /admin/flush``
+names), ``GET /stats`` (the same numbers as JSON, plus ``engine_info``), ``POST /admin/model``
+(swap the served revision, see :mod:`worker.lifecycle`), ``POST /admin/flush``
 (drop cached prefixes: all, or one namespace with ``{"namespace": "..."}``; for model or
 tokenizer upgrades).
 
@@ -51,6 +52,7 @@ from worker.engines.sim import WORDS, SimCosts, SimEngine
 from worker.errors import ApiError, error_middleware
 from worker.kv_events import KVEventPublisher
 from worker.kvcache import PrefixCache
+from worker.lifecycle import IDENTITY_KEY, identity_for, set_model, ttl_context
 from worker.metrics import CONTENT_TYPE, WorkerMetrics
 from worker.observe import RequestTrace
 from worker.parsing import (
@@ -226,6 +228,7 @@ async def models(request: web.Request) -> web.Response:
                     "created": request.app[STARTED_KEY],
                     "owned_by": "worker",
                     "max_model_len": settings.max_model_len,
+                    **request.app[IDENTITY_KEY].as_dict(),
                 }
             ],
         }
@@ -418,6 +421,9 @@ def create_app(
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
     app[TOKENIZER_KEY] = tok
+    app[IDENTITY_KEY] = identity_for(settings, tok)
+    if settings.cache_ttl_s > 0:
+        app.cleanup_ctx.append(ttl_context(_cache_of(engine), settings.cache_ttl_s))
     app.cleanup_ctx.append(_engine_lifetime)
     if settings.kv_events:
         app.cleanup_ctx.append(_kv_events(settings, _cache_of(engine)))
@@ -447,6 +453,7 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_post("/admin/flush", flush)
+    app.router.add_post("/admin/model", set_model)
     if settings.store:
         record = WorkerRecord(
             id=settings.effective_worker_id,

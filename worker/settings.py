@@ -171,6 +171,17 @@ class WorkerSettings:
         default=10_000,
         metadata={"help": "Event batches kept for replay."},
     )
+    model_revision: str = field(
+        default="",
+        metadata={"help": "Model version reported in /v1/models ('revision': a commit, a "
+                  "weights hash); gateways flush this worker's cache and their index when it "
+                  "changes. Empty: derived from the engine (weights file, seed)."},
+    )
+    cache_ttl_s: float = field(
+        default=0.0,
+        metadata={"help": "Drop cached blocks no request has used for this many seconds "
+                  "(0: keep them until evicted)."},
+    )
     registry_ttl_s: float = field(
         default=3.0,
         metadata={"help": "The registry entry expires this long after the last heartbeat, "
@@ -254,6 +265,8 @@ class WorkerSettings:
                                     f"{endpoint!r}")
         if self.kv_events_buffer < 1:
             raise SettingsError("kv_events_buffer must be >= 1")
+        if self.cache_ttl_s < 0:
+            raise SettingsError(f"cache_ttl_s must be >= 0, got {self.cache_ttl_s}")
         if self.heartbeat_s <= 0 or self.registry_ttl_s <= self.heartbeat_s:
             raise SettingsError("need 0 < heartbeat_s < registry_ttl_s")
         try:

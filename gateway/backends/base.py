@@ -31,6 +31,9 @@ class WorkerProbe:
     models: frozenset[str]
     error: str = ""
     metrics: Mapping[str, float] = field(default_factory=dict)  # engine metrics, if scraped
+    # model -> its version as the worker reports it (revision, weights and tokenizer hashes);
+    # absent when the worker says nothing about versions.
+    versions: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

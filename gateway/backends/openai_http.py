@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import aiohttp
 
@@ -69,6 +70,21 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             capacity = 0.0
         if capacity > 0:
             out[CACHE_CAPACITY_TOKENS] = capacity
+    return out
+
+
+def model_versions(entries: list[dict[str, Any]]) -> dict[str, str]:
+    """Model id -> version from ``/v1/models`` entries: our worker's ``revision`` and
+    ``tokenizer_hash``, vLLM's ``root`` (the weights it loaded) when it differs from the id.
+    Models that report none of these are left out."""
+    out: dict[str, str] = {}
+    for m in entries:
+        root = m.get("root")
+        parts = [str(m[k]) for k in ("revision", "tokenizer_hash") if m.get(k)]
+        if isinstance(root, str) and root and root != m["id"]:
+            parts.append(root)
+        if parts:
+            out[str(m["id"])] = "/".join(parts)
     return out
 
 
@@ -231,12 +247,27 @@ class OpenAIHTTPBackend:
             metrics = await self._scrape(worker)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             return WorkerProbe(False, frozenset(), f"{type(exc).__name__}: {exc}")
-        models = frozenset(
-            str(m["id"])
-            for m in payload.get("data", [])
+        entries = [
+            m for m in payload.get("data", [])
             if isinstance(m, dict) and isinstance(m.get("id"), str)
-        ) if isinstance(payload, dict) else frozenset()
-        return WorkerProbe(True, models, metrics=metrics)
+        ] if isinstance(payload, dict) else []
+        models = frozenset(str(m["id"]) for m in entries)
+        return WorkerProbe(True, models, metrics=metrics, versions=model_versions(entries))
+
+    async def invalidate(self, worker: Worker) -> str:
+        """Drop the worker's cached prefixes (its model changed): our worker's
+        ``/admin/flush``, vLLM's ``/reset_prefix_cache`` (served with VLLM_SERVER_DEV_MODE=1).
+        Returns what happened, for the log."""
+        path = "/reset_prefix_cache" if self._namespace_in_body else "/admin/flush"
+        try:
+            async with self._session.post(
+                worker.url + path, timeout=self._probe_timeout,
+                headers=self._credentials(worker),
+            ) as response:
+                await response.read()
+                return f"POST {path}: HTTP {response.status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return f"POST {path} failed: {type(exc).__name__}: {exc}"
 
     async def _scrape(self, worker: Worker) -> dict[str, float]:
         """vLLM's engine metrics from ``/metrics``; empty if the server exposes none."""

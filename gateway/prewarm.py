@@ -1,0 +1,114 @@
+"""Predictive pre-warming: place a hot prefix on its next holder before a request must wait.
+
+The routing policy spreads a hot prefix (many recent requests share it) once its holder is over
+its load bound: the next request goes to the next worker on the anchor's ring walk, which
+prefills the whole prefix on the critical path. The pre-warmer watches the same quantities right
+after each decision: when the chosen worker held the prefix, the prefix is hot, the holder has
+at least ``min_holder_requests`` in flight and its load with this request has reached
+``fraction`` of its bound, the spread is imminent; it then
+replays this request as a prefill-only request (``max_tokens`` 1, the same body and namespace)
+on the first worker of the ring walk that does not hold the prefix, and records it there. When
+the spread happens, the new holder answers from its cache.
+
+At most one pre-warm per prefix at a time and per ``cooldown_s``, and ``max_inflight`` in all;
+the request body is used while the replay is in flight and then dropped (nothing is stored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from gateway.backends.base import UpstreamRequest
+from gateway.pool import WorkerPool
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.types import Decision, RouteRequest
+from gateway.warmup_sources import WarmPrompt
+
+Replay = Callable[[str, WarmPrompt], Awaitable[bool]]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrewarmOptions:
+    enabled: bool = True
+    hot_threshold: float = 8.0  # the routing policy's own threshold for a hot prefix
+    fraction: float = 0.8  # of the holder's load bound at which the spread is imminent
+    cooldown_s: float = 10.0
+    max_inflight: int = 4
+    # The holder must really be busy: with the bound's floor (one request's worth) a holder
+    # serving a single request already sits at its bound, and an engine scrape can show a
+    # request that has just finished; neither means the next request will be spread.
+    min_holder_requests: int = 2
+
+
+class PreWarmer:
+    def __init__(self, pool: WorkerPool, index: PrefixIndex, replay: Replay,
+                 options: PrewarmOptions) -> None:
+        self.pool = pool
+        self.index = index
+        self._replay = replay  # sends one prefill-only request, records it (WarmupManager)
+        self.options = options
+        self.placed = 0  # pre-warms that succeeded
+        self._recent: dict[int, float] = {}  # anchor -> when its last pre-warm started
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def after_route(self, decision: Decision, request: RouteRequest, upstream: UpstreamRequest,
+                    tenant: str, now: float) -> None:
+        """Called once per decision, at time ``now`` (no I/O here; the replay runs as a
+        task). ``upstream`` is the request as it goes to the chosen worker."""
+        opts = self.options
+        depth = decision.match_blocks  # in blocks
+        if not opts.enabled or depth < 1 or decision.load_bound is None:
+            return
+        if len(self._tasks) >= opts.max_inflight:
+            return
+        key = request.key
+        held = bisect.bisect_right(key.depths, depth) if key.depths else depth  # checkpoints
+        if held < 1 or self.index.heat(key.blocks[held - 1], now) < opts.hot_threshold:
+            return
+        if decision.worker.inflight_requests < opts.min_holder_requests:
+            return
+        load = decision.worker.inflight_tokens + request.cost_tokens
+        if load < opts.fraction * (decision.load_bound + request.cost_tokens):
+            return
+        anchor = key.anchor
+        if now - self._recent.get(anchor, -opts.cooldown_s) < opts.cooldown_s:
+            return
+        target = self._next_holder(request, held, now)
+        if target is None:
+            return
+        self._recent[anchor] = now
+        if len(self._recent) > 4096:  # bounded: forget the oldest half
+            for old in sorted(self._recent, key=self._recent.__getitem__)[:2048]:
+                del self._recent[old]
+        prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, key,
+                            namespace=upstream.namespace)
+        task = asyncio.get_running_loop().create_task(self._place(target, prompt))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _next_holder(self, request: RouteRequest, held: int, now: float) -> str | None:
+        matches = self.index.match(request.key.blocks, now)
+        holders = {w for w, count in matches.items() if count >= held}
+        for wid in self.pool.ring.walk(request.key.anchor):
+            if wid in holders or wid not in self.pool:
+                continue
+            state = self.pool.get(wid)
+            if state.healthy and not state.held_out:
+                return wid
+        return None
+
+    async def _place(self, wid: str, prompt: WarmPrompt) -> None:
+        if await self._replay(wid, prompt):
+            self.placed += 1
+            log.debug("pre-warmed a hot prefix on %s", wid)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,296 @@
+"""Warm-up on join: a worker that joins the pool is warmed before it takes its full share.
+
+When a worker joins (a ``--worker`` at start-up, a worker registered in the store, a SageMaker
+variant), the manager marks it *warming*: while another worker can serve, routing leaves it
+out. It then replays, as prefill-only requests (``max_tokens`` 1, no streaming, the same
+normalized body and cache namespace as real traffic), the prompts the worker is about to own
+(:func:`gateway.warmup_sources.plan`: operator prompts, hot prefixes, anchors the ring moves to
+it; most valuable first, within a share of its cache and a time budget), and records each
+replayed prefix in the prefix index as held by it, so routing sends matching requests there
+at once. Then it *ramps*: its ring weight (and so its load bound) grows in steps from a
+quarter to its full value over ``ramp_s``, so the requests it did not warm arrive gradually.
+
+The state of each joining worker (phase, prompts and blocks planned and done, failures, ramp
+factor) is shown per worker in ``/admin/workers`` under ``"warmup"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from gateway.backends.base import Backend, BackendUnavailable, UpstreamRequest
+from gateway.fingerprint import FingerprintOptions
+from gateway.pool import WorkerPool
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.types import Worker
+from gateway.sync import StoreSync
+from gateway.warmup_sources import PlanOptions, PromptSample, WarmPrompt, plan
+
+log = logging.getLogger(__name__)
+
+RAMP_STEPS = (0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupOptions:
+    enabled: bool = True
+    budget_s: float = 30.0  # the most a warm-up may take before the worker serves anyway
+    ramp_s: float = 10.0  # from a quarter of its ring weight to all of it
+    cache_fraction: float = 0.5  # of the worker's cache the warm-up may fill
+    concurrency: int = 2  # replays in flight at once on the joining worker
+    max_prompts: int = 256
+    ring_choices: int = 4
+    hot_uses: float = 8.0
+    health_wait_s: float = 30.0  # how long a joining worker may take to answer its probe
+    fingerprint: FingerprintOptions = field(default_factory=FingerprintOptions)
+
+
+@dataclass(slots=True)
+class WarmupStatus:
+    """What ``/admin/workers`` shows for a worker that joined (JSON via :meth:`as_dict`)."""
+
+    phase: str = "waiting"  # waiting (for its first probe), warming, ramping, ready, failed
+    reason: str = "joined"
+    planned: int = 0
+    planned_blocks: int = 0
+    done: int = 0
+    done_blocks: int = 0
+    failed: int = 0
+    held_out: bool = False
+    ramp: float = 1.0
+    started_at: float = field(default_factory=time.time)  # wall clock, for people
+    finished_at: float | None = None
+    error: str = ""
+
+    @property
+    def warming(self) -> bool:
+        return self.phase in ("waiting", "warming", "ramping")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "warming": self.warming,
+            "reason": self.reason,
+            "planned_prompts": self.planned,
+            "planned_blocks": self.planned_blocks,
+            "done_prompts": self.done,
+            "done_blocks": self.done_blocks,
+            "failed_prompts": self.failed,
+            "progress": (self.done + self.failed) / self.planned if self.planned else 1.0,
+            "held_out": self.held_out,
+            "ramp": self.ramp,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "error": self.error,
+        }
+
+
+class WarmupManager:
+    """Owns the warm-up tasks of joining workers (one per worker, cancelled on leave/stop)."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        index: PrefixIndex,
+        sync: StoreSync,
+        backend_for: Callable[[Worker], Backend],
+        options: WarmupOptions,
+        *,
+        sample: PromptSample | None = None,
+        file_prompts: Sequence[WarmPrompt] = (),
+    ) -> None:
+        self.pool = pool
+        self.index = index
+        self.sync = sync
+        self._backend_for = backend_for
+        self.options = options
+        self.sample = sample if sample is not None else PromptSample()
+        self.file_prompts = tuple(file_prompts)
+        self.status: dict[str, WarmupStatus] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._running = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin watching joins. Workers already in the pool at start-up are warmed from the
+        operator's file, if there is one (with nothing else routable they serve meanwhile)."""
+        self._running = True
+        self.pool.on_join = self.joined
+        self.pool.on_leave = self.left
+        if self.options.enabled and self.file_prompts:
+            for state in self.pool.states():
+                self.joined(state.worker.id, reason="start-up")
+
+    async def stop(self) -> None:
+        self._running = False
+        self.pool.on_join = None
+        self.pool.on_leave = None
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    def joined(self, wid: str, reason: str = "joined") -> None:
+        if not self._running or not self.options.enabled or wid in self._tasks:
+            return
+        self.status[wid] = WarmupStatus(reason=reason)
+        task = asyncio.get_running_loop().create_task(self._warm(wid), name=f"warmup-{wid}")
+        self._tasks[wid] = task
+        task.add_done_callback(self._forget_task)
+
+    def _forget_task(self, task: asyncio.Task[None]) -> None:
+        for wid, t in list(self._tasks.items()):
+            if t is task:
+                del self._tasks[wid]
+
+    def left(self, wid: str) -> None:
+        task = self._tasks.pop(wid, None)
+        if task is not None:
+            task.cancel()
+        self.status.pop(wid, None)
+
+    def warming(self) -> dict[str, WarmupStatus]:
+        return {wid: s for wid, s in self.status.items() if s.warming}
+
+    # -- request path (no I/O) ----------------------------------------------------------------
+    def observe(self, prompt: WarmPrompt, name: str) -> None:
+        """A routed request of the tenant ``name``; kept if that tenant may be sampled."""
+        self.sample.observe(prompt, time.monotonic(), name)
+
+    # -- one worker ---------------------------------------------------------------------------
+    async def _warm(self, wid: str) -> None:
+        status = self.status[wid]
+        try:
+            if not await self._wait_healthy(wid):
+                status.phase, status.error = "failed", "not healthy within the wait"
+                return
+            others = [s for s in self.pool.states()
+                      if s.worker.id != wid and s.healthy and not s.held_out]
+            status.held_out = bool(others)
+            self.pool.set_held_out(wid, status.held_out)
+            status.phase = "warming"
+            prompts = self._plan(wid)
+            status.planned = len(prompts)
+            status.planned_blocks = sum(p.key.total_blocks for p in prompts)
+            if prompts:
+                log.info("warming worker %s: %d prompt(s), %d block(s)", wid, status.planned,
+                         status.planned_blocks)
+            await self._replay_all(wid, prompts, status)
+            status.held_out = False
+            self.pool.set_held_out(wid, False)
+            status.phase = "ramping"
+            await self._ramp(wid, status)
+            status.phase = "ready"
+            log.info("worker %s warmed: %d/%d prompt(s) replayed, %d failed", wid, status.done,
+                     status.planned, status.failed)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a warm-up problem must never keep a worker out for good
+            log.exception("warm-up of %s failed", wid)
+            status.phase, status.error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            status.finished_at = time.time()
+            if wid in self.pool:
+                self.pool.set_held_out(wid, False)
+                self.pool.set_ramp(wid, 1.0)
+            status.held_out, status.ramp = False, 1.0
+
+    async def _wait_healthy(self, wid: str) -> bool:
+        deadline = time.monotonic() + self.options.health_wait_s
+        while wid in self.pool:
+            if self.pool.get(wid).healthy:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return False
+
+    def _plan(self, wid: str) -> list[WarmPrompt]:
+        state = self.pool.get(wid)
+        weights = {s.worker.id: s.worker.weight for s in self.pool.states()}
+        capacity = self.index.capacity(wid)
+        opts = self.options
+        candidates = [
+            p.rekeyed(self.pool.model_identity(p.model), opts.fingerprint)
+            for p in (*self.file_prompts, *self.sample.prompts(time.monotonic()))
+        ]
+        return plan(wid, candidates, weights, state.worker.models, PlanOptions(
+            ring_choices=opts.ring_choices, hot_uses=opts.hot_uses,
+            budget_blocks=capacity * opts.cache_fraction, max_prompts=opts.max_prompts,
+        ))
+
+    async def _replay_all(self, wid: str, prompts: Sequence[WarmPrompt],
+                          status: WarmupStatus) -> None:
+        queue = list(reversed(prompts))  # most valuable first: pop() from the end
+        deadline = time.monotonic() + self.options.budget_s
+
+        async def runner() -> None:
+            while queue and wid in self.pool and time.monotonic() < deadline:
+                prompt = queue.pop()
+                if await self.replay(wid, prompt):
+                    status.done += 1
+                    status.done_blocks += prompt.key.total_blocks
+                else:
+                    status.failed += 1
+
+        workers = max(1, self.options.concurrency)
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(runner() for _ in range(workers))),
+                timeout=max(0.0, deadline - time.monotonic()) + 1.0,
+            )
+        except TimeoutError:
+            status.error = "time budget spent"
+        if queue:
+            status.error = status.error or "time budget spent"
+
+    async def replay(self, wid: str, prompt: WarmPrompt) -> bool:
+        """Send one prefill-only request to ``wid``; on success the index records that the
+        worker holds the prompt's prefix (and the store tells the other replicas)."""
+        if wid not in self.pool:
+            return False
+        worker = self.pool.get(wid).worker
+        upstream = UpstreamRequest(
+            path=prompt.path, body=prompt.replay_body(), namespace=prompt.namespace,
+            anchor=prompt.key.anchor_hex, request_id="warmup",
+            headers={"x-request-id": "warmup"},
+        )
+        try:
+            reply = await self._backend_for(worker).open(worker, upstream)
+        except (BackendUnavailable, LookupError) as exc:
+            log.info("warm-up request to %s failed: %s", wid, exc)
+            return False
+        try:
+            await reply.read()
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+        finally:
+            reply.release()
+        if reply.status != 200:
+            return False
+        key = prompt.key
+        self.index.record(key.blocks, wid, time.monotonic(), key.depths)
+        self.sync.assigned(key, wid)
+        return True
+
+    async def _ramp(self, wid: str, status: WarmupStatus) -> None:
+        steps = RAMP_STEPS if self.options.ramp_s > 0 else (1.0,)
+        pause = self.options.ramp_s / max(1, len(steps) - 1)
+        for i, factor in enumerate(steps):
+            if wid not in self.pool:
+                return
+            status.ramp = factor
+            self.pool.set_ramp(wid, factor)
+            if i < len(steps) - 1:
+                await asyncio.sleep(pause)

@@ -1,0 +1,190 @@
+"""Warm-up on join: a worker registering mid-traffic is warmed before it takes its share.
+
+Real redis-server, reference workers that register in it, a gateway on the store, the official
+openai client for the traffic; everything over 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from gateway.app import create_app as create_gateway
+from gateway.auth import TenantHasher
+from gateway.settings import GatewaySettings
+from infra.warming import follow
+from tests.conftest import FAST_WORKER, MODEL, RedisServer, free_port, serve
+from worker.server import create_app as create_worker
+
+TENANT_KEYS = ("key-alpha", "key-bravo", "key-charlie")
+TENANTS = ("alpha", "bravo", "charlie")
+SECRET = "tenant-secret-for-tests"
+ADMIN = {"x-admin-token": "admin-token-for-tests"}
+
+
+def system_prompt(tenant: int) -> str:
+    return " ".join(f"policy{tenant} clause{j} applies to every order." for j in range(60))
+
+
+def messages(tenant: int, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system_prompt(tenant)},
+            {"role": "user", "content": question}]
+
+
+@dataclasses.dataclass
+class Fleet:
+    redis: RedisServer
+    runners: list[web.AppRunner]  # the workers
+    gateway: str = ""
+    gateway_runner: web.AppRunner | None = None
+
+    async def close(self) -> None:
+        if self.gateway_runner is not None:  # the gateway first: it holds connections
+            await self.gateway_runner.cleanup()
+        for runner in self.runners:
+            await runner.cleanup()
+
+    async def worker(self) -> str:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        settings = dataclasses.replace(
+            FAST_WORKER, port=port, store=self.redis.url, public_url=url,
+            heartbeat_s=0.2, registry_ttl_s=2.0)
+        self.runners.append(await serve(create_worker(settings), port))
+        return url
+
+    async def start_gateway(self, **overrides: Any) -> None:
+        port = free_port()
+        settings = dataclasses.replace(
+            GatewaySettings(port=port, store=self.redis.url, health_interval_s=0.2,
+                            warmup_ramp_s=0.2, tenant_secret=SECRET,
+                            admin_token=ADMIN["x-admin-token"],
+                            api_key=tuple(f"{k}:{t}" for k, t in zip(TENANT_KEYS, TENANTS,
+                                                                     strict=True))),
+            **overrides)
+        self.gateway_runner = await serve(create_gateway(settings), port)
+        self.gateway = f"http://127.0.0.1:{port}"
+
+    async def workers(self) -> dict[str, dict[str, Any]]:
+        async with aiohttp.ClientSession() as http, http.get(
+                self.gateway + "/admin/workers", headers=ADMIN) as r:
+            view: dict[str, Any] = await r.json()
+        return {w["url"]: w for w in view["workers"]}
+
+
+@pytest.fixture
+async def fleet(redis_server: RedisServer) -> AsyncIterator[Fleet]:
+    f = Fleet(redis_server, [])
+    yield f
+    await f.close()
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+async def traffic(gateway: str, rounds: int) -> None:
+    clients = [openai.AsyncOpenAI(base_url=gateway + "/v1", api_key=key, max_retries=0)
+               for key in TENANT_KEYS]
+
+    async def ask(t: int, i: int) -> None:
+        reply = await clients[t].chat.completions.create(
+            model=MODEL, max_tokens=2, messages=messages(t, f"question {i} of tenant {t}"))  # type: ignore[arg-type]
+        assert reply.choices
+
+    for i in range(rounds):
+        await asyncio.gather(*(ask(t, i) for t in range(len(TENANT_KEYS))))
+    for client in clients:
+        await client.close()
+
+
+async def direct_hit(worker: str, tenant: int) -> int:
+    """Matched tokens when the worker gets the tenant's prompt as the gateway forwards it."""
+    hasher = TenantHasher(SECRET.encode())
+    namespace = hasher.namespace(hasher.tenant_id(TENANTS[tenant]), "")
+    async with aiohttp.ClientSession() as http, http.post(
+        worker + "/v1/chat/completions", headers={"x-cache-namespace": namespace},
+        json={"model": MODEL, "max_tokens": 1, "messages": messages(tenant, "a new question")},
+    ) as r:
+        assert r.status == 200
+        return int(r.headers["x-cache-matched-tokens"])
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+async def test_a_joining_worker_is_warmed_with_the_sampled_prompts(
+    fleet: Fleet, warmup: bool
+) -> None:
+    for _ in range(2):
+        await fleet.worker()
+    await fleet.start_gateway(warmup=warmup, warmup_sample=("*",))
+
+    async def two_up() -> bool:
+        return sum(bool(w["healthy"]) for w in (await fleet.workers()).values()) == 2
+
+    await until(two_up)
+    await traffic(fleet.gateway, rounds=10)  # 10 requests per system prompt: all hot
+
+    new = await fleet.worker()
+
+    async def settled() -> bool:
+        w = (await fleet.workers()).get(new)
+        if w is None or not w["healthy"]:
+            return False
+        return not warmup or w["state"] == "serving"
+
+    if warmup:  # what `infra local scale --gateway URL` prints
+        lines: list[str] = []
+        new_id = new.removeprefix("http://")
+        assert await follow(fleet.gateway, [new_id], timeout_s=20, interval_s=0.05,
+                            token=ADMIN["x-admin-token"], out=lines.append)
+        assert lines[-1] == f"{new_id}: serving (warmed 3/3 prompts, " + lines[-1].split(
+            ", ", 1)[1]
+    await until(settled)
+    seen = (await fleet.workers())[new]
+    if warmup:
+        report = seen["warmup"]
+        assert report["phase"] == "ready"
+        assert report["reason"] == "joined"
+        assert report["done_prompts"] == len(TENANT_KEYS)
+        assert report["failed_prompts"] == 0
+        assert seen["modelled_blocks"] > 0
+        # The replay used the normalized text and the tenant's namespace: the worker's own
+        # cache answers the tenant's next request from the warmed prefix.
+        for t in range(len(TENANT_KEYS)):
+            assert await direct_hit(new, t) > 0
+    else:
+        assert seen["warmup"] is None
+        assert all([await direct_hit(new, t) == 0 for t in range(len(TENANT_KEYS))])
+    await traffic(fleet.gateway, rounds=2)  # everyone still served
+
+
+async def test_the_sample_is_off_by_default_so_nothing_is_replayed(fleet: Fleet) -> None:
+    await fleet.worker()
+    await fleet.start_gateway()
+
+    async def one_up() -> bool:
+        return any(w["healthy"] for w in (await fleet.workers()).values())
+
+    await until(one_up)
+    await traffic(fleet.gateway, rounds=9)
+    new = await fleet.worker()
+
+    async def ready() -> bool:
+        w = (await fleet.workers()).get(new)
+        return w is not None and w["warmup"] is not None and w["warmup"]["phase"] == "ready"
+
+    await until(ready)
+    report = (await fleet.workers())[new]["warmup"]
+    assert report["planned_prompts"] == 0
+    assert await direct_hit(new, 0) == 0

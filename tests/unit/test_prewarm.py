@@ -1,0 +1,72 @@
+"""Predictive pre-warming: when a hot prefix's holder nears its bound, the next holder gets it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.backends.base import UpstreamRequest
+from gateway.fingerprint import Namespace, fingerprint
+from gateway.pool import WorkerPool
+from gateway.prewarm import PreWarmer, PrewarmOptions
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.types import Decision, DecisionKind, RouteRequest
+from gateway.warmup_sources import WarmPrompt
+
+URLS = [f"http://10.0.0.{i}:8001" for i in range(1, 5)]
+TEXT = "You are the support desk. " * 40
+
+
+def setup(heat: int) -> tuple[WorkerPool, PrefixIndex, RouteRequest, str]:
+    index = PrefixIndex()
+    pool = WorkerPool(URLS, index)
+    for state in pool.states():
+        pool.mark_up(state.worker.id, frozenset({"m"}))
+    key = fingerprint(TEXT, Namespace(model="m"))
+    request = RouteRequest(key=key, model="m", cost_tokens=300, prompt_tokens=250)
+    holder = pool.ring.owner(key.anchor)
+    assert holder is not None
+    for _ in range(heat):
+        index.record(key.blocks, holder, 0.0, key.depths)
+    return pool, index, request, holder
+
+
+def decision(pool: WorkerPool, holder: str, depth: int, inflight: int, bound: float,
+             requests: int) -> Decision:
+    view = pool.snapshot(0.0).by_id[holder]  # type: ignore[index]
+    view = type(view)(view.worker, True, requests, inflight)
+    return Decision(worker=view, policy="cache_aware", kind=DecisionKind.PREFIX_HIT,
+                    match_blocks=depth, load_bound=bound)
+
+
+async def run(heat: int, inflight: int, depth: int | None = None, calls: int = 1,
+              requests: int = 3) -> list[str]:
+    pool, index, request, holder = setup(heat)
+    placed: list[str] = []
+
+    async def replay(wid: str, prompt: WarmPrompt) -> bool:
+        placed.append(wid)
+        index.record(prompt.key.blocks, wid, 0.0, prompt.key.depths)
+        return True
+
+    warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
+    d = request.key.total_blocks if depth is None else depth
+    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
+    for _ in range(calls):
+        warmer.after_route(decision(pool, holder, d, inflight, 1000.0, requests), request,
+                           upstream, "", 0.0)
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    expected = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+    assert all(w == expected for w in placed)
+    return placed
+
+
+async def test_hot_prefix_near_its_bound_goes_to_the_next_worker_on_the_ring_once() -> None:
+    assert len(await run(heat=10, inflight=900, calls=3)) == 1  # then the cooldown holds
+
+
+async def test_cool_prefix_or_low_load_or_a_miss_is_left_alone() -> None:
+    assert await run(heat=3, inflight=900) == []
+    assert await run(heat=10, inflight=100) == []
+    assert await run(heat=10, inflight=900, depth=0) == []
+    assert await run(heat=10, inflight=900, requests=1) == []  # one request: at the floor
