@@ -24,6 +24,8 @@ from gateway.warmup import WarmupManager
 
 log = logging.getLogger(__name__)
 
+_FLUSH_LEASE_S = 120.0  # longer than the other gateways take to notice the change
+
 
 class CacheLifecycle:
     def __init__(
@@ -44,19 +46,26 @@ class CacheLifecycle:
     async def _invalidate(self, worker: Worker) -> None:
         self.warmup.left(worker.id)  # a warm-up of the old model is worthless now
         self.pool.set_held_out(worker.id, True)
+        versions = self.pool.get(worker.id).versions if worker.id in self.pool else {}
+        epoch = ",".join(f"{m}={v}" for m, v in sorted(versions.items()))
         try:
-            invalidate = getattr(self._backend_for(worker), "invalidate", None)
-            outcome = await invalidate(worker) if invalidate is not None else "nothing to call"
-            log.info("worker %s: cache invalidated after a model change (%s)", worker.id,
-                     outcome)
-            self.invalidations += 1
+            # Gateways sharing a store flush the worker once: a second flush would empty it
+            # again after the first gateway's warm-up had begun.
+            if await self.warmup.first(f"invalidate:{worker.id}:{epoch}", _FLUSH_LEASE_S):
+                invalidate = getattr(self._backend_for(worker), "invalidate", None)
+                outcome = (await invalidate(worker) if invalidate is not None
+                           else "nothing to call")
+                log.info("worker %s: cache invalidated after a model change (%s)", worker.id,
+                         outcome)
+                self.invalidations += 1
+                if worker.id in self.pool:
+                    self.pool.forget_index(worker.id)
         except LookupError as exc:
             log.warning("worker %s: cannot invalidate its cache: %s", worker.id, exc)
         finally:
             if worker.id in self.pool:
-                self.pool.forget_index(worker.id)
                 self.pool.set_held_out(worker.id, False)
-                self.warmup.joined(worker.id, reason="model version changed")
+                self.warmup.joined(worker.id, reason="model version changed", epoch=epoch)
 
     async def stop(self) -> None:
         tasks = list(self._tasks)

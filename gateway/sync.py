@@ -101,6 +101,11 @@ class StoreSync:
         self._tasks: list[asyncio.Task[None]] = []
         self._cursor = ""
 
+    @property
+    def shares_state(self) -> bool:
+        """Other gateways (replicas, or the processes of ``--procs N``) share the store."""
+        return self._shares_state
+
     # -- called on the request path (no I/O) --------------------------------------------------
     def assigned(self, key: PrefixKey, worker_id: str) -> None:
         if self._shares_state and key.blocks:

@@ -12,6 +12,13 @@ quarter to its full value over ``ramp_s``, so the requests it did not warm arriv
 
 The state of each joining worker (phase, prompts and blocks planned and done, failures, ramp
 factor) is shown per worker in ``/admin/workers`` under ``"warmup"``.
+
+Gateways that share a store (replicas on Redis, the processes of ``--procs N`` on their hub)
+warm a joining worker once: each of them notices the join and holds the worker out, but only
+the one that takes the store's lease ``warmup:<worker>`` replays prompts (its replays reach
+the others' prefix indexes through the store, as any routed request does). The others wait
+until the lease says it is done (or it expires: the warming gateway went away, and one of them
+takes over), then ramp the worker up in their own routing.
 """
 
 from __future__ import annotations
@@ -31,12 +38,16 @@ from gateway.fingerprint import FingerprintOptions
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
+from gateway.store.base import StoreUnavailable
 from gateway.sync import StoreSync
 from gateway.warmup_sources import PlanOptions, PromptSample, WarmPrompt, plan
 
 log = logging.getLogger(__name__)
 
 RAMP_STEPS = (0.25, 0.5, 0.75, 1.0)
+_WARMING, _DONE = "warming:", "done:"
+_DONE_TTL_S = 60.0  # how long the other gateways can still see that the warm-up is done
+_FOLLOW_POLL_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +80,8 @@ class WarmupStatus:
     started_at: float = field(default_factory=time.time)  # wall clock, for people
     finished_at: float | None = None
     error: str = ""
+    # The gateway (replica id) that replays the prompts: this one, or another one on the store.
+    warmed_by: str = ""
 
     @property
     def warming(self) -> bool:
@@ -90,6 +103,7 @@ class WarmupStatus:
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "error": self.error,
+            "warmed_by": self.warmed_by,
         }
 
 
@@ -115,6 +129,7 @@ class WarmupManager:
         self.sample = sample if sample is not None else PromptSample()
         self.file_prompts = tuple(file_prompts)
         self.status: dict[str, WarmupStatus] = {}
+        self._epochs: dict[str, str] = {}  # worker -> what its current warm-up is for
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._running = False
 
@@ -141,10 +156,13 @@ class WarmupManager:
                 await task
         self._tasks.clear()
 
-    def joined(self, wid: str, reason: str = "joined") -> None:
+    def joined(self, wid: str, reason: str = "joined", epoch: str = "") -> None:
+        """``wid`` joined (or lost its cache). ``epoch`` tells warm-ups of one worker apart
+        across gateways (the model version it warms for); empty for a join."""
         if not self._running or not self.options.enabled or wid in self._tasks:
             return
         self.status[wid] = WarmupStatus(reason=reason)
+        self._epochs[wid] = epoch
         task = asyncio.get_running_loop().create_task(self._warm(wid), name=f"warmup-{wid}")
         self._tasks[wid] = task
         task.add_done_callback(self._forget_task)
@@ -159,6 +177,7 @@ class WarmupManager:
         if task is not None:
             task.cancel()
         self.status.pop(wid, None)
+        self._epochs.pop(wid, None)
 
     def warming(self) -> dict[str, WarmupStatus]:
         return {wid: s for wid, s in self.status.items() if s.warming}
@@ -180,13 +199,17 @@ class WarmupManager:
             status.held_out = bool(others)
             self.pool.set_held_out(wid, status.held_out)
             status.phase = "warming"
-            prompts = self._plan(wid)
-            status.planned = len(prompts)
-            status.planned_blocks = sum(p.key.total_blocks for p in prompts)
-            if prompts:
-                log.info("warming worker %s: %d prompt(s), %d block(s)", wid, status.planned,
-                         status.planned_blocks)
-            await self._replay_all(wid, prompts, status)
+            if await self._lead(wid, status):
+                try:
+                    prompts = self._plan(wid)
+                    status.planned = len(prompts)
+                    status.planned_blocks = sum(p.key.total_blocks for p in prompts)
+                    if prompts:
+                        log.info("warming worker %s: %d prompt(s), %d block(s)", wid,
+                                 status.planned, status.planned_blocks)
+                    await self._replay_all(wid, prompts, status)
+                finally:
+                    await self._lease(wid, _DONE + self.sync.origin, _DONE_TTL_S, replace=True)
             status.held_out = False
             self.pool.set_held_out(wid, False)
             status.phase = "ramping"
@@ -205,6 +228,45 @@ class WarmupManager:
                 self.pool.set_held_out(wid, False)
                 self.pool.set_ramp(wid, 1.0)
             status.held_out, status.ramp = False, 1.0
+
+    async def _lease(self, wid: str, value: str, ttl_s: float, replace: bool = False) -> str:
+        """The store's warm-up lease for ``wid`` (``value`` itself when no other gateway shares
+        the store or the store cannot be reached: then this gateway warms on its own)."""
+        if not self.sync.shares_state:
+            return value
+        epoch = self._epochs.get(wid, "")
+        name = f"warmup:{wid}" + (f":{epoch}" if epoch else "")
+        try:
+            return await self.sync.store.lease(name, value, ttl_s, replace)
+        except StoreUnavailable:
+            return value
+
+    async def first(self, name: str, ttl_s: float) -> bool:
+        """True for the first gateway on the store to ask for ``name`` within ``ttl_s`` (always
+        for a gateway that shares no store)."""
+        mine = self.sync.origin
+        if not self.sync.shares_state:
+            return True
+        try:
+            return await self.sync.store.lease(name, mine, ttl_s) == mine
+        except StoreUnavailable:
+            return True
+
+    async def _lead(self, wid: str, status: WarmupStatus) -> bool:
+        """True when this gateway replays the prompts; otherwise wait while another one does
+        (until it is done, or its lease lapses and this one takes over)."""
+        mine = _WARMING + self.sync.origin
+        ttl_s = self.options.budget_s + 10.0
+        deadline = time.monotonic() + ttl_s + 5.0
+        while True:
+            held = await self._lease(wid, mine, ttl_s)
+            if held == mine:
+                status.warmed_by = self.sync.origin
+                return True
+            status.warmed_by = held.split(":", 1)[1] if ":" in held else held
+            if held.startswith(_DONE) or time.monotonic() > deadline or wid not in self.pool:
+                return False
+            await asyncio.sleep(_FOLLOW_POLL_S)
 
     async def _wait_healthy(self, wid: str) -> bool:
         deadline = time.monotonic() + self.options.health_wait_s

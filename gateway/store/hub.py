@@ -44,7 +44,7 @@ _STREAM_LIMIT = 10_000  # assignments kept for readers that fall behind (read ev
 _METHODS = frozenset({
     "register_worker", "deregister_worker", "list_workers", "publish_assignments",
     "read_assignments", "recent_assignments", "publish_load", "read_load", "add_telemetry",
-    "read_telemetry", "try_lead", "log_action", "recent_actions",
+    "read_telemetry", "try_lead", "lease", "log_action", "recent_actions",
 })
 
 
@@ -295,6 +295,9 @@ class HubStore:
 
     async def try_lead(self, origin: str, ttl_s: float) -> bool:
         return bool(await self._call("try_lead", origin, ttl_s))
+
+    async def lease(self, name: str, value: str, ttl_s: float, replace: bool = False) -> str:
+        return str(await self._call("lease", name, value, ttl_s, replace))
 
     async def log_action(self, action: Mapping[str, object], keep: int) -> None:
         await self._call("log_action", dict(action), keep)

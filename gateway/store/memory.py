@@ -21,6 +21,7 @@ class MemoryStore:
         self._workers_hits: dict[str, HitCounters] = {}
         self._tenant_hits: dict[str, HitCounters] = {}
         self._actions: deque[dict[str, object]] = deque(maxlen=1000)
+        self._leases: dict[str, tuple[str, float]] = {}
 
     @property
     def url(self) -> str:
@@ -71,6 +72,16 @@ class MemoryStore:
 
     async def try_lead(self, origin: str, ttl_s: float) -> bool:
         return True
+
+    async def lease(self, name: str, value: str, ttl_s: float, replace: bool = False) -> str:
+        now = time.monotonic()
+        held = self._leases.get(name)
+        if held is not None and held[1] > now and not replace:
+            return held[0]
+        if len(self._leases) > 4096:  # bounded: expired leases go first
+            self._leases = {k: v for k, v in self._leases.items() if v[1] > now}
+        self._leases[name] = (value, now + ttl_s)
+        return value
 
     async def log_action(self, action: Mapping[str, object], keep: int) -> None:
         self._actions.append(dict(action))

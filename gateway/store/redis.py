@@ -58,6 +58,14 @@ if holder then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
+_LEASE_SCRIPT = """
+if ARGV[3] ~= '1' then
+  local held = redis.call('GET', KEYS[1])
+  if held then return held end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return ARGV[1]
+"""
 _COUNTER_FIELDS = ("requests", "input_tokens", "matched_tokens", "predicted_tokens",
                    "mispredicted")
 
@@ -332,6 +340,15 @@ class RedisStore:
             result = self._r.eval(_LEAD_SCRIPT, 1, self.key("leader"), origin,
                                   str(int(ttl_s * 1000)))
             return bool(await cast(Awaitable[int], result))
+
+        return await self._call(op)
+
+    async def lease(self, name: str, value: str, ttl_s: float, replace: bool = False) -> str:
+        async def op() -> str:
+            result = self._r.eval(_LEASE_SCRIPT, 1, self.key("lease", name), value,
+                                  str(max(1, int(ttl_s * 1000))), "1" if replace else "0")
+            held = await cast(Awaitable[bytes | str], result)
+            return held.decode() if isinstance(held, bytes) else str(held)
 
         return await self._call(op)
 

@@ -42,12 +42,12 @@ def messages(tenant: int, question: str) -> list[dict[str, str]]:
 class Fleet:
     redis: RedisServer
     runners: list[web.AppRunner]  # the workers
-    gateway: str = ""
-    gateway_runner: web.AppRunner | None = None
+    gateway: str = ""  # the last one started
+    gateway_runners: list[web.AppRunner] = dataclasses.field(default_factory=list)
 
     async def close(self) -> None:
-        if self.gateway_runner is not None:  # the gateway first: it holds connections
-            await self.gateway_runner.cleanup()
+        for gateway in self.gateway_runners:  # the gateways first: they hold connections
+            await gateway.cleanup()
         for runner in self.runners:
             await runner.cleanup()
 
@@ -69,12 +69,12 @@ class Fleet:
                             api_key=tuple(f"{k}:{t}" for k, t in zip(TENANT_KEYS, TENANTS,
                                                                      strict=True))),
             **overrides)
-        self.gateway_runner = await serve(create_gateway(settings), port)
+        self.gateway_runners.append(await serve(create_gateway(settings), port))
         self.gateway = f"http://127.0.0.1:{port}"
 
-    async def workers(self) -> dict[str, dict[str, Any]]:
+    async def workers(self, gateway: str = "") -> dict[str, dict[str, Any]]:
         async with aiohttp.ClientSession() as http, http.get(
-                self.gateway + "/admin/workers", headers=ADMIN) as r:
+                (gateway or self.gateway) + "/admin/workers", headers=ADMIN) as r:
             view: dict[str, Any] = await r.json()
         return {w["url"]: w for w in view["workers"]}
 
@@ -188,3 +188,45 @@ async def test_the_sample_is_off_by_default_so_nothing_is_replayed(fleet: Fleet)
     report = (await fleet.workers())[new]["warmup"]
     assert report["planned_prompts"] == 0
     assert await direct_hit(new, 0) == 0
+
+
+async def worker_stats(worker: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as http, http.get(worker + "/stats") as r:
+        stats: dict[str, Any] = await r.json()
+    return stats
+
+
+async def test_gateways_sharing_a_store_warm_a_joining_worker_once(fleet: Fleet) -> None:
+    for _ in range(2):
+        await fleet.worker()
+    gateways = []
+    for _ in range(2):  # two replicas on one Redis, as `--procs 2` or two hosts run them
+        await fleet.start_gateway(warmup_sample=("*",))
+        gateways.append(fleet.gateway)
+
+    async def two_up() -> bool:
+        views = [await fleet.workers(g) for g in gateways]
+        return all(sum(bool(w["healthy"]) for w in v.values()) == 2 for v in views)
+
+    await until(two_up)
+    for gateway in gateways:  # each replica samples what it routes
+        await traffic(gateway, rounds=10)
+    new = await fleet.worker()
+
+    async def serving_everywhere() -> bool:
+        for gateway in gateways:
+            w = (await fleet.workers(gateway)).get(new)
+            if w is None or w["state"] != "serving" or w["warmup"] is None:
+                return False
+        return True
+
+    await until(serving_everywhere)
+    reports = [(await fleet.workers(g))[new]["warmup"] for g in gateways]
+    warmers = {r["warmed_by"] for r in reports}
+    assert len(warmers) == 1  # both name the same gateway
+    assert "" not in warmers
+    assert sorted(r["done_prompts"] for r in reports) == [0, len(TENANT_KEYS)]
+    # The worker got each sampled prompt once, not once per gateway.
+    assert (await worker_stats(new))["requests_admitted"] == len(TENANT_KEYS)
+    for t in range(len(TENANT_KEYS)):
+        assert await direct_hit(new, t) > 0
