@@ -122,6 +122,8 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
                             cache_salt=parsed.cache_salt).seed(),
     )
     identity = request.get(IDENTITY_KEY) or Identity("", "")
+    # Hashes only: lets prompts a worker exports be keyed for this tenant (gateway.warmup).
+    state.warmup.namespaces.seen(request[NAMESPACE_KEY], request[TENANT_KEY])
     if state.warmup.sample.samples(identity.tenant):  # opt-in: in this process's memory only
         # Token-exact keys are not re-derived from text: the sample keeps the key as it is.
         text = "" if route_request.block_tokens else parsed.fingerprint_text

@@ -239,6 +239,7 @@ def _http_backend(settings: GatewaySettings, *, namespace_in_body: bool) -> Open
         api_keys=worker_keys(settings.worker),
         default_api_key=read_secret(
             settings.worker_api_key, settings.worker_api_key_file, "worker API key"),
+        admin_token=settings.worker_admin_token,
         connect_timeout_s=settings.connect_timeout_s,
         read_timeout_s=settings.read_timeout_s,
         max_connections=settings.max_connections,
@@ -319,7 +320,8 @@ def create_app(
             enabled=settings.warmup, budget_s=settings.warmup_budget_s,
             ramp_s=settings.warmup_ramp_s, cache_fraction=settings.warmup_cache_fraction,
             concurrency=settings.warmup_concurrency, ring_choices=settings.ring_choices,
-            hot_uses=settings.hot_threshold, fingerprint=settings.fingerprint_options(),
+            hot_uses=settings.hot_threshold, peer_prompts=settings.warmup_peers,
+            fingerprint=settings.fingerprint_options(), normalize=settings.normalize_options(),
         ),
         sample=PromptSample(tenants=settings.sampled_tenants()),
         file_prompts=_warmup_prompts(settings, auth.hasher),

@@ -204,6 +204,12 @@ class GatewaySettings:
                        "and replay on joining workers; '*' = every tenant, '-' = requests "
                        "without an API key; default: none"),
     )
+    warmup_peers: int = field(
+        default=64,
+        metadata=_help("prompts to ask each serving worker for when another joins (reference "
+                       "workers with an admin secret export their hottest prompts; the "
+                       "gateway replays them and keeps none); 0: do not ask"),
+    )
     warmup_budget_s: float = field(
         default=30.0, metadata=_help("most seconds a warm-up may take before the worker serves")
     )
@@ -313,6 +319,11 @@ class GatewaySettings:
     worker_api_key_file: str = field(
         default="", metadata=_help("file holding --worker-api-key")
     )
+    worker_admin_token: str = field(
+        default="", repr=False,
+        metadata=_secret("token for workers' /admin/* (cache flush on a model change, hot "
+                         "prompts for a warm-up); default: the worker's API key"),
+    )
     max_worker_weight: float = field(
         default=4.0,
         metadata=_help("most ring weight a registered worker gets from its cache size, as a "
@@ -378,6 +389,8 @@ class GatewaySettings:
                              "warmup_concurrency >= 1")
         if not 0.0 < self.prewarm_fraction <= 1.0:
             raise ValueError("prewarm_fraction must be in (0, 1]")
+        if self.warmup_peers < 0:
+            raise ValueError("warmup_peers must be >= 0")
         if not 0.0 < self.warmup_cache_fraction <= 1.0:
             raise ValueError("warmup_cache_fraction must be in (0, 1]")
         if self.access_log not in ACCESS_LOG_MODES:

@@ -35,12 +35,20 @@ import aiohttp
 
 from gateway.backends.base import Backend, BackendUnavailable, UpstreamRequest
 from gateway.fingerprint import FingerprintOptions
+from gateway.normalize import NormalizeOptions
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
 from gateway.store.base import StoreUnavailable
 from gateway.sync import StoreSync
-from gateway.warmup_sources import PlanOptions, PromptSample, WarmPrompt, plan
+from gateway.warmup_sources import (
+    Namespaces,
+    PlanOptions,
+    PromptSample,
+    WarmPrompt,
+    peer_prompt,
+    plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +69,9 @@ class WarmupOptions:
     ring_choices: int = 4
     hot_uses: float = 8.0
     health_wait_s: float = 30.0  # how long a joining worker may take to answer its probe
+    peer_prompts: int = 64  # asked of each serving worker (its hottest prompts); 0: none
     fingerprint: FingerprintOptions = field(default_factory=FingerprintOptions)
+    normalize: NormalizeOptions = field(default_factory=NormalizeOptions)
 
 
 @dataclass(slots=True)
@@ -82,6 +92,7 @@ class WarmupStatus:
     error: str = ""
     # The gateway (replica id) that replays the prompts: this one, or another one on the store.
     warmed_by: str = ""
+    from_peers: int = 0  # candidate prompts the serving workers exported
 
     @property
     def warming(self) -> bool:
@@ -104,6 +115,7 @@ class WarmupStatus:
             "finished_at": self.finished_at,
             "error": self.error,
             "warmed_by": self.warmed_by,
+            "peer_prompts": self.from_peers,
         }
 
 
@@ -127,6 +139,7 @@ class WarmupManager:
         self._backend_for = backend_for
         self.options = options
         self.sample = sample if sample is not None else PromptSample()
+        self.namespaces = Namespaces()  # fed by the request path: namespace -> tenant id
         self.file_prompts = tuple(file_prompts)
         self.status: dict[str, WarmupStatus] = {}
         self._epochs: dict[str, str] = {}  # worker -> what its current warm-up is for
@@ -201,7 +214,9 @@ class WarmupManager:
             status.phase = "warming"
             if await self._lead(wid, status):
                 try:
-                    prompts = self._plan(wid)
+                    peer = await self._peer_prompts(wid)
+                    status.from_peers = len(peer)
+                    prompts = self._plan(wid, peer)
                     status.planned = len(prompts)
                     status.planned_blocks = sum(p.key.total_blocks for p in prompts)
                     if prompts:
@@ -278,14 +293,42 @@ class WarmupManager:
             await asyncio.sleep(0.05)
         return False
 
-    def _plan(self, wid: str) -> list[WarmPrompt]:
+    async def _peer_prompts(self, wid: str) -> list[WarmPrompt]:
+        """What the serving workers export as their hottest prompts, keyed for this gateway
+        (prompts of namespaces it has not routed are left out)."""
+        limit = self.options.peer_prompts
+        peers = [s.worker for s in self.pool.states()
+                 if s.worker.id != wid and s.healthy and not s.held_out]
+        if limit <= 0 or not peers:
+            return []
+
+        async def ask(worker: Worker) -> list[dict[str, Any]]:
+            try:
+                export = getattr(self._backend_for(worker), "hot_prompts", None)
+            except LookupError:
+                return []
+            if export is None:
+                return []
+            entries: list[dict[str, Any]] = await export(worker, limit)
+            return entries
+
+        out: list[WarmPrompt] = []
+        for entries in await asyncio.gather(*(ask(w) for w in peers)):
+            for entry in entries:
+                prompt = peer_prompt(entry, self.namespaces, normalize=self.options.normalize,
+                                     fingerprint_options=self.options.fingerprint)
+                if prompt is not None:
+                    out.append(prompt)
+        return out
+
+    def _plan(self, wid: str, peer: Sequence[WarmPrompt] = ()) -> list[WarmPrompt]:
         state = self.pool.get(wid)
         weights = {s.worker.id: s.worker.weight for s in self.pool.states()}
         capacity = self.index.capacity(wid)
         opts = self.options
         candidates = [
             p.rekeyed(self.pool.model_identity(p.model), opts.fingerprint)
-            for p in (*self.file_prompts, *self.sample.prompts(time.monotonic()))
+            for p in (*self.file_prompts, *self.sample.prompts(time.monotonic()), *peer)
         ]
         return plan(wid, candidates, weights, state.worker.models, PlanOptions(
             ring_choices=opts.ring_choices, hot_uses=opts.hot_uses,

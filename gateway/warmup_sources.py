@@ -207,6 +207,60 @@ def load_warmup_file(
     return out
 
 
+class Namespaces:
+    """Cache namespace (as workers see it) -> tenant id, for the namespaces recently routed
+    (bounded; both are keyed hashes)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._tenants: OrderedDict[str, str] = OrderedDict()
+
+    def seen(self, namespace: str, tenant_id: str) -> None:
+        tenants = self._tenants
+        if tenants.get(namespace) == tenant_id:
+            tenants.move_to_end(namespace)
+            return
+        tenants[namespace] = tenant_id
+        tenants.move_to_end(namespace)
+        while len(tenants) > self.capacity:
+            tenants.popitem(last=False)
+
+    def tenant_of(self, namespace: str) -> str | None:
+        return self._tenants.get(namespace)
+
+
+def peer_prompt(
+    entry: Mapping[str, Any],
+    namespaces: Namespaces,
+    *,
+    normalize: NormalizeOptions,
+    fingerprint_options: FingerprintOptions,
+) -> WarmPrompt | None:
+    """A prompt a worker exported (``path``, ``body``, ``namespace``, ``uses``), keyed as the
+    request it came from was; None when it cannot be (a namespace this gateway has not routed,
+    a body it would refuse)."""
+    path, body, namespace = entry.get("path"), entry.get("body"), entry.get("namespace")
+    uses = entry.get("uses", 1.0)
+    if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
+        return None
+    if not isinstance(namespace, str) or not isinstance(uses, int | float):
+        return None
+    tenant = namespaces.tenant_of(namespace)
+    if tenant is None:
+        return None
+    try:
+        parse = parse_chat if path == CHAT_PATH else parse_completion
+        parsed = parse(body, normalize)
+    except GatewayError:
+        return None
+    key = fingerprint(parsed.fingerprint_text,
+                      Namespace(tenant=tenant, model=parsed.model, cache_salt=parsed.cache_salt),
+                      fingerprint_options)
+    return WarmPrompt(path, parsed.body, tenant, parsed.model, key, uses=float(uses),
+                      text=parsed.fingerprint_text, cache_salt=parsed.cache_salt,
+                      namespace=namespace)
+
+
 @dataclass(frozen=True, slots=True)
 class PlanOptions:
     ring_choices: int = 4  # the worker gets prefixes whose anchor puts it this early on the ring

@@ -5,7 +5,8 @@ server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prom
 names), ``GET /stats`` (the same numbers as JSON, plus ``engine_info``), ``POST /admin/model``
 (swap the served revision, see :mod:`worker.lifecycle`), ``POST /admin/flush``
 (drop cached prefixes: all, or one namespace with ``{"namespace": "..."}``; for model or
-tokenizer upgrades).
+tokenizer upgrades), ``GET /admin/hot-prompts`` (the prompts it sees most, for a gateway
+warming a new peer; see :mod:`worker.hotprompts`).
 
 SGLang's probes, so that sglang-router / smg accept the worker as a backend: ``GET
 /health_generate``, ``GET /server_info`` and ``/get_server_info`` (model path, context length,
@@ -50,6 +51,7 @@ from worker.auth import auth_middleware
 from worker.engines.base import Engine, EngineUnavailableError
 from worker.engines.sim import WORDS, SimCosts, SimEngine
 from worker.errors import ApiError, error_middleware
+from worker.hotprompts import HOT_PROMPTS_KEY, HotPrompts, export_handler
 from worker.kv_events import KVEventPublisher
 from worker.kvcache import PrefixCache
 from worker.lifecycle import IDENTITY_KEY, identity_for, set_model, ttl_context
@@ -178,7 +180,8 @@ async def _run(request: web.Request, job: Job) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     settings = app[SETTINGS_KEY]
-    params = parse_completion(await _read_body(request), settings.model)
+    body = await _read_body(request)
+    params = parse_completion(body, settings.model)
     token_lists: list[list[int]] = []
     for i, prompt in enumerate(params.prompts):
         param = "prompt" if len(params.prompts) == 1 else f"prompt[{i}]"
@@ -194,13 +197,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
         token_lists=tuple(token_lists),
         namespace=_namespace(request, params.common),
     )
+    if len(params.prompts) == 1 and isinstance(params.prompts[0], str):
+        _sample(request, "/v1/completions", body, job, len(params.prompts[0]))
     return await _run(request, job)
+
+
+def _sample(request: web.Request, path: str, body: dict[str, Any], job: Job, chars: int) -> None:
+    """Keep the request among the hottest prompts (memory only; see worker.hotprompts)."""
+    request.app[HOT_PROMPTS_KEY].observe(
+        path, body, request.headers.get(NAMESPACE_HEADER, ""), job.namespace,
+        job.token_lists[0], chars, time.monotonic())
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     settings = app[SETTINGS_KEY]
-    params = parse_chat(await _read_body(request), settings.model)
+    body = await _read_body(request)
+    params = parse_chat(body, settings.model)
     tokens = await _encode(app[TOKENIZER_KEY], params.prompt, "messages")
     _check_length(settings, app[ENGINE_KEY], tokens, params.common.max_tokens, "messages")
     job = Job(
@@ -213,6 +226,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         namespace=_namespace(request, params.common),
         system_tokens=await _system_tokens(app[TOKENIZER_KEY], params.system_prefix, tokens),
     )
+    _sample(request, "/v1/chat/completions", body, job, len(params.prompt))
     return await _run(request, job)
 
 
@@ -454,6 +468,8 @@ def create_app(
     app.router.add_get("/stats", stats)
     app.router.add_post("/admin/flush", flush)
     app.router.add_post("/admin/model", set_model)
+    app[HOT_PROMPTS_KEY] = HotPrompts(settings.hot_prompts)
+    app.router.add_get("/admin/hot-prompts", export_handler(settings))
     if settings.store:
         record = WorkerRecord(
             id=settings.effective_worker_id,

@@ -177,6 +177,12 @@ class WorkerSettings:
                   "weights hash); gateways flush this worker's cache and their index when it "
                   "changes. Empty: derived from the engine (weights file, seed)."},
     )
+    hot_prompts: int = field(
+        default=64,
+        metadata={"help": "Prefixes whose latest prompt this worker keeps in memory for a "
+                  "gateway warming a new peer (GET /admin/hot-prompts, answered only with "
+                  "--admin-token or --api-key set); 0 keeps none."},
+    )
     cache_ttl_s: float = field(
         default=0.0,
         metadata={"help": "Drop cached blocks no request has used for this many seconds "
@@ -265,6 +271,8 @@ class WorkerSettings:
                                     f"{endpoint!r}")
         if self.kv_events_buffer < 1:
             raise SettingsError("kv_events_buffer must be >= 1")
+        if self.hot_prompts < 0:
+            raise SettingsError(f"hot_prompts must be >= 0, got {self.hot_prompts}")
         if self.cache_ttl_s < 0:
             raise SettingsError(f"cache_ttl_s must be >= 0, got {self.cache_ttl_s}")
         if self.heartbeat_s <= 0 or self.registry_ttl_s <= self.heartbeat_s:

@@ -162,8 +162,10 @@ class OpenAIHTTPBackend:
         namespace_in_body: bool = False,
         api_keys: Mapping[str, str] | None = None,
         default_api_key: str = "",
+        admin_token: str = "",
     ) -> None:
         self._namespace_in_body = namespace_in_body
+        self._admin_token = admin_token  # for workers' /admin/*; else their API key
         self._api_keys = dict(api_keys or {})  # worker id -> key it expects
         self._default_api_key = default_api_key
         self._limits = (max_connections, max_connections_per_worker)
@@ -195,6 +197,11 @@ class OpenAIHTTPBackend:
     def _credentials(self, worker: Worker) -> dict[str, str]:
         key = self._api_keys.get(worker.id, self._default_api_key)
         return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _admin_credentials(self, worker: Worker) -> dict[str, str]:
+        if self._admin_token:
+            return {"Authorization": f"Bearer {self._admin_token}"}
+        return self._credentials(worker)
 
     async def open(self, worker: Worker, request: UpstreamRequest) -> HTTPReply:
         body = request.body
@@ -262,12 +269,31 @@ class OpenAIHTTPBackend:
         try:
             async with self._session.post(
                 worker.url + path, timeout=self._probe_timeout,
-                headers=self._credentials(worker),
+                headers=self._admin_credentials(worker),
             ) as response:
                 await response.read()
                 return f"POST {path}: HTTP {response.status}"
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return f"POST {path} failed: {type(exc).__name__}: {exc}"
+
+    async def hot_prompts(self, worker: Worker, limit: int) -> list[dict[str, Any]]:
+        """The prompts a reference worker sees most (``GET /admin/hot-prompts``), to warm a
+        peer; empty when the worker has none to give (another engine, no admin secret there,
+        not reachable)."""
+        if self._namespace_in_body:  # vLLM keeps no such list
+            return []
+        try:
+            async with self._session.get(
+                worker.url + "/admin/hot-prompts", params={"limit": str(limit)},
+                timeout=self._probe_timeout, headers=self._admin_credentials(worker),
+            ) as response:
+                if response.status != 200:
+                    return []
+                payload = await response.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return []
+        data = payload.get("data") if isinstance(payload, dict) else None
+        return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
 
     async def _scrape(self, worker: Worker) -> dict[str, float]:
         """vLLM's engine metrics from ``/metrics``; empty if the server exposes none."""

@@ -51,12 +51,12 @@ class Fleet:
         for runner in self.runners:
             await runner.cleanup()
 
-    async def worker(self) -> str:
+    async def worker(self, **overrides: Any) -> str:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         settings = dataclasses.replace(
             FAST_WORKER, port=port, store=self.redis.url, public_url=url,
-            heartbeat_s=0.2, registry_ttl_s=2.0)
+            heartbeat_s=0.2, registry_ttl_s=2.0, **overrides)
         self.runners.append(await serve(create_worker(settings), port))
         return url
 
@@ -109,12 +109,18 @@ async def traffic(gateway: str, rounds: int) -> None:
         await client.close()
 
 
-async def direct_hit(worker: str, tenant: int) -> int:
-    """Matched tokens when the worker gets the tenant's prompt as the gateway forwards it."""
+def namespace_of(tenant: int) -> str:
     hasher = TenantHasher(SECRET.encode())
-    namespace = hasher.namespace(hasher.tenant_id(TENANTS[tenant]), "")
+    return hasher.namespace(hasher.tenant_id(TENANTS[tenant]), "")
+
+
+async def direct_hit(worker: str, tenant: int, key: str = "") -> int:
+    """Matched tokens when the worker gets the tenant's prompt as the gateway forwards it."""
+    headers = {"x-cache-namespace": namespace_of(tenant)}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     async with aiohttp.ClientSession() as http, http.post(
-        worker + "/v1/chat/completions", headers={"x-cache-namespace": namespace},
+        worker + "/v1/chat/completions", headers=headers,
         json={"model": MODEL, "max_tokens": 1, "messages": messages(tenant, "a new question")},
     ) as r:
         assert r.status == 200
@@ -230,3 +236,52 @@ async def test_gateways_sharing_a_store_warm_a_joining_worker_once(fleet: Fleet)
     assert (await worker_stats(new))["requests_admitted"] == len(TENANT_KEYS)
     for t in range(len(TENANT_KEYS)):
         assert await direct_hit(new, t) > 0
+
+
+async def hot_prompts(worker: str, key: str = "") -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as http, http.get(
+            worker + "/admin/hot-prompts", headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def test_a_joining_worker_is_warmed_from_its_peers_hottest_prompts(fleet: Fleet) -> None:
+    key = "worker-key-for-tests"  # the workers' secret: their /admin/* answer only with it
+    for _ in range(2):
+        await fleet.worker(api_key=key)
+    await fleet.start_gateway(worker_api_key=key)  # the gateway's own sample stays off
+
+    async def two_up() -> bool:
+        return sum(bool(w["healthy"]) for w in (await fleet.workers()).values()) == 2
+
+    await until(two_up)
+    await traffic(fleet.gateway, rounds=10)
+    serving = list(await fleet.workers())
+    status, body = await hot_prompts(serving[0])
+    assert status == 401  # no secret, no prompt text
+    assert "policy" not in str(body)
+    exported = [e for w in serving for e in (await hot_prompts(w, key))[1]["data"]]
+    assert {e["namespace"] for e in exported} == {namespace_of(t) for t in range(3)}
+    assert all(e["uses"] >= 1 for e in exported)
+
+    new = await fleet.worker(api_key=key)
+
+    async def ready() -> bool:
+        w = (await fleet.workers()).get(new)
+        return w is not None and w["warmup"] is not None and w["warmup"]["phase"] == "ready"
+
+    await until(ready)
+    report = (await fleet.workers())[new]["warmup"]
+    assert report["peer_prompts"] == len(exported)
+    assert report["done_prompts"] >= len(TENANT_KEYS)
+    assert report["failed_prompts"] == 0
+    for t in range(len(TENANT_KEYS)):
+        assert await direct_hit(new, t, key) > 0
+    await traffic(fleet.gateway, rounds=1)
+
+
+async def test_a_worker_without_an_admin_secret_exports_nothing(fleet: Fleet) -> None:
+    worker = await fleet.worker()
+    status, body = await hot_prompts(worker)
+    assert status == 403
+    assert body["error"]["code"] == "forbidden"
