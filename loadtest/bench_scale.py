@@ -98,6 +98,7 @@ class ScaleConfig:
     modes: tuple[str, ...] = ("warmup", "cold")
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
+    logs: Path | None = None  # keep the servers' logs there (default: deleted after the run)
 
 
 @dataclass(slots=True)
@@ -194,6 +195,8 @@ async def _one(http: aiohttp.ClientSession, gateway: str, body: dict[str, Any], 
             ok = r.status == 200 and first is not None
             if r.status != 200:
                 error = f"HTTP {r.status}"
+                if r.status >= 500:  # the gateway's reason, for the report
+                    error += ": " + _error_of(await r.read())[:160]
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         ok, error = False, f"{type(exc).__name__}: {exc}"[:200]
     out.append(Sample(sent - t0, (first or time.monotonic()) - sent, ok, inp, matched, worker,
@@ -417,6 +420,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ScaleConfig, Path]:
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag")
     p.add_argument("--out", type=Path, default=Path("loadtest/out/scale"))
+    p.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
     a = p.parse_args(argv)
     modes = tuple(m for m in a.modes.split(",") if m)
     if not modes or any(m not in ("warmup", "cold") for m in modes):
@@ -426,7 +430,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ScaleConfig, Path]:
         steady_s=a.steady_s, window_s=a.window_s, cache_blocks=a.cache_blocks,
         tenants=a.tenants, max_tokens=a.max_tokens, seed=a.seed, modes=modes,
         worker_args=tuple(a.worker_arg),
-        gateway_args=tuple(a.gateway_arg))
+        gateway_args=tuple(a.gateway_arg), logs=a.logs)
     return config, a.out
 
 
@@ -474,11 +478,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shutil.which("redis-server") is None:
         print("redis-server is needed (workers join through the registry)", file=sys.stderr)
         return 2
-    logs = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    keep = config.logs is not None
+    logs = config.logs if config.logs is not None else Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    logs.mkdir(parents=True, exist_ok=True)
     try:
         results = asyncio.run(run(config, logs))
     finally:
-        shutil.rmtree(logs, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(logs, ignore_errors=True)
     summaries = write_report(results, config, out, command)
     print((out / "report.md").read_text())
     return 0 if all(s["requests"] for s in summaries) else 1
