@@ -6,6 +6,7 @@ import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gateway.config import load_settings
 from gateway.fingerprint import FingerprintOptions
@@ -120,7 +121,9 @@ class GatewaySettings:
     chat_template: str = field(
         default="reference",
         metadata=_help("chat template the served model renders messages with before "
-                       "tokenizing: reference (the reference worker's)"),
+                       "tokenizing: reference (the reference worker's), or the path of the "
+                       "model's tokenizer_config.json or of a Jinja template file (as given to "
+                       "vllm serve --chat-template)"),
     )
     kv_block_size: int = field(
         default=16, metadata=_help("tokens per engine KV block (vLLM --block-size)")
@@ -378,6 +381,8 @@ class GatewaySettings:
         self.fingerprint_options()  # validates the block settings
         TokenizerOptions("", self.kv_block_size, anchor_blocks=self.anchor_blocks,
                          threads=self.tokenize_threads, chat_template=self.chat_template)
+        if self.chat_template != "reference" and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template {self.chat_template!r}: no such file")
         if self.kv_events_max_blocks < 1 or self.kv_pending_ttl_s < 0:
             raise ValueError("kv_events_max_blocks must be >= 1 and kv_pending_ttl_s >= 0")
         if self.procs < 1:

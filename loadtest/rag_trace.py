@@ -1,8 +1,8 @@
 """A synthetic RAG workload: overlapping content in varying order (sizes in 512-token blocks).
 
-The shape that a content-similarity routing hint is meant for: many prompts share most of their
-*content* (the same retrieved chunks) but not their *prefix* (the chunks come in a different
-order), and a worker's KV cache (like vLLM's) only reuses an exact prefix.
+The shape a content-similarity routing hint would be meant for: many prompts share most of
+their *content* (the same retrieved chunks) but not their *prefix* (the chunks come in a
+different order), and a worker's KV cache (like vLLM's) only reuses an exact prefix.
 
 Per tenant: a system prompt of ``system_blocks`` blocks, a pool of ``chunks_per_tenant``
 document chunks of ``chunk_blocks`` blocks each, and ``topics_per_tenant`` topics, each a ranked
@@ -19,20 +19,19 @@ Block ids are *chained* like Mooncake's (``loadtest/traces.py``): the id of a bl
 the whole prefix before it, so a chunk at the same position after a different chunk is a
 different block, and only an exact common prefix is reusable. The unchained *content* ids of
 each request (one per block: the same chunk has the same ids wherever it sits) are kept beside
-the trace for the similarity hint (:mod:`loadtest.sim.similarity`), which in a real gateway would
-shingle the prompt text instead. Deterministic by ``seed``.
+the trace, for :func:`rag_shape` (how much reuse is prefix reuse). Deterministic by ``seed``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
 
-from gateway.fingerprint import FingerprintOptions, PrefixKey
+from gateway.fingerprint import FingerprintOptions
 from loadtest.traces import BLOCK_TOKENS, TraceRequest, prefix_key
 
 _MASK_62 = (1 << 62) - 1
@@ -78,10 +77,6 @@ class RagTrace:
 
     requests: tuple[TraceRequest, ...]
     content: tuple[tuple[int, ...], ...]
-
-    def content_by_key(self) -> Mapping[PrefixKey, tuple[int, ...]]:
-        """Routing key -> content ids (equal keys always have equal content)."""
-        return {r.key: self.content[r.index] for r in self.requests}
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,14 +97,21 @@ class ReplayConfig:
     bucket_s: float = 2.0
     timeout_s: float = 300.0
     extra_worker_args: tuple[str, ...] = ()
+    # Token-exact mode: workers and gateways tokenize with this tokenizer.json (engine blocks
+    # of block_tokens tokens); with kv_events the workers publish their KV events and each
+    # gateway policy also runs as "ours+events:<policy>", fed by them.
+    tokenizer_file: str = ""
+    kv_events: bool = False
 
     @property
     def block_tokens(self) -> int:
         return self.block_chars // 4
 
     def worker_args(self) -> tuple[str, ...]:
+        tokenizer = (("--tokenizer-file", self.tokenizer_file) if self.tokenizer_file
+                     else ("--tokenizer", "chars"))
         return (
-            "--tokenizer", "chars", "--block-size", str(self.block_tokens),
+            *tokenizer, "--block-size", str(self.block_tokens),
             "--max-running", str(self.max_running),
             "--prefill-us-per-token", str(self.prefill_us_per_token),
             "--prefill-us-per-cached-token", str(self.cached_us_per_token),
@@ -136,6 +143,8 @@ class RunResult:
     p99_ms: float
     cpu_s_per_1k: float | None
     seconds: float
+    # Share of responses whose cached tokens the gateway predicted exactly (/admin/workers).
+    exact_predictions: float | None = None
     per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
     # The gateway's rebalance actions (/admin/rebalance), "t" = seconds into the run.
@@ -160,6 +169,14 @@ class Fleet:
         if config.misreport_worker is not None:
             self.commands[config.misreport_worker] += [
                 "--reported-cache-blocks", str(2 * config.cache_blocks)]
+        # Each worker's KV-event endpoints, as a gateway's --worker URL fragment.
+        self.event_fragments: list[str] = []
+        if config.kv_events:
+            ports = free_port_block(2 * config.workers)
+            for i, command in enumerate(self.commands):
+                events, replay = (f"tcp://{HOST}:{ports + 2 * i + j}" for j in (0, 1))
+                command += ["--kv-events", events, "--kv-replay", replay]
+                self.event_fragments.append(f"#kv-events={events}&kv-replay={replay}")
         self.logs = logs
         self.procs: list[asyncio.subprocess.Process | None] = [None] * config.workers
 
@@ -265,8 +282,11 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
         cpu_s = process_cpu_seconds(pid) - cpu0 if pid and cpu0 is not None else None
         if restarter is not None:
             await restarter
-        actions = await rebalance_actions(session, url, wall) if router.startswith("ours") else []
+        ours = router.startswith("ours")
+        actions = await rebalance_actions(session, url, wall) if ours else []
+        exact = await exact_predictions(session, url) if ours else None
     result = summarize(router, repeat, replies, seconds, pooled, cpu_s, worker_ids, config)
+    result.exact_predictions = exact
     result.timeline = timeline(replies, started, config.bucket_s, config.block_tokens)
     result.rebalance = actions
     return result
@@ -285,19 +305,45 @@ async def rebalance_actions(session: aiohttp.ClientSession, url: str,
     return []
 
 
-@contextlib.asynccontextmanager
-async def gateway_running(fleet: Fleet, policy: str) -> AsyncIterator[tuple[str, int]]:
-    """A fresh gateway with ``policy`` in front of the fleet: (URL, pid)."""
-    cluster = fleet.cluster
-    cmd = [*LocalCluster(
+async def exact_predictions(session: aiohttp.ClientSession, url: str) -> float | None:
+    """The share of responses whose cached tokens the gateway predicted exactly."""
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+        async with session.get(url + "/admin/workers") as response:
+            data = await response.json()
+        rows = [w.get("predictions") or {} for w in data.get("workers", [])]
+        responses = sum(int(r.get("responses", 0)) for r in rows)
+        return sum(int(r.get("exact", 0)) for r in rows) / responses if responses else None
+    return None
+
+
+def gateway_command(fleet: Fleet, policy: str, events: bool = False) -> list[str]:
+    """The gateway's command line: ``policy`` over the fleet; with the fleet's tokenizer
+    (token-exact keys) and, with ``events``, its workers' KV-event feeds."""
+    cluster, config = fleet.cluster, fleet.config
+    cmd = LocalCluster(
         host=cluster.host, gateway_port=cluster.gateway_port,
         worker_base_port=cluster.worker_base_port, workers=cluster.workers, policy=policy,
-    ).gateway_command()]
+    ).gateway_command()
+    if config.tokenizer_file:
+        cmd += ["--tokenizer-file", config.tokenizer_file,
+                "--kv-block-size", str(config.block_tokens)]
+    if events:
+        urls = dict(zip(fleet.urls, fleet.event_fragments, strict=True))
+        cmd = [a + urls[a] if a in urls else a for a in cmd]
+    return cmd
+
+
+@contextlib.asynccontextmanager
+async def gateway_running(fleet: Fleet, policy: str,
+                          events: bool = False) -> AsyncIterator[tuple[str, int]]:
+    """A fresh gateway with ``policy`` in front of the fleet: (URL, pid)."""
+    cluster = fleet.cluster
+    cmd = gateway_command(fleet, policy, events)
     procs: list[asyncio.subprocess.Process] = []
     url = f"http://{cluster.host}:{cluster.gateway_port}"
     try:
-        await start_server(cmd, url, fleet.logs / f"gateway-{policy}.log", procs,
-                           START_TIMEOUT_S)
+        await start_server(cmd, url, fleet.logs / f"gateway-{policy}{'-ev' * events}.log",
+                           procs, START_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             await wait_all_workers_up(session, url, cluster.workers, START_TIMEOUT_S)
         yield url, procs[0].pid
@@ -361,13 +407,17 @@ async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
         ids = [url.removeprefix("http://") for url in fleet.urls]
         try:
             async with fleet.running():
-                for router in [*(f"ours:{p}" for p in policies), *peers]:
+                evented = [f"ours+events:{p}" for p in policies] if config.kv_events else []
+                for router in [*(f"ours:{p}" for p in policies), *evented, *peers]:
                     async with aiohttp.ClientSession() as session:
                         await fleet.flush(session)
                     print(f"[replay] repeat {r + 1}/{repeats}: {router} ({len(bodies)} "
                           "requests) ...", file=sys.stderr, flush=True)
-                    if router.startswith("ours:"):
-                        async with gateway_running(fleet, router[5:]) as (url, pid):
+                    if router.startswith("ours"):
+                        name, _, policy = router.partition(":")
+                        async with gateway_running(
+                            fleet, policy, events=name == "ours+events"
+                        ) as (url, pid):
                             res = await measure(router, r, url, pid, fleet, bodies, pooled,
                                                 config, ids, restart=True)
                     else:
@@ -387,7 +437,7 @@ async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
 
 MEDIAN_KEYS = ("block_hit_rate", "hit_over_bound", "routed_max_over_mean",
                "requests_max_over_mean", "prefill_max_over_mean", "p50_ms", "p99_ms",
-               "cpu_s_per_1k")
+               "cpu_s_per_1k", "exact_predictions")
 
 
 def medians(results: Sequence[RunResult]) -> list[dict[str, Any]]:
@@ -473,6 +523,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write timeline.json and timeline.png (per-worker hit rate and "
                    "mispredictions over time) per run into DIR")
     p.add_argument("--bucket", type=float, default=2.0, help="timeline: seconds per point")
+    p.add_argument("--tokenizer-file", default="",
+                   help="workers and gateways tokenize with this tokenizer.json (python -m "
+                   "loadtest.tiny_tokenizer OUT makes one): token-exact keys; hit rates count "
+                   "engine blocks of block-chars/4 tokens")
+    p.add_argument("--kv-events", action="store_true",
+                   help="workers publish KV events; every policy also runs as "
+                   "ours+events:<policy> (needs --tokenizer-file)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -494,6 +551,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
                 "--max-running must be >= 1")
     if args.block_chars < 64 or args.block_chars % 64:
         p.error("--block-chars must be a multiple of 64 (the gateway's block)")
+    if args.kv_events and not args.tokenizer_file:
+        p.error("--kv-events needs --tokenizer-file (events are keyed by token ids)")
     def at(flag: str, text: str | None) -> tuple[int, float] | None:
         if not text:
             return None
@@ -519,6 +578,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         decode_ms_per_token=args.decode_ms_per_token, max_running=args.max_running,
         report_cache_size=args.report_cache_size, misreport_worker=args.misreport_worker,
         restart_worker=restart, flush_worker=flush, bucket_s=args.bucket,
+        tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
     )
 
 

@@ -4,8 +4,7 @@
 
 * ``--trace``: a Mooncake jsonl trace (default: the bundled conversation trace);
   ``--synthetic N`` generates a multi-tenant chat trace of N requests instead, ``--rag N`` a
-  RAG trace (:mod:`loadtest.rag_trace`; ``--similarity`` adds the MinHash-LSH hint of
-  :mod:`loadtest.sim.similarity` to the policy, as one more row with ``all``).
+  RAG trace (:mod:`loadtest.rag_trace`).
 * ``--policy``: any gateway policy (``gateway.routing.policies.POLICY_NAMES``), ``oracle`` (the
   full-knowledge reference) or ``all`` (every one of them side by side, as a markdown table).
 * ``--ring-seeds S [S ...]``: run each policy once per ring seed (another set of worker names,
@@ -25,11 +24,10 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from gateway.fingerprint import PrefixKey
 from gateway.settings import GatewaySettings
 from loadtest.rag_trace import rag_spec, rag_trace
 from loadtest.sim.cluster import DEFAULT_COSTS, Mode, SimConfig, pooled_bound, simulate
@@ -42,7 +40,6 @@ from loadtest.sim.report import (
     seed_summary,
 )
 from loadtest.sim.routers import policy_names
-from loadtest.sim.similarity import SimilarityUnavailable, similarity_metrics
 from loadtest.traces import (
     DEFAULT_TRACE_DIR,
     SyntheticSpec,
@@ -68,9 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="generate a synthetic RAG trace of N requests (loadtest.rag_trace)")
     p.add_argument("--rag-option", action="append", default=[], metavar="NAME=VALUE",
                    help="rag: set a field of loadtest.rag_trace.RagSpec (repeatable)")
-    p.add_argument("--similarity", nargs="?", const="cold", choices=("cold", "tiebreak"),
-                   help="rag: add the MinHash-LSH similarity hint to the policy (cache_aware "
-                        "with 'all'); needs datasketch. Mode cold (default) or tiebreak")
     p.add_argument("--tenants", type=int, default=256, help="synthetic: tenants (system prompts)")
     p.add_argument("--rate", type=float, default=20.0, help="synthetic: arrivals per second")
     p.add_argument("--seed", type=int, default=0, help="synthetic: seed")
@@ -147,7 +141,6 @@ def _run_one(requests: Sequence[TraceRequest], config: SimConfig, pooled: float)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    content: Mapping[PrefixKey, Sequence[int]] | None = None
     if args.synthetic is not None:
         spec = SyntheticSpec(requests=args.synthetic, tenants=args.tenants,
                              rate_per_s=args.rate, seed=args.seed)
@@ -159,7 +152,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, TypeError) as exc:
             parser.error(str(exc))
         requests = list(rag.requests)
-        content = rag.content_by_key()
         source = f"rag({', '.join([str(args.rag), f'seed={args.seed}', *args.rag_option])})"
     else:
         path = args.trace or DEFAULT_TRACE
@@ -167,11 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         source = str(path)
     if args.limit is not None:
         requests = requests[: args.limit]
-    if args.similarity is not None and content is None:
-        parser.error("--similarity needs --rag (a trace with the prompts' content ids)")
     policies = policy_names() if args.policy == "all" else (args.policy,)
-    if args.similarity is not None and args.policy != "all":
-        policies = ()  # the one row is the policy with the hint, below
     try:
         configs = [
             dataclasses.replace(config_from_args(args, name), ring_seed=seed)
@@ -187,14 +175,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = [f.result() for f in futures]
     else:
         rows = [_run_one(requests, cfg, pooled) for cfg in configs]
-    if args.similarity is not None and content is not None:
-        base = "cache_aware" if args.policy == "all" else args.policy
-        try:
-            row = similarity_metrics(requests, content, config_from_args(args, base),
-                                     args.similarity, pooled)
-        except (SimilarityUnavailable, ValueError) as exc:
-            parser.error(str(exc))
-        rows = [*rows, row] if args.policy == "all" else [row]
     for row in rows:
         row["trace"] = source
     summary = seed_summary(rows) if len(args.ring_seeds) > 1 else []

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from worker.chat import ChatFormatError, render_chat, render_system_prefix
+from gateway.contracts.chat import ChatFormatError
+from gateway.contracts.chat_template import ChatTemplate, ReferenceTemplate
 from worker.errors import ApiError
 from worker.kvcache import Priority
 
@@ -32,6 +33,8 @@ class CommonParams:
 class CompletionParams:
     common: CommonParams
     prompts: tuple[Prompt, ...]
+    special_tokens: bool = True
+    """Text prompts get the tokenizer's special tokens (BOS), as vLLM's completions do."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class ChatParams:
     prompt: str
     system_prefix: str = ""
     """The leading system messages (and tools) as rendered: a string prefix of ``prompt``."""
+    special_tokens: bool = False
+    """Add special tokens on top of the template's (vLLM's ``add_special_tokens``)."""
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -210,10 +215,18 @@ def parse_prompts(value: Any) -> tuple[Prompt, ...]:
 
 def parse_completion(body: Mapping[str, Any], served_model: str) -> CompletionParams:
     common = parse_common(body, served_model, max_tokens_params=("max_tokens",))
-    return CompletionParams(common=common, prompts=parse_prompts(body.get("prompt")))
+    return CompletionParams(
+        common=common, prompts=parse_prompts(body.get("prompt")),
+        special_tokens=body.get("add_special_tokens") is not False,
+    )
 
 
-def parse_chat(body: Mapping[str, Any], served_model: str) -> ChatParams:
+def parse_chat(
+    body: Mapping[str, Any], served_model: str, template: ChatTemplate | None = None
+) -> ChatParams:
+    """``template``: the chat template (the reference one by default); the request's
+    ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` apply."""
+    template = template if template is not None else ReferenceTemplate()
     common = parse_common(
         body, served_model, max_tokens_params=("max_completion_tokens", "max_tokens")
     )
@@ -229,9 +242,20 @@ def parse_chat(body: Mapping[str, Any], served_model: str) -> ChatParams:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _type_error("tools", "a list")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _type_error("chat_template_kwargs", "an object")
     try:
-        prompt = render_chat(messages, tools)
-        system_prefix = render_system_prefix(messages, tools)
+        prompt = template.render(
+            messages, tools,
+            add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+            continue_final_message=body.get("continue_final_message") is True,
+            extra=kwargs,
+        )
+        system_prefix = template.render_system_prefix(messages, tools)
     except ChatFormatError as exc:
         raise ApiError(str(exc), param=exc.param, code="invalid_value") from exc
-    return ChatParams(common=common, prompt=prompt, system_prefix=system_prefix)
+    return ChatParams(
+        common=common, prompt=prompt, system_prefix=system_prefix,
+        special_tokens=body.get("add_special_tokens") is True,
+    )

@@ -43,6 +43,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from gateway.contracts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from gateway.contracts.disconnect import cancel_on_disconnect
 from gateway.kvevents.keys import engine_namespace
 from gateway.store.base import WorkerRecord
@@ -67,11 +68,12 @@ from worker.parsing import (
 from worker.register import registration
 from worker.respond import Job, respond_stream, respond_whole
 from worker.settings import SIM_DEFAULT_CACHE_BLOCKS, WorkerSettings
-from worker.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from worker.tokenizer import HFTokenizer, Tokenizer, TokenizerUnavailableError, load_tokenizer
 
 SETTINGS_KEY = web.AppKey("worker_settings", WorkerSettings)
 ENGINE_KEY = web.AppKey("worker_engine", Engine)
 TOKENIZER_KEY = web.AppKey("worker_tokenizer", Tokenizer)
+CHAT_TEMPLATE_KEY = web.AppKey("worker_chat_template", ChatTemplate)
 METRICS_KEY = web.AppKey("worker_metrics", WorkerMetrics)
 STARTED_KEY = web.AppKey("worker_started", int)
 BOOT_ID_KEY = web.AppKey("worker_boot_id", str)
@@ -97,13 +99,15 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
     return decode_body(raw)
 
 
-async def _encode(tokenizer: Tokenizer, prompt: Prompt, param: str) -> list[int]:
+async def _encode(
+    tokenizer: Tokenizer, prompt: Prompt, param: str, special: bool = False
+) -> list[int]:
     if not isinstance(prompt, str):
         return list(prompt)
     try:
         if len(prompt) > THREAD_TOKENIZE_CHARS:
-            return await asyncio.to_thread(tokenizer.encode, prompt)
-        return tokenizer.encode(prompt)
+            return await asyncio.to_thread(tokenizer.encode, prompt, special=special)
+        return tokenizer.encode(prompt, special=special)
     except ValueError as exc:
         raise ApiError(str(exc), param=param, code="invalid_value") from exc
 
@@ -185,7 +189,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     token_lists: list[list[int]] = []
     for i, prompt in enumerate(params.prompts):
         param = "prompt" if len(params.prompts) == 1 else f"prompt[{i}]"
-        tokens = await _encode(app[TOKENIZER_KEY], prompt, param)
+        tokens = await _encode(app[TOKENIZER_KEY], prompt, param, params.special_tokens)
         _check_length(settings, app[ENGINE_KEY], tokens, params.common.max_tokens, param)
         token_lists.append(tokens)
     job = Job(
@@ -213,8 +217,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     settings = app[SETTINGS_KEY]
     body = await _read_body(request)
-    params = parse_chat(body, settings.model)
-    tokens = await _encode(app[TOKENIZER_KEY], params.prompt, "messages")
+    params = parse_chat(body, settings.model, app[CHAT_TEMPLATE_KEY])
+    tokens = await _encode(app[TOKENIZER_KEY], params.prompt, "messages", params.special_tokens)
     _check_length(settings, app[ENGINE_KEY], tokens, params.common.max_tokens, "messages")
     job = Job(
         kind="chat",
@@ -435,6 +439,10 @@ def create_app(
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
     app[TOKENIZER_KEY] = tok
+    try:
+        app[CHAT_TEMPLATE_KEY] = load_chat_template(settings.chat_template)
+    except ChatTemplateError as exc:
+        raise TokenizerUnavailableError(str(exc)) from exc
     app[IDENTITY_KEY] = identity_for(settings, tok)
     if settings.cache_ttl_s > 0:
         app.cleanup_ctx.append(ttl_context(_cache_of(engine), settings.cache_ttl_s))

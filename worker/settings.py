@@ -82,6 +82,12 @@ class WorkerSettings:
         metadata={"help": "Optional local HuggingFace tokenizers JSON (needs the 'tokenizers' "
                   "package). Empty: built-in deterministic hash tokenizer (~3-4 chars/token)."},
     )
+    chat_template: str = field(
+        default="reference",
+        metadata={"help": "Chat template: 'reference' (this worker's format), or the path of "
+                  "a model's tokenizer_config.json or of a Jinja template file, rendered as "
+                  "vLLM renders it (--chat-template)."},
+    )
     max_model_len: int = field(
         default=32768,
         metadata={"help": "Most tokens per sequence (prompt + max_tokens); longer requests "

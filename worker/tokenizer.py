@@ -46,7 +46,9 @@ class Tokenizer(Protocol):
     @property
     def name(self) -> str: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        """Token ids; ``special``: add the tokenizer's special tokens (BOS) where it has any."""
+        ...
 
 
 class TokenizerUnavailableError(RuntimeError):
@@ -75,8 +77,8 @@ class HashTokenizer:
                 out.extend(piece[i : i + CHUNK_CHARS] for i in range(0, len(piece), CHUNK_CHARS))
         return out
 
-    def encode(self, text: str) -> list[int]:
-        vocab = self.vocab_size
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        vocab = self.vocab_size  # no special tokens: ``special`` adds nothing
         # surrogatepass: JSON can carry lone surrogates ("\\ud800"); they must not crash encoding.
         return [
             xxhash.xxh32_intdigest(p.encode("utf-8", "surrogatepass")) % vocab
@@ -116,9 +118,9 @@ class HFTokenizer:
     def name(self) -> str:
         return f"hf:{self._path}"
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
         try:
-            ids: list[int] = list(self._tok.encode(text, add_special_tokens=False).ids)
+            ids: list[int] = list(self._tok.encode(text, add_special_tokens=special).ids)
         except Exception as exc:  # the library raises its own exception types
             raise ValueError(f"cannot tokenize: {exc}") from exc
         return ids

@@ -6,7 +6,9 @@ A sidecar around ``vllm serve``:
    ``--enable-prefix-caching``, ``--prefix-caching-hash-algo sha256_cbor`` (block hashes that
    are reproducible across processes), ``--enable-prompt-tokens-details`` (so responses carry
    ``usage.prompt_tokens_details.cached_tokens``), ``--served-model-name``, host and port, and a
-   fixed ``PYTHONHASHSEED`` (vLLM seeds its first block hash from it);
+   fixed ``PYTHONHASHSEED`` (vLLM seeds its first block hash from it); with ``--kv-events``
+   (and ``--kv-replay``), ``--kv-events-config`` so that vLLM publishes its KV-cache events
+   there, and the registration advertises them to gateways;
 2. waits for ``/health``, reads the KV cache geometry from ``vllm:cache_config_info`` on
    ``/metrics`` (block size and number of blocks = the capacity gateways weight it by);
 3. registers the server in the metadata store (kind ``vllm``) and heartbeats while it runs;
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -56,6 +59,14 @@ def vllm_command(settings: WorkerSettings, args: Sequence[str]) -> list[str]:
     ensure("--enable-prefix-caching")
     ensure("--prefix-caching-hash-algo", "sha256_cbor")
     ensure("--enable-prompt-tokens-details")
+    if settings.kv_events:
+        config: dict[str, object] = {
+            "enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": settings.kv_events, "buffer_steps": settings.kv_events_buffer,
+        }
+        if settings.kv_replay:
+            config["replay_endpoint"] = settings.kv_replay
+        ensure("--kv-events-config", json.dumps(config, separators=(",", ":")))
     return cmd
 
 
@@ -137,6 +148,8 @@ async def launch(settings: WorkerSettings, vllm_args: Sequence[str]) -> int:
                 id=settings.effective_worker_id, url=settings.effective_public_url,
                 models=(settings.model,), capacity_blocks=blocks, block_size=block_size,
                 kind="vllm",
+                kv_events=settings.advertised(settings.kv_events) if settings.kv_events else "",
+                kv_replay=settings.advertised(settings.kv_replay) if settings.kv_replay else "",
             )
             store = RedisStore(settings.store, prefix=settings.store_prefix)
             await store.start()

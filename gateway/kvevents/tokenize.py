@@ -5,9 +5,13 @@ downloaded), the gateway turns a request into the token ids its engine will see 
 the same chained hash of token blocks that events are keyed by (:mod:`gateway.kvevents.keys`):
 
 * chat requests are rendered with the model's chat template first (``reference``: the
-  reference worker's template, :mod:`gateway.contracts.chat`), then encoded without added
-  special tokens, as the worker does;
-* a completion ``prompt`` that is one string is encoded; one that is token ids is used as is;
+  reference worker's template; or the model's Jinja template from its ``tokenizer_config.json``,
+  :mod:`gateway.contracts.chat_template`), honouring the request's ``add_generation_prompt``,
+  ``continue_final_message`` and ``chat_template_kwargs``, then encoded without added special
+  tokens unless the request asks for them (vLLM's defaults: the template writes BOS itself);
+* a completion ``prompt`` that is one string is encoded with the tokenizer's special tokens
+  (BOS, from its post-processor) unless ``add_special_tokens`` is false, as vLLM encodes it;
+  one that is token ids is used as is;
 * anything else (several prompts, content the template rejects, text the tokenizer fails on)
   returns None, and the request is keyed by the character fingerprint instead.
 
@@ -28,11 +32,10 @@ from typing import Any
 import tokenizers
 import xxhash
 
-from gateway.contracts.chat import render_chat
+from gateway.contracts.chat import ChatFormatError
+from gateway.contracts.chat_template import ChatTemplateError, load_chat_template
 from gateway.fingerprint import PrefixKey
 from gateway.kvevents.keys import chain_seed, token_block_keys
-
-CHAT_TEMPLATES = ("reference",)
 
 
 class TokenizerError(ValueError):
@@ -46,13 +49,11 @@ class TokenizerOptions:
     max_blocks: int = 4096  # keys per prompt (64k tokens at 16 per block)
     anchor_blocks: int = 4
     threads: int = 2
-    chat_template: str = "reference"
+    chat_template: str = "reference"  # or a tokenizer_config.json / Jinja file path
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_blocks, self.anchor_blocks, self.threads) < 1:
             raise ValueError("block_size, max_blocks, anchor_blocks and threads must be >= 1")
-        if self.chat_template not in CHAT_TEMPLATES:
-            raise ValueError(f"chat_template must be one of {', '.join(CHAT_TEMPLATES)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,10 @@ class PromptTokenizer:
             self._tok = tokenizers.Tokenizer.from_file(opts.path)
         except Exception as exc:  # the library raises its own exception types
             raise TokenizerError(f"cannot load tokenizer {opts.path!r}: {exc}") from exc
+        try:
+            self._template = load_chat_template(opts.chat_template)
+        except ChatTemplateError as exc:
+            raise TokenizerError(str(exc)) from exc
         self.opts = opts
         self.stats = TokenizeStats()
         self._observe = observe
@@ -110,7 +115,7 @@ class PromptTokenizer:
         try:
             ids = self._ids(body, chat)
             out = self.keyed(ids, salt) if ids is not None else None
-        except (ValueError, TypeError, OverflowError):
+        except (ChatFormatError, ValueError, TypeError, OverflowError):
             out = None
         except Exception:  # the tokenizer library raises its own exception types
             out = None
@@ -122,21 +127,29 @@ class PromptTokenizer:
             if not isinstance(messages, list):
                 return None
             tools = body.get("tools")
-            text = render_chat(messages, tools if isinstance(tools, list) else None)
-            return self.encode(text)
+            kwargs = body.get("chat_template_kwargs")
+            text = self._template.render(
+                messages, tools if isinstance(tools, list) else None,
+                add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                continue_final_message=body.get("continue_final_message") is True,
+                extra=kwargs if isinstance(kwargs, Mapping) else None,
+            )
+            return self.encode(text, special=body.get("add_special_tokens") is True)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return self.encode(prompt)
+            return self.encode(prompt, special=body.get("add_special_tokens") is not False)
         if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
         ):
             return list(prompt)
         return None
 
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        """Token ids of ``text``; with ``special``, the tokenizer's post-processor adds its
+        special tokens (BOS)."""
+        ids: list[int] = self._tok.encode(text, add_special_tokens=special).ids
         return ids
 
     def keyed(self, ids: list[int], salt: str) -> TokenizedPrompt:

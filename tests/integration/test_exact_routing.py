@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,17 +32,22 @@ class Setup:
     runners: list[web.AppRunner]
 
 
-@pytest.fixture
-async def setup(tokenizer_file: str) -> AsyncIterator[Setup]:
+async def start(
+    tokenizer_file: str, *, evented: int = 2, plain: int = 1, chat_template: str = "reference",
+    pending_ttl_s: float = 10.0,
+) -> Setup:
+    """``evented`` workers that publish KV events and ``plain`` ones whose cache the gateway
+    models, all with the same tokenizer and chat template as the gateway."""
     runners: list[web.AppRunner] = []
     urls: list[str] = []
     workers: dict[str, str] = {}
-    for i in range(3):
+    for i in range(evented + plain):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         settings = dataclasses.replace(
-            FAST_WORKER, port=port, cache_blocks=96, tokenizer_file=tokenizer_file)
-        if i < 2:  # the third publishes nothing: the gateway models its cache
+            FAST_WORKER, port=port, cache_blocks=96, tokenizer_file=tokenizer_file,
+            chat_template=chat_template)
+        if i < evented:
             ev, rp = free_port(), free_port()
             settings = dataclasses.replace(
                 settings, kv_events=f"tcp://127.0.0.1:{ev}", kv_replay=f"tcp://127.0.0.1:{rp}")
@@ -51,12 +57,18 @@ async def setup(tokenizer_file: str) -> AsyncIterator[Setup]:
         runners.append(await serve(create_worker(settings), port))
         workers[f"127.0.0.1:{port}"] = url
     gport = free_port()
-    gsettings = GatewaySettings(port=gport, worker=tuple(urls), tokenizer_file=tokenizer_file)
+    gsettings = GatewaySettings(port=gport, worker=tuple(urls), tokenizer_file=tokenizer_file,
+                                chat_template=chat_template, kv_pending_ttl_s=pending_ttl_s)
     runners.insert(0, await serve(create_gateway(gsettings), gport))
-    yield Setup(f"http://127.0.0.1:{gport}", workers, runners)
-    for runner in runners:
-        await runner.cleanup()
+    return Setup(f"http://127.0.0.1:{gport}", workers, runners)
 
+
+@pytest.fixture
+async def setup(tokenizer_file: str) -> AsyncIterator[Setup]:
+    s = await start(tokenizer_file)
+    yield s
+    for runner in s.runners:
+        await runner.cleanup()
 
 async def admin(s: aiohttp.ClientSession, base: str) -> dict[str, Any]:
     async with s.get(f"{base}/admin/workers") as r:
@@ -138,3 +150,44 @@ async def test_a_flushed_worker_is_known_cold(setup: Setup) -> None:
 async def test_bad_event_option_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown worker URL option"):
         create_gateway(GatewaySettings(worker=("http://127.0.0.1:1#kv-event=tcp://x:1",)))
+
+
+JINJA = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+async def test_model_chat_template_and_bos_keep_predictions_exact(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A model whose Jinja template writes BOS and whose tokenizer adds BOS to completions:
+    the gateway renders and encodes as the engine does, so event-fed predictions stay exact."""
+    root = tmp_path_factory.mktemp("model")
+    tok = str(train(root / "tokenizer.json", bos="<s>"))
+    config = root / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": JINJA, "bos_token": "<s>"}))
+    # Predictions from events alone (nothing counted as held on the gateway's own say-so).
+    setup = await start(tok, evented=1, plain=0, chat_template=str(config), pending_ttl_s=0.0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await live(s, setup.gateway, 1)
+            matched = []
+            for i in range(8):
+                _, m = await chat(s, setup.gateway, system_prompt(i % 2), f"question {i}")
+                matched.append(m)
+                body = {"model": FAST_WORKER.model, "max_tokens": 2,
+                        "prompt": system_prompt(i % 2) + f" completion {i}"}
+                async with s.post(f"{setup.gateway}/v1/completions", json=body,
+                                  headers={"Authorization": "Bearer k1"}) as r:
+                    assert r.status == 200, await r.text()
+                await asyncio.sleep(0.05)  # this reply's events arrive
+            view = await admin(s, setup.gateway)
+        assert view["tokenizer"]["fallbacks"] == 0
+        (worker,) = view["workers"]
+        assert worker["predictions"]["responses"] == 16
+        assert worker["predictions"]["exact"] == 16
+        assert sum(matched[2:]) > 0  # repeated system prompts hit
+    finally:
+        for runner in setup.runners:
+            await runner.cleanup()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from loadtest.tiny_tokenizer import train
 from loadtest.traces import to_mooncake_lines
 from tests.integration.test_loadtest import _run_loadtest
 
@@ -51,3 +52,22 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
     assert all(0 <= s["block_hit_rate"] <= s["pooled_bound"] + 1e-9 for s in sims.values())
     points = json.loads((tmp_path / "tl" / "ours-cache_aware-0.json").read_text())
     assert sum(p["workers"]["*"]["requests"] for p in points) == 60
+
+
+def test_replay_with_kv_events_runs_the_event_fed_gateway_too(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    tiny_trace(trace)
+    tokenizer = train(tmp_path / "tokenizer.json")
+    code, stdout, stderr = _run_loadtest(
+        ["replay", "--trace", str(trace), "--workers", "2", "--cache-blocks", "200",
+         "--concurrency", "2", "--policy", "cache_aware", "--tokenizer-file", str(tokenizer),
+         "--kv-events", "--json"],
+        tmp_path, timeout_s=180,
+    )
+    assert code == 0, stderr[-3000:]
+    rows = {r["router"]: r for r in json.loads(stdout)["medians"]}
+    assert list(rows) == ["ours:cache_aware", "ours+events:cache_aware"]
+    assert all(r["errors"] == 0 and r["block_hit_rate"] > 0 for r in rows.values())
+    # Fed by the engines' events, the gateway knows what each cache holds: every prediction
+    # of cached tokens is exact (nothing is evicted: the caches hold the whole trace).
+    assert rows["ours+events:cache_aware"]["exact_predictions"] == 1.0

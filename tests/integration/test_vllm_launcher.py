@@ -13,7 +13,8 @@ import aiohttp
 from gateway.store.redis import RedisStore
 from infra.local import wait_healthy
 from tests.conftest import RedisServer, free_port
-from worker.vllm_launcher import parse_cache_info
+from worker.settings import WorkerSettings
+from worker.vllm_launcher import parse_cache_info, vllm_command
 
 
 def test_cache_info_is_read_from_vllm_metrics() -> None:
@@ -83,3 +84,17 @@ async def test_launcher_starts_registers_and_stops_vllm(
     else:
         writer.close()
         raise AssertionError("vllm (the stand-in) still listens after the launcher stopped")
+
+
+def test_kv_events_become_vllms_kv_events_config() -> None:
+    settings = WorkerSettings(engine="vllm", kv_events="tcp://*:5557", kv_replay="tcp://*:5558",
+                              vllm_binary="vllm")
+    cmd = vllm_command(settings, ["some/model"])
+    config = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+                      "buffer_steps": settings.kv_events_buffer}
+    # The operator's own config wins; no events asked for, none configured.
+    mine = vllm_command(settings, ["m", "--kv-events-config", "{}"])
+    assert mine.count("--kv-events-config") == 1
+    assert "--kv-events-config" not in vllm_command(WorkerSettings(engine="vllm"), ["m"])

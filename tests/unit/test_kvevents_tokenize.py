@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gateway.contracts.chat import render_chat
+from gateway.contracts.chat_template import load_chat_template
 from gateway.kvevents.endpoints import EventEndpoints, split_url
 from gateway.kvevents.keys import chain_seed, token_block_keys
 from gateway.kvevents.tokenize import PromptTokenizer, TokenizerError, TokenizerOptions
 from loadtest.tiny_tokenizer import train
+from worker.parsing import parse_chat
 from worker.tokenizer import HFTokenizer
 
 
@@ -81,3 +84,56 @@ def test_worker_url_fragment() -> None:
                      ("http://h:1#other=1", "unknown worker URL option")):
         with pytest.raises(ValueError, match=why):
             split_url(bad)
+
+
+JINJA = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A tokenizer with a BOS post-processor and its tokenizer_config.json (Jinja template)."""
+    root = tmp_path_factory.mktemp("bos")
+    tok = str(train(root / "tokenizer.json", bos="<s>"))
+    config = root / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": JINJA, "bos_token": "<s>"}))
+    return tok, str(config)
+
+
+async def test_model_template_and_bos_match_the_worker(bos_model: tuple[str, str]) -> None:
+    tok_path, config = bos_model
+    t = PromptTokenizer(TokenizerOptions(tok_path, block_size=4, threads=1, chat_template=config))
+    worker = HFTokenizer(tok_path)
+    bos = worker.encode("<s>")
+    try:
+        messages = [{"role": "system", "content": "You answer billing questions. " * 5},
+                    {"role": "user", "content": "Where is my invoice?"}]
+        body: dict[str, object] = {"messages": messages}
+        chat = await t.key(body, chat=True, salt="")
+        assert chat is not None
+        # The worker renders with the same template (ChatParams), encodes without adding more.
+        params = parse_chat({"model": "m", **body}, "m", load_chat_template(config))
+        worker_ids = worker.encode(params.prompt, special=params.special_tokens)
+        assert worker_ids[: len(bos)] == bos  # the template wrote BOS
+        assert list(chat.key.blocks) == token_block_keys(worker_ids, 4, chain_seed("", ""))
+        # Completions get the post-processor's BOS unless the request turns it off.
+        text = "Where is my invoice? " * 4
+        with_bos = await t.key({"prompt": text}, chat=False, salt="")
+        without = await t.key({"prompt": text, "add_special_tokens": False}, chat=False, salt="")
+        assert with_bos is not None
+        assert without is not None
+        assert with_bos.tokens == len(worker.encode(text, special=True)) == without.tokens + 1
+        no_prompt = await t.key({**body, "add_generation_prompt": False}, chat=True, salt="")
+        assert no_prompt is not None
+        assert no_prompt.tokens < chat.tokens
+    finally:
+        t.close()
+
+
+def test_bad_chat_template_is_a_tokenizer_error(tok_path: str, tmp_path: Path) -> None:
+    bad = tmp_path / "tokenizer_config.json"
+    bad.write_text("{}")
+    with pytest.raises(TokenizerError, match="no chat_template"):
+        PromptTokenizer(TokenizerOptions(tok_path, chat_template=str(bad)))
