@@ -60,7 +60,7 @@ class HotPrompts:
         if self.capacity <= 0 or not tokens or chars > self.max_chars:
             return
         digest = xxhash.xxh3_64()
-        digest.update(engine_namespace.encode())
+        digest.update(engine_namespace.encode("utf-8", "surrogatepass"))
         digest.update(b"\0")
         digest.update(",".join(map(str, tokens[:self.prefix_tokens])).encode())
         key = digest.intdigest()
