@@ -155,8 +155,10 @@ class RunResult:
     # /admin/workers; None for peers.
     mean_latency_ms: float = 0.0
     gateway_inflight: float | None = None
+    latencies_ms: list[float] = field(default_factory=list)  # per request, in trace order
     # Decisions by kind, from x-route-reason (ours only).
     reasons: dict[str, int] = field(default_factory=dict)
+    worker_ids: list[str] = field(default_factory=list)  # the fleet, in order
     per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
     # The gateway's rebalance actions (/admin/rebalance), "t" = seconds into the run.
@@ -262,7 +264,8 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
         p50_ms=statistics.median(ms), p99_ms=percentile(ms, 99),
         cpu_s_per_1k=None if cpu_s is None else cpu_s / max(1, len(replies)) * 1000.0,
         seconds=seconds, mean_latency_ms=statistics.fmean(ms), reasons=dict(reasons),
-        per_worker=dict(sorted(per_worker.items())),
+        latencies_ms=[round(r.seconds * 1e3, 1) for r in replies],
+        worker_ids=list(worker_ids), per_worker=dict(sorted(per_worker.items())),
     )
 
 
@@ -410,6 +413,14 @@ def live_units(requests: Sequence[TraceRequest], config: ReplayConfig) -> list[T
     ]
 
 
+def delay_factors(run: RunResult) -> tuple[float, ...]:
+    """Each request's live latency over the run's mean: the simulator's per-request factor on
+    its delays, so that every request takes as long as it did live (order of completions
+    included)."""
+    mean = statistics.fmean(run.latencies_ms) if run.latencies_ms else 0.0
+    return tuple(ms / mean for ms in run.latencies_ms) if mean > 0 else ()
+
+
 def live_timing(run: RunResult, config: ReplayConfig) -> tuple[float, float]:
     """``(route_delay_s, relay_delay_s)`` of a live run, for the simulator. By Little's law a
     request spends the mean client latency ``L`` in flight at throughput ``X = requests /
@@ -430,15 +441,18 @@ SIM_KEYS = ("block_hit_rate", "hit_over_bound", "routed_max_over_mean",
 
 
 def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: str,
-              pooled: float, timing: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
-    """The simulator on the live run's fleet, costs, concurrency, keys and ``timing``
-    (:func:`live_timing`)."""
+              pooled: float, timing: tuple[float, float] = (0.0, 0.0),
+              worker_ids: Sequence[str] = (), factors: Sequence[float] = ()) -> dict[str, Any]:
+    """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
+    concurrency, keys and ``timing`` (:func:`live_timing`, per request scaled by ``factors``:
+    :func:`delay_factors`)."""
     sim = SimConfig(
         workers=config.workers, cache_blocks=config.cache_blocks, policy=policy,
         mode="sequential", concurrency=config.concurrency, max_running=config.max_running,
         costs=config.sim_costs(), index_knows_capacity=config.report_cache_size,
         key_blocks_per_block=config.block_chars // 64,
-        route_delay_s=timing[0], relay_delay_s=timing[1],
+        route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
+        delay_factors=tuple(factors),
     )
     result = simulate(live_units(requests, config), sim)
     m = metrics(result, pooled)
@@ -458,7 +472,8 @@ def simulate_runs(requests: Sequence[TraceRequest], config: ReplayConfig,
     for run in results:
         if run.router.startswith("ours:"):
             by_policy.setdefault(run.router[5:], []).append(
-                simulated(requests, config, run.router[5:], pooled, live_timing(run, config)))
+                simulated(requests, config, run.router[5:], pooled, live_timing(run, config),
+                          run.worker_ids, delay_factors(run)))
     out = []
     for policy, runs in by_policy.items():
         row: dict[str, Any] = {"router": f"ours:{policy}", "repeats": len(runs),
@@ -483,36 +498,62 @@ async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
         return results
     base = free_port_block(config.workers + 1)
     for r in range(repeats):
-        logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="replay-"))
-        fleet = Fleet(config, base, logs)
-        ids = [url.removeprefix("http://") for url in fleet.urls]
-        try:
-            async with fleet.running():
-                evented = [f"ours+events:{p}" for p in policies] if config.kv_events else []
-                for router in [*(f"ours:{p}" for p in policies), *evented, *peers]:
-                    async with aiohttp.ClientSession() as session:
-                        await fleet.flush(session)
-                    print(f"[replay] repeat {r + 1}/{repeats}: {router} ({len(bodies)} "
-                          "requests) ...", file=sys.stderr, flush=True)
-                    if router.startswith("ours"):
-                        name, _, policy = router.partition(":")
-                        async with gateway_running(
-                            fleet, policy, events=name == "ours+events"
-                        ) as (url, pid):
-                            res = await measure(router, r, url, pid, fleet, bodies, pooled,
-                                                config, ids, restart=True)
-                    else:
-                        async with running_peer(router, fleet.urls, logs) as peer:
-                            res = await measure(router, r, peer.url, peer.pid, fleet, bodies,
-                                                pooled, config, ids)
-                    print(f"[replay] {router}: hit {res.block_hit_rate:.3f} "
-                          f"({res.hit_over_bound:.3f} of bound), routed max/mean "
-                          f"{res.routed_max_over_mean:.2f}, p50 {res.p50_ms:.0f} ms, "
-                          f"{res.seconds:.0f}s, errors {res.errors}", file=sys.stderr,
-                          flush=True)
-                    results.append(res)
-        finally:
-            await asyncio.to_thread(shutil.rmtree, logs, True)
+        for attempt in range(FLEET_ATTEMPTS):
+            try:
+                results += await one_fleet(config, base, r, repeats, policies, peers, bodies,
+                                           pooled)
+                break
+            except PeerUnavailableError:
+                raise
+            except (RuntimeError, OSError) as exc:
+                # On a shared machine another process can take one of the fleet's ports
+                # between the check and the bind: try again on another block.
+                if attempt + 1 == FLEET_ATTEMPTS:
+                    raise
+                print(f"[replay] repeat {r + 1}: fleet failed ({str(exc)[:200]}); retrying on "
+                      "other ports", file=sys.stderr, flush=True)
+                base = free_port_block(config.workers + 1)
+    return results
+
+
+FLEET_ATTEMPTS = 3
+
+
+async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
+                    policies: Sequence[str], peers: Sequence[str],
+                    bodies: Sequence[dict[str, Any]], pooled: float) -> list[RunResult]:
+    """One fleet on ports ``base``...: every router once, caches flushed between them."""
+    results: list[RunResult] = []
+    logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="replay-"))
+    fleet = Fleet(config, base, logs)
+    ids = [url.removeprefix("http://") for url in fleet.urls]
+    try:
+        async with fleet.running():
+            evented = [f"ours+events:{p}" for p in policies] if config.kv_events else []
+            for router in [*(f"ours:{p}" for p in policies), *evented, *peers]:
+                async with aiohttp.ClientSession() as session:
+                    await fleet.flush(session)
+                print(f"[replay] repeat {r + 1}/{repeats}: {router} ({len(bodies)} "
+                      "requests) ...", file=sys.stderr, flush=True)
+                if router.startswith("ours"):
+                    name, _, policy = router.partition(":")
+                    async with gateway_running(
+                        fleet, policy, events=name == "ours+events"
+                    ) as (url, pid):
+                        res = await measure(router, r, url, pid, fleet, bodies, pooled,
+                                            config, ids, restart=True)
+                else:
+                    async with running_peer(router, fleet.urls, logs) as peer:
+                        res = await measure(router, r, peer.url, peer.pid, fleet, bodies,
+                                            pooled, config, ids)
+                print(f"[replay] {router}: hit {res.block_hit_rate:.3f} "
+                      f"({res.hit_over_bound:.3f} of bound), routed max/mean "
+                      f"{res.routed_max_over_mean:.2f}, p50 {res.p50_ms:.0f} ms, "
+                      f"{res.seconds:.0f}s, errors {res.errors}", file=sys.stderr,
+                      flush=True)
+                results.append(res)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, logs, True)
     return results
 
 

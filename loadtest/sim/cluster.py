@@ -118,11 +118,16 @@ class SimConfig:
     index_ttl_s: float = field(default_factory=lambda: _gateway_default("index_ttl_s"))
     # The index models each worker's cache as an LRU of its real size (PrefixIndex.set_capacity).
     index_knows_capacity: bool = True
-    # Worker names (hence ring positions): see worker_ids.
+    # Worker names (hence ring positions): see worker_ids; or these names (a live fleet's ids,
+    # so that the simulated ring is the live gateway's).
     ring_seed: int = 0
+    worker_names: tuple[str, ...] = ()
     # Live timing (module docstring): client send -> decision, worker done -> settled.
     route_delay_s: float = 0.0
     relay_delay_s: float = 0.0
+    # Per request, by position in the trace: a factor on both delays (a live run's latency of
+    # that request over its mean latency), so that each takes as long as it did live.
+    delay_factors: tuple[float, ...] = ()
     # Fingerprint blocks per trace block: 0 routes on the trace's keys as they are (one hash per
     # trace block); n >= 1 on the key the gateway computes when each trace block is n of its
     # fingerprint blocks of text (gateway_key: checkpoints beyond the dense head), as in the
@@ -141,6 +146,8 @@ class SimConfig:
             raise ValueError("speedup must be > 0")
         if self.mode not in ("sequential", "replay"):
             raise ValueError(f"unknown mode {self.mode!r}")
+        if self.worker_names and len(set(self.worker_names)) != self.workers:
+            raise ValueError("worker_names must name each worker once")
         if min(self.route_delay_s, self.relay_delay_s, self.rebalance_interval_s,
                self.key_blocks_per_block) < 0:
             raise ValueError("route_delay_s, relay_delay_s, rebalance_interval_s and "
@@ -225,6 +232,7 @@ class _Job:
     rid: str
     issued: float  # when the client sent it (TTFT counts from here)
     attempt: Attempt
+    delay_factor: float = 1.0
     matched_blocks: int = 0
 
 
@@ -268,7 +276,7 @@ class ClusterSim:
 
     def __init__(self, config: SimConfig, router: Router | None = None) -> None:
         self.config = config
-        ids = worker_ids(config.workers, config.ring_seed)
+        ids = list(config.worker_names) or worker_ids(config.workers, config.ring_seed)
         caches = {wid: PrefixCache(config.cache_blocks, 1) for wid in ids}
         self.workers = {wid: _SimWorker(Worker(wid, f"sim://{wid}"), caches[wid]) for wid in ids}
         self.index = PrefixIndex(config.index_capacity, config.index_ttl_s)
@@ -309,20 +317,22 @@ class ClusterSim:
 
     # -- client side ----------------------------------------------------------------------------
 
-    def _issue(self, req: TraceRequest, now: float) -> None:
+    def _issue(self, pos: int, req: TraceRequest, now: float) -> None:
         if len(req.blocks) > self.config.cache_blocks:
             self._rejected += 1  # can never fit in one worker's cache
             return
         self._inflight += 1
-        delay = self.config.route_delay_s
+        factors = self.config.delay_factors
+        factor = factors[pos % len(factors)] if factors else 1.0
+        delay = self.config.route_delay_s * factor
         if delay > 0:
-            self._at(now + delay, lambda t: self._dispatch(req, t, now))
+            self._at(now + delay, lambda t: self._dispatch(req, t, now, factor))
         else:
-            self._dispatch(req, now, now)
+            self._dispatch(req, now, now, factor)
 
     # -- gateway side ---------------------------------------------------------------------------
 
-    def _dispatch(self, req: TraceRequest, now: float, issued: float) -> None:
+    def _dispatch(self, req: TraceRequest, now: float, issued: float, factor: float) -> None:
         per_block = self.config.key_blocks_per_block
         key = gateway_key(req.key, per_block) if per_block else req.key
         route_request = RouteRequest(
@@ -342,7 +352,7 @@ class ClusterSim:
         w = self.workers[decision.worker_id]
         self._assignments.append(w.worker.id)
         w.routed += 1
-        w.queue.append(_Job(req, str(req.index), issued, attempt))
+        w.queue.append(_Job(req, str(req.index), issued, attempt, factor))
         w.max_queue = max(w.max_queue, len(w.queue))
         self._pump(w, now)
 
@@ -387,7 +397,7 @@ class ClusterSim:
     def _complete(self, w: _SimWorker, job: _Job, now: float) -> None:
         w.cache.release(job.rid)
         w.running -= 1
-        delay = self.config.relay_delay_s
+        delay = self.config.relay_delay_s * job.delay_factor
         if delay > 0:
             self._at(now + delay, lambda _t: self._settle(job))
         else:
@@ -400,7 +410,7 @@ class ClusterSim:
         cfg = self.config
         started = time.perf_counter()
         limit = cfg.concurrency if cfg.concurrency is not None else math.inf
-        ready: deque[TraceRequest] = deque()
+        ready: deque[tuple[int, TraceRequest]] = deque()
         events = self._events
         now = 0.0
         i, n = 0, len(requests)
@@ -418,12 +428,12 @@ class ClusterSim:
                 action(now)
             elif i < n:
                 now = max(now, t_arrival)
-                ready.append(requests[i])
+                ready.append((i, requests[i]))
                 i += 1
             else:
                 break
             while ready and self._inflight < limit:
-                self._issue(ready.popleft(), now)
+                self._issue(*ready.popleft(), now)
         blocked = [w.worker.id for w in self.workers.values() if w.queue]
         if blocked:  # cannot happen: a lone request always fits an empty cache
             raise RuntimeError(f"requests left queued on {blocked}")

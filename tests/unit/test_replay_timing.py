@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.replay import ReplayConfig, RunResult, live_timing
+from loadtest.replay import ReplayConfig, RunResult, delay_factors, live_timing
 
 
 def run(requests: int, seconds: float, latency_ms: float, inflight: float | None) -> RunResult:
@@ -25,3 +25,10 @@ def test_the_gateway_holds_its_share_of_the_latency() -> None:
     # No sample: the gateway holds the whole latency.
     assert live_timing(run(1000, 10.0, 320.0, None), config) == pytest.approx((0.0, 0.32))
     assert live_timing(run(0, 0.0, 0.0, None), config) == (0.0, 0.0)
+
+
+def test_each_request_keeps_its_live_latency() -> None:
+    measured = run(3, 1.0, 200.0, None)
+    measured.latencies_ms = [100.0, 200.0, 300.0]
+    assert delay_factors(measured) == pytest.approx((0.5, 1.0, 1.5))
+    assert delay_factors(run(3, 1.0, 200.0, None)) == ()

@@ -235,6 +235,11 @@ def test_live_timing_advances_the_clock_when_workers_cost_nothing() -> None:
     assert timed.ttft_s == pytest.approx((0.1,) * 6)  # nobody waited for blocks
     untimed = simulate(reqs, config(1, 2, "round_robin", concurrency=2))
     assert untimed.sim_seconds == 0.0
+    # Per request, a factor on both delays (cycled): the third request takes 3 x 0.4 s.
+    slow = simulate(reqs[:3], config(1, 2, "round_robin", concurrency=2, route_delay_s=0.1,
+                                     relay_delay_s=0.3, delay_factors=(1.0, 1.0, 3.0)))
+    assert slow.sim_seconds == pytest.approx(0.4 + 1.2)
+    assert slow.ttft_s == pytest.approx((0.1, 0.1, 0.3))
 
 
 def test_rebalancer_shrinks_an_unknown_cache_that_mispredicts() -> None:
