@@ -153,6 +153,9 @@ class WorkerPool:
     def healthy_ids(self) -> set[str]:
         return {wid for wid, s in self._workers.items() if s.healthy}
 
+    def capacities(self) -> dict[str, int]:
+        return {wid: s.capacity_blocks for wid, s in self._workers.items()}
+
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """New ring weights; the ring is rebuilt once, and only if one changed."""
         changed = False

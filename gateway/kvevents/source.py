@@ -33,6 +33,10 @@ class WorkerSet(Protocol):
 
     def healthy_ids(self) -> set[str]: ...
 
+    def capacities(self) -> dict[str, int]:
+        """Each worker's cache size in prompt-key blocks (0: unknown)."""
+        ...
+
 
 class ExactSource:
     def __init__(
@@ -80,6 +84,8 @@ class ExactSource:
     def reconcile(self, workers: WorkerSet) -> None:
         """Feeds follow the pool; a worker that went down loses what its feed said."""
         self.hub.sync(workers.event_endpoints())
+        for wid, blocks in workers.capacities().items():
+            self.index.set_capacity(wid, blocks)
         healthy = workers.healthy_ids()
         for wid in self._healthy - healthy:
             self.hub.worker_down(wid)
