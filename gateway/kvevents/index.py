@@ -53,6 +53,7 @@ class WorkerBlocks:
         self._held: dict[int, int] = {}  # our key -> engine blocks holding it (oldest first)
         self._pending: dict[int, float] = {}  # our key -> when this gateway sent it (in order)
         self.capacity = 0  # the engine's blocks; 0 = unknown: no eviction is anticipated
+        self.reserve = 0  # of them, held by running requests (not cached prefixes)
         # Held and pending keys, least recently used first (only kept with a capacity).
         self._lru: dict[int, None] = {}
         self._doomed: frozenset[int] = frozenset()
@@ -76,7 +77,8 @@ class WorkerBlocks:
         doomed: frozenset[int] = frozenset()
         if self.capacity:
             held, pending = self._held, self._pending
-            over = len(held) + sum(1 for k in pending if k not in held) - self.capacity
+            over = (len(held) + sum(1 for k in pending if k not in held) + self.reserve
+                    - self.capacity)
             if over > 0:
                 evictable = (k for k in self._lru if k in held and k not in pending)
                 doomed = frozenset(itertools.islice(evictable, over))
@@ -177,9 +179,12 @@ class WorkerBlocks:
         self.stats.cleared += 1
 
     # -- this gateway's own decisions -------------------------------------------------------
-    def sent(self, keys: Sequence[int], now: float) -> None:
+    def sent(self, keys: Sequence[int], now: float, reserve: int | None = None) -> None:
         """This gateway sent a prompt with ``keys`` here: held until events say otherwise;
-        the blocks it already holds become the most recently used."""
+        the blocks it already holds become the most recently used. ``reserve``: blocks the
+        engine's running requests hold besides cached prefixes (unchanged when None)."""
+        if reserve is not None:
+            self.reserve = reserve
         held, pending, lru = self._held, self._pending, self._lru
         # Deepest first, as engines release a finished request's blocks: a prefix's first
         # blocks are the last of it to be evicted.
@@ -276,9 +281,11 @@ class ExactIndex:
                 out[wid] = depth
         return out
 
-    def sent(self, worker_id: str, keys: Sequence[int], now: float) -> None:
+    def sent(
+        self, worker_id: str, keys: Sequence[int], now: float, reserve: int | None = None
+    ) -> None:
         if worker_id in self._live:
-            self._workers[worker_id].sent(keys, now)
+            self._workers[worker_id].sent(keys, now, reserve)
 
     def unsent(self, worker_id: str, keys: Iterable[int]) -> None:
         blocks = self._workers.get(worker_id)

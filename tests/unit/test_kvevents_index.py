@@ -179,7 +179,7 @@ def queued_exactness(capacity_known: bool, seed: int = 3, ahead: int = 4) -> flo
         prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 8))]
         k = keys(prompt)
         queue.append((f"r{i}", prompt, blocks.depth(k, 0.0) * BS))
-        blocks.sent(k, 0.0)
+        blocks.sent(k, 0.0, reserve=1)  # the engine runs one request at a time
         if len(queue) > ahead:  # the engine admits the oldest queued prompt
             rid, tokens, predicted = queue.pop(0)
             alloc = cache.allocate(rid, tokens, "")
@@ -194,7 +194,7 @@ def queued_exactness(capacity_known: bool, seed: int = 3, ahead: int = 4) -> flo
 def test_sends_into_a_full_cache_anticipate_its_evictions() -> None:
     known, unknown = queued_exactness(True), queued_exactness(False)
     assert known > unknown
-    assert known >= 0.9
+    assert known >= 0.93
 
 
 def test_doomed_blocks_stop_counting_until_used_or_stored() -> None:
