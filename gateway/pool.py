@@ -61,6 +61,7 @@ class WorkerState:
     healthy: bool = False
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    inflight_prefill: int = 0  # predicted uncached prompt tokens of requests before 1st token
     remote_tokens: int = 0  # in flight from other gateway replicas, as last read
     capacity_blocks: int = 0  # in the gateway's fingerprint blocks; 0 = unknown
     last_error: str = ""
@@ -90,7 +91,7 @@ class WorkerState:
             )
             requests = max(requests, int(queued))
             tokens = max(tokens, int(queued * self.mean_cost_tokens))
-        return WorkerView(self.worker, self.healthy, requests, tokens)
+        return WorkerView(self.worker, self.healthy, requests, tokens, self.inflight_prefill)
 
 
 class WorkerPool:
@@ -241,21 +242,33 @@ class WorkerPool:
         return any(s.healthy for s in self._workers.values())
 
     # -- load ---------------------------------------------------------------------------------
-    def acquire(self, wid: str, tokens: int) -> None:
+    def acquire(self, wid: str, tokens: int, prefill: int = 0) -> None:
+        """One more request in flight on ``wid``: ``tokens`` of load, ``prefill`` of them
+        prompt tokens it is predicted to compute (not cached)."""
         state = self._workers[wid]
         self._stale.add(wid)
         state.inflight_requests += 1
         state.inflight_tokens += tokens
+        state.inflight_prefill += prefill
         state.routed += 1
         alpha = 1.0 if state.routed == 1 else _COST_EWMA
         state.mean_cost_tokens += alpha * (tokens - state.mean_cost_tokens)
 
-    def release(self, wid: str, tokens: int) -> None:
+    def release(self, wid: str, tokens: int, prefill: int = 0) -> None:
+        """The request is over; ``prefill``: its prompt tokens still counted as queued."""
         state = self._workers.get(wid)
         if state is not None:
             self._stale.add(wid)
             state.inflight_requests -= 1
             state.inflight_tokens -= tokens
+            state.inflight_prefill -= prefill
+
+    def prefilled(self, wid: str, prefill: int) -> None:
+        """A request in flight on ``wid`` sent its first token: its prefill is done."""
+        state = self._workers.get(wid)
+        if state is not None:
+            self._stale.add(wid)
+            state.inflight_prefill -= prefill
 
     def record_cache_stats(self, wid: str, input_tokens: int, matched_tokens: int) -> None:
         state = self._workers.get(wid)

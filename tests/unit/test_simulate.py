@@ -16,7 +16,9 @@ from gateway.routing.ring import Ring
 from loadtest import simulate as cli
 from loadtest.sim import (
     ORACLE,
+    ClusterSim,
     SimConfig,
+    SimResult,
     gateway_key,
     metrics,
     policy_names,
@@ -246,12 +248,32 @@ def test_rebalancer_shrinks_an_unknown_cache_that_mispredicts() -> None:
     # Two workers of 4 blocks, six 2-block prompts in turn: each worker is sent three prompts
     # (6 blocks), so the index, which does not know the size, predicts hits the worker
     # evicted; the rebalancer's rounds (every 3 simulated seconds) shrink its model.
+    # The session's own capacity learning is off here (it corrects such a model by itself,
+    # below), so the mispredictions reach the rebalancer.
     reqs = trace(*([[10 * p, 10 * p + 1] for p in range(6)] * 40))
     base = config(2, 4, "cache_aware", relay_delay_s=0.05, index_knows_capacity=False)
-    on = simulate(reqs, dataclasses.replace(base, rebalance_interval_s=3.0))
-    off = simulate(reqs, dataclasses.replace(base, rebalance_interval_s=0.0))
+
+    def unlearned(cfg: SimConfig) -> SimResult:
+        sim = ClusterSim(cfg)
+        sim.session.learn_capacity = False
+        return sim.run(reqs)
+
+    on = unlearned(dataclasses.replace(base, rebalance_interval_s=3.0))
+    off = unlearned(dataclasses.replace(base, rebalance_interval_s=0.0))
     assert on.rebalance.get("shrink_capacity", 0) > 0
     assert off.rebalance == {}
+
+
+def test_the_session_learns_an_unknown_cache_size_without_the_rebalancer() -> None:
+    reqs = trace(*([[10 * p, 10 * p + 1] for p in range(6)] * 40))
+    sim = ClusterSim(config(2, 4, "cache_aware", index_knows_capacity=False,
+                            rebalance_interval_s=0.0))
+    result = sim.run(reqs)
+    assert result.rebalance == {}
+    # Each worker is sent three 2-block prompts for a 4-block cache: the model shrinks from
+    # the index's default to about what the worker holds, and stops predicting evicted hits.
+    assert all(sim.index.capacity(wid) <= 6 for wid in ("w0", "w1"))
+    assert result.reasons.get("prefix_hit", 0) <= 2
 
 
 @pytest.mark.parametrize(("blocks", "per_block"), [(3, 1), (10, 1), (200, 1), (100, 2)])
