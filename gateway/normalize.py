@@ -18,6 +18,11 @@ Rules (each can be switched off in :class:`NormalizeOptions`):
   which change how emoji sequences and Indic/Persian scripts render.
 * ``newlines``: CRLF and lone CR become LF.
 * ``trailing_whitespace``: trailing whitespace is trimmed from each prompt / message content.
+* ``line_trailing_whitespace``: spaces and tabs at the end of every line are trimmed too.
+  Agent frameworks and editors re-emit the same context with trailing spaces on inner lines
+  (a re-rendered file, a reformatted tool result); without this each such re-render is a new
+  prefix from its first changed line on. Off for clients whose prompts mean something by
+  trailing spaces (``--no-trim-line-whitespace``).
 
 Chat requests are fingerprinted over :func:`render_chat`, one canonical rendering of the tools
 and messages (role, name, content parts, tool calls), so that two requests with the same
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import sys
 import unicodedata
@@ -45,6 +51,7 @@ class NormalizeOptions:
     invisible: bool = True
     newlines: bool = True
     trailing_whitespace: bool = True
+    line_trailing_whitespace: bool = True
 
 
 @functools.cache
@@ -72,6 +79,10 @@ def normalize_text(text: str, opts: NormalizeOptions = NormalizeOptions()) -> st
         text = text.translate(_translation_table(opts.unicode_spaces, opts.invisible))
     if opts.newlines and "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if opts.line_trailing_whitespace and (" \n" in text or "\t\n" in text):
+        # One pass over the lines: linear in the text whatever it holds (a regex over runs of
+        # spaces backtracks quadratically on a long run that does not end a line).
+        text = "\n".join(line.rstrip(" \t") for line in text.split("\n"))
     if opts.trailing_whitespace:
         text = text.rstrip()
     return text
@@ -90,6 +101,11 @@ def normalize_content(content: Any, opts: NormalizeOptions) -> Any:
                 parts.append({**part, "text": normalize_text(part["text"], inner)})
             else:
                 parts.append(part)
+        if opts.enabled and opts.line_trailing_whitespace:
+            # A line may end where one text part ends and the next begins with a newline.
+            for before, after in itertools.pairwise(parts):
+                if _is_text_part(before) and _is_text_part(after) and after["text"][:1] == "\n":
+                    before["text"] = before["text"].rstrip(" \t")
         if opts.enabled and opts.trailing_whitespace and parts and _is_text_part(parts[-1]):
             parts[-1]["text"] = parts[-1]["text"].rstrip()
         return parts

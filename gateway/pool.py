@@ -61,6 +61,7 @@ class WorkerState:
     healthy: bool = False
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    inflight_prefill: int = 0  # predicted uncached prompt tokens of requests before 1st token
     remote_tokens: int = 0  # in flight from other gateway replicas, as last read
     capacity_blocks: int = 0  # in the gateway's fingerprint blocks; 0 = unknown
     last_error: str = ""
@@ -98,7 +99,8 @@ class WorkerState:
         worker = self.worker
         if self.ramp != 1.0:
             worker = dataclasses.replace(worker, weight=worker.weight * self.ramp)
-        return WorkerView(worker, self.healthy and not self.held_out, requests, tokens)
+        return WorkerView(worker, self.healthy and not self.held_out, requests, tokens,
+                          self.inflight_prefill)
 
 
 class WorkerPool:
@@ -167,6 +169,13 @@ class WorkerPool:
 
     def healthy_ids(self) -> set[str]:
         return {wid for wid, s in self._workers.items() if s.healthy}
+
+    def capacities(self) -> dict[str, int]:
+        return {wid: s.capacity_blocks for wid, s in self._workers.items()}
+
+    def inflight(self, worker_id: str) -> int:
+        state = self._workers.get(worker_id)
+        return state.inflight_requests if state is not None else 0
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """New ring weights; the ring is rebuilt once, and only if one changed."""
@@ -297,21 +306,33 @@ class WorkerPool:
         return any(s.healthy for s in self._workers.values())
 
     # -- load ---------------------------------------------------------------------------------
-    def acquire(self, wid: str, tokens: int) -> None:
+    def acquire(self, wid: str, tokens: int, prefill: int = 0) -> None:
+        """One more request in flight on ``wid``: ``tokens`` of load, ``prefill`` of them
+        prompt tokens it is predicted to compute (not cached)."""
         state = self._workers[wid]
         self._stale.add(wid)
         state.inflight_requests += 1
         state.inflight_tokens += tokens
+        state.inflight_prefill += prefill
         state.routed += 1
         alpha = 1.0 if state.routed == 1 else _COST_EWMA
         state.mean_cost_tokens += alpha * (tokens - state.mean_cost_tokens)
 
-    def release(self, wid: str, tokens: int) -> None:
+    def release(self, wid: str, tokens: int, prefill: int = 0) -> None:
+        """The request is over; ``prefill``: its prompt tokens still counted as queued."""
         state = self._workers.get(wid)
         if state is not None:
             self._stale.add(wid)
             state.inflight_requests -= 1
             state.inflight_tokens -= tokens
+            state.inflight_prefill -= prefill
+
+    def prefilled(self, wid: str, prefill: int) -> None:
+        """A request in flight on ``wid`` sent its first token: its prefill is done."""
+        state = self._workers.get(wid)
+        if state is not None:
+            self._stale.add(wid)
+            state.inflight_prefill -= prefill
 
     def record_cache_stats(self, wid: str, input_tokens: int, matched_tokens: int) -> None:
         state = self._workers.get(wid)

@@ -284,6 +284,7 @@ async def _relay_stream(
         await response.prepare(http_request)
         async for chunk in _upstream_chunks(reply, wid):
             observed.first_byte()
+            state.session.first_token(attempt)  # its prefill no longer queues on the worker
             await response.write(chunk)
             if stats is None:
                 tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]

@@ -88,10 +88,17 @@ class Attempt:
     predicted_tokens: int | None = None
     settled: bool = False
     index: PrefixMatcher | None = None  # the prefix index as the decision saw it
+    prefill_tokens: int = 0  # prompt tokens the worker is predicted to compute (not cached)
+    prefilled: bool = False  # its first token came back: the prefill no longer queues
 
     @property
     def worker_id(self) -> str:
         return self.decision.worker_id
+
+    @property
+    def queued_prefill(self) -> int:
+        """Prefill tokens of this attempt still counted in its worker's queue."""
+        return 0 if self.prefilled else self.prefill_tokens
 
 
 def predicted_tokens(snapshot: Snapshot, request: RouteRequest, decision: Decision) -> int | None:
@@ -122,12 +129,14 @@ class RoutingSession:
         pool: WorkerPool,
         sink: AssignmentSink | None = None,
         exact: SentBlocks | None = None,
+        learn_capacity: bool = True,
     ) -> None:
         self.router = router
         self.index = index
         self.pool = pool
         self.sink: AssignmentSink = sink if sink is not None else NoSink()
         self.exact = exact
+        self.learn_capacity = learn_capacity
 
     def route(
         self,
@@ -152,8 +161,20 @@ class RoutingSession:
             self.sink.assigned(key, wid)
             if self.exact is not None:
                 self.exact.sent(wid, blocks, now)
-        self.pool.acquire(wid, request.cost_tokens)
-        return Attempt(request, decision, tenant, predicted, index=snapshot.index)
+        total = key.total_blocks
+        cached = request.prompt_tokens * decision.match_blocks // total if total else 0
+        prefill = max(0, request.prompt_tokens - cached)
+        self.pool.acquire(wid, request.cost_tokens, prefill)
+        return Attempt(request, decision, tenant, predicted, index=snapshot.index,
+                       prefill_tokens=prefill)
+
+    def first_token(self, attempt: Attempt) -> None:
+        """The worker sent the first token (a streamed reply): its prefill is done, so it no
+        longer counts in the queue a new prefill would wait behind. Once per attempt."""
+        if attempt.settled or attempt.prefilled:
+            return
+        attempt.prefilled = True
+        self.pool.prefilled(attempt.worker_id, attempt.prefill_tokens)
 
     def failed(self, attempt: Attempt) -> None:
         """The worker never got the prompt: it holds no more of the prefix than before."""
@@ -166,7 +187,7 @@ class RoutingSession:
         self.index.forget(attempt.worker_id, key.blocks, keep)
         if self.exact is not None:
             self.exact.unsent(attempt.worker_id, key.blocks[keep:])
-        self.pool.release(attempt.worker_id, attempt.request.cost_tokens)
+        self.pool.release(attempt.worker_id, attempt.request.cost_tokens, attempt.queued_prefill)
 
     def completed(self, attempt: Attempt, usage: CacheUsage | None = None) -> None:
         """The worker answered; ``usage`` is what it reported reusing (None: it reports
@@ -183,6 +204,9 @@ class RoutingSession:
             if predicted is None:  # character keys: scaled from the worker's count
                 predicted = round(usage.input_tokens * depth / blocks) if blocks else 0
             self.pool.record_prediction(wid, predicted, usage.matched_tokens)
+            if self.learn_capacity and blocks and usage.input_tokens > 0:
+                share = min(usage.matched_tokens / usage.input_tokens, 1.0)
+                self._learn(wid, blocks, depth, round(blocks * share))
             self.sink.reported(CacheReport(
                 worker_id=wid,
                 tenant=attempt.tenant,
@@ -190,4 +214,24 @@ class RoutingSession:
                 matched_tokens=usage.matched_tokens,
                 predicted_tokens=predicted,
             ))
-        self.pool.release(wid, attempt.request.cost_tokens)
+        self.pool.release(wid, attempt.request.cost_tokens, attempt.queued_prefill)
+
+    def _learn(self, wid: str, blocks: int, predicted: int, matched: int) -> None:
+        """Fit the modelled cache of a worker that does not report its size to what it reused
+        (``predicted`` and ``matched`` leading blocks of a ``blocks``-block prompt).
+
+        It reused less than the index said it held: its LRU already evicted that part, so its
+        cache is smaller than modelled; the model shrinks to 90 % of what it holds for the
+        worker (never below this prompt). It reused more while the model was full: the model
+        evicted too early; it grows by the surprise. Small differences (a checkpoint's
+        granularity, 2 % of the prompt) say nothing. Workers that report their size keep it
+        (the rebalancer corrects those from the shared hit telemetry)."""
+        if wid not in self.pool or self.pool.get(wid).capacity_blocks > 0:
+            return
+        slack = max(1, blocks // 50)
+        index = self.index
+        if matched + slack < predicted:
+            held = index.held_blocks(wid)
+            index.set_capacity(wid, max(blocks, min(index.capacity(wid), held * 9 // 10)))
+        elif matched > predicted + slack and index.capacity(wid) <= index.held_blocks(wid):
+            index.set_capacity(wid, index.capacity(wid) + matched - predicted)

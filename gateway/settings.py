@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from gateway.config import load_settings
@@ -13,7 +13,7 @@ from gateway.fingerprint import FingerprintOptions
 from gateway.kvevents.tokenize import TokenizerOptions
 from gateway.limits import LimitOptions
 from gateway.normalize import NormalizeOptions
-from gateway.routing.policies import POLICY_NAMES, PolicyOptions
+from gateway.routing.policies import POLICY_NAMES, PolicyOptions, build_engine
 from gateway.telemetry.access_log import ACCESS_LOG_MODES
 from gateway.telemetry.tracing import PROTOCOLS, TracingOptions
 
@@ -31,6 +31,9 @@ def _secret(text: str) -> dict[str, object]:
 
 ROUTE_HEADER_MODES = ("all", "admin", "none")
 
+# The policy defaults live in PolicyOptions; the settings of the same name take them from it.
+_POLICY = PolicyOptions()
+
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
@@ -46,45 +49,68 @@ class GatewaySettings:
         default="cache_aware", metadata=_help(f"routing policy: {', '.join(POLICY_NAMES)}")
     )
     load_factor: float = field(
-        default=1.25, metadata=_help("bounded-load factor c: no worker above c x mean load")
+        default=_POLICY.load_factor,
+        metadata=_help("bounded-load factor c: no worker above c x mean load"),
     )
     load_floor_requests: float = field(
-        default=1.0,
+        default=_POLICY.load_floor_requests,
         metadata=_help("a worker with at most this many requests' worth in flight is never over "
                        "the load bound (keeps affinity when the pool is nearly idle)"),
     )
     prefill_weight: float = field(
-        default=1.0, metadata=_help("cache_aware: cost of one prompt token to prefill")
+        default=_POLICY.prefill_weight,
+        metadata=_help("cache_aware: cost of one prompt token to prefill"),
     )
     queue_weight: float = field(
-        default=0.01, metadata=_help("cache_aware: cost of one token already in flight")
+        default=_POLICY.queue_weight,
+        metadata=_help("cache_aware: cost of one token already in flight"),
+    )
+    wait_weight: float = field(
+        default=_POLICY.wait_weight,
+        metadata=_help("cache_aware: cost of one token of prefill queued on a worker beyond the "
+                       "candidates' mean, against the prefill a move adds"),
+    )
+    evict_weight: float = field(
+        default=_POLICY.evict_weight,
+        metadata=_help("cache_aware: prefill into a full cache costs 1 + this (what it evicts)"),
     )
     cache_aware_load_factor: float = field(
-        default=3.0, metadata=_help("cache_aware: hard guard, no worker above this x mean load")
+        default=_POLICY.cache_aware_load_factor,
+        metadata=_help("cache_aware: hard guard, no worker above this x mean load"),
     )
     hot_threshold: float = field(
-        default=8.0, metadata=_help("cache_aware: a prefix this many recent requests share "
-                                    "(halved every 30 s) is hot")
+        default=_POLICY.hot_threshold,
+        metadata=_help("cache_aware: a prefix this many recent requests share (halved every "
+                       "30 s) is hot and gets hot_load_factor as its bound; 0 (default): off, "
+                       "a prefix spreads only when waiting on its holder costs more"),
     )
     hot_load_factor: float = field(
-        default=1.25, metadata=_help("cache_aware: load bound for a hot prefix's holders, so a "
-                                     "shared system prompt spreads instead of piling up")
+        default=_POLICY.hot_load_factor,
+        metadata=_help("cache_aware: load bound for a hot prefix's holders (with hot_threshold)"),
     )
     min_match_blocks: int = field(
-        default=2, metadata=_help("cache_aware: shorter matches count as cold")
+        default=_POLICY.min_match_blocks,
+        metadata=_help("cache_aware: shorter matches count as cold"),
     )
     ring_choices: int = field(
-        default=4, metadata=_help("cache_aware: a cold prefix goes to one of the first k workers "
-                                  "on the ring from its anchor (see spread_guard, "
-                                  "pressure_weight)")
+        default=_POLICY.ring_choices,
+        metadata=_help("cache_aware: a cold prefix goes to one of the first k workers on the "
+                       "ring from its anchor (see spread_guard, pressure_weight)"),
     )
     spread_guard: float = field(
-        default=1.5, metadata=_help("cache_aware: of those k, skip any with more than this x "
-                                    "their mean requests in flight")
+        default=_POLICY.spread_guard,
+        metadata=_help("cache_aware: of those k, skip any with more than this x their mean "
+                       "requests in flight"),
     )
     pressure_weight: float = field(
-        default=4.0, metadata=_help("cache_aware: weight of cache turnover against recent "
-                                    "requests when placing a cold prefix (0: requests only)")
+        default=_POLICY.pressure_weight,
+        metadata=_help("cache_aware: weight of cache turnover against recent requests when "
+                       "placing a cold prefix (0: requests only)"),
+    )
+    candidate_limit: int = field(
+        default=_POLICY.candidate_limit,
+        metadata=_help("cache_aware: look at the prefix's holders and the first k workers on "
+                       "the ring from its anchor (0: every worker)"),
     )
     store: str = field(
         default="memory://",
@@ -100,6 +126,11 @@ class GatewaySettings:
         default=5.0, metadata=_help("seconds between telemetry-driven rebalancing rounds")
     )
     normalize: bool = field(default=True, metadata=_help("normalize prompts before routing"))
+    trim_line_whitespace: bool = field(
+        default=True,
+        metadata=_help("normalize: trim spaces and tabs at the end of every line, so a context "
+                       "re-rendered with trailing spaces on inner lines still hits"),
+    )
     block_chars: int = field(default=64, metadata=_help("fingerprint block size in characters"))
     max_blocks: int = field(default=16_384, metadata=_help("fingerprint at most this many blocks"))
     anchor_blocks: int = field(
@@ -372,6 +403,7 @@ class GatewaySettings:
             raise ValueError(
                 f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
             )
+        build_engine(self.policy, self.policy_options())  # validates the policy settings
         if min(self.first_byte_timeout_s, self.breaker_cooldown_s, self.breaker_failures) < 0:
             raise ValueError("first_byte_timeout_s, breaker_* must not be negative")
         if self.body_timeout_s <= 0 or self.queue_timeout_s <= 0:
@@ -423,22 +455,11 @@ class GatewaySettings:
                               self.otel_service_name)
 
     def normalize_options(self) -> NormalizeOptions:
-        return _normalize_options(self.normalize)
+        return _normalize_options(self.normalize, self.trim_line_whitespace)
 
     def policy_options(self) -> PolicyOptions:
-        return PolicyOptions(
-            load_factor=self.load_factor,
-            load_floor_requests=self.load_floor_requests,
-            prefill_weight=self.prefill_weight,
-            queue_weight=self.queue_weight,
-            cache_aware_load_factor=self.cache_aware_load_factor,
-            min_match_blocks=self.min_match_blocks,
-            hot_threshold=self.hot_threshold,
-            hot_load_factor=self.hot_load_factor,
-            ring_choices=self.ring_choices,
-            spread_guard=self.spread_guard,
-            pressure_weight=self.pressure_weight,
-        )
+        """Every :class:`PolicyOptions` field is a setting of the same name (and default)."""
+        return PolicyOptions(**{f.name: getattr(self, f.name) for f in fields(PolicyOptions)})
 
     def limit_options(self) -> LimitOptions:
         return LimitOptions(
@@ -467,8 +488,8 @@ def _fingerprint_options(
 
 
 @functools.cache
-def _normalize_options(enabled: bool) -> NormalizeOptions:
-    return NormalizeOptions(enabled=enabled)
+def _normalize_options(enabled: bool, trim_lines: bool) -> NormalizeOptions:
+    return NormalizeOptions(enabled=enabled, line_trailing_whitespace=trim_lines)
 
 
 def parse_settings(

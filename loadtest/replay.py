@@ -21,8 +21,11 @@ Per router, from what the workers report in every reply (``x-cache-*``), as
 workers' blocks, the same sequence), ``hit_over_bound``, ``routed_max_over_mean`` (blocks routed
 per worker), ``prefill_max_over_mean`` (uncached blocks per worker), latency ``p50_ms`` /
 ``p99_ms`` (whole request, client side), and ``cpu_s_per_1k``: the router process's user +
-system CPU seconds per 1,000 requests (``/proc``). ``--simulate`` also runs the simulator with the
-same fleet, costs and concurrency for each gateway policy (``simulated`` in the JSON).
+system CPU seconds per 1,000 requests (``/proc``). ``--simulate`` also runs the simulator after
+each live run of a gateway policy, with the same fleet, costs, concurrency and fingerprint
+shape, and with that run's timing (:func:`live_timing`: the wait before the decision and the
+gateway's hold, from the run's throughput, latency and sampled in-flight count), and reports
+the median per policy (``simulated`` in the JSON, each run under ``runs``).
 
 Experiments for the telemetry-driven correction of the gateway's index: ``--restart-worker I@T``
 restarts worker I T seconds into every gateway run (its cache empties), ``--flush-worker I@T``
@@ -43,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,6 +63,7 @@ from loadtest.bench_gateway import (
     Reply,
     free_port_block,
     percentile,
+    reason_kind,
     replay,
     start_server,
     wait_all_workers_up,
@@ -145,6 +150,15 @@ class RunResult:
     seconds: float
     # Share of responses whose cached tokens the gateway predicted exactly (/admin/workers).
     exact_predictions: float | None = None
+    # Where a request spent its time (Little's law over the run): mean client-side latency, and
+    # the gateway's mean count of requests in flight (decided, not yet settled), sampled from
+    # /admin/workers; None for peers.
+    mean_latency_ms: float = 0.0
+    gateway_inflight: float | None = None
+    latencies_ms: list[float] = field(default_factory=list)  # per request, in trace order
+    # Decisions by kind, from x-route-reason (ours only).
+    reasons: dict[str, int] = field(default_factory=dict)
+    worker_ids: list[str] = field(default_factory=list)  # the fleet, in order
     per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
     # The gateway's rebalance actions (/admin/rebalance), "t" = seconds into the run.
@@ -239,6 +253,7 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
     matched = sum(w["matched_blocks"] for w in per_worker.values())
     hit = matched / blocks if blocks else 0.0
     ms = [r.seconds * 1e3 for r in ok] or [0.0]
+    reasons = Counter(reason_kind(r.reason) for r in ok if r.reason)
     return RunResult(
         router=router, repeat=repeat, requests=len(replies), errors=len(replies) - len(ok),
         block_hit_rate=hit, pooled_bound=pooled, hit_over_bound=hit / pooled if pooled else 0.0,
@@ -248,7 +263,9 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
             [w["uncached_blocks"] for w in per_worker.values()]),
         p50_ms=statistics.median(ms), p99_ms=percentile(ms, 99),
         cpu_s_per_1k=None if cpu_s is None else cpu_s / max(1, len(replies)) * 1000.0,
-        seconds=seconds, per_worker=dict(sorted(per_worker.items())),
+        seconds=seconds, mean_latency_ms=statistics.fmean(ms), reasons=dict(reasons),
+        latencies_ms=[round(r.seconds * 1e3, 1) for r in replies],
+        worker_ids=list(worker_ids), per_worker=dict(sorted(per_worker.items())),
     )
 
 
@@ -277,9 +294,16 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
                           file=sys.stderr, flush=True)
                     await fleet.flush(session, [fleet.urls[index]])
             restarter = asyncio.create_task(later())
+        samples: list[int] = []
+        sampler = asyncio.create_task(sample_inflight(session, url, samples)) \
+            if router.startswith("ours") else None
         replies = await replay(session, url + COMPLETIONS_PATH, bodies, config.concurrency)
         seconds = time.perf_counter() - started
         cpu_s = process_cpu_seconds(pid) - cpu0 if pid and cpu0 is not None else None
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
         if restarter is not None:
             await restarter
         ours = router.startswith("ours")
@@ -287,9 +311,24 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
         exact = await exact_predictions(session, url) if ours else None
     result = summarize(router, repeat, replies, seconds, pooled, cpu_s, worker_ids, config)
     result.exact_predictions = exact
+    result.gateway_inflight = statistics.fmean(samples) if samples else None
     result.timeline = timeline(replies, started, config.bucket_s, config.block_tokens)
     result.rebalance = actions
     return result
+
+
+INFLIGHT_SAMPLE_S = 0.2
+
+
+async def sample_inflight(session: aiohttp.ClientSession, url: str, out: list[int]) -> None:
+    """Every ``INFLIGHT_SAMPLE_S``, the gateway's count of requests in flight (all workers)."""
+    while True:
+        await asyncio.sleep(INFLIGHT_SAMPLE_S)
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError,
+                                 TypeError):
+            async with session.get(url + "/admin/workers") as response:
+                data = await response.json()
+            out.append(sum(int(w["inflight_requests"]) for w in data["workers"]))
 
 
 async def rebalance_actions(session: aiohttp.ClientSession, url: str,
@@ -374,19 +413,76 @@ def live_units(requests: Sequence[TraceRequest], config: ReplayConfig) -> list[T
     ]
 
 
+def delay_factors(run: RunResult) -> tuple[float, ...]:
+    """Each request's live latency over the run's mean: the simulator's per-request factor on
+    its delays, so that every request takes as long as it did live (order of completions
+    included)."""
+    mean = statistics.fmean(run.latencies_ms) if run.latencies_ms else 0.0
+    return tuple(ms / mean for ms in run.latencies_ms) if mean > 0 else ()
+
+
+def live_timing(run: RunResult, config: ReplayConfig) -> tuple[float, float]:
+    """``(route_delay_s, relay_delay_s)`` of a live run, for the simulator. By Little's law a
+    request spends the mean client latency ``L`` in flight at throughput ``X = requests /
+    seconds``; the gateway's mean count in flight ``I`` (decided, not yet settled) makes
+    ``I / X`` of it the gateway's hold (decision to settlement, the worker's time included) and
+    the rest the wait before the decision. Without a sample, the gateway holds it all."""
+    if run.seconds <= 0 or run.requests == 0:
+        return 0.0, 0.0
+    throughput = run.requests / run.seconds
+    latency = run.mean_latency_ms / 1e3
+    inflight = config.concurrency if run.gateway_inflight is None else run.gateway_inflight
+    held = min(latency, inflight / throughput)
+    return latency - held, held
+
+
+SIM_KEYS = ("block_hit_rate", "hit_over_bound", "routed_max_over_mean",
+            "prefill_max_over_mean")
+
+
 def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: str,
-              pooled: float) -> dict[str, Any]:
+              pooled: float, timing: tuple[float, float] = (0.0, 0.0),
+              worker_ids: Sequence[str] = (), factors: Sequence[float] = ()) -> dict[str, Any]:
+    """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
+    concurrency, keys and ``timing`` (:func:`live_timing`, per request scaled by ``factors``:
+    :func:`delay_factors`)."""
     sim = SimConfig(
         workers=config.workers, cache_blocks=config.cache_blocks, policy=policy,
         mode="sequential", concurrency=config.concurrency, max_running=config.max_running,
         costs=config.sim_costs(), index_knows_capacity=config.report_cache_size,
+        key_blocks_per_block=config.block_chars // 64,
+        route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
+        delay_factors=tuple(factors),
     )
     result = simulate(live_units(requests, config), sim)
     m = metrics(result, pooled)
-    keys = ("block_hit_rate", "pooled_bound", "hit_over_bound", "prefill_max_over_mean",
-            "routed_max_over_mean", "ttft_p50", "ttft_p99")
-    return {"router": f"ours:{policy}", **{k: m[k] for k in keys},
-            "routed_blocks_max_over_mean": max_over_mean([w.blocks for w in result.per_worker])}
+    return {"router": f"ours:{policy}", "pooled_bound": pooled,
+            **{k: m[k] for k in SIM_KEYS},
+            "route_delay_ms": timing[0] * 1e3, "relay_delay_ms": timing[1] * 1e3,
+            "sim_seconds": result.sim_seconds, "reasons": dict(result.reasons),
+            "rebalance": dict(result.rebalance)}
+
+
+def simulate_runs(requests: Sequence[TraceRequest], config: ReplayConfig,
+                  results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """Per gateway policy: the simulator once per live run, with that run's timing, and the
+    median of each metric (``runs`` holds each one)."""
+    pooled = pooled_bound(requests, config.workers * config.cache_blocks)
+    by_policy: dict[str, list[dict[str, Any]]] = {}
+    for run in results:
+        if run.router.startswith("ours:"):
+            by_policy.setdefault(run.router[5:], []).append(
+                simulated(requests, config, run.router[5:], pooled, live_timing(run, config),
+                          run.worker_ids, delay_factors(run)))
+    out = []
+    for policy, runs in by_policy.items():
+        row: dict[str, Any] = {"router": f"ours:{policy}", "repeats": len(runs),
+                               "pooled_bound": pooled}
+        for key in SIM_KEYS:
+            row[key] = statistics.median(r[key] for r in runs)
+        row["runs"] = runs
+        out.append(row)
+    return out
 
 
 async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
@@ -402,36 +498,62 @@ async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
         return results
     base = free_port_block(config.workers + 1)
     for r in range(repeats):
-        logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="replay-"))
-        fleet = Fleet(config, base, logs)
-        ids = [url.removeprefix("http://") for url in fleet.urls]
-        try:
-            async with fleet.running():
-                evented = [f"ours+events:{p}" for p in policies] if config.kv_events else []
-                for router in [*(f"ours:{p}" for p in policies), *evented, *peers]:
-                    async with aiohttp.ClientSession() as session:
-                        await fleet.flush(session)
-                    print(f"[replay] repeat {r + 1}/{repeats}: {router} ({len(bodies)} "
-                          "requests) ...", file=sys.stderr, flush=True)
-                    if router.startswith("ours"):
-                        name, _, policy = router.partition(":")
-                        async with gateway_running(
-                            fleet, policy, events=name == "ours+events"
-                        ) as (url, pid):
-                            res = await measure(router, r, url, pid, fleet, bodies, pooled,
-                                                config, ids, restart=True)
-                    else:
-                        async with running_peer(router, fleet.urls, logs) as peer:
-                            res = await measure(router, r, peer.url, peer.pid, fleet, bodies,
-                                                pooled, config, ids)
-                    print(f"[replay] {router}: hit {res.block_hit_rate:.3f} "
-                          f"({res.hit_over_bound:.3f} of bound), routed max/mean "
-                          f"{res.routed_max_over_mean:.2f}, p50 {res.p50_ms:.0f} ms, "
-                          f"{res.seconds:.0f}s, errors {res.errors}", file=sys.stderr,
-                          flush=True)
-                    results.append(res)
-        finally:
-            await asyncio.to_thread(shutil.rmtree, logs, True)
+        for attempt in range(FLEET_ATTEMPTS):
+            try:
+                results += await one_fleet(config, base, r, repeats, policies, peers, bodies,
+                                           pooled)
+                break
+            except PeerUnavailableError:
+                raise
+            except (RuntimeError, OSError) as exc:
+                # On a shared machine another process can take one of the fleet's ports
+                # between the check and the bind: try again on another block.
+                if attempt + 1 == FLEET_ATTEMPTS:
+                    raise
+                print(f"[replay] repeat {r + 1}: fleet failed ({str(exc)[:200]}); retrying on "
+                      "other ports", file=sys.stderr, flush=True)
+                base = free_port_block(config.workers + 1)
+    return results
+
+
+FLEET_ATTEMPTS = 3
+
+
+async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
+                    policies: Sequence[str], peers: Sequence[str],
+                    bodies: Sequence[dict[str, Any]], pooled: float) -> list[RunResult]:
+    """One fleet on ports ``base``...: every router once, caches flushed between them."""
+    results: list[RunResult] = []
+    logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="replay-"))
+    fleet = Fleet(config, base, logs)
+    ids = [url.removeprefix("http://") for url in fleet.urls]
+    try:
+        async with fleet.running():
+            evented = [f"ours+events:{p}" for p in policies] if config.kv_events else []
+            for router in [*(f"ours:{p}" for p in policies), *evented, *peers]:
+                async with aiohttp.ClientSession() as session:
+                    await fleet.flush(session)
+                print(f"[replay] repeat {r + 1}/{repeats}: {router} ({len(bodies)} "
+                      "requests) ...", file=sys.stderr, flush=True)
+                if router.startswith("ours"):
+                    name, _, policy = router.partition(":")
+                    async with gateway_running(
+                        fleet, policy, events=name == "ours+events"
+                    ) as (url, pid):
+                        res = await measure(router, r, url, pid, fleet, bodies, pooled,
+                                            config, ids, restart=True)
+                else:
+                    async with running_peer(router, fleet.urls, logs) as peer:
+                        res = await measure(router, r, peer.url, peer.pid, fleet, bodies,
+                                            pooled, config, ids)
+                print(f"[replay] {router}: hit {res.block_hit_rate:.3f} "
+                      f"({res.hit_over_bound:.3f} of bound), routed max/mean "
+                      f"{res.routed_max_over_mean:.2f}, p50 {res.p50_ms:.0f} ms, "
+                      f"{res.seconds:.0f}s, errors {res.errors}", file=sys.stderr,
+                      flush=True)
+                results.append(res)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, logs, True)
     return results
 
 
@@ -468,9 +590,10 @@ def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> 
                      f"{r['prefill_max_over_mean']:.2f} | {r['p50_ms']:.1f} | "
                      f"{r['p99_ms']:.1f} | {cpu} | {r['errors']} |")
     for s in sims:
-        lines.append(f"| {s['router']} (simulated) | 1 | {s['block_hit_rate']:.3f} | "
-                     f"{s['hit_over_bound']:.3f} | {s['routed_blocks_max_over_mean']:.2f} | "
-                     f"{s['prefill_max_over_mean']:.2f} | - | - | - | 0 |")
+        lines.append(f"| {s['router']} (simulated) | {s['repeats']} | "
+                     f"{s['block_hit_rate']:.3f} | {s['hit_over_bound']:.3f} | "
+                     f"{s['routed_max_over_mean']:.2f} | {s['prefill_max_over_mean']:.2f} | "
+                     "- | - | - | 0 |")
     return "\n".join(lines) + "\n"
 
 
@@ -605,10 +728,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.limit:
         requests = requests[: args.limit]
     peers = list(PEERS) if args.peers else []
-    sims = []
-    if args.simulate:
-        pooled = pooled_bound(requests, config.workers * config.cache_blocks)
-        sims = [simulated(requests, config, p, pooled) for p in policies]
     try:
         results = asyncio.run(run_replay(config, requests, policies, peers, args.repeat,
                                          args.gateway.rstrip("/")))
@@ -623,6 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_timeline(res.timeline, args.timeline / f"{res.router.replace(':', '-')}"
                            f"-{res.repeat}", res.router, events)
     rows = medians(results)
+    sims = simulate_runs(requests, config, results) if args.simulate else []
     command = shlex.join(["python", "-m", "loadtest", "replay", *args_list])
     if args.json:
         print(json.dumps({"command": command, "trace": source, "requests": len(requests),

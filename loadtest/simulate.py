@@ -13,6 +13,8 @@
 * Mode: ``sequential`` (default; trace order, ``--concurrency`` in flight, 64 by default: how
   peers replay this trace) or ``replay`` (arrivals at ``timestamp / --speedup``; giving
   ``--speedup`` selects it). See :mod:`loadtest.sim.cluster` for the model and its costs.
+* Live timing: ``--route-delay-ms`` / ``--relay-delay-ms`` (where a live request spends its time
+  outside the worker) and ``--rebalance-interval-s`` (the gateway's rebalancer; 0: off).
 
 Prints markdown (``--json``: one JSON object; with ``all`` or several seeds,
 ``{"results": [...]}``, plus ``"summary"`` over the seeds).
@@ -93,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set a field of gateway.routing.policies.PolicyOptions (repeatable)")
     p.add_argument("--index-ttl-s", type=float, help="prefix index TTL (gateway default)")
     p.add_argument("--index-capacity", type=int, help="prefix index entries (gateway default)")
+    p.add_argument("--rebalance-interval-s", type=float,
+                   help="the gateway's rebalancer every S simulated seconds (gateway default; "
+                   "0: off)")
+    p.add_argument("--route-delay-ms", type=float, default=0.0,
+                   help="live timing: a request's wait from the client's send to the routing "
+                   "decision (default 0)")
+    p.add_argument("--relay-delay-ms", type=float, default=0.0,
+                   help="live timing: from the worker's last token to the gateway settling the "
+                   "request (default 0)")
     p.add_argument("--ring-seeds", type=int, nargs="+", default=[0], metavar="S",
                    help="run once per ring seed (worker names) and summarise (default 0)")
     p.add_argument("--jobs", type=int, default=1, help="with --policy all: parallel processes")
@@ -118,7 +129,10 @@ def config_from_args(args: argparse.Namespace, policy: str) -> SimConfig:
         workers=args.workers, cache_blocks=args.cache_blocks, policy=policy, mode=mode,
         concurrency=concurrency, speedup=args.speedup or 1.0, max_running=args.max_running,
         costs=costs, serial_prefill=not args.parallel_prefill,
+        route_delay_s=args.route_delay_ms / 1e3, relay_delay_s=args.relay_delay_ms / 1e3,
     )
+    if args.rebalance_interval_s is not None:
+        config = dataclasses.replace(config, rebalance_interval_s=args.rebalance_interval_s)
     if args.load_factor is not None:
         options = dataclasses.replace(config.policy_options, load_factor=args.load_factor)
         config = dataclasses.replace(config, policy_options=options)

@@ -7,6 +7,15 @@ its events follow a moment later; they stop counting after ``pending_ttl_s`` unl
 confirms them). AllBlocksCleared, a restart or a gap in the events that cannot be replayed
 empties it, and it rebuilds from the events that follow.
 
+Events say what a cache holds now, not what it will hold when a request waiting in the
+engine's queue is admitted: when the cache is full, every prompt sent ahead of it evicts
+blocks first. So, when the worker's size is known (:meth:`ExactIndex.set_capacity`), the
+index anticipates those evictions: it keeps the held blocks in least-recently-used order
+(stored by an event or used by a prompt this gateway sent; a prompt's deepest block oldest, as
+engines release them), and while held plus pending blocks exceed the size, that many of the
+oldest are *doomed*: they do not count as held. The doomed set is recomputed from the current
+state, so it corrects itself as the engine's own removals arrive.
+
 :class:`ExactMatcher` puts the index behind the routing's prefix-match interface: for a worker
 with a live event feed the depth comes from here, for every other worker from the modelled
 index, so both kinds of worker share one pool and one policy. Pure: no I/O, time passed in.
@@ -14,6 +23,7 @@ index, so both kinds of worker share one pool and one policy. Pure: no I/O, time
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -41,27 +51,53 @@ class WorkerBlocks:
         self.pending_ttl_s = pending_ttl_s
         self._key_of: dict[BlockHash, int] = {}  # engine hash -> our key
         self._held: dict[int, int] = {}  # our key -> engine blocks holding it (oldest first)
-        self._pending: dict[int, float] = {}  # our key -> when this gateway sent it
+        self._pending: dict[int, float] = {}  # our key -> when this gateway sent it (in order)
+        self.capacity = 0  # the engine's blocks; 0 = unknown: no eviction is anticipated
+        self.reserve = 0  # of them, held by running requests (not cached prefixes)
+        # Held and pending keys, least recently used first (only kept with a capacity).
+        self._lru: dict[int, None] = {}
+        self._doomed: frozenset[int] = frozenset()
+        self._doomed_at: float | None = None  # when _doomed was computed (None: stale)
         self.stats = BlockStats()
 
     def __len__(self) -> int:
         return len(self._held)
 
     def holds(self, key: int, now: float) -> bool:
-        if key in self._held:
+        if key in self._held and key not in self.doomed(now):
             return True
         sent = self._pending.get(key)
         return sent is not None and now - sent <= self.pending_ttl_s
 
+    def doomed(self, now: float) -> frozenset[int]:
+        """Held blocks that the prompts sent here will have evicted by the time they run."""
+        if self._doomed_at == now:
+            return self._doomed
+        self.expire(now)
+        doomed: frozenset[int] = frozenset()
+        if self.capacity:
+            held, pending = self._held, self._pending
+            over = (len(held) + sum(1 for k in pending if k not in held) + self.reserve
+                    - self.capacity)
+            if over > 0:
+                evictable = (k for k in self._lru if k in held and k not in pending)
+                doomed = frozenset(itertools.islice(evictable, over))
+        self._doomed, self._doomed_at = doomed, now
+        return doomed
+
     def depth(self, keys: Sequence[int], now: float) -> int:
-        """Leading keys of ``keys`` this worker holds."""
+        """Leading keys of ``keys`` this worker holds (or will, for those just sent here;
+        not those the prompts sent ahead will have evicted)."""
         held, pending, ttl = self._held, self._pending, self.pending_ttl_s
+        doomed = self.doomed(now) if self.capacity else frozenset()
         n = 0
         for k in keys:
-            if k not in held:
-                sent = pending.get(k)
-                if sent is None or now - sent > ttl:
-                    break
+            if k in held and k not in doomed:
+                n += 1
+                continue
+            sent = pending.get(k)
+            if sent is None or now - sent > ttl:
+                break
             n += 1
         return n
 
@@ -103,9 +139,16 @@ class WorkerBlocks:
             self._held[key] = self._held.get(key, 0) + 1
             self._pending.pop(key, None)
             self.stats.stored += 1
+        if self.capacity:
+            lru = self._lru
+            for key in reversed(keys[: len(event.block_hashes)]):  # deepest oldest
+                if key not in lru:  # a prompt sent here has its place since it was sent
+                    lru[key] = None
+        self._doomed_at = None
         while len(self._held) > self.max_blocks:
             key = next(iter(self._held))
             del self._held[key]
+            self._lru.pop(key, None)
             self.stats.dropped += 1
         # Engine hashes whose key was dropped above are purged lazily when removed.
 
@@ -115,7 +158,10 @@ class WorkerBlocks:
             if key is not None:
                 self._release(key)
                 self._pending.pop(key, None)
+                if key not in self._held:
+                    self._lru.pop(key, None)
                 self.stats.removed += 1
+        self._doomed_at = None
 
     def _release(self, key: int) -> None:
         count = self._held.get(key, 0)
@@ -128,15 +174,28 @@ class WorkerBlocks:
         self._key_of.clear()
         self._held.clear()
         self._pending.clear()
+        self._lru.clear()
+        self._doomed_at = None
         self.stats.cleared += 1
 
     # -- this gateway's own decisions -------------------------------------------------------
-    def sent(self, keys: Sequence[int], now: float) -> None:
-        """This gateway sent a prompt with ``keys`` here: held until events say otherwise."""
-        pending = self._pending
-        for k in keys:
-            if k not in self._held:
-                pending[k] = now
+    def sent(self, keys: Sequence[int], now: float, reserve: int | None = None) -> None:
+        """This gateway sent a prompt with ``keys`` here: held until events say otherwise;
+        the blocks it already holds become the most recently used. ``reserve``: blocks the
+        engine's running requests hold besides cached prefixes (unchanged when None)."""
+        if reserve is not None:
+            self.reserve = reserve
+        held, pending, lru = self._held, self._pending, self._lru
+        # Deepest first, as engines release a finished request's blocks: a prefix's first
+        # blocks are the last of it to be evicted.
+        for k in reversed(keys):
+            if self.capacity:
+                lru.pop(k, None)
+                lru[k] = None  # used now: newest last
+            if k not in held:
+                pending.pop(k, None)
+                pending[k] = now  # in time order
+        self._doomed_at = None
         if len(pending) > self.max_blocks:
             self.expire(now)
 
@@ -144,14 +203,21 @@ class WorkerBlocks:
         """The prompt never reached the engine (the attempt failed)."""
         for k in keys:
             self._pending.pop(k, None)
+            if k not in self._held:
+                self._lru.pop(k, None)
+        self._doomed_at = None
 
     def expire(self, now: float) -> None:
-        cutoff = now - self.pending_ttl_s
-        stale = [k for k, t in self._pending.items() if t < cutoff]
-        for k in stale:
-            del self._pending[k]
-        while len(self._pending) > self.max_blocks:
-            del self._pending[next(iter(self._pending))]
+        """Forget sends older than ``pending_ttl_s`` (kept in time order), and the oldest
+        beyond the bound."""
+        pending, cutoff = self._pending, now - self.pending_ttl_s
+        while pending:
+            oldest = next(iter(pending))
+            if pending[oldest] >= cutoff and len(pending) <= self.max_blocks:
+                break
+            del pending[oldest]
+            if oldest not in self._held:
+                self._lru.pop(oldest, None)
 
     @property
     def pending(self) -> int:
@@ -166,6 +232,7 @@ class ExactIndex:
         self._pending_ttl_s = pending_ttl_s
         self._workers: dict[str, WorkerBlocks] = {}
         self._live: set[str] = set()
+        self._capacity: dict[str, int] = {}
 
     def worker(self, worker_id: str) -> WorkerBlocks:
         blocks = self._workers.get(worker_id)
@@ -173,7 +240,15 @@ class ExactIndex:
             blocks = self._workers[worker_id] = WorkerBlocks(
                 self._max_blocks, self._pending_ttl_s
             )
+            blocks.capacity = self._capacity.get(worker_id, 0)
         return blocks
+
+    def set_capacity(self, worker_id: str, blocks: int) -> None:
+        """The worker's engine holds ``blocks`` blocks (0: unknown)."""
+        self._capacity[worker_id] = blocks
+        known = self._workers.get(worker_id)
+        if known is not None:
+            known.capacity = blocks
 
     def get(self, worker_id: str) -> WorkerBlocks | None:
         return self._workers.get(worker_id)
@@ -196,6 +271,7 @@ class ExactIndex:
     def drop(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
         self._live.discard(worker_id)
+        self._capacity.pop(worker_id, None)
 
     def match(self, keys: Sequence[int], now: float) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -205,9 +281,11 @@ class ExactIndex:
                 out[wid] = depth
         return out
 
-    def sent(self, worker_id: str, keys: Sequence[int], now: float) -> None:
+    def sent(
+        self, worker_id: str, keys: Sequence[int], now: float, reserve: int | None = None
+    ) -> None:
         if worker_id in self._live:
-            self._workers[worker_id].sent(keys, now)
+            self._workers[worker_id].sent(keys, now, reserve)
 
     def unsent(self, worker_id: str, keys: Iterable[int]) -> None:
         blocks = self._workers.get(worker_id)

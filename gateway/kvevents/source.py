@@ -33,6 +33,14 @@ class WorkerSet(Protocol):
 
     def healthy_ids(self) -> set[str]: ...
 
+    def capacities(self) -> dict[str, int]:
+        """Each worker's cache size in prompt-key blocks (0: unknown)."""
+        ...
+
+    def inflight(self, worker_id: str) -> int:
+        """Requests sent to the worker and not yet answered."""
+        ...
+
 
 class ExactSource:
     def __init__(
@@ -52,6 +60,7 @@ class ExactSource:
         self._floor = min_match_blocks
         self._task: asyncio.Task[None] | None = None
         self._healthy: set[str] = set()
+        self._workers: WorkerSet | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self, workers: WorkerSet) -> None:
@@ -79,7 +88,10 @@ class ExactSource:
 
     def reconcile(self, workers: WorkerSet) -> None:
         """Feeds follow the pool; a worker that went down loses what its feed said."""
+        self._workers = workers
         self.hub.sync(workers.event_endpoints())
+        for wid, blocks in workers.capacities().items():
+            self.index.set_capacity(wid, blocks)
         healthy = workers.healthy_ids()
         for wid in self._healthy - healthy:
             self.hub.worker_down(wid)
@@ -101,7 +113,10 @@ class ExactSource:
         return ExactMatcher(base, self.index, now, self._floor)
 
     def sent(self, worker_id: str, blocks: Sequence[int], now: float) -> None:
-        self.index.sent(worker_id, blocks, now)
+        # Each request the engine runs holds a block of its own (the prompt's partial last
+        # block, the output) that cached prefixes cannot use meanwhile.
+        running = self._workers.inflight(worker_id) + 1 if self._workers is not None else 0
+        self.index.sent(worker_id, blocks, now, reserve=running)
 
     def unsent(self, worker_id: str, blocks: Sequence[int]) -> None:
         self.index.unsent(worker_id, blocks)

@@ -217,10 +217,12 @@ class RoutingEngine:
         elif not ctx.matches:
             kind = DecisionKind.COLD if profile.uses_prefix_index else DecisionKind.PLACED
         else:
-            kind = DecisionKind.DIVERTED
             holder = max(ctx.matches, key=lambda wid: ctx.matches[wid])
             holder_blocks = ctx.matches[holder]
             why = dropped.get(holder, "outscored")
+            # Filtered out (its load bound, a failure): diverted. Outscored by a worker that
+            # must redo the prefill: waiting on the holder cost more, the prefix spreads.
+            kind = DecisionKind.SPREAD if why == "outscored" else DecisionKind.DIVERTED
         return Decision(
             worker=chosen, policy=profile.name, kind=kind, match_blocks=depth, placement=how,
             picker=profile.picker.name, holder=holder, holder_blocks=holder_blocks,

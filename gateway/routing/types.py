@@ -32,6 +32,10 @@ class WorkerView:
     healthy: bool = True
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    # Prompt tokens of the requests in flight that the worker must prefill (not cached, as
+    # predicted when each was routed), until their first token: the queue a new prefill waits
+    # behind.
+    inflight_prefill: int = 0
     id: str = field(init=False)  # = worker.id; a plain attribute, read on every decision
 
     def __post_init__(self) -> None:
@@ -101,8 +105,8 @@ class DecisionKind(StrEnum):
 
     PREFIX_HIT = "prefix_hit"  # it holds the deepest usable known prefix of the request
     COLD = "cold"  # no worker is known to hold the prefix: placed from the anchor's ring walk
-    DIVERTED = "diverted"  # a holder exists but was filtered out or outscored (its load)
-    SPREAD = "spread"  # a hot prefix given to one more holder: waiting cost more than prefill
+    DIVERTED = "diverted"  # a holder exists but was filtered out (its load bound, a failure)
+    SPREAD = "spread"  # a prefix given to one more holder: waiting cost more than the prefill
     PLACED = "placed"  # a policy without a prefix index (ring, round robin, least load)
 
 

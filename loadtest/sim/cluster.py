@@ -24,6 +24,20 @@ fewer than ``concurrency`` are in flight (unbounded when ``None``). Two modes:
 each issued request ``session.route(request, now)`` with the simulated time (snapshot, decision,
 index record, in-flight accounting: ``input + output`` tokens, added at dispatch), timed with
 ``perf_counter``; ``session.completed`` with the blocks the worker reused when it finishes.
+Its cache reports feed the gateway's own :class:`~gateway.rebalance.Rebalancer`, which decides
+and applies its actions every ``rebalance_interval_s`` of simulated time, as the live gateway's
+background loop does (0: never).
+
+**Where a live request spends its time.** A live gateway is a process with a clock: a request
+waits ``route_delay_s`` from the client's send to the routing decision (reading, parsing and
+queueing in the gateway's event loop), and the gateway settles it ``relay_delay_s`` after the
+worker finished (relaying the reply, queueing again). The decision's time (``now``) therefore
+advances even when the workers cost nothing, which moves everything the index decays over time
+(prefix heat, recent requests, cache turnover); and the gateway counts a request in flight from
+its decision to its settlement, while the worker holds the prompt's blocks only while it runs
+it. Both delays are 0 by default (time is the workers' cost model alone); the live replay
+(:mod:`loadtest.replay`) sets them from what it measured (Little's law: the client's
+concurrency over the throughput, split by the gateway's mean count of requests in flight).
 
 **Worker** (cost model, shape of ``SimEngine``): at most ``max_running`` admitted requests; the
 rest wait in a FIFO queue (head-of-line: a request whose blocks do not fit waits, and so do the
@@ -45,20 +59,28 @@ shows where a policy concentrates load instead of everywhere.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import heapq
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import xxhash
+
+from gateway.fingerprint import FingerprintOptions, PrefixKey, checkpoint_depths
 from gateway.pool import WorkerPool
+from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.routing.policies import PolicyOptions
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Decision, DecisionKind, RouteRequest, Worker
 from gateway.session import Attempt, CacheUsage, Router, RoutingSession
 from gateway.settings import GatewaySettings
+from gateway.store.base import CacheReport, HitCounters
+from gateway.store.memory import MemoryStore
 from loadtest.sim.routers import build_router
 from loadtest.traces import BLOCK_TOKENS, TraceRequest
 from worker.engines.sim import SimCosts
@@ -96,8 +118,24 @@ class SimConfig:
     index_ttl_s: float = field(default_factory=lambda: _gateway_default("index_ttl_s"))
     # The index models each worker's cache as an LRU of its real size (PrefixIndex.set_capacity).
     index_knows_capacity: bool = True
-    # Worker names (hence ring positions): see worker_ids.
+    # Worker names (hence ring positions): see worker_ids; or these names (a live fleet's ids,
+    # so that the simulated ring is the live gateway's).
     ring_seed: int = 0
+    worker_names: tuple[str, ...] = ()
+    # Live timing (module docstring): client send -> decision, worker done -> settled.
+    route_delay_s: float = 0.0
+    relay_delay_s: float = 0.0
+    # Per request, by position in the trace: a factor on both delays (a live run's latency of
+    # that request over its mean latency), so that each takes as long as it did live.
+    delay_factors: tuple[float, ...] = ()
+    # Fingerprint blocks per trace block: 0 routes on the trace's keys as they are (one hash per
+    # trace block); n >= 1 on the key the gateway computes when each trace block is n of its
+    # fingerprint blocks of text (gateway_key: checkpoints beyond the dense head), as in the
+    # live replay, where one trace block is one 64-character block.
+    key_blocks_per_block: int = 0
+    # The gateway's rebalancer, every this many simulated seconds (0: off).
+    rebalance_interval_s: float = field(
+        default_factory=lambda: _gateway_default("rebalance_interval_s"))
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.cache_blocks < 1 or self.max_running < 1:
@@ -108,6 +146,34 @@ class SimConfig:
             raise ValueError("speedup must be > 0")
         if self.mode not in ("sequential", "replay"):
             raise ValueError(f"unknown mode {self.mode!r}")
+        if self.worker_names and len(set(self.worker_names)) != self.workers:
+            raise ValueError("worker_names must name each worker once")
+        if min(self.route_delay_s, self.relay_delay_s, self.rebalance_interval_s,
+               self.key_blocks_per_block) < 0:
+            raise ValueError("route_delay_s, relay_delay_s, rebalance_interval_s and "
+                             "key_blocks_per_block must be >= 0")
+
+
+def gateway_key(key: PrefixKey, per_block: int,
+                opts: FingerprintOptions | None = None) -> PrefixKey:
+    """The gateway's fingerprint of a prompt whose trace blocks are ``key.blocks`` (dense, each
+    naming its whole prefix, as trace block ids do) when each is ``per_block`` fingerprint
+    blocks of text: the hashes at the gateway's checkpoint depths only
+    (:func:`gateway.fingerprint.checkpoint_depths`, capped at ``max_blocks``) and the anchor at
+    ``anchor_blocks``, as :func:`gateway.fingerprint.fingerprint` cuts the text."""
+    opts = opts or FingerprintOptions()
+    total = min(len(key.blocks) * per_block, opts.max_blocks)
+    if total == 0:
+        return key
+    depths = checkpoint_depths(total, opts)
+    if per_block == 1:
+        blocks = [key.blocks[d - 1] for d in depths]
+    else:  # fingerprint block j of trace block b names (b, j), hence the whole prefix too
+        blocks = [xxhash.xxh3_64_intdigest(
+            key.blocks[(d - 1) // per_block].to_bytes(8, "little")
+            + ((d - 1) % per_block).to_bytes(4, "little")) for d in depths]
+    anchor = blocks[max(0, bisect.bisect_right(depths, opts.anchor_blocks) - 1)]
+    return PrefixKey(tuple(blocks), anchor, key.text_chars, tuple(depths))
 
 
 def worker_ids(n: int, ring_seed: int = 0) -> list[str]:
@@ -156,15 +222,31 @@ class SimResult:
     # Decisions by label (Decision.label; "diverted:<why>" split out).
     reasons: Mapping[str, int] = field(default_factory=dict)
     ring_seed: int = 0
+    # The rebalancer's actions by kind (shrink_capacity, shed).
+    rebalance: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class _Job:
     req: TraceRequest
     rid: str
-    dispatched: float
+    issued: float  # when the client sent it (TTFT counts from here)
     attempt: Attempt
+    delay_factor: float = 1.0
     matched_blocks: int = 0
+
+
+class _Telemetry:
+    """The gateway's hit counters per worker, as its store accumulates the cache reports."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, HitCounters] = {}
+
+    def assigned(self, key: PrefixKey, worker_id: str) -> None:
+        return None
+
+    def reported(self, report: CacheReport) -> None:
+        self.workers.setdefault(report.worker_id, HitCounters()).add(report)
 
 
 class _SimWorker:
@@ -194,7 +276,7 @@ class ClusterSim:
 
     def __init__(self, config: SimConfig, router: Router | None = None) -> None:
         self.config = config
-        ids = worker_ids(config.workers, config.ring_seed)
+        ids = list(config.worker_names) or worker_ids(config.workers, config.ring_seed)
         caches = {wid: PrefixCache(config.cache_blocks, 1) for wid in ids}
         self.workers = {wid: _SimWorker(Worker(wid, f"sim://{wid}"), caches[wid]) for wid in ids}
         self.index = PrefixIndex(config.index_capacity, config.index_ttl_s)
@@ -206,8 +288,15 @@ class ClusterSim:
                 # As the gateway does once a worker reports its cache size (gateway.sync).
                 self.pool.set_capacity(wid, config.cache_blocks)
         router = router or build_router(config.policy, caches, config.policy_options)
-        self.session = RoutingSession(router, self.index, self.pool)
-        self._events: list[tuple[float, int, _SimWorker, _Job]] = []
+        self.telemetry = _Telemetry()
+        self.session = RoutingSession(router, self.index, self.pool, self.telemetry)
+        self.rebalancer = Rebalancer(
+            MemoryStore(), self.pool, self.index, "sim",
+            RebalanceOptions(interval_s=config.rebalance_interval_s or 1.0))
+        self._next_rebalance = config.rebalance_interval_s or math.inf
+        self._rebalance_actions: Counter[str] = Counter()
+        # (time, sequence, what happens then): worker completions, delayed decisions, settling.
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = 0
         self._inflight = 0
         self._ttft: list[float] = []
@@ -222,31 +311,61 @@ class ClusterSim:
     def router(self) -> Router:
         return self.session.router
 
-    # -- gateway side ---------------------------------------------------------------------------
+    def _at(self, t: float, action: Callable[[float], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, action))
 
-    def _dispatch(self, req: TraceRequest, now: float) -> None:
+    # -- client side ----------------------------------------------------------------------------
+
+    def _issue(self, pos: int, req: TraceRequest, now: float) -> None:
         if len(req.blocks) > self.config.cache_blocks:
             self._rejected += 1  # can never fit in one worker's cache
             return
+        self._inflight += 1
+        factors = self.config.delay_factors
+        factor = factors[pos % len(factors)] if factors else 1.0
+        delay = self.config.route_delay_s * factor
+        if delay > 0:
+            self._at(now + delay, lambda t: self._dispatch(req, t, now, factor))
+        else:
+            self._dispatch(req, now, now, factor)
+
+    # -- gateway side ---------------------------------------------------------------------------
+
+    def _dispatch(self, req: TraceRequest, now: float, issued: float, factor: float) -> None:
+        per_block = self.config.key_blocks_per_block
+        key = gateway_key(req.key, per_block) if per_block else req.key
         route_request = RouteRequest(
-            key=req.key, model=MODEL, cost_tokens=req.cost_tokens, prompt_tokens=req.input_tokens
+            key=key, model=MODEL, cost_tokens=req.cost_tokens, prompt_tokens=req.input_tokens
         )
+        per_block = per_block or 1
         if self.router.uses_prefix_index:
             # Diagnostic, untimed: the deepest prefix any worker was known to hold.
-            self._best_known += max(self.index.match(req.blocks, now).values(), default=0)
+            held = max(self.index.match(key.blocks, now).values(), default=0)
+            self._best_known += key.depth_at(held - 1) // per_block if held else 0
         t0 = time.perf_counter()
         attempt = self.session.route(route_request, now)
         self._decision_us.append((time.perf_counter() - t0) * 1e6)
         decision = attempt.decision
-        self._predicted += decision.match_blocks
+        self._predicted += decision.match_blocks // per_block
         self._reasons[_reason_label(decision)] += 1
         w = self.workers[decision.worker_id]
         self._assignments.append(w.worker.id)
         w.routed += 1
-        self._inflight += 1
-        w.queue.append(_Job(req, str(req.index), now, attempt))
+        w.queue.append(_Job(req, str(req.index), issued, attempt, factor))
         w.max_queue = max(w.max_queue, len(w.queue))
         self._pump(w, now)
+
+    def _settle(self, job: _Job) -> None:
+        # What the worker reports, in blocks (one trace block = one cache block).
+        self.session.completed(job.attempt, CacheUsage(len(job.req.blocks), job.matched_blocks))
+        self._inflight -= 1
+
+    def _rebalance(self) -> None:
+        """One round of the gateway's rebalancer over the hit counters so far."""
+        for action in self.rebalancer.decide(self.telemetry.workers):
+            self._rebalance_actions[str(action["action"])] += 1
+            self.rebalancer.apply(action)
 
     # -- worker side ----------------------------------------------------------------------------
 
@@ -271,17 +390,18 @@ class ClusterSim:
             first_token = start + prefill
             if self.config.serial_prefill:
                 w.prefill_free_at = first_token
-            self._ttft.append(first_token - job.dispatched)
+            self._ttft.append(first_token - job.issued)
             done = first_token + costs.decode_seconds(req.output_tokens)
-            self._seq += 1
-            heapq.heappush(self._events, (done, self._seq, w, job))
+            self._at(done, functools.partial(self._complete, w, job))
 
     def _complete(self, w: _SimWorker, job: _Job, now: float) -> None:
         w.cache.release(job.rid)
         w.running -= 1
-        # What the worker reports, in blocks (one trace block = one cache block).
-        self.session.completed(job.attempt, CacheUsage(len(job.req.blocks), job.matched_blocks))
-        self._inflight -= 1
+        delay = self.config.relay_delay_s * job.delay_factor
+        if delay > 0:
+            self._at(now + delay, lambda _t: self._settle(job))
+        else:
+            self._settle(job)
         self._pump(w, now)
 
     # -- the event loop -------------------------------------------------------------------------
@@ -290,7 +410,7 @@ class ClusterSim:
         cfg = self.config
         started = time.perf_counter()
         limit = cfg.concurrency if cfg.concurrency is not None else math.inf
-        ready: deque[TraceRequest] = deque()
+        ready: deque[tuple[int, TraceRequest]] = deque()
         events = self._events
         now = 0.0
         i, n = 0, len(requests)
@@ -299,17 +419,21 @@ class ClusterSim:
                 t_arrival = 0.0 if cfg.mode == "sequential" else requests[i].arrival_s / cfg.speedup
             else:
                 t_arrival = math.inf
-            if events and events[0][0] <= t_arrival:
-                now, _, w, job = heapq.heappop(events)
-                self._complete(w, job, now)
+            t_event = events[0][0] if events else math.inf
+            while self._next_rebalance <= min(t_event, t_arrival) < math.inf:
+                self._rebalance()
+                self._next_rebalance += cfg.rebalance_interval_s
+            if events and t_event <= t_arrival:
+                now, _, action = heapq.heappop(events)
+                action(now)
             elif i < n:
                 now = max(now, t_arrival)
-                ready.append(requests[i])
+                ready.append((i, requests[i]))
                 i += 1
             else:
                 break
             while ready and self._inflight < limit:
-                self._dispatch(ready.popleft(), now)
+                self._issue(*ready.popleft(), now)
         blocked = [w.worker.id for w in self.workers.values() if w.queue]
         if blocked:  # cannot happen: a lone request always fits an empty cache
             raise RuntimeError(f"requests left queued on {blocked}")
@@ -325,7 +449,7 @@ class ClusterSim:
             sim_seconds=now,
             wall_seconds=time.perf_counter() - started, per_worker=per_worker,
             assignments=tuple(self._assignments), reasons=dict(self._reasons),
-            ring_seed=cfg.ring_seed,
+            ring_seed=cfg.ring_seed, rebalance=dict(self._rebalance_actions),
         )
 
 

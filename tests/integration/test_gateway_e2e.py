@@ -170,6 +170,30 @@ async def test_invisible_differences_share_one_cache_entry(start_cluster: StartC
     )
 
 
+@pytest.mark.parametrize("trim", [True, False])
+async def test_a_re_render_with_trailing_spaces_on_inner_lines_still_hits(
+    start_cluster: StartCluster, trim: bool
+) -> None:
+    """An agent re-sends the same context with trailing spaces on inner lines: trimmed per line
+    (the default), it is the same prefix and the worker reuses all of it."""
+    cluster = await start_cluster(trim_line_whitespace=trim)
+    lines = [f"{SHARED_PREFIX[i:i + 60]}" for i in range(0, len(SHARED_PREFIX), 60)]
+    plain = "\n".join(line.rstrip() for line in lines) + "\nWhich tyre fits?"
+    rerender = "\n".join(line.rstrip() + "  " for line in lines) + "\nWhich tyre fits?"
+    async with client(cluster.base_url) as oa:
+        first = await oa.completions.with_raw_response.create(
+            model=MODEL, prompt=plain, max_tokens=1)
+        second = await oa.completions.with_raw_response.create(
+            model=MODEL, prompt=rerender, max_tokens=1)
+    matched = int(second.headers["x-cache-matched-tokens"])
+    total = int(second.headers["x-cache-input-tokens"])
+    if trim:
+        assert second.headers["x-cache-input-tokens"] == first.headers["x-cache-input-tokens"]
+        assert matched * 10 >= total * 9, (matched, total)  # all but the last partial block
+    else:
+        assert matched * 10 < total * 2, (matched, total)  # a new prefix from line one on
+
+
 async def test_tenants_are_namespaced(start_cluster: StartCluster) -> None:
     cluster = await start_cluster()
     anchors = []

@@ -160,3 +160,56 @@ def test_a_prefix_evicted_everywhere_goes_back_to_its_modelled_home() -> None:
     exact.worker("home").apply(BlockStored((1, 2), None, tuple(range(8)), BS))
     assert matcher.match(k) == {"home": 2}  # held again: the events' depth
     assert matcher.held("home", k) == 2
+
+
+def queued_exactness(capacity_known: bool, seed: int = 3, ahead: int = 4) -> float:
+    """A full engine cache and prompts sent ``ahead`` of the engine (they wait in its queue):
+    the share of prompts whose cached tokens were predicted exactly at send time."""
+    rng = random.Random(seed)
+    cache = PrefixCache(num_blocks=48, block_size=BS)
+    rec = Recorder()
+    cache.listener = rec
+    blocks = WorkerBlocks(pending_ttl_s=1e9)
+    if capacity_known:
+        blocks.capacity = 48
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(8, 28))] for _ in range(10)]
+    queue: list[tuple[str, list[int], int]] = []
+    exact = total = 0
+    for i in range(400):
+        prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 8))]
+        k = keys(prompt)
+        queue.append((f"r{i}", prompt, blocks.depth(k, 0.0) * BS))
+        blocks.sent(k, 0.0, reserve=1)  # the engine runs one request at a time
+        if len(queue) > ahead:  # the engine admits the oldest queued prompt
+            rid, tokens, predicted = queue.pop(0)
+            alloc = cache.allocate(rid, tokens, "")
+            exact += predicted == alloc.matched_tokens
+            total += 1
+            cache.release(rid)
+            rec.drain_into(blocks)
+    assert cache.evicted_blocks > 0
+    return exact / total
+
+
+def test_sends_into_a_full_cache_anticipate_its_evictions() -> None:
+    known, unknown = queued_exactness(True), queued_exactness(False)
+    assert known > unknown
+    assert known >= 0.93
+
+
+def test_doomed_blocks_stop_counting_until_used_or_stored() -> None:
+    blocks = WorkerBlocks(pending_ttl_s=5.0)
+    blocks.capacity = 4
+    a, b, c = list(range(8)), list(range(100, 108)), list(range(200, 208))
+    blocks.apply(BlockStored((1, 2), None, tuple(a), BS))
+    blocks.apply(BlockStored((3, 4), None, tuple(b), BS))
+    blocks.sent(keys(a), now=1.0)  # a is used again: b is now the oldest
+    blocks.sent(keys(c), now=1.0)  # two new blocks into a full cache of four
+    assert blocks.depth(keys(b), 2.0) == 0  # doomed
+    assert blocks.depth(keys(a), 2.0) == 2
+    assert blocks.depth(keys(c), 2.0) == 2  # pending
+    assert blocks.depth(keys(b), 7.0) == 2  # no eviction came: the engine kept it
+    blocks.sent(keys(c), now=10.0)
+    blocks.apply(BlockStored((5, 6), None, tuple(c), BS))
+    blocks.sent(keys(b), now=11.0)  # used again: it counts (pending until stored)
+    assert blocks.depth(keys(b), 11.5) == 2

@@ -36,7 +36,8 @@ DEFAULT = NormalizeOptions()
         pytest.param("hello\n\n\n", "hello", id="trailing-newlines"),
         pytest.param("hello \t\r\n \n", "hello", id="trailing-mixed"),
         pytest.param("hello\u00a0\u200b", "hello", id="trailing-invisible-and-nbsp"),
-        pytest.param("  \n\thello", "  \n\thello", id="leading-whitespace-kept"),
+        # Indentation stays (the tab); a blank first line loses its spaces (line trim).
+        pytest.param("  \n\thello", "\n\thello", id="leading-whitespace-kept"),
         pytest.param("a  b\n\nc", "a  b\n\nc", id="inner-whitespace-kept"),
         pytest.param("plain ASCII text, 123!", "plain ASCII text, 123!", id="ascii-unchanged"),
         pytest.param("caf\u00e9 \u65e5\u672c", "caf\u00e9 \u65e5\u672c", id="non-ascii-letters"),
@@ -60,8 +61,10 @@ def test_normalize_text_defaults(text: str, expected: str) -> None:
                      "a\u200bb\u00adc\ufeff d", id="invisible-off"),
         pytest.param(NormalizeOptions(newlines=False), "a\r\nb\rc\u00a0d",
                      "a\r\nb\rc d", id="newlines-off"),
+        pytest.param(NormalizeOptions(trailing_whitespace=False, line_trailing_whitespace=False),
+                     "a\u00a0b  \n\n", "a b  \n\n", id="trailing-whitespace-off"),
         pytest.param(NormalizeOptions(trailing_whitespace=False), "a\u00a0b  \n\n",
-                     "a b  \n\n", id="trailing-whitespace-off"),
+                     "a b\n\n", id="trailing-off-lines-still-trimmed"),
         pytest.param(NormalizeOptions(trailing_whitespace=False), "a\r\n",
                      "a\n", id="trailing-off-crlf-still-converted"),
         pytest.param(NormalizeOptions(unicode_spaces=False, invisible=False), "a\u00a0\u200bb",
@@ -150,6 +153,38 @@ def test_normalize_messages_disabled_is_identity_copy() -> None:
     out = normalize_messages(messages, NormalizeOptions(enabled=False))
     assert out == messages
     assert out[0] is not messages[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "trim", "expected"),
+    [
+        pytest.param("def f():  \n    return 1\t\n\nx", True, "def f():\n    return 1\n\nx",
+                     id="inner-lines-trimmed"),
+        pytest.param("a  \nb", False, "a  \nb", id="option-off-keeps-them"),
+        pytest.param("  leading\n  kept", True, "  leading\n  kept", id="indentation-kept"),
+        pytest.param("a \u00a0\r\nb", True, "a\nb", id="after-nbsp-and-crlf"),
+        pytest.param("a\f \nb", True, "a\f\nb", id="only-spaces-and-tabs"),
+    ],
+)
+def test_line_trailing_whitespace(text: str, trim: bool, expected: str) -> None:
+    opts = NormalizeOptions(line_trailing_whitespace=trim)
+    assert normalize_text(text, opts) == expected
+    if trim and "\r" not in text:  # a re-render with trailing spaces on inner lines
+        assert normalize_text(text.replace("\n", " \t \n"), opts) == expected
+
+
+def test_line_trim_is_linear_on_a_long_run_of_spaces() -> None:
+    # A run of spaces that does not end a line is kept, whatever its length.
+    text = " " * 200_000 + "x \ny"
+    assert normalize_text(text) == " " * 200_000 + "x\ny"
+
+
+def test_a_line_end_between_text_parts_is_trimmed() -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a  "},
+                                          {"type": "text", "text": "\nb"}]}]
+    plain = [{"role": "user", "content": "a\nb"}]
+    assert render_chat(normalize_messages(parts, DEFAULT)) == render_chat(
+        normalize_messages(plain, DEFAULT))
 
 
 def test_split_text_parts_normalize_like_joined_text() -> None:

@@ -155,3 +155,86 @@ def test_policies_without_an_index_record_nothing() -> None:
     assert attempt.decision.label == "round_robin"
     assert session.index.match(BLOCKS, 1.0) == {}
     assert sink.assignments == []
+
+
+def test_queued_prefill_counts_until_the_first_token() -> None:
+    session, _ = _session()
+    cold = session.route(_request(cost=100), now=1.0)  # prompt 80 tokens, nothing cached
+    wid = cold.worker_id
+    assert session.pool.get(wid).inflight_prefill == 80
+    views = session.pool.snapshot(1.0).by_id
+    assert views is not None
+    assert views[wid].inflight_prefill == 80  # what routing sees
+    session.first_token(cold)
+    session.first_token(cold)  # once only
+    assert session.pool.get(wid).inflight_prefill == 0
+    session.completed(cold)
+    hit = session.route(_request(cost=100), now=2.0)  # all 8 blocks known: nothing to prefill
+    assert (hit.worker_id, hit.prefill_tokens) == (wid, 0)
+    half = session.route(_request((*BLOCKS[:4], 91, 92, 93, 94)), now=3.0)
+    assert (half.worker_id, half.prefill_tokens) == (wid, 40)  # 4 of 8 blocks held
+    session.failed(hit)
+    session.completed(half)  # never streamed: its prefill is released with it
+    state = session.pool.get(wid)
+    assert (state.inflight_requests, state.inflight_tokens, state.inflight_prefill) == (0, 0, 0)
+
+
+@dataclass(frozen=True)
+class LearnCase:
+    name: str
+    reported_capacity: int  # 0: the worker does not report its cache size
+    matched_tokens: int  # of 800 input tokens (8 blocks, all predicted held)
+    expected_capacity: int
+
+
+LEARN = [
+    # It reused everything predicted: nothing to learn (the index's default size stays).
+    LearnCase("confirmed", 0, 800, 1_000_000),
+    # It reused nothing of 8 predicted blocks: it evicted them, its cache is smaller than the
+    # 16 blocks the index holds for it -> 90% of 16 = 14 (never below this prompt, 8).
+    LearnCase("evicted-shrinks", 0, 0, 14),
+    # One block short is within the slack: nothing to learn.
+    LearnCase("near-miss-ignored", 0, 700, 1_000_000),
+    # A worker that reports its size keeps it (the rebalancer corrects those).
+    LearnCase("reported-kept", 100, 0, 100),
+]
+
+
+@pytest.mark.parametrize("case", LEARN, ids=[c.name for c in LEARN])
+def test_capacity_is_learned_from_what_workers_reuse(case: LearnCase) -> None:
+    session, _ = _session()
+    wid = session.route(_request(tuple(range(100, 108))), now=0.0).worker_id
+    if case.reported_capacity:
+        session.pool.set_capacity(wid, case.reported_capacity)
+    first = session.route(_request(), now=1.0, exclude=frozenset(set(IDS) - {wid}))
+    session.completed(first)
+    again = session.route(_request(), now=2.0)
+    assert (again.worker_id, again.decision.match_blocks) == (wid, 8)
+    session.completed(again, CacheUsage(800, case.matched_tokens))
+    assert session.index.capacity(wid) == case.expected_capacity
+
+
+def test_a_learned_capacity_grows_back_when_the_worker_holds_more() -> None:
+    session, _ = _session()
+    wid = session.route(_request(), now=0.0).worker_id
+    session.index.set_capacity(wid, 8)  # learned too small: only one prompt fits
+    other = session.route(_request(tuple(range(100, 108))), now=1.0,
+                          exclude=frozenset(set(IDS) - {wid}))
+    session.completed(other)
+    assert session.index.match(BLOCKS, 1.0) == {}  # the model evicted it
+    attempt = session.route(_request(), now=2.0, exclude=frozenset(set(IDS) - {wid}))
+    session.completed(attempt, CacheUsage(800, 800))  # ...but the worker still had it all
+    assert session.index.capacity(wid) == 16
+
+
+def test_capacity_learning_can_be_switched_off() -> None:
+    index = PrefixIndex()
+    pool = WorkerPool((), index)
+    pool.add("http://a:1", wid="a:1")
+    pool.mark_up("a:1", frozenset())
+    session = RoutingSession(build_engine("cache_aware"), index, pool, learn_capacity=False)
+    session.completed(session.route(_request(tuple(range(100, 108))), now=0.0))
+    session.completed(session.route(_request(), now=1.0))
+    again = session.route(_request(), now=2.0)
+    session.completed(again, CacheUsage(800, 0))
+    assert index.capacity("a:1") == 1_000_000

@@ -10,12 +10,16 @@ from typing import Any
 
 import pytest
 
+from gateway.fingerprint import Namespace, fingerprint
 from gateway.routing.policies import POLICY_NAMES
 from gateway.routing.ring import Ring
 from loadtest import simulate as cli
 from loadtest.sim import (
     ORACLE,
+    ClusterSim,
     SimConfig,
+    SimResult,
+    gateway_key,
     metrics,
     policy_names,
     pooled_bound,
@@ -221,3 +225,66 @@ def test_cli_ring_seeds_summarise_mean_min_max(
     table = capsys.readouterr().out
     assert "over ring seeds 0 1 2" in table
     assert "| consistent_hash | 3 |" in table
+
+
+def test_live_timing_advances_the_clock_when_workers_cost_nothing() -> None:
+    # A live request waits before the decision and after the worker; the worker holds its
+    # blocks only while it runs it: two 2-block prompts share a 2-block cache at once.
+    reqs = trace([1, 2], [3, 4], [1, 2], [3, 4], [1, 2], [3, 4])
+    timed = simulate(reqs, config(1, 2, "round_robin", concurrency=2, route_delay_s=0.1,
+                                  relay_delay_s=0.3))
+    assert timed.sim_seconds == pytest.approx(3 * 0.4)  # three waves of two
+    assert timed.ttft_s == pytest.approx((0.1,) * 6)  # nobody waited for blocks
+    untimed = simulate(reqs, config(1, 2, "round_robin", concurrency=2))
+    assert untimed.sim_seconds == 0.0
+    # Per request, a factor on both delays (cycled): the third request takes 3 x 0.4 s.
+    slow = simulate(reqs[:3], config(1, 2, "round_robin", concurrency=2, route_delay_s=0.1,
+                                     relay_delay_s=0.3, delay_factors=(1.0, 1.0, 3.0)))
+    assert slow.sim_seconds == pytest.approx(0.4 + 1.2)
+    assert slow.ttft_s == pytest.approx((0.1, 0.1, 0.3))
+
+
+def test_rebalancer_shrinks_an_unknown_cache_that_mispredicts() -> None:
+    # Two workers of 4 blocks, six 2-block prompts in turn: each worker is sent three prompts
+    # (6 blocks), so the index, which does not know the size, predicts hits the worker
+    # evicted; the rebalancer's rounds (every 3 simulated seconds) shrink its model.
+    # The session's own capacity learning is off here (it corrects such a model by itself,
+    # below), so the mispredictions reach the rebalancer.
+    reqs = trace(*([[10 * p, 10 * p + 1] for p in range(6)] * 40))
+    base = config(2, 4, "cache_aware", relay_delay_s=0.05, index_knows_capacity=False)
+
+    def unlearned(cfg: SimConfig) -> SimResult:
+        sim = ClusterSim(cfg)
+        sim.session.learn_capacity = False
+        return sim.run(reqs)
+
+    on = unlearned(dataclasses.replace(base, rebalance_interval_s=3.0))
+    off = unlearned(dataclasses.replace(base, rebalance_interval_s=0.0))
+    assert on.rebalance.get("shrink_capacity", 0) > 0
+    assert off.rebalance == {}
+
+
+def test_the_session_learns_an_unknown_cache_size_without_the_rebalancer() -> None:
+    reqs = trace(*([[10 * p, 10 * p + 1] for p in range(6)] * 40))
+    sim = ClusterSim(config(2, 4, "cache_aware", index_knows_capacity=False,
+                            rebalance_interval_s=0.0))
+    result = sim.run(reqs)
+    assert result.rebalance == {}
+    # Each worker is sent three 2-block prompts for a 4-block cache: the model shrinks from
+    # the index's default to about what the worker holds, and stops predicting evicted hits.
+    assert all(sim.index.capacity(wid) <= 6 for wid in ("w0", "w1"))
+    assert result.reasons.get("prefix_hit", 0) <= 2
+
+
+@pytest.mark.parametrize(("blocks", "per_block"), [(3, 1), (10, 1), (200, 1), (100, 2)])
+def test_gateway_key_has_the_fingerprints_checkpoints(blocks: int, per_block: int) -> None:
+    key = gateway_key(prefix_key(range(blocks), 512 * blocks), per_block)
+    text = "x" * (64 * blocks * per_block)
+    fp = fingerprint(text, Namespace())
+    assert key.depths == fp.depths
+    assert key.blocks.index(key.anchor) == fp.blocks.index(fp.anchor)
+    # A shared prefix of trace blocks shares exactly the checkpoints inside it.
+    other = gateway_key(prefix_key([*range(blocks - 1), 10**6], 512 * blocks), per_block)
+    shared = [a == b for a, b in zip(key.blocks, other.blocks, strict=True)]
+    inside = [d <= (blocks - 1) * per_block for d in key.depths]
+    assert shared == inside

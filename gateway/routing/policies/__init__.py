@@ -17,21 +17,22 @@ holder over the load bound is filtered out, so the request goes to the next-best
 none, to the ring, and the new worker becomes a second holder of the prefix.
 
 ``cache_aware`` (the default) replaces the longest-match switch with one cost per worker,
-prefill it would have to compute plus its queue (see ``cache_cost``): a holder wins until its
-queue outweighs the prefill it saves, and holders of a hot prefix share its traffic by load. A
-cold prefix (no worker holds ``min_match_blocks`` of it) goes to one of the first
-``ring_choices`` workers on the ring from its anchor, the one where it costs least
+the prefill it would have to compute against the queue it has (see ``cache_cost``): a holder
+keeps its prefix until waiting on it costs more than the prefill a move adds, counted with what
+that prefill evicts from a full cache and the pool's queue it delays. A request count never
+spreads a prefix by itself: with zero service time or tight caches a copy only duplicates the
+prefix and evicts others. A cold prefix (no worker holds ``min_match_blocks`` of it) goes to one
+of the first ``ring_choices`` workers on the ring from its anchor, the one where it costs least
 (``spread_picker``): fewest recent requests for a short prompt, slowest cache turnover for a
 long one, skipping any with far more in flight. Placement stays tied to the anchor, so
-replicas mostly agree, and both the request counts and the caches' eviction even out. Its hard
-bound depends on the prefix. For a *hot* prefix (``hot_threshold`` recent requests share it,
-halved every 30 s: a system prompt many users send) it is ``hot_load_factor`` (1.25 x mean), so
-its holder overflows to a second holder (then a third) chosen by the same ring walk, and the
-holders then share it by load; when the heat goes, the extra holders age out of the index. For
-any other prefix (one conversation's history) it is a loose guard, ``cache_aware_load_factor``
-(3 x mean): there an instantaneous token bound of 1.25 x mean sends away a quarter of the hits
-on real traffic, while the cost and the ring choices already keep the cumulative load within
-1.1 x mean (BENCHMARKS.md).
+replicas mostly agree, and both the request counts and the caches' eviction even out. The hard
+bound is a loose guard, ``cache_aware_load_factor`` (3 x mean): an instantaneous token bound of
+1.25 x mean sends away a quarter of the hits on real traffic, while the cost and the ring
+choices already keep the cumulative load within 1.1 x mean (BENCHMARKS.md).
+``hot_threshold`` > 0 brings back the older rule (a prefix that many recent requests share gets
+the tight ``hot_load_factor`` bound, so its holder overflows to a second holder); it is off by
+default. Defaults live in :class:`PolicyOptions`; every field is a gateway setting of the same
+name.
 """
 
 from __future__ import annotations
@@ -68,13 +69,23 @@ class PolicyOptions:
     cache_aware_load_factor: float = 3.0
     prefill_weight: float = 1.0
     queue_weight: float = 0.01
+    wait_weight: float = 1.0  # cache_aware: prefill queued on a worker, against prefill saved
+    evict_weight: float = 1.0  # cache_aware: prefill that evicts from a full cache costs 1 + w
     min_match_blocks: int = 2
     ring_choices: int = 4
     spread_guard: float = 1.5  # cache_aware: skip choices over 1.5 x their mean in flight
     pressure_weight: float = 4.0  # cache_aware: cache turnover against recent requests
     candidate_limit: int = 16
-    hot_threshold: float = 8.0  # requests sharing a prefix (halved every 30 s) to call it hot
+    # Requests sharing a prefix (halved every 30 s) to call it hot; 0: never (a prefix spreads
+    # only when waiting on its holder costs more than the prefill elsewhere: wait_weight).
+    hot_threshold: float = 0.0
     hot_load_factor: float = 1.25  # cache_aware's bound for hot prefixes
+
+    def __post_init__(self) -> None:
+        if min(self.load_floor_requests, self.hot_threshold, self.candidate_limit,
+               self.min_match_blocks) < 0:
+            raise ValueError("load_floor_requests, hot_threshold, candidate_limit and "
+                             "min_match_blocks must be >= 0")
 
 
 def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEngine:
@@ -95,7 +106,9 @@ def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEng
                 name, bounded, ((PrefixMatchScorer(), 1.0),), RingPicker(), uses_prefix_index=True
             )
         case "cache_aware":
-            scorer = CacheCostScorer(opts.prefill_weight, opts.queue_weight)
+            scorer = CacheCostScorer(
+                opts.prefill_weight, opts.queue_weight, opts.wait_weight, opts.evict_weight
+            )
             guard = BoundedLoadFilter(
                 opts.cache_aware_load_factor, opts.load_floor_requests, opts.hot_load_factor
             )

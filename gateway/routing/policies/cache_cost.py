@@ -1,32 +1,42 @@
-"""Scorer: expected work on each worker, prefill it cannot skip plus the queue it already has.
+"""Scorer: expected cost of each worker, the prefill it must do against the queue it has.
 
-For a request of ``P`` prompt tokens whose first ``d`` of ``n`` fingerprint blocks a worker is
-known to hold, and ``Q`` tokens already in flight on that worker::
+For a request of ``P`` prompt tokens whose first ``d`` of ``n`` blocks a worker is known to hold::
 
-    cost = prefill_weight * P * (1 - d / n) + queue_weight * Q
+    prefill = P * (1 - d / n) * (1 + evict_weight if its modelled cache is full)
+    cost    = prefill_weight * prefill * (1 + Q_all / P)
+              + wait_weight * max(0, Q - mean Q)
+              + queue_weight * T
 
-The score is ``1 - cost / max cost`` over the candidates, so the cheapest worker scores highest
-and the scale of the numbers does not matter. One continuous trade-off instead of an on/off
-switch: a deep match wins until the holder's queue costs more than the prefill it saves.
+``Q`` is the worker's queued prefill (prompt tokens of its requests in flight predicted not to
+be cached, until their first token comes back), ``Q_all`` the candidates' total and ``T`` its
+tokens in flight. The score is ``1 - cost / max cost`` over the candidates.
+
+This is "spread when it beats waiting", in prefill tokens on both sides:
+
+* a request sent away from the holder of its prefix must redo the prefill the holder would
+  have skipped, and in a full cache that evicts as much that someone else will miss
+  (``evict_weight = 1``: what LRU evicts is on average worth what it stores);
+* extra prefill is work every request queued in the pool waits for in turn, so on a busy pool
+  it counts once per prompt of this size queued (``1 + Q_all / P``; 1 on an idle pool);
+* waiting is only saved where the holder's queue is longer than the others' (queues every
+  worker has are waited for wherever the request goes).
+
+So a shared prompt stays on one holder while nobody queues (zero service time, tight caches:
+copying it only evicts others), and moves to a second holder when its holder's queue outgrows
+the work the move adds. There is no request-count threshold (``hot_threshold`` is off by
+default). ``queue_weight`` (0.01) keeps a faint preference for less decode work in flight.
 
 A cold prefix (no candidate holds at least the profile's ``min_match_blocks`` of it; the engine
-drops shorter matches before any scorer sees them) scores 0 everywhere, so
-the picker falls back to the anchor's ring position(s): gateway replicas agree on where it goes
-without talking, and siblings of a burst meet there instead of each warming a different worker.
+drops shorter matches before any scorer sees them) scores 0 everywhere, so the picker falls back
+to the anchor's ring position(s): gateway replicas agree on where it goes without talking.
 ``min_match_blocks = 2`` by default: a match of one block is what every prompt with a common
 opening shares (on the Mooncake trace every request starts with the same block), so it says
 nothing about where the rest of the prompt lives.
-
-Weights: ``prefill_weight = 1``, ``queue_weight = 0.01`` by default. In-flight tokens are mostly
-decode and running work, which a worker batches: a token in flight elsewhere delays this
-request's prefill far less than a token it must prefill itself. Measured on the Mooncake trace
-(BENCHMARKS.md, "Issue 6"): 0.5 gave away a quarter of the reachable hits for no better
-balance; 0 keeps every hit but lets a holder's queue grow; 0.01 keeps 0.99 of the pooled bound
-with cumulative load within 1.1 x mean.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from gateway.routing.engine import Context
@@ -36,20 +46,39 @@ from gateway.routing.types import WorkerView
 class CacheCostScorer:
     name = "cache_cost"
 
-    def __init__(self, prefill_weight: float = 1.0, queue_weight: float = 0.01) -> None:
+    def __init__(
+        self,
+        prefill_weight: float = 1.0,
+        queue_weight: float = 0.01,
+        wait_weight: float = 1.0,
+        evict_weight: float = 1.0,
+    ) -> None:
+        if min(prefill_weight, queue_weight, wait_weight, evict_weight) < 0.0:
+            raise ValueError("cache_cost weights must be >= 0")
         self.prefill_weight = prefill_weight
         self.queue_weight = queue_weight
+        self.wait_weight = wait_weight
+        self.evict_weight = evict_weight
 
     def score(self, ctx: Context, candidates: Sequence[WorkerView]) -> dict[str, float]:
         blocks = ctx.request.key.total_blocks
-        if blocks == 0 or not any(ctx.matches.get(w.id, 0) for w in candidates):
+        matches = ctx.matches
+        if blocks == 0 or not any(matches.get(w.id, 0) for w in candidates):
             return {w.id: 0.0 for w in candidates}
         prompt = max(ctx.request.prompt_tokens, 1)
-        costs = {
-            w.id: self.prefill_weight * prompt * (1.0 - ctx.matches.get(w.id, 0) / blocks)
-            + self.queue_weight * w.inflight_tokens
-            for w in candidates
-        }
+        index = ctx.snapshot.index
+        queued = sum(w.inflight_prefill for w in candidates)
+        mean_wait = queued / len(candidates)
+        behind = 1.0 + queued / prompt
+        costs: dict[str, float] = {}
+        evict = self.evict_weight
+        for w in candidates:
+            prefill = prompt * (1.0 - matches.get(w.id, 0) / blocks)
+            if prefill > 0.0 and evict and not math.isinf(index.tail_age(w.id)):
+                prefill *= 1.0 + evict  # its cache is full: this evicts as much
+            costs[w.id] = (self.prefill_weight * prefill * behind
+                           + self.wait_weight * max(0.0, w.inflight_prefill - mean_wait)
+                           + self.queue_weight * w.inflight_tokens)
         worst = max(costs.values())
         if worst <= 0.0:
             return {wid: 1.0 for wid in costs}
