@@ -265,6 +265,9 @@ def build_exact_source(settings: GatewaySettings, metrics: GatewayMetrics) -> Ex
     )
 
 
+_HOT_USES = 8.0
+
+
 def _warmup_prompts(settings: GatewaySettings, hasher: TenantHasher) -> list[WarmPrompt]:
     if not settings.warmup_file:
         return []
@@ -314,13 +317,16 @@ def create_app(
         return found
 
     auth = build_auth(settings)
+    # A prefix this many recent requests share is hot: every joining worker gets it, and it is
+    # pre-warmed on its next holder. The policy's own threshold when its hot rule is on.
+    hot = settings.hot_threshold if settings.hot_threshold > 0 else _HOT_USES
     warmup = WarmupManager(
         pool, index, sync, backend_for,
         WarmupOptions(
             enabled=settings.warmup, budget_s=settings.warmup_budget_s,
             ramp_s=settings.warmup_ramp_s, cache_fraction=settings.warmup_cache_fraction,
             concurrency=settings.warmup_concurrency, ring_choices=settings.ring_choices,
-            hot_uses=settings.hot_threshold, peer_prompts=settings.warmup_peers,
+            hot_uses=hot, peer_prompts=settings.warmup_peers,
             fingerprint=settings.fingerprint_options(), normalize=settings.normalize_options(),
         ),
         sample=PromptSample(tenants=settings.sampled_tenants()),
@@ -350,7 +356,7 @@ def create_app(
         warmup=warmup,
         lifecycle=CacheLifecycle(pool, backend_for, warmup),
         prewarmer=PreWarmer(pool, index, warmup.replay, PrewarmOptions(
-            enabled=settings.prewarm, hot_threshold=settings.hot_threshold,
+            enabled=settings.prewarm, hot_threshold=hot,
             fraction=settings.prewarm_fraction,
         )),
     )
