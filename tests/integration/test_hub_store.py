@@ -81,3 +81,17 @@ async def test_hub_gone_mid_call_fails_the_call(hub: HubServer) -> None:
 def test_only_hub_urls() -> None:
     with pytest.raises(ValueError, match="hub://"):
         HubStore("redis://localhost")
+
+
+async def test_named_leases_are_first_come_and_replaceable(hub: HubServer) -> None:
+    a, b = await _client(hub), await _client(hub)
+    assert await a.lease("warmup:w1", "warming:p1", 5.0) == "warming:p1"
+    assert await b.lease("warmup:w1", "warming:p2", 5.0) == "warming:p1"  # taken
+    assert await b.lease("warmup:w2", "warming:p2", 5.0) == "warming:p2"  # another name
+    assert await a.lease("warmup:w1", "done:p1", 5.0, True) == "done:p1"
+    assert await b.lease("warmup:w1", "warming:p2", 5.0) == "done:p1"
+    assert await a.lease("short", "x", 0.01) == "x"
+    await asyncio.sleep(0.05)
+    assert await b.lease("short", "y", 5.0) == "y"  # the first one lapsed
+    await a.close()
+    await b.close()

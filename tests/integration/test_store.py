@@ -76,6 +76,23 @@ async def test_redis_lease_is_exclusive(redis_server: RedisServer) -> None:
     await b.close()
 
 
+async def test_redis_named_lease_first_come_replaceable_and_lapsing(
+    redis_server: RedisServer,
+) -> None:
+    a, b = RedisStore(redis_server.url), RedisStore(redis_server.url)
+    await a.start()
+    await b.start()
+    assert await a.lease("warmup:w1", "warming:g1", 0.3) == "warming:g1"
+    assert await b.lease("warmup:w1", "warming:g2", 0.3) == "warming:g1"
+    assert await a.lease("warmup:w1", "done:g1", 5.0, True) == "done:g1"
+    assert await b.lease("warmup:w1", "warming:g2", 5.0) == "done:g1"
+    assert await b.lease("other", "x", 0.2) == "x"
+    await asyncio.sleep(0.4)
+    assert await a.lease("other", "y", 5.0) == "y"
+    await a.close()
+    await b.close()
+
+
 async def test_redis_shares_assignments_and_load_between_replicas(
     redis_server: RedisServer,
 ) -> None:
