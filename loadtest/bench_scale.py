@@ -187,6 +187,8 @@ async def _one(http: aiohttp.ClientSession, gateway: str, body: dict[str, Any], 
             inp = int(r.headers.get("x-cache-input-tokens", "0"))
             matched = int(r.headers.get("x-cache-matched-tokens", "0"))
             worker = r.headers.get("x-route-worker", "")
+            if r.status >= 500:  # the gateway's reason, for the report
+                raise ValueError(f"HTTP {r.status}: " + _error_of(await r.read())[:160])
             async for line in r.content:
                 if first is None and line.startswith(b"data: {") and _has_content(line[6:]):
                     first = time.monotonic()
@@ -195,9 +197,9 @@ async def _one(http: aiohttp.ClientSession, gateway: str, body: dict[str, Any], 
             ok = r.status == 200 and first is not None
             if r.status != 200:
                 error = f"HTTP {r.status}"
-                if r.status >= 500:  # the gateway's reason, for the report
-                    error += ": " + _error_of(await r.read())[:160]
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+    except ValueError as exc:
+        ok, error = False, str(exc)[:200]
+    except (aiohttp.ClientError, TimeoutError) as exc:
         ok, error = False, f"{type(exc).__name__}: {exc}"[:200]
     out.append(Sample(sent - t0, (first or time.monotonic()) - sent, ok, inp, matched, worker,
                       error))

@@ -103,6 +103,29 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
     assert eng.stats().cache.referenced_blocks == 0
 
 
+async def test_a_waiter_cancelled_in_the_tick_a_slot_frees_is_skipped() -> None:
+    # The gateway gives up on a queued request (it ejects it, or its client left) while the
+    # request ahead finishes: the slot goes to the next live waiter, nothing leaks, and the
+    # finishing request does not fail.
+    eng = engine(max_running=1)
+    holder = Holder(eng)
+    holder.start("a", [1] * 20)
+    holder.start("b", [2] * 20)
+    holder.start("c", [3] * 20)
+    await settle()
+    holder.gates["a"].set()  # "a" finishes: it releases its slot on the next tick ...
+    holder.tasks["b"].cancel()  # ... and "b" is given up before that
+    await holder.tasks["a"]
+    with pytest.raises(asyncio.CancelledError):
+        await holder.tasks["b"]
+    await settle()
+    assert holder.admitted == ["a", "c"]
+    assert (eng.running, eng.waiting) == (1, 0)
+    await holder.finish("c")
+    assert (eng.running, eng.waiting) == (0, 0)
+    assert eng.stats().cache.referenced_blocks == 0
+
+
 async def test_blocks_are_released_when_the_consumer_is_cancelled() -> None:
     eng = engine()
 

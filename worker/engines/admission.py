@@ -86,7 +86,8 @@ class AdmissionQueue:
                 # Admitted in the same tick as the cancellation: give the slot back.
                 self.release(ask.request_id)
             else:
-                self._waiting.remove(waiter)
+                if waiter in self._waiting:  # (a pump may have dropped it already)
+                    self._waiting.remove(waiter)
                 self._pump()
             raise
 
@@ -100,6 +101,9 @@ class AdmissionQueue:
         """Admit waiting requests in FIFO order while slots and blocks allow."""
         while self._waiting and self._running < self.max_running:
             head = self._waiting[0]
+            if head.future.done():  # given up (cancelled) before its task could leave
+                self._waiting.popleft()
+                continue
             try:
                 alloc = head.ask.allocate(self.cache)
             except CacheFullError:
