@@ -201,7 +201,8 @@ async def test_waiters_cancelled_in_the_tick_a_slot_frees_get_nothing() -> None:
     holder.tasks["b"].cancel()
     holder.tasks["c"].cancel()
     await settle()
-    assert holder.tasks["b"].cancelled() and holder.tasks["c"].cancelled()
+    assert holder.tasks["b"].cancelled()
+    assert holder.tasks["c"].cancelled()
     assert holder.admitted == ["a", "d"]
     assert (eng.running, eng.waiting) == (1, 0)
     await holder.finish("d")
