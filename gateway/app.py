@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -112,6 +113,9 @@ async def _probe(state: GatewayState, worker: Worker) -> WorkerProbe:
 
 async def _probe_all(state: GatewayState, telemetry: Telemetry) -> None:
     workers = state.pool.states()
+    # A probe that only timed out is no proof of a hang while the worker sent us replies or
+    # stream chunks since the previous round began.
+    alive_since = time.monotonic() - state.settings.health_interval_s
     probes = await asyncio.gather(*(_probe(state, s.worker) for s in workers))
     for s, probe in zip(workers, probes, strict=True):
         queries = probe.metrics.get("vllm:prefix_cache_queries_total")
@@ -125,6 +129,9 @@ async def _probe_all(state: GatewayState, telemetry: Telemetry) -> None:
             if capacity > 0:  # the index models the worker's cache at its real size
                 blocks = max(1, int(capacity / state.settings.tokens_per_block()))
                 state.pool.set_capacity(s.worker.id, blocks)
+        elif probe.timed_out and state.guard.liveness.heard_since(s.worker.id, alive_since):
+            log.info("worker %s: health probe timed out, but it keeps answering requests; "
+                     "kept in the pool", s.worker.id)
         else:
             state.pool.mark_down(s.worker.id, probe.error)
             # Requests waiting on it for a first byte go elsewhere now.
@@ -299,6 +306,7 @@ def create_app(
             slots=ConnectionSlots(settings.max_connections, settings.max_connections_per_worker,
                                   settings.queue_timeout_s),
             first_byte_timeout_s=settings.first_byte_timeout_s,
+            stream_idle_timeout_s=settings.stream_idle_timeout_s,
             breakers=Breakers(BreakerOptions(settings.breaker_failures,
                                              settings.breaker_cooldown_s)),
         ),

@@ -31,6 +31,9 @@ class WorkerProbe:
     models: frozenset[str]
     error: str = ""
     metrics: Mapping[str, float] = field(default_factory=dict)  # engine metrics, if scraped
+    # The probe failed only by waiting too long (not refused, not an error answer): a hung
+    # worker, or one (or a gateway) too busy to answer in time.
+    timed_out: bool = False
 
 
 @dataclass(frozen=True, slots=True)
