@@ -1,10 +1,13 @@
 """Fault catalogue: ``python -m loadtest chaos [--workers 4] [--concurrency 8] [--only NAME]
-[--json] [--out FILE]``.
+[--gateway-args='--max-inflight 64'] [--worker-args='--max-running 16'] [--json] [--out FILE]``.
 
 For each fault, a fresh cluster of real processes on loopback (``redis-server``, self-registering
 reference workers, one gateway on the store; see :mod:`loadtest.chaos_load`), a steady
 closed-loop load (half the clients streaming), the fault injected ``--warm-s`` seconds in, and
 ``--observe-s`` seconds more of load. Bounded: every run stops by itself.
+
+``--gateway-args`` and ``--worker-args`` (repeatable, split like a shell line) are passed to
+every gateway and worker process as they are, after the harness's own flags.
 
 Per fault: requests sent; failed, non-streaming and streaming (a stream fails when it carries
 an error event or misses its ``[DONE]``); retried (the gateway's ``gateway_retries_total``);
@@ -25,6 +28,7 @@ import signal
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +51,8 @@ class ChaosConfig:
     health_interval_s: float = 1.0
     connect_timeout_s: float = 10.0
     only: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()  # extra flags for every gateway process
+    worker_args: tuple[str, ...] = ()  # extra flags for every worker process
 
 
 @dataclass(slots=True)
@@ -204,6 +210,15 @@ _DRAINS = {"worker SIGTERM drain", "gateway SIGTERM drain"}
 # -- one run -------------------------------------------------------------------------------
 
 
+def failure_notes(samples: Sequence[Sample]) -> list[str]:
+    """What the failed requests saw, most frequent first (``HTTP 503 x4, stream error event
+    x1``); nothing when none failed."""
+    seen = Counter(s.error or "no answer" for s in samples if not s.ok)
+    if not seen:
+        return []
+    return ["failures: " + ", ".join(f"{error} x{n}" for error, n in seen.most_common())]
+
+
 def recover_seconds(samples: Sequence[Sample], fault_at: float) -> float:
     before = [s.end - s.start for s in samples if s.end < fault_at and s.ok]
     slow = max(1.0, 5 * statistics.median(before)) if before else 1.0
@@ -220,6 +235,7 @@ async def run_fault(config: ChaosConfig, name: str) -> FaultResult:
         "--connect-timeout-s", str(config.connect_timeout_s),
         # Room for the abort burst: hundreds of open streams on one worker of a hot prefix.
         "--max-connections-per-worker", str(max(256, config.abort_clients + 64)),
+        *config.gateway_args,
     )
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         cluster = await _started_cluster(config, gateway_args, session)
@@ -246,6 +262,10 @@ async def run_fault(config: ChaosConfig, name: str) -> FaultResult:
             result.recover_s = round(recover_seconds(samples, ctx.fault_at), 2)
             if name in _DRAINS:
                 result.dropped_inflight = dropped_in_flight(samples, ctx.fault_at)
+            result.notes.extend(failure_notes(samples))
+            errors = await asyncio.to_thread(cluster.logged_errors)
+            if errors:
+                result.notes.append(f"ERROR lines logged: {errors} (logs in {cluster.logs})")
         finally:
             await cluster.stop()
     return result
@@ -257,7 +277,7 @@ async def _started_cluster(
     """A started cluster; a start that fails (a port taken meanwhile by another program) is
     retried on fresh ports, twice."""
     for attempt in range(3):
-        cluster = ChaosCluster(config.workers, gateway_args)
+        cluster = ChaosCluster(config.workers, gateway_args, config.worker_args)
         try:
             await cluster.start(session)
         except (RuntimeError, TimeoutError) as exc:
@@ -290,7 +310,9 @@ def to_markdown(results: Sequence[FaultResult], config: ChaosConfig, command: st
         f"{config.workers} workers (simulated engine), 1 gateway with `--first-byte-timeout-s "
         f"{config.first_byte_timeout_s:g} --health-interval-s {config.health_interval_s:g} "
         f"--connect-timeout-s {config.connect_timeout_s:g} --max-connections-per-worker "
-        f"{max(256, config.abort_clients + 64)}`, Redis; {config.concurrency} closed-loop clients "
+        f"{max(256, config.abort_clients + 64)}{_extra(config.gateway_args)}`"
+        f"{', workers with `' + shlex.join(config.worker_args) + '`' if config.worker_args else ''}"
+        f", Redis; {config.concurrency} closed-loop clients "
         f"(half streaming, max_tokens {config.max_tokens}); fault at {config.warm_s:g} s, "
         f"{config.observe_s:g} s observed after it.",
         "",
@@ -308,6 +330,10 @@ def to_markdown(results: Sequence[FaultResult], config: ChaosConfig, command: st
     return "\n".join(lines) + "\n"
 
 
+def _extra(args: Sequence[str]) -> str:
+    return " " + shlex.join(args) if args else ""
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest chaos", description=__doc__)
     parser.add_argument("--workers", type=int, default=4)
@@ -322,21 +348,33 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--connect-timeout-s", type=float, default=10.0)
     parser.add_argument("--only", action="append", default=[], choices=list(FAULTS),
                         help="run only this fault (repeatable)")
+    parser.add_argument("--gateway-args", action="append", default=[], metavar="'FLAGS'",
+                        help="more flags for every gateway process, split like a shell line "
+                             "(repeatable; write --gateway-args='--max-inflight 64')")
+    parser.add_argument("--worker-args", action="append", default=[], metavar="'FLAGS'",
+                        help="more flags for every worker process, split like a shell line "
+                             "(repeatable)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(args_list)
-    config = ChaosConfig(
+def config_from(args: argparse.Namespace) -> ChaosConfig:
+    return ChaosConfig(
         workers=args.workers, concurrency=args.concurrency, max_tokens=args.max_tokens,
         warm_s=args.warm_s, observe_s=args.observe_s, abort_clients=args.abort_clients,
         first_byte_timeout_s=args.first_byte_timeout_s,
         health_interval_s=args.health_interval_s, connect_timeout_s=args.connect_timeout_s,
         only=tuple(args.only),
+        gateway_args=tuple(a for line in args.gateway_args for a in shlex.split(line)),
+        worker_args=tuple(a for line in args.worker_args for a in shlex.split(line)),
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(args_list)
+    config = config_from(args)
     results = asyncio.run(run_all(config))
     command = shlex.join(["python", "-m", "loadtest", "chaos", *args_list])
     emit(to_markdown(results, config, command),
