@@ -21,6 +21,7 @@ from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.backends.sagemaker import SageMakerBackend
 from gateway.breaker import BreakerOptions, Breakers
 from gateway.contracts.disconnect import cancel_on_disconnect
+from gateway.contracts.registry_signing import load_secret
 from gateway.credentials import worker_keys
 from gateway.errors import (
     GatewayError,
@@ -45,7 +46,7 @@ from gateway.store.base import MetadataStore
 from gateway.store.hub import SCHEME as HUB_SCHEME
 from gateway.store.hub import HubStore
 from gateway.store.memory import MemoryStore
-from gateway.store.redis import RedisStore
+from gateway.store.redis import RedisStore, is_redis_url
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
 from gateway.telemetry.access_log import AccessLog
@@ -274,10 +275,15 @@ def create_app(
     backend = _http_backend(settings, namespace_in_body=False)
     store = build_store(settings)
     origin = settings.replica_id()
+    registry_secret = load_secret(settings.registry_secret, settings.registry_secret_file)
+    if is_redis_url(settings.store) and not registry_secret:
+        log.warning("worker registrations are not signed (no --registry-secret): whoever can "
+                    "write to the store can add a worker")
     sync = StoreSync(
         store, pool, index, origin=origin, tokens_per_block=settings.tokens_per_block(),
         shares_state=not isinstance(store, MemoryStore), history_s=settings.index_ttl_s,
         max_weight=settings.max_worker_weight,
+        registry_secret=registry_secret,
     )
     engine = build_engine(settings.policy, settings.policy_options())
     state = GatewayState(

@@ -304,6 +304,17 @@ class GatewaySettings:
     tenant_secret_file: str = field(
         default="", metadata=_help("file holding the tenant secret")
     )
+    registry_secret: str = field(
+        default="", repr=False,
+        metadata=_secret("shared secret of signed worker registrations: registry entries "
+                         "without a valid signature are ignored, so write access to the store "
+                         "alone cannot add a worker (workers sign with their "
+                         "--registry-secret). Prefer GATEWAY_REGISTRY_SECRET or "
+                         "--registry-secret-file"),
+    )
+    registry_secret_file: str = field(
+        default="", metadata=_help("file holding the registration secret")
+    )
     worker_api_key: str = field(
         default="", repr=False,
         metadata=_secret("API key the gateway sends to workers ('Authorization: Bearer'), e.g. "

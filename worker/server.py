@@ -43,6 +43,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.contracts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from gateway.contracts.disconnect import cancel_on_disconnect
+from gateway.contracts.registry_signing import signed
 from gateway.kvevents.keys import engine_namespace
 from gateway.store.base import WorkerRecord
 from gateway.telemetry.tracing import Tracing
@@ -456,7 +457,7 @@ def create_app(
     app.router.add_get("/stats", stats)
     app.router.add_post("/admin/flush", flush)
     if settings.store:
-        record = WorkerRecord(
+        record = signed(WorkerRecord(
             id=settings.effective_worker_id,
             url=settings.effective_public_url,
             models=(settings.model,),
@@ -464,7 +465,7 @@ def create_app(
             block_size=settings.block_size,
             kv_events=settings.advertised(settings.kv_events) if settings.kv_events else "",
             kv_replay=settings.advertised(settings.kv_replay) if settings.kv_replay else "",
-        )
+        ), settings.registration_secret())
         app.cleanup_ctx.append(registration(
             settings.store, record, every_s=settings.heartbeat_s, ttl_s=settings.registry_ttl_s,
             prefix=settings.store_prefix,
