@@ -114,9 +114,9 @@ async def _probe(state: GatewayState, worker: Worker) -> WorkerProbe:
 
 async def _probe_all(state: GatewayState, telemetry: Telemetry) -> None:
     workers = state.pool.states()
-    # A probe that only timed out is no proof of a hang while the worker sent us replies or
-    # stream chunks since the previous round began.
-    alive_since = time.monotonic() - state.settings.health_interval_s
+    # A probe that only timed out is no proof of a hang when the worker sent us replies or
+    # stream chunks while it was waited for.
+    alive_since = time.monotonic()
     probes = await asyncio.gather(*(_probe(state, s.worker) for s in workers))
     for s, probe in zip(workers, probes, strict=True):
         queries = probe.metrics.get("vllm:prefix_cache_queries_total")
