@@ -13,7 +13,9 @@ Per fault: requests sent; failed, non-streaming and streaming (a stream fails wh
 an error event or misses its ``[DONE]``); retried (the gateway's ``gateway_retries_total``);
 seconds to recover (from the fault to the end of the last request that failed or took more
 than ``max(1 s, 5 x`` the median before the fault), 0 when none did); for the drains, requests
-in flight at the signal that failed (dropped); for the abort burst, the tokens the workers
+in flight at the signal that failed (dropped); for the SIGSTOP mid-stream fault, how the long
+streams relaying from the stopped worker ended (the gateway's stream idle timeout, 2 s here);
+for the abort burst, the tokens the workers
 generated in the 2 s that start 1 s after the clients left, or later once the steady
 load (paused when they leave) has no request in flight.
 """
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.bench_gateway import emit
+from loadtest.bench_gateway import MODEL, emit
 from loadtest.chaos_load import ChaosCluster, Load, Sample, abort_burst, scrape
 
 
@@ -48,6 +50,7 @@ class ChaosConfig:
     observe_s: float = 8.0
     abort_clients: int = 500
     first_byte_timeout_s: float = 0.0
+    stream_idle_timeout_s: float = 2.0
     health_interval_s: float = 1.0
     connect_timeout_s: float = 10.0
     only: tuple[str, ...] = ()
@@ -97,6 +100,70 @@ async def worker_stop(ctx: Ctx) -> None:
     await asyncio.sleep(5.0)
     ctx.cluster.signal_worker(0, signal.SIGCONT)
     ctx.result.notes.append("SIGCONT after 5 s")
+
+
+async def worker_stop_mid_stream(ctx: Ctx) -> None:
+    """Long streams that are relaying from a worker when it is stopped: each should end with
+    the gateway's stream idle timeout (an SSE error event), not wait for the read timeout."""
+    ids = [url.removeprefix("http://") for url in ctx.cluster.worker_urls]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+        wid, streams = await streams_on_one_worker(http, ctx.cluster.gateway, want=2)
+        victim = ids.index(wid) if wid in ids else 0
+        ctx.cluster.signal_worker(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            ends = await asyncio.gather(*(_stream_end(r, stopped) for r in streams))
+        finally:
+            ctx.cluster.signal_worker(victim, signal.SIGCONT)
+    described = ", ".join(f"{how} after {seconds:.1f} s" for seconds, how in ends)
+    ctx.result.notes.append(f"{len(streams)} streams relaying from the stopped worker: "
+                            f"{described or 'none found'}; SIGCONT then")
+
+
+async def streams_on_one_worker(
+    http: aiohttp.ClientSession, gateway: str, want: int, tries: int = 32
+) -> tuple[str, list[aiohttp.ClientResponse]]:
+    """``want`` long streams (fewer if ``tries`` run out) that the gateway routed to one
+    worker, each with its first bytes received; the worker's id. Others are dropped."""
+    by_worker: dict[str, list[aiohttp.ClientResponse]] = {}
+    for k in range(tries):
+        body = {"model": MODEL, "max_tokens": 4000, "stream": True,
+                "messages": [{"role": "user", "content": f"a long story, number {k}"}]}
+        response = await http.post(gateway + "/v1/chat/completions", json=body)
+        wid = response.headers.get("x-route-worker", "")
+        if response.status == 200 and wid and await response.content.readany():
+            by_worker.setdefault(wid, []).append(response)
+            if len(by_worker[wid]) == want:
+                break
+        else:
+            response.close()
+    wid, held = max(by_worker.items(), key=lambda kv: len(kv[1]), default=("", []))
+    for other in by_worker.values():
+        if other is not held:
+            for response in other:
+                response.close()
+    return wid, held
+
+
+async def _stream_end(response: aiohttp.ClientResponse, since: float) -> tuple[float, str]:
+    """Seconds from ``since`` until the stream ended, and how: the error code of its last
+    event, "[DONE]", or "still open" after 30 s."""
+    rest = b""
+    try:
+        async with asyncio.timeout(30.0):
+            rest = await response.content.read()
+    except TimeoutError:
+        return time.monotonic() - since, "still open"
+    except aiohttp.ClientError as exc:
+        return time.monotonic() - since, type(exc).__name__
+    finally:
+        response.close()
+    last = rest.rstrip().rsplit(b"data: ", 1)[-1]
+    try:
+        how = str(json.loads(last)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        how = last.decode("utf-8", "replace")[:40]
+    return time.monotonic() - since, how
 
 
 async def redis_kill(ctx: Ctx) -> None:
@@ -195,6 +262,7 @@ async def _generated(ctx: Ctx) -> float:
 FAULTS: dict[str, Inject] = {
     "worker kill -9": worker_kill,
     "worker SIGSTOP": worker_stop,
+    "worker SIGSTOP mid-stream": worker_stop_mid_stream,
     "redis kill -9": redis_kill,
     "redis restart": redis_restart,
     "redis FLUSHALL": redis_flushall,
@@ -231,6 +299,7 @@ async def run_fault(config: ChaosConfig, name: str) -> FaultResult:
     result = FaultResult(name)
     gateway_args = (
         "--first-byte-timeout-s", str(config.first_byte_timeout_s),
+        "--stream-idle-timeout-s", str(config.stream_idle_timeout_s),
         "--health-interval-s", str(config.health_interval_s),
         "--connect-timeout-s", str(config.connect_timeout_s),
         # Room for the abort burst: hundreds of open streams on one worker of a hot prefix.
@@ -308,7 +377,8 @@ def to_markdown(results: Sequence[FaultResult], config: ChaosConfig, command: st
         f"`{command}`",
         "",
         f"{config.workers} workers (simulated engine), 1 gateway with `--first-byte-timeout-s "
-        f"{config.first_byte_timeout_s:g} --health-interval-s {config.health_interval_s:g} "
+        f"{config.first_byte_timeout_s:g} --stream-idle-timeout-s "
+        f"{config.stream_idle_timeout_s:g} --health-interval-s {config.health_interval_s:g} "
         f"--connect-timeout-s {config.connect_timeout_s:g} --max-connections-per-worker "
         f"{max(256, config.abort_clients + 64)}{_extra(config.gateway_args)}`"
         f"{', workers with `' + shlex.join(config.worker_args) + '`' if config.worker_args else ''}"
@@ -344,6 +414,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--abort-clients", type=int, default=500)
     parser.add_argument("--first-byte-timeout-s", type=float, default=0.0,
                         help="the gateway's; 0 (its default): hung workers are found by probes")
+    parser.add_argument("--stream-idle-timeout-s", type=float, default=2.0,
+                        help="the gateway's (its default is 60 s; short here to fit the run)")
     parser.add_argument("--health-interval-s", type=float, default=1.0)
     parser.add_argument("--connect-timeout-s", type=float, default=10.0)
     parser.add_argument("--only", action="append", default=[], choices=list(FAULTS),
@@ -364,6 +436,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         workers=args.workers, concurrency=args.concurrency, max_tokens=args.max_tokens,
         warm_s=args.warm_s, observe_s=args.observe_s, abort_clients=args.abort_clients,
         first_byte_timeout_s=args.first_byte_timeout_s,
+        stream_idle_timeout_s=args.stream_idle_timeout_s,
         health_interval_s=args.health_interval_s, connect_timeout_s=args.connect_timeout_s,
         only=tuple(args.only),
         gateway_args=tuple(a for line in args.gateway_args for a in shlex.split(line)),
