@@ -226,12 +226,18 @@ class ChaosCluster:
         self.base = free_port_block(2 + self.workers)
         await self.start_redis()
         local = self._local()
-        await asyncio.gather(*(
-            start_server([*cmd, "--public-url", url], url, self.logs / f"worker{i}.log",
-                         self.worker_procs)
-            for i, (cmd, url) in enumerate(
-                zip(local.worker_commands(), local.worker_urls(), strict=True))
-        ))
+        # One list per worker, so that worker_procs[i] serves worker_urls[i] whatever order
+        # the processes started in.
+        procs: list[list[asyncio.subprocess.Process]] = [[] for _ in range(self.workers)]
+        try:
+            await asyncio.gather(*(
+                start_server([*cmd, "--public-url", url], url, self.logs / f"worker{i}.log",
+                             procs[i])
+                for i, (cmd, url) in enumerate(
+                    zip(local.worker_commands(), local.worker_urls(), strict=True))
+            ))
+        finally:
+            self.worker_procs = [proc for started in procs for proc in started]
         await self.start_gateway()
         await wait_all_workers_up(session, self.gateway, self.workers)
 
