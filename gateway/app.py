@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -20,6 +21,7 @@ from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.backends.sagemaker import SageMakerBackend
 from gateway.breaker import BreakerOptions, Breakers
 from gateway.contracts.disconnect import cancel_on_disconnect
+from gateway.contracts.registry_signing import load_secret
 from gateway.credentials import worker_keys
 from gateway.errors import (
     GatewayError,
@@ -46,7 +48,7 @@ from gateway.store.base import MetadataStore
 from gateway.store.hub import SCHEME as HUB_SCHEME
 from gateway.store.hub import HubStore
 from gateway.store.memory import MemoryStore
-from gateway.store.redis import RedisStore
+from gateway.store.redis import RedisStore, is_redis_url
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
 from gateway.telemetry.access_log import AccessLog
@@ -116,6 +118,9 @@ async def _probe(state: GatewayState, worker: Worker) -> WorkerProbe:
 
 async def _probe_all(state: GatewayState, telemetry: Telemetry) -> None:
     workers = state.pool.states()
+    # A probe that only timed out is no proof of a hang when the worker sent us replies or
+    # stream chunks while it was waited for.
+    alive_since = time.monotonic()
     probes = await asyncio.gather(*(_probe(state, s.worker) for s in workers))
     for s, probe in zip(workers, probes, strict=True):
         queries = probe.metrics.get("vllm:prefix_cache_queries_total")
@@ -131,6 +136,9 @@ async def _probe_all(state: GatewayState, telemetry: Telemetry) -> None:
             if capacity > 0:  # the index models the worker's cache at its real size
                 blocks = max(1, int(capacity / state.settings.tokens_per_block()))
                 state.pool.set_capacity(s.worker.id, blocks)
+        elif probe.timed_out and state.guard.liveness.heard_since(s.worker.id, alive_since):
+            log.info("worker %s: health probe timed out, but it keeps answering requests; "
+                     "kept in the pool", s.worker.id)
         else:
             state.pool.mark_down(s.worker.id, probe.error)
             # Requests waiting on it for a first byte go elsewhere now.
@@ -294,10 +302,15 @@ def create_app(
     backend = _http_backend(settings, namespace_in_body=False)
     store = build_store(settings)
     origin = settings.replica_id()
+    registry_secret = load_secret(settings.registry_secret, settings.registry_secret_file)
+    if is_redis_url(settings.store) and not registry_secret:
+        log.warning("worker registrations are not signed (no --registry-secret): whoever can "
+                    "write to the store can add a worker")
     sync = StoreSync(
         store, pool, index, origin=origin, tokens_per_block=settings.tokens_per_block(),
         shares_state=not isinstance(store, MemoryStore), history_s=settings.index_ttl_s,
         max_weight=settings.max_worker_weight,
+        registry_secret=registry_secret,
     )
     engine = build_engine(settings.policy, settings.policy_options())
     backends: dict[str, Backend] = {
@@ -350,6 +363,7 @@ def create_app(
             slots=ConnectionSlots(settings.max_connections, settings.max_connections_per_worker,
                                   settings.queue_timeout_s),
             first_byte_timeout_s=settings.first_byte_timeout_s,
+            stream_idle_timeout_s=settings.stream_idle_timeout_s,
             breakers=Breakers(BreakerOptions(settings.breaker_failures,
                                              settings.breaker_cooldown_s)),
         ),

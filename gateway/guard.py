@@ -9,12 +9,20 @@
   A worker that hangs (SIGSTOP, a wedged engine) thus holds requests for seconds, not for the
   read timeout.
 * :class:`~gateway.breaker.Breakers`: consecutive failures eject a worker for a while.
+* :class:`Liveness`: when each worker last sent this gateway a reply or a stream chunk. A health
+  probe that only timed out does not mark down a worker that keeps answering real requests: a
+  burst that keeps a worker (or this gateway's event loop) busy for a few seconds delays probe
+  answers, and a false "down" would throw away the requests waiting on it and its cache index.
+* ``stream_idle_timeout_s``: a stream whose worker sends nothing for that long, once its first
+  chunk arrived, is ended with an SSE error event and its connection closed (a worker that
+  hangs mid-stream would otherwise hold it for the read timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -127,12 +135,27 @@ async def first_byte(opening: Awaitable[T], timeout_s: float, ejected: asyncio.F
     raise NoFirstByte(f"nothing received within the first-byte timeout ({timeout_s:g}s)")
 
 
+class Liveness:
+    """When each worker last sent this gateway something on a request (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self._heard: dict[str, float] = {}
+
+    def heard(self, wid: str, now: float) -> None:
+        self._heard[wid] = now
+
+    def heard_since(self, wid: str, since: float) -> bool:
+        return self._heard.get(wid, -math.inf) >= since
+
+
 @dataclass(slots=True)
 class UpstreamGuard:
     slots: ConnectionSlots
     first_byte_timeout_s: float = 0.0
+    stream_idle_timeout_s: float = 0.0  # 0: only the read timeout
     breakers: Breakers = field(default_factory=lambda: Breakers(BreakerOptions()))
     ejections: Ejections = field(default_factory=Ejections)
+    liveness: Liveness = field(default_factory=Liveness)
 
     async def open(self, wid: str, opening: Awaitable[T]) -> T:
         """``opening`` under the first-byte timeout, given up if ``wid`` is found down."""

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from gateway.backends.base import BackendUnavailable, UpstreamReply, UpstreamRequest
 from gateway.errors import ConnectionQueueFull, NoWorkerAvailable, UpstreamError
-from gateway.guard import NoFirstByte, SlotTimeout
+from gateway.guard import NoFirstByte, SlotTimeout, UpstreamGuard
 from gateway.routing.types import Decision, NoCandidates, PrefixMatcher, RouteRequest
 from gateway.session import Attempt, CacheUsage
 from gateway.state import GatewayState
@@ -135,6 +135,7 @@ async def dispatch(
                 reply = await guard.open(
                     wid, state.backend_for(worker).open(worker, attempt_upstream)
                 )
+                guard.liveness.heard(wid, time.monotonic())
             except SlotTimeout as exc:
                 if exc.scope != wid:  # the gateway's own limit: no other worker helps
                     observed.upstream_done(None, str(exc))
@@ -279,10 +280,11 @@ async def _relay_stream(
     observed = record_of(http_request)
     broke_off = ""
     wid = attempt.worker_id
+    guard = state.guard
     try:
         # Inside the try: if the client is already gone, the upstream reply is still released.
         await response.prepare(http_request)
-        async for chunk in _upstream_chunks(reply, wid):
+        async for chunk in _upstream_chunks(reply, wid, guard):
             observed.first_byte()
             state.session.first_token(attempt)  # its prefill no longer queues on the worker
             await response.write(chunk)
@@ -290,12 +292,13 @@ async def _relay_stream(
                 tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
     except _UpstreamBrokeOff as exc:
         broke_off = f"broke off: {exc}"
+        guard.breakers.failure(wid, time.monotonic())
         error = {
             "error": {
-                "message": f"the worker {wid} broke off the stream: {exc}",
+                "message": f"the worker {wid} {exc}",
                 "type": "upstream_error",
                 "param": None,
-                "code": "stream_interrupted",
+                "code": exc.code,
             }
         }
         await response.write(f"data: {json.dumps(error)}\n\n".encode())
@@ -315,15 +318,38 @@ async def _relay_stream(
 class _UpstreamBrokeOff(Exception):
     """The worker's side of a relayed stream failed (the client's side raises as it is)."""
 
+    def __init__(self, message: str, code: str = "stream_interrupted") -> None:
+        super().__init__(message)
+        self.code = code
 
-async def _upstream_chunks(reply: UpstreamReply, worker_id: str) -> AsyncIterator[bytes]:
+
+async def _upstream_chunks(
+    reply: UpstreamReply, worker_id: str, guard: UpstreamGuard
+) -> AsyncIterator[bytes]:
+    """The worker's chunks; each one after the first must come within the stream idle timeout
+    (only the wait for the worker is timed, never the write to a slow client)."""
     chunks = reply.chunks()
+    idle_s: float | None = None  # the first chunk may wait behind the worker's queue
+    heard = guard.liveness.heard
     while True:
+        timer = asyncio.timeout(idle_s)
         try:
-            chunk = await anext(chunks)
+            async with timer:
+                chunk = await anext(chunks)
         except StopAsyncIteration:
             return
-        except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
+        except TimeoutError as exc:
+            if not timer.expired():
+                log.warning("stream from %s broke off: %s", worker_id, exc)
+                raise _UpstreamBrokeOff(f"broke off the stream: {exc}") from exc
+            log.warning("stream from %s idle for %gs: ended", worker_id, idle_s)
+            raise _UpstreamBrokeOff(
+                f"sent nothing for {idle_s:g}s mid-stream (stream idle timeout)",
+                "stream_idle_timeout",
+            ) from None
+        except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
             log.warning("stream from %s broke off: %s", worker_id, exc)
-            raise _UpstreamBrokeOff(str(exc)) from exc
+            raise _UpstreamBrokeOff(f"broke off the stream: {exc}") from exc
+        heard(worker_id, time.monotonic())
+        idle_s = guard.stream_idle_timeout_s or None
         yield chunk

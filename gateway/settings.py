@@ -202,6 +202,12 @@ class GatewaySettings:
                        "only starts when it is complete). A worker the health probes find down "
                        "loses its waiting requests to other workers either way"),
     )
+    stream_idle_timeout_s: float = field(
+        default=60.0,
+        metadata=_help("end a stream whose worker sent nothing for this many seconds after its "
+                       "first chunk, with an SSE error event (counts as a worker failure for "
+                       "its circuit breaker; 0: only --read-timeout-s)"),
+    )
     breaker_failures: int = field(
         default=5, metadata=_help("consecutive failed attempts that open a worker's circuit "
                                   "breaker (0: no breakers)")
@@ -344,6 +350,17 @@ class GatewaySettings:
     tenant_secret_file: str = field(
         default="", metadata=_help("file holding the tenant secret")
     )
+    registry_secret: str = field(
+        default="", repr=False,
+        metadata=_secret("shared secret of signed worker registrations: registry entries "
+                         "without a valid signature are ignored, so write access to the store "
+                         "alone cannot add a worker (workers sign with their "
+                         "--registry-secret). Prefer GATEWAY_REGISTRY_SECRET or "
+                         "--registry-secret-file"),
+    )
+    registry_secret_file: str = field(
+        default="", metadata=_help("file holding the registration secret")
+    )
     worker_api_key: str = field(
         default="", repr=False,
         metadata=_secret("API key the gateway sends to workers ('Authorization: Bearer'), e.g. "
@@ -404,8 +421,10 @@ class GatewaySettings:
                 f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
             )
         build_engine(self.policy, self.policy_options())  # validates the policy settings
-        if min(self.first_byte_timeout_s, self.breaker_cooldown_s, self.breaker_failures) < 0:
-            raise ValueError("first_byte_timeout_s, breaker_* must not be negative")
+        if min(self.first_byte_timeout_s, self.stream_idle_timeout_s, self.breaker_cooldown_s,
+               self.breaker_failures) < 0:
+            raise ValueError(
+                "first_byte_timeout_s, stream_idle_timeout_s, breaker_* must not be negative")
         if self.body_timeout_s <= 0 or self.queue_timeout_s <= 0:
             raise ValueError("body_timeout_s and queue_timeout_s must be positive")
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.backends.base import CACHE_CAPACITY_TOKENS
+from gateway.contracts.registry_signing import verified
 from gateway.fingerprint import PrefixKey
 from gateway.kvevents.endpoints import EventEndpoints
 from gateway.pool import WorkerPool
@@ -84,8 +85,11 @@ class StoreSync:
         history_s: float = 600.0,
         history_entries: int = 5000,
         max_weight: float = 4.0,
+        registry_secret: bytes = b"",
     ) -> None:
         self._max_weight = max_weight
+        self._registry_secret = registry_secret
+        self._rejected: set[str] = set()  # ids of ignored entries, each logged once
         self.store = store
         self.pool = pool
         self.index = index
@@ -166,7 +170,7 @@ class StoreSync:
 
     # -- the loops ----------------------------------------------------------------------------
     async def sync_membership(self) -> None:
-        records = await self.store.list_workers()
+        records = self._trusted(await self.store.list_workers())
         registered = {r.id for r in records}
         for record in records:
             events = EventEndpoints(record.kv_events, record.kv_replay) if record.kv_events \
@@ -186,6 +190,20 @@ class StoreSync:
                     and not state.healthy):
                 self.pool.remove(state.worker.id)
         self._apply_capacities(records)
+
+    def _trusted(self, records: Sequence[WorkerRecord]) -> list[WorkerRecord]:
+        """The records signed with the registration secret (all of them without one); each
+        ignored worker id is logged once."""
+        kept = []
+        for record in records:
+            if verified(record, self._registry_secret):
+                kept.append(record)
+                self._rejected.discard(record.id)
+            elif record.id not in self._rejected and len(self._rejected) < _BUFFER_LIMIT:
+                self._rejected.add(record.id)
+                log.warning("registry entry %s ignored: %s signature", record.id,
+                            "bad" if record.signature else "no")
+        return kept
 
     def _apply_capacities(self, records: Sequence[WorkerRecord]) -> None:
         """Ring weights follow cache capacity as far as probes confirm it (see

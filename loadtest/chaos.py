@@ -1,16 +1,21 @@
 """Fault catalogue: ``python -m loadtest chaos [--workers 4] [--concurrency 8] [--only NAME]
-[--json] [--out FILE]``.
+[--gateway-args='--max-inflight 64'] [--worker-args='--max-running 16'] [--json] [--out FILE]``.
 
 For each fault, a fresh cluster of real processes on loopback (``redis-server``, self-registering
 reference workers, one gateway on the store; see :mod:`loadtest.chaos_load`), a steady
 closed-loop load (half the clients streaming), the fault injected ``--warm-s`` seconds in, and
 ``--observe-s`` seconds more of load. Bounded: every run stops by itself.
 
+``--gateway-args`` and ``--worker-args`` (repeatable, split like a shell line) are passed to
+every gateway and worker process as they are, after the harness's own flags.
+
 Per fault: requests sent; failed, non-streaming and streaming (a stream fails when it carries
 an error event or misses its ``[DONE]``); retried (the gateway's ``gateway_retries_total``);
 seconds to recover (from the fault to the end of the last request that failed or took more
 than ``max(1 s, 5 x`` the median before the fault), 0 when none did); for the drains, requests
-in flight at the signal that failed (dropped); for the abort burst, the tokens the workers
+in flight at the signal that failed (dropped); for the SIGSTOP mid-stream fault, how the long
+streams relaying from the stopped worker ended (the gateway's stream idle timeout, 2 s here);
+for the abort burst, the tokens the workers
 generated in the 2 s that start 1 s after the clients left, or later once the steady
 load (paused when they leave) has no request in flight.
 """
@@ -25,13 +30,14 @@ import signal
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-from loadtest.bench_gateway import emit
+from loadtest.bench_gateway import MODEL, emit
 from loadtest.chaos_load import ChaosCluster, Load, Sample, abort_burst, scrape
 
 
@@ -44,9 +50,12 @@ class ChaosConfig:
     observe_s: float = 8.0
     abort_clients: int = 500
     first_byte_timeout_s: float = 0.0
+    stream_idle_timeout_s: float = 2.0
     health_interval_s: float = 1.0
     connect_timeout_s: float = 10.0
     only: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()  # extra flags for every gateway process
+    worker_args: tuple[str, ...] = ()  # extra flags for every worker process
 
 
 @dataclass(slots=True)
@@ -91,6 +100,70 @@ async def worker_stop(ctx: Ctx) -> None:
     await asyncio.sleep(5.0)
     ctx.cluster.signal_worker(0, signal.SIGCONT)
     ctx.result.notes.append("SIGCONT after 5 s")
+
+
+async def worker_stop_mid_stream(ctx: Ctx) -> None:
+    """Long streams that are relaying from a worker when it is stopped: each should end with
+    the gateway's stream idle timeout (an SSE error event), not wait for the read timeout."""
+    ids = [url.removeprefix("http://") for url in ctx.cluster.worker_urls]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+        wid, streams = await streams_on_one_worker(http, ctx.cluster.gateway, want=2)
+        victim = ids.index(wid) if wid in ids else 0
+        ctx.cluster.signal_worker(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            ends = await asyncio.gather(*(_stream_end(r, stopped) for r in streams))
+        finally:
+            ctx.cluster.signal_worker(victim, signal.SIGCONT)
+    described = ", ".join(f"{how} after {seconds:.1f} s" for seconds, how in ends)
+    ctx.result.notes.append(f"{len(streams)} streams relaying from the stopped worker: "
+                            f"{described or 'none found'}; SIGCONT then")
+
+
+async def streams_on_one_worker(
+    http: aiohttp.ClientSession, gateway: str, want: int, tries: int = 32
+) -> tuple[str, list[aiohttp.ClientResponse]]:
+    """``want`` long streams (fewer if ``tries`` run out) that the gateway routed to one
+    worker, each with its first bytes received; the worker's id. Others are dropped."""
+    by_worker: dict[str, list[aiohttp.ClientResponse]] = {}
+    for k in range(tries):
+        body = {"model": MODEL, "max_tokens": 4000, "stream": True,
+                "messages": [{"role": "user", "content": f"a long story, number {k}"}]}
+        response = await http.post(gateway + "/v1/chat/completions", json=body)
+        wid = response.headers.get("x-route-worker", "")
+        if response.status == 200 and wid and await response.content.readany():
+            by_worker.setdefault(wid, []).append(response)
+            if len(by_worker[wid]) == want:
+                break
+        else:
+            response.close()
+    wid, held = max(by_worker.items(), key=lambda kv: len(kv[1]), default=("", []))
+    for other in by_worker.values():
+        if other is not held:
+            for response in other:
+                response.close()
+    return wid, held
+
+
+async def _stream_end(response: aiohttp.ClientResponse, since: float) -> tuple[float, str]:
+    """Seconds from ``since`` until the stream ended, and how: the error code of its last
+    event, "[DONE]", or "still open" after 30 s."""
+    rest = b""
+    try:
+        async with asyncio.timeout(30.0):
+            rest = await response.content.read()
+    except TimeoutError:
+        return time.monotonic() - since, "still open"
+    except aiohttp.ClientError as exc:
+        return time.monotonic() - since, type(exc).__name__
+    finally:
+        response.close()
+    last = rest.rstrip().rsplit(b"data: ", 1)[-1]
+    try:
+        how = str(json.loads(last)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        how = last.decode("utf-8", "replace")[:40]
+    return time.monotonic() - since, how
 
 
 async def redis_kill(ctx: Ctx) -> None:
@@ -189,6 +262,7 @@ async def _generated(ctx: Ctx) -> float:
 FAULTS: dict[str, Inject] = {
     "worker kill -9": worker_kill,
     "worker SIGSTOP": worker_stop,
+    "worker SIGSTOP mid-stream": worker_stop_mid_stream,
     "redis kill -9": redis_kill,
     "redis restart": redis_restart,
     "redis FLUSHALL": redis_flushall,
@@ -204,6 +278,15 @@ _DRAINS = {"worker SIGTERM drain", "gateway SIGTERM drain"}
 # -- one run -------------------------------------------------------------------------------
 
 
+def failure_notes(samples: Sequence[Sample]) -> list[str]:
+    """What the failed requests saw, most frequent first (``HTTP 503 x4, stream error event
+    x1``); nothing when none failed."""
+    seen = Counter(s.error or "no answer" for s in samples if not s.ok)
+    if not seen:
+        return []
+    return ["failures: " + ", ".join(f"{error} x{n}" for error, n in seen.most_common())]
+
+
 def recover_seconds(samples: Sequence[Sample], fault_at: float) -> float:
     before = [s.end - s.start for s in samples if s.end < fault_at and s.ok]
     slow = max(1.0, 5 * statistics.median(before)) if before else 1.0
@@ -216,10 +299,12 @@ async def run_fault(config: ChaosConfig, name: str) -> FaultResult:
     result = FaultResult(name)
     gateway_args = (
         "--first-byte-timeout-s", str(config.first_byte_timeout_s),
+        "--stream-idle-timeout-s", str(config.stream_idle_timeout_s),
         "--health-interval-s", str(config.health_interval_s),
         "--connect-timeout-s", str(config.connect_timeout_s),
         # Room for the abort burst: hundreds of open streams on one worker of a hot prefix.
         "--max-connections-per-worker", str(max(256, config.abort_clients + 64)),
+        *config.gateway_args,
     )
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         cluster = await _started_cluster(config, gateway_args, session)
@@ -246,6 +331,10 @@ async def run_fault(config: ChaosConfig, name: str) -> FaultResult:
             result.recover_s = round(recover_seconds(samples, ctx.fault_at), 2)
             if name in _DRAINS:
                 result.dropped_inflight = dropped_in_flight(samples, ctx.fault_at)
+            result.notes.extend(failure_notes(samples))
+            errors = await asyncio.to_thread(cluster.logged_errors)
+            if errors:
+                result.notes.append(f"ERROR lines logged: {errors} (logs in {cluster.logs})")
         finally:
             await cluster.stop()
     return result
@@ -257,7 +346,7 @@ async def _started_cluster(
     """A started cluster; a start that fails (a port taken meanwhile by another program) is
     retried on fresh ports, twice."""
     for attempt in range(3):
-        cluster = ChaosCluster(config.workers, gateway_args)
+        cluster = ChaosCluster(config.workers, gateway_args, config.worker_args)
         try:
             await cluster.start(session)
         except (RuntimeError, TimeoutError) as exc:
@@ -288,9 +377,12 @@ def to_markdown(results: Sequence[FaultResult], config: ChaosConfig, command: st
         f"`{command}`",
         "",
         f"{config.workers} workers (simulated engine), 1 gateway with `--first-byte-timeout-s "
-        f"{config.first_byte_timeout_s:g} --health-interval-s {config.health_interval_s:g} "
+        f"{config.first_byte_timeout_s:g} --stream-idle-timeout-s "
+        f"{config.stream_idle_timeout_s:g} --health-interval-s {config.health_interval_s:g} "
         f"--connect-timeout-s {config.connect_timeout_s:g} --max-connections-per-worker "
-        f"{max(256, config.abort_clients + 64)}`, Redis; {config.concurrency} closed-loop clients "
+        f"{max(256, config.abort_clients + 64)}{_extra(config.gateway_args)}`"
+        f"{', workers with `' + shlex.join(config.worker_args) + '`' if config.worker_args else ''}"
+        f", Redis; {config.concurrency} closed-loop clients "
         f"(half streaming, max_tokens {config.max_tokens}); fault at {config.warm_s:g} s, "
         f"{config.observe_s:g} s observed after it.",
         "",
@@ -308,6 +400,10 @@ def to_markdown(results: Sequence[FaultResult], config: ChaosConfig, command: st
     return "\n".join(lines) + "\n"
 
 
+def _extra(args: Sequence[str]) -> str:
+    return " " + shlex.join(args) if args else ""
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest chaos", description=__doc__)
     parser.add_argument("--workers", type=int, default=4)
@@ -318,25 +414,40 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--abort-clients", type=int, default=500)
     parser.add_argument("--first-byte-timeout-s", type=float, default=0.0,
                         help="the gateway's; 0 (its default): hung workers are found by probes")
+    parser.add_argument("--stream-idle-timeout-s", type=float, default=2.0,
+                        help="the gateway's (its default is 60 s; short here to fit the run)")
     parser.add_argument("--health-interval-s", type=float, default=1.0)
     parser.add_argument("--connect-timeout-s", type=float, default=10.0)
     parser.add_argument("--only", action="append", default=[], choices=list(FAULTS),
                         help="run only this fault (repeatable)")
+    parser.add_argument("--gateway-args", action="append", default=[], metavar="'FLAGS'",
+                        help="more flags for every gateway process, split like a shell line "
+                             "(repeatable; write --gateway-args='--max-inflight 64')")
+    parser.add_argument("--worker-args", action="append", default=[], metavar="'FLAGS'",
+                        help="more flags for every worker process, split like a shell line "
+                             "(repeatable)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(args_list)
-    config = ChaosConfig(
+def config_from(args: argparse.Namespace) -> ChaosConfig:
+    return ChaosConfig(
         workers=args.workers, concurrency=args.concurrency, max_tokens=args.max_tokens,
         warm_s=args.warm_s, observe_s=args.observe_s, abort_clients=args.abort_clients,
         first_byte_timeout_s=args.first_byte_timeout_s,
+        stream_idle_timeout_s=args.stream_idle_timeout_s,
         health_interval_s=args.health_interval_s, connect_timeout_s=args.connect_timeout_s,
         only=tuple(args.only),
+        gateway_args=tuple(a for line in args.gateway_args for a in shlex.split(line)),
+        worker_args=tuple(a for line in args.worker_args for a in shlex.split(line)),
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(args_list)
+    config = config_from(args)
     results = asyncio.run(run_all(config))
     command = shlex.join(["python", "-m", "loadtest", "chaos", *args_list])
     emit(to_markdown(results, config, command),

@@ -191,6 +191,7 @@ class ChaosCluster:
 
     workers: int
     gateway_args: tuple[str, ...]
+    worker_args: tuple[str, ...] = ()
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="chaos-")))
     redis: list[asyncio.subprocess.Process] = field(default_factory=list)
     worker_procs: list[asyncio.subprocess.Process] = field(default_factory=list)
@@ -217,7 +218,7 @@ class ChaosCluster:
         return LocalCluster(
             host=HOST, gateway_port=self.base + 1, worker_base_port=self.base + 2,
             workers=self.workers, model=MODEL,
-            worker_args=(*AFFINITY_WORKER_ARGS, "--store", self.store),
+            worker_args=(*AFFINITY_WORKER_ARGS, "--store", self.store, *self.worker_args),
             gateway_args=("--store", self.store, *self.gateway_args),
         )
 
@@ -225,12 +226,18 @@ class ChaosCluster:
         self.base = free_port_block(2 + self.workers)
         await self.start_redis()
         local = self._local()
-        await asyncio.gather(*(
-            start_server([*cmd, "--public-url", url], url, self.logs / f"worker{i}.log",
-                         self.worker_procs)
-            for i, (cmd, url) in enumerate(
-                zip(local.worker_commands(), local.worker_urls(), strict=True))
-        ))
+        # One list per worker, so that worker_procs[i] serves worker_urls[i] whatever order
+        # the processes started in.
+        procs: list[list[asyncio.subprocess.Process]] = [[] for _ in range(self.workers)]
+        try:
+            await asyncio.gather(*(
+                start_server([*cmd, "--public-url", url], url, self.logs / f"worker{i}.log",
+                             procs[i])
+                for i, (cmd, url) in enumerate(
+                    zip(local.worker_commands(), local.worker_urls(), strict=True))
+            ))
+        finally:
+            self.worker_procs = [proc for started in procs for proc in started]
         await self.start_gateway()
         await wait_all_workers_up(session, self.gateway, self.workers)
 
@@ -243,6 +250,14 @@ class ChaosCluster:
         local = dataclasses.replace(self._local(), workers=0)
         await start_server(local.gateway_command(), self.gateway, self.logs / "gateway.log",
                            self.gateway_procs)
+
+    def logged_errors(self) -> int:
+        """Lines at ERROR level in the gateway's and the workers' logs so far."""
+        return sum(
+            sum(1 for line in path.read_text("utf-8", "replace").splitlines()
+                if " ERROR " in line)
+            for path in self.logs.glob("*.log")
+        )
 
     def signal_worker(self, i: int, sig: signal.Signals) -> None:
         self.worker_procs[i].send_signal(sig)

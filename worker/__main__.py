@@ -7,9 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from aiohttp import web
-
 from gateway.config import SettingsError
+from gateway.httpserver import run
 from worker.engines.base import EngineUnavailableError
 from worker.server import ENGINE_KEY, create_app
 from worker.settings import parse_settings
@@ -19,6 +18,7 @@ from worker.vllm_launcher import launch
 # Pending connections the kernel queues for accept(); aiohttp's 128 drops SYNs when a gateway
 # opens hundreds of connections at once (which then time out connecting).
 LISTEN_BACKLOG = 2048
+SHUTDOWN_TIMEOUT_S = 60.0  # in-flight requests get this long to finish on SIGTERM
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,8 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"max_running={settings.max_running} {engine.info()}",
         flush=True,
     )
-    web.run_app(app, host=settings.host, port=settings.port, access_log=None,
-                backlog=LISTEN_BACKLOG)
+    # aiohttp's own errors (malformed HTTP, huge headers) answered in the OpenAI error shape,
+    # aborted uploads logged as one line; SIGTERM drains in-flight requests.
+    run(app, host=settings.host, port=settings.port, backlog=LISTEN_BACKLOG,
+        shutdown_timeout_s=SHUTDOWN_TIMEOUT_S)
     return 0
 
 

@@ -45,6 +45,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.contracts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from gateway.contracts.disconnect import cancel_on_disconnect
+from gateway.contracts.registry_signing import signed
 from gateway.kvevents.keys import engine_namespace
 from gateway.store.base import WorkerRecord
 from gateway.telemetry.tracing import Tracing
@@ -479,7 +480,7 @@ def create_app(
     app[HOT_PROMPTS_KEY] = HotPrompts(settings.hot_prompts)
     app.router.add_get("/admin/hot-prompts", export_handler(settings))
     if settings.store:
-        record = WorkerRecord(
+        record = signed(WorkerRecord(
             id=settings.effective_worker_id,
             url=settings.effective_public_url,
             models=(settings.model,),
@@ -487,7 +488,7 @@ def create_app(
             block_size=settings.block_size,
             kv_events=settings.advertised(settings.kv_events) if settings.kv_events else "",
             kv_replay=settings.advertised(settings.kv_replay) if settings.kv_replay else "",
-        )
+        ), settings.registration_secret())
         app.cleanup_ctx.append(registration(
             settings.store, record, every_s=settings.heartbeat_s, ttl_s=settings.registry_ttl_s,
             prefix=settings.store_prefix,

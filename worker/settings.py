@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from gateway.config import SettingsError, load_settings
+from gateway.contracts.registry_signing import load_secret
 from gateway.telemetry.tracing import TracingOptions
 
 ENGINES = ("sim", "torch", "vllm")
@@ -225,6 +226,16 @@ class WorkerSettings:
                   "WORKER_ADMIN_TOKEN.", "secret": True},
     )
 
+    registry_secret: str = field(
+        default="", repr=False,
+        metadata={"help": "Sign the registry record with this shared secret (the gateways' "
+                  "--registry-secret), so that gateways that require signatures accept it. "
+                  "Prefer WORKER_REGISTRY_SECRET or --registry-secret-file.", "secret": True},
+    )
+    registry_secret_file: str = field(
+        default="", metadata={"help": "File holding --registry-secret (its first line)."}
+    )
+
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise SettingsError(
@@ -285,6 +296,12 @@ class WorkerSettings:
             raise SettingsError("need 0 < heartbeat_s < registry_ttl_s")
         try:
             self.tracing_options()
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from exc
+
+    def registration_secret(self) -> bytes:
+        try:
+            return load_secret(self.registry_secret, self.registry_secret_file)
         except ValueError as exc:
             raise SettingsError(str(exc)) from exc
 

@@ -34,6 +34,9 @@ class WorkerProbe:
     # model -> its version as the worker reports it (revision, weights and tokenizer hashes);
     # absent when the worker says nothing about versions.
     versions: Mapping[str, str] = field(default_factory=dict)
+    # The probe failed only by waiting too long (not refused, not an error answer): a hung
+    # worker, or one (or a gateway) too busy to answer in time.
+    timed_out: bool = False
 
 
 @dataclass(frozen=True, slots=True)

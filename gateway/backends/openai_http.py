@@ -253,7 +253,8 @@ class OpenAIHTTPBackend:
                 payload = await listing.json(content_type=None)
             metrics = await self._scrape(worker)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-            return WorkerProbe(False, frozenset(), f"{type(exc).__name__}: {exc}")
+            return WorkerProbe(False, frozenset(), f"{type(exc).__name__}: {exc}",
+                               timed_out=isinstance(exc, TimeoutError))
         entries = [
             m for m in payload.get("data", [])
             if isinstance(m, dict) and isinstance(m.get("id"), str)

@@ -34,6 +34,9 @@ class WorkerRecord:
     # "" = it publishes none (see gateway.kvevents).
     kv_events: str = ""
     kv_replay: str = ""
+    # HMAC of the other fields under the registration secret ("" = unsigned); see
+    # gateway.contracts.registry_signing.
+    signature: str = ""
 
     def capacity_tokens(self) -> int:
         return self.capacity_blocks * self.block_size

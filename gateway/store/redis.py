@@ -8,8 +8,8 @@ key                                     type    content, bound
 ======================================  ======  =============================================
 ``{p}:workers``                         zset    worker id -> expiry (ms); stale members pruned
 ``{p}:worker:<id>``                     hash    url, models, capacity_blocks, block_size, kind,
-                                                kv_events, kv_replay;
-                                                TTL = heartbeat TTL
+                                                kv_events, kv_replay, sig (HMAC under the
+                                                registration secret); TTL = heartbeat TTL
 ``{p}:assignments``                     stream  origin, worker, packed 64-bit block hashes;
                                                 approximate MAXLEN
 ``{p}:gateways``                        zset    replica id -> expiry (ms) of its load share
@@ -142,6 +142,7 @@ class RedisStore:
             "kind": record.kind,
             "kv_events": record.kv_events,
             "kv_replay": record.kv_replay,
+            "sig": record.signature,
         }
 
         async def op() -> None:
@@ -186,6 +187,7 @@ class RedisStore:
                     kind=f.get("kind", "openai"),
                     kv_events=f.get("kv_events", ""),
                     kv_replay=f.get("kv_replay", ""),
+                    signature=f.get("sig", ""),
                 ))
             return records
 

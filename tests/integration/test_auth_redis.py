@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 import xxhash
 
 from gateway.app import create_app as create_gateway
+from gateway.contracts.registry_signing import signed
 from gateway.settings import GatewaySettings
 from gateway.store.base import WorkerRecord
 from gateway.store.redis import RedisStore
@@ -126,3 +127,59 @@ async def test_claimed_capacity_is_capped_by_the_workers_own_probe(
         await gateway.cleanup()
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_unsigned_registrations_are_ignored_with_a_registry_secret(
+    redis_server: RedisServer,
+) -> None:
+    registry_secret = "registration-secret-for-tests"
+    hport, iport = free_port(), free_port()
+    honest_id, impostor_id = f"127.0.0.1:{hport}", f"127.0.0.1:{iport}"
+    # The honest worker registers itself, signed; the impostor is a working server too, but
+    # only a Redis writer vouches for it.
+    honest = await serve(create_worker(dataclasses.replace(
+        FAST_WORKER, port=hport, store=redis_server.url, public_url=f"http://{honest_id}",
+        registry_secret=registry_secret, heartbeat_s=0.2, registry_ttl_s=5.0,
+    )), hport)
+    impostor = await serve(create_worker(dataclasses.replace(FAST_WORKER, port=iport)), iport)
+    store = RedisStore(redis_server.url)
+    await store.start()
+    impostor_record = WorkerRecord(id=impostor_id, url=f"http://{impostor_id}", models=(MODEL,))
+    await store.register_worker(impostor_record, ttl_s=60)
+    forged = signed(dataclasses.replace(impostor_record, id="127.0.0.1:1"), b"a guess")
+    await store.register_worker(forged, ttl_s=60)
+    signing, open_ = free_port(), free_port()
+    gateways = [
+        await serve(create_gateway(GatewaySettings(
+            port=port, store=redis_server.url, health_interval_s=0.2, registry_secret=secret,
+        )), port)
+        for port, secret in ((signing, registry_secret), (open_, ""))
+    ]
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def pool(port: int) -> set[str]:
+                async with http.get(f"http://127.0.0.1:{port}/admin/workers") as resp:
+                    return {w["id"] for w in (await resp.json())["workers"] if w["healthy"]}
+
+            async def both_seen() -> bool:
+                # The gateway without the secret believes every entry: the impostor is live.
+                return {honest_id, impostor_id} <= await pool(open_)
+
+            await _until(both_seen)
+            await _until(lambda: _contains(pool(signing), honest_id))
+            await asyncio.sleep(1.0)  # more membership rounds
+            assert await pool(signing) == {honest_id}
+            for i in range(12):
+                async with http.post(f"http://127.0.0.1:{signing}/v1/completions", json={
+                    "model": MODEL, "prompt": f"cold prompt {i} " * 20, "max_tokens": 1,
+                }) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["x-route-worker"] == honest_id
+    finally:
+        await store.close()
+        for runner in (*gateways, honest, impostor):
+            await runner.cleanup()
+
+
+async def _contains(values: Any, item: str) -> bool:
+    return item in await values

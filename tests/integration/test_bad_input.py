@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import MODEL, Cluster, StartCluster
+from tests.conftest import MODEL, Cluster, Processes, StartCluster
 
 KEY = "sk-catalogue"
 
@@ -83,7 +83,11 @@ async def test_hostile_bodies_get_openai_shaped_4xx(
 
 
 async def _exchange(cluster: Cluster, raw: bytes) -> tuple[int, dict[str, str], bytes]:
-    host, port = cluster.gateway_url.removeprefix("http://").split(":")
+    return await _exchange_at(cluster.gateway_url, raw)
+
+
+async def _exchange_at(url: str, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         writer.write(raw)
@@ -138,6 +142,21 @@ async def test_malformed_http_gets_openai_shaped_4xx(
     error: dict[str, Any] = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error"
     assert error["message"]
+
+
+async def test_worker_process_answers_malformed_http_in_openai_shape(
+    processes: Processes,
+) -> None:
+    url, _ = await processes.worker()
+    for name, raw, statuses in WIRE:
+        if name == "non-UTF-8 Authorization":
+            continue  # a gateway matter (keys); the worker here has none
+        status, headers, body = await _exchange_at(url, raw.replace(b"/v1/completions",
+                                                                    b"/v1/chat/completions"))
+        assert status in statuses, (name, status, body[:200])
+        assert headers["content-type"].startswith("application/json"), (name, body[:200])
+        error: dict[str, Any] = json.loads(body)["error"]
+        assert error["message"], name
 
 
 async def test_aborted_upload_is_one_log_line(

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from loadtest.chaos import ChaosConfig, FaultResult, dropped_in_flight, recover_seconds, to_markdown
+from loadtest.chaos import (
+    ChaosConfig,
+    FaultResult,
+    config_from,
+    dropped_in_flight,
+    failure_notes,
+    parse_args,
+    recover_seconds,
+    to_markdown,
+)
 from loadtest.chaos_load import Sample
 
 
@@ -42,3 +51,24 @@ def test_markdown_table_has_one_row_per_fault_and_the_command() -> None:
     assert text.startswith("`python -m loadtest chaos`")
     assert "| worker kill -9 | 10 | 0 | 1 | 2 | 0.50 |  |  |  |" in text
     assert "| 500 clients abort | 5 | 0 | 0 | 0 | 0.00 |  | 0 |  |" in text
+
+
+def test_failure_notes_count_what_the_failed_requests_saw() -> None:
+    samples = [
+        Sample(1.0, 2.0, stream=False, ok=False, error="HTTP 503"),
+        Sample(1.0, 2.0, stream=True, ok=False, error="HTTP 503"),
+        Sample(1.0, 2.0, stream=True, ok=False, error="stream error event"),
+        _ok(1.0, 2.0),
+    ]
+    assert failure_notes(samples) == ["failures: HTTP 503 x2, stream error event x1"]
+    assert failure_notes([_ok(1.0, 2.0)]) == []
+
+
+def test_extra_process_flags_are_split_like_a_shell_line_and_shown() -> None:
+    args = parse_args(["--gateway-args=--max-inflight 64", "--gateway-args", "--max-queue 512",
+                       "--worker-args=--max-running 16"])
+    config = config_from(args)
+    assert config.gateway_args == ("--max-inflight", "64", "--max-queue", "512")
+    text = to_markdown([], config, "cmd")
+    assert "--max-inflight 64 --max-queue 512`" in text
+    assert "workers with `--max-running 16`" in text

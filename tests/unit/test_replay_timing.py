@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.replay import ReplayConfig, RunResult, delay_factors, live_timing
+from loadtest.replay import ReplayConfig, RunResult, delay_factors, live_timing, simulated
+from loadtest.traces import TraceRequest, prefix_key
 
 
 def run(requests: int, seconds: float, latency_ms: float, inflight: float | None) -> RunResult:
@@ -32,3 +33,13 @@ def test_each_request_keeps_its_live_latency() -> None:
     measured.latencies_ms = [100.0, 200.0, 300.0]
     assert delay_factors(measured) == pytest.approx((0.5, 1.0, 1.5))
     assert delay_factors(run(3, 1.0, 200.0, None)) == ()
+
+
+def test_simulated_balance_counts_blocks_as_the_live_run_does() -> None:
+    # Round-robin over two workers: 10-block prompts all on one, 1-block ones on the other.
+    reqs = [TraceRequest(i, 0.0, 512 * n, 1, prefix_key(range(100 * i, 100 * i + n), 512 * n))
+            for i, n in enumerate([10, 1, 10, 1])]
+    sim = simulated(reqs, ReplayConfig(workers=2, cache_blocks=50, concurrency=1),
+                    "round_robin", pooled=1.0)
+    assert sim["routed_max_over_mean"] == pytest.approx(20 / 11)
+    assert sim["requests_max_over_mean"] == 1.0

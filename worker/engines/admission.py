@@ -8,6 +8,7 @@ the event loop (no threads, no locks): the cache is only ever touched from the l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,7 +87,8 @@ class AdmissionQueue:
                 # Admitted in the same tick as the cancellation: give the slot back.
                 self.release(ask.request_id)
             else:
-                if waiter in self._waiting:  # (a pump may have dropped it already)
+                # Still queued, unless a pump already dropped it as cancelled.
+                with contextlib.suppress(ValueError):
                     self._waiting.remove(waiter)
                 self._pump()
             raise
@@ -101,7 +103,9 @@ class AdmissionQueue:
         """Admit waiting requests in FIFO order while slots and blocks allow."""
         while self._waiting and self._running < self.max_running:
             head = self._waiting[0]
-            if head.future.done():  # given up (cancelled) before its task could leave
+            if head.future.done():
+                # Cancelled, its task not yet resumed (a burst of clients leaving in one tick):
+                # it gets no slot and no blocks; its own cleanup finds it gone.
                 self._waiting.popleft()
                 continue
             try:
