@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.contracts.errors import openai_error
+
 
 class GatewayError(Exception):
     """An error with an HTTP status and an OpenAI-shaped body."""
@@ -34,14 +36,7 @@ class GatewayError(Exception):
         self.headers: dict[str, str] = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return openai_error(self.message, self.type, code=self.code, param=self.param)
 
 
 class InvalidRequest(GatewayError):

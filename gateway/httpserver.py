@@ -23,6 +23,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from gateway.contracts.errors import openai_error
+
 log = logging.getLogger(__name__)
 
 _CLIENT_GONE = (ConnectionError, asyncio.IncompleteReadError)
@@ -39,9 +41,7 @@ def error_body(status: int, message: str) -> bytes:
     """An OpenAI error body; ``code`` is the status phrase in snake case (``bad_request``)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     code = _phrase(status).lower().replace(" ", "_").replace("-", "_")
-    return json.dumps(
-        {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    ).encode()
+    return json.dumps(openai_error(message, kind, code=code)).encode()
 
 
 class JsonErrorRequestHandler(RequestHandler):

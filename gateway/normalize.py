@@ -34,12 +34,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import sys
 import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from gateway.contracts.chat import canonical_json
 
 _KEEP_FORMAT_CHARS = frozenset({0x200C, 0x200D})
 
@@ -136,10 +137,6 @@ _RS = "\x1e"
 _US = "\x1f"
 
 
-def _canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
 def _render_content(content: Any) -> str:
     if content is None:
         return ""
@@ -151,10 +148,10 @@ def _render_content(content: Any) -> str:
             if isinstance(part, dict) and part.get("type") == "text":
                 pieces.append(str(part.get("text", "")))
             else:
-                pieces.append(_canonical_json(part))
+                pieces.append(canonical_json(part))
         # Adjacent text parts render as one text: ["ab"] and ["a", "b"] give the same prompt.
         return "".join(pieces)
-    return _canonical_json(content)
+    return canonical_json(content)
 
 
 def render_chat(
@@ -167,14 +164,14 @@ def render_chat(
     """
     out: list[str] = []
     if tools:
-        out.append(f"{_RS}tools{_US}{_canonical_json(list(tools))}")
+        out.append(f"{_RS}tools{_US}{canonical_json(list(tools))}")
     for message in messages:
         role = str(message.get("role", ""))
         name = message.get("name")
         head = f"{role}:{name}" if isinstance(name, str) and name else role
         body = _render_content(message.get("content"))
         if message.get("tool_calls"):
-            body += _US + _canonical_json(message["tool_calls"])
+            body += _US + canonical_json(message["tool_calls"])
         if message.get("tool_call_id"):
             body += _US + str(message["tool_call_id"])
         out.append(f"{_RS}{head}{_US}{body}")

@@ -14,12 +14,13 @@ from typing import Any
 
 import orjson
 
+from gateway.contracts.chat import ROLES
 from gateway.errors import InvalidRequest
 from gateway.normalize import NormalizeOptions, normalize_messages, normalize_text, render_chat
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # larger values are no budget any server can honour
 MAX_N = 128
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+CHAT_ROLES = ROLES  # what the reference worker renders (gateway.contracts.chat)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,9 @@ it compares the shared hit counters with the previous round's and decides:
 Ring weights that follow capacity are not decided here: every replica derives them from the
 registry the same way (:mod:`gateway.sync`), so they agree without coordination.
 
-Actions are appended to the store's action log with their reason and applied by every replica
-(each reads the log and applies what it has not applied yet), and served at ``/admin/rebalance``.
+Actions are typed (:class:`ShrinkCapacity`, :class:`GrowCapacity`, :class:`Shed`), appended to
+the store's action log as JSON with their reason, applied by every replica (each reads the log
+and applies what it has not applied yet), and served at ``/admin/rebalance``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, TypeAlias
 
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
@@ -40,6 +42,68 @@ from gateway.store.base import HitCounters, MetadataStore, StoreUnavailable
 log = logging.getLogger(__name__)
 
 ACTION_LOG_SIZE = 200
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkCapacity:
+    """A worker's modelled capacity shrinks to ``blocks`` (its predicted hits missed)."""
+
+    action: ClassVar[str] = "shrink_capacity"
+    id: str
+    at: float
+    worker: str
+    blocks: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class GrowCapacity:
+    """A worker's modelled capacity grows back to ``blocks`` (rounds without a miss)."""
+
+    action: ClassVar[str] = "grow_capacity"
+    id: str
+    at: float
+    worker: str
+    blocks: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    """A worker drops ``fraction`` of its least recently used prefixes (thrashing)."""
+
+    action: ClassVar[str] = "shed"
+    id: str
+    at: float
+    worker: str
+    fraction: float
+    reason: str
+
+
+RebalanceAction: TypeAlias = ShrinkCapacity | GrowCapacity | Shed
+
+
+def action_to_json(action: RebalanceAction) -> dict[str, object]:
+    """The action as the store's log keeps it: its fields plus ``"action"`` (the kind)."""
+    return {"action": action.action, **asdict(action)}
+
+
+def action_from_json(data: Mapping[str, object]) -> RebalanceAction | None:
+    """An action read from the log; ``None`` for a kind or shape this version does not know."""
+    aid, wid, at = data.get("id"), data.get("worker"), data.get("at")
+    if not isinstance(aid, str) or not aid or not isinstance(wid, str):
+        return None
+    when = float(at) if isinstance(at, int | float) else 0.0
+    why = str(data.get("reason", ""))
+    kind, blocks, fraction = data.get("action"), data.get("blocks"), data.get("fraction")
+    if kind in (ShrinkCapacity.action, GrowCapacity.action) and isinstance(blocks, int):
+        # Older replicas logged a grow as shrink_capacity: both set the capacity to ``blocks``.
+        if kind == GrowCapacity.action:
+            return GrowCapacity(aid, when, wid, blocks, why)
+        return ShrinkCapacity(aid, when, wid, blocks, why)
+    if kind == Shed.action and isinstance(fraction, int | float):
+        return Shed(aid, when, wid, float(fraction), why)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,28 +146,29 @@ class Rebalancer:
             except Exception:
                 log.exception("rebalance round failed")
 
-    async def step(self) -> list[dict[str, object]]:
+    async def step(self) -> list[RebalanceAction]:
         """One round: decide (if leading), then apply every action not applied yet."""
         self.rounds += 1
-        decided: list[dict[str, object]] = []
+        decided: list[RebalanceAction] = []
         self.leading = await self.store.try_lead(self.origin, ttl_s=3 * self.options.interval_s)
         if self.leading:
             telemetry = await self.store.read_telemetry()
             decided = self.decide(telemetry.workers)
             for action in decided:
-                log.info("rebalance: %s %s: %s", action["action"], action["worker"],
-                         action["reason"])
-                await self.store.log_action(action, keep=ACTION_LOG_SIZE)
+                log.info("rebalance: %s %s: %s", action.action, action.worker, action.reason)
+                await self.store.log_action(action_to_json(action), keep=ACTION_LOG_SIZE)
         log_now = await self.store.recent_actions(ACTION_LOG_SIZE)
-        for action in reversed(log_now):
-            self.apply(action)
+        for entry in reversed(log_now):
+            logged = action_from_json(entry)
+            if logged is not None:
+                self.apply(logged)
         # Remember only what the log still holds, so this set stays bounded.
         self._applied &= {str(a.get("id", "")) for a in log_now}
         return decided
 
-    def decide(self, workers: Mapping[str, HitCounters]) -> list[dict[str, object]]:
+    def decide(self, workers: Mapping[str, HitCounters]) -> list[RebalanceAction]:
         opts = self.options
-        actions: list[dict[str, object]] = []
+        actions: list[RebalanceAction] = []
         now = time.time()
         for wid, total in workers.items():
             if wid not in self.pool:
@@ -124,24 +189,22 @@ class Rebalancer:
             ):
                 kept = max(opts.max_shrink, min(opts.shrink_factor, 1.0 - d_miss / d_req))
                 keep = max(1, int(held * kept))
-                actions.append({
-                    "id": seq + ":shrink", "at": now, "action": "shrink_capacity",
-                    "worker": wid, "blocks": keep,
-                    "reason": f"{d_miss} of {d_req} responses missed a predicted hit; "
-                              f"modelled capacity {held} -> {keep} blocks",
-                })
+                actions.append(ShrinkCapacity(
+                    id=seq + ":shrink", at=now, worker=wid, blocks=keep,
+                    reason=f"{d_miss} of {d_req} responses missed a predicted hit; "
+                           f"modelled capacity {held} -> {keep} blocks",
+                ))
             elif (
                 self._clean_rounds[wid] >= opts.grow_after_rounds
                 and self.index.capacity(wid) < self.pool.get(wid).capacity_blocks
             ):
                 grown = min(self.pool.get(wid).capacity_blocks,
                             int(self.index.capacity(wid) * opts.grow_factor) + 1)
-                actions.append({
-                    "id": seq + ":grow", "at": now, "action": "shrink_capacity",
-                    "worker": wid, "blocks": grown,
-                    "reason": f"{d_req} responses, no missed prediction; modelled capacity "
-                              f"back up to {grown} blocks",
-                })
+                actions.append(GrowCapacity(
+                    id=seq + ":grow", at=now, worker=wid, blocks=grown,
+                    reason=f"{d_req} responses, no missed prediction; modelled capacity "
+                           f"back up to {grown} blocks",
+                ))
             elif (
                 d_req >= opts.min_requests
                 and wid in self._last_rate
@@ -149,32 +212,25 @@ class Rebalancer:
                 and rate < self._last_rate[wid] - opts.min_collapse_drop
                 and held >= self._last_held.get(wid, 0) > 0
             ):
-                actions.append({
-                    "id": seq + ":shed", "at": now, "action": "shed",
-                    "worker": wid, "fraction": opts.shed_fraction,
-                    "reason": f"hit rate fell {self._last_rate[wid]:.2f} -> {rate:.2f} while "
-                              f"its prefixes grew to {held} blocks (thrashing)",
-                })
+                actions.append(Shed(
+                    id=seq + ":shed", at=now, worker=wid, fraction=opts.shed_fraction,
+                    reason=f"hit rate fell {self._last_rate[wid]:.2f} -> {rate:.2f} while "
+                           f"its prefixes grew to {held} blocks (thrashing)",
+                ))
             if d_in > 0:
                 self._last_rate[wid] = rate
             self._last_held[wid] = held
             self._previous[wid] = HitCounters(**total.as_dict())
         return actions
 
-    def apply(self, action: Mapping[str, object]) -> None:
-        aid = str(action.get("id", ""))
-        if not aid or aid in self._applied:
+    def apply(self, action: RebalanceAction) -> None:
+        if action.id in self._applied:
             return
-        self._applied.add(aid)
-        wid = str(action.get("worker", ""))
-        if wid not in self.pool:
+        self._applied.add(action.id)
+        if action.worker not in self.pool:
             return
-        kind = action.get("action")
-        if kind == "shrink_capacity":
-            blocks = action.get("blocks")
-            if isinstance(blocks, int):
-                self.index.set_capacity(wid, blocks)
-        elif kind == "shed":
-            fraction = action.get("fraction")
-            if isinstance(fraction, int | float):
-                self.index.shed(wid, float(fraction))
+        match action:
+            case ShrinkCapacity() | GrowCapacity():
+                self.index.set_capacity(action.worker, action.blocks)
+            case Shed():
+                self.index.shed(action.worker, action.fraction)

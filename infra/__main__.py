@@ -20,7 +20,8 @@ from gateway.backends.sagemaker_target import SageMakerTarget
 from gateway.store.base import StoreUnavailable
 from infra import local_detached, sagemaker, warming
 from infra.local import DEFAULT_POLICY, LocalCluster, serve
-from infra.sagemaker import DEFAULT_IMAGE, ROUTING_STRATEGIES
+from infra.sagemaker import ROUTING_STRATEGIES
+from infra.sagemaker_image import DEFAULT_LMI_VERSION
 
 _FMT = argparse.ArgumentDefaultsHelpFormatter
 
@@ -99,8 +100,11 @@ def _sagemaker_parser(targets: argparse._SubParsersAction[argparse.ArgumentParse
                               "wait until InService")
     deploy.add_argument("--role-arn", required=True, help="SageMaker execution role")
     deploy.add_argument("--model-id", required=True, help="Hugging Face model id (HF_MODEL_ID)")
-    deploy.add_argument("--image", default=DEFAULT_IMAGE,
-                        help="LMI vLLM container image URI ({region} is filled in)")
+    deploy.add_argument("--image", default=None,
+                        help="LMI vLLM container image URI ({region} is filled in); default: "
+                             "the sagemaker SDK's URI for the region and --lmi-version")
+    deploy.add_argument("--lmi-version", default=DEFAULT_LMI_VERSION,
+                        help="LMI (DJL Serving) release when --image is not given")
     deploy.add_argument("--instance-type", default="ml.g5.2xlarge", help="instance type")
     deploy.add_argument("--variants", type=int, default=1, help="production variants (K)")
     deploy.add_argument("--instances", type=int, default=1, help="instances per variant")
@@ -210,6 +214,7 @@ def _sagemaker(args: argparse.Namespace) -> int:
             env.append((key, value))
         spec = sagemaker.DeploySpec(
             name=args.name, role_arn=args.role_arn, model_id=args.model_id, image=args.image,
+            lmi_version=args.lmi_version,
             instance_type=args.instance_type, variants=args.variants, instances=args.instances,
             routing=args.routing, prefix_length=args.prefix_length,
             concurrency_threshold=args.concurrency_threshold, env=tuple(env),

@@ -1,12 +1,13 @@
 """SageMaker real-time endpoints for the gateway: deploy, scale, weigh, autoscale, register.
 
-Control plane with **boto3**, not the sagemaker SDK: every step here is one documented API call
-(CreateModel, CreateEndpointConfig with K ProductionVariants and their RoutingConfig,
-CreateEndpoint, UpdateEndpointWeightsAndCapacities, Application Auto Scaling), which boto3 maps
-one to one, with the same credential chain as the gateway's aiobotocore. The sagemaker SDK's
-Model/Predictor layer hides exactly the fields we need (several variants per config, routing
-strategy, per-variant weights), pulls in a large dependency tree, and adds nothing to test
-against (boto3 runs against moto's server unchanged).
+Control plane with **boto3**: every step here is one documented API call (CreateModel,
+CreateEndpointConfig with K ProductionVariants and their RoutingConfig, CreateEndpoint,
+UpdateEndpointWeightsAndCapacities, Application Auto Scaling), which boto3 maps one to one, with
+the same credential chain as the gateway's aiobotocore. The sagemaker SDK's Model/Predictor layer
+hides exactly the fields we need (several variants per config, routing strategy, per-variant
+weights) and adds nothing to test against (boto3 runs against moto's server unchanged); the SDK
+(the optional ``sagemaker`` extra) is used for what it knows that boto3 does not, the LMI
+container image of each region and release (:mod:`infra.sagemaker_image`).
 
 ``deploy`` creates the model (an LMI container running vLLM, prefix caching on:
 ``OPTION_ENABLE_PREFIX_CACHING=true``), an endpoint config with K variants and the endpoint, then
@@ -32,10 +33,8 @@ import boto3
 from gateway.backends.sagemaker_target import SageMakerTarget
 from gateway.store.base import WorkerRecord
 from gateway.store.redis import RedisStore
+from infra.sagemaker_image import DEFAULT_LMI_VERSION, resolve_lmi_image
 
-# The LMI (DJL Serving) container with vLLM, as published in AWS's deep learning containers; the
-# account and tag vary by region and release: pass --image for yours.
-DEFAULT_IMAGE = "763104351884.dkr.ecr.{region}.amazonaws.com/djl-inference:0.33.0-lmi15.0.0-cu128"
 ROUTING_STRATEGIES = ("PREFIX_AWARE", "LEAST_OUTSTANDING_REQUESTS", "RANDOM")
 SERVING = ("InService",)
 
@@ -45,7 +44,8 @@ class DeploySpec:
     name: str
     role_arn: str
     model_id: str
-    image: str = DEFAULT_IMAGE
+    image: str | None = None  # None: the LMI image of lmi_version for the region (sagemaker_image)
+    lmi_version: str = DEFAULT_LMI_VERSION
     instance_type: str = "ml.g5.2xlarge"
     variants: int = 1
     instances: int = 1
@@ -135,13 +135,16 @@ class SageMakerInfra:
     # -- deploy / teardown ----------------------------------------------------------------------
     def deploy(self, spec: DeploySpec, *, wait: bool = True, poll_s: float = 30.0,
                timeout_s: float = 3600.0) -> dict[str, Any]:
-        image = spec.image.format(region=self.region)
+        resolved = resolve_lmi_image(self.region, spec.lmi_version, image=spec.image)
+        if resolved.note:
+            self._say(f"image: {resolved.note}; using the built-in URI")
+        image = resolved.uri
         self.sm.create_model(
             ModelName=spec.model_name,
             ExecutionRoleArn=spec.role_arn,
             PrimaryContainer={"Image": image, "Environment": spec.container_env()},
         )
-        self._say(f"model {spec.model_name}: {image}")
+        self._say(f"model {spec.model_name}: {image} ({resolved.source})")
         config = f"{spec.name}-config-{int(time.time())}"
         try:
             self.sm.create_endpoint_config(

@@ -13,6 +13,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from gateway.contracts.errors import openai_error
+
 log = logging.getLogger(__name__)
 
 
@@ -36,14 +38,7 @@ class ApiError(Exception):
         self.type = type_
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return openai_error(self.message, self.type, code=self.code, param=self.param)
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status)

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from gateway.store.base import StoreUnavailable, WorkerRecord
+from gateway.contracts.worker_record import WorkerRecord
+from gateway.store.base import StoreUnavailable
 from gateway.store.redis import RedisStore
 from worker.register import heartbeat
 from worker.settings import WorkerSettings

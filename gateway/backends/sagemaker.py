@@ -63,6 +63,7 @@ from gateway.backends.sagemaker_body import (
     tgi_reply,
 )
 from gateway.backends.sagemaker_target import SageMakerTarget, parse_target
+from gateway.contracts.errors import openai_error
 from gateway.routing.types import Worker
 
 log = logging.getLogger(__name__)
@@ -93,9 +94,7 @@ def _openai_error(status: int, message: str, code: str) -> bytes:
         kind = "invalid_request_error"
     else:
         kind = "upstream_error"
-    return json.dumps(
-        {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    ).encode("utf-8")
+    return json.dumps(openai_error(message, kind, code=code)).encode("utf-8")
 
 
 # -- stateful sessions ---------------------------------------------------------------------------

@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.contracts.errors import openai_error
+
 TGI_FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop", "stop": "stop"}
 
 
@@ -33,7 +35,7 @@ def _sse(payload: Mapping[str, Any] | str) -> bytes:
 
 def error_event(code: str, message: str, kind: str = "upstream_error") -> bytes:
     """An SSE event the openai client raises as ``APIError`` (it looks for ``error``)."""
-    return _sse({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return _sse(openai_error(message, kind, code=code))
 
 
 def is_chat(path: str) -> bool:

@@ -32,7 +32,10 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# The roles the OpenAI API accepts; "function" is the deprecated predecessor of "tool" (a
+# function's result, named by ``name``), still accepted by OpenAI and vLLM. The gateway validates
+# requests against this same set, so gateway and worker accept the same conversations.
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 END = "<|end|>\n"
 GENERATION_PROMPT = "<|assistant|>\n"
 
@@ -46,6 +49,8 @@ class ChatFormatError(ValueError):
 
 
 def canonical_json(value: Any) -> str:
+    """The one canonical JSON of tools and tool calls (sorted keys, compact, Unicode kept), in
+    the reference template and in the gateway's fingerprint text alike."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 

@@ -18,7 +18,7 @@ import hmac
 import json
 from pathlib import Path
 
-from gateway.store.base import WorkerRecord
+from gateway.contracts.worker_record import WorkerRecord
 
 _CONTEXT = b"affinity-worker-record/v1\n"
 

@@ -1,4 +1,4 @@
-"""Consistent hashing over worker ids, with ketama points (the same as uhashring's ketama ring).
+"""Consistent hashing over worker ids: uhashring's ketama continuum, built and walked here.
 
 A ring is built once per membership (worker ids and weights) and then only read. ``walk``
 returns every worker in ring order from the anchor's position: the first is the anchor's owner,
@@ -6,13 +6,23 @@ the next ones are where the anchor moves if that owner is unhealthy or over its 
 Because the order depends only on membership and the anchor, every gateway replica computes the
 same walk with no coordination; adding a worker moves only the anchors that now land on it.
 
-Points: a worker of weight ``w`` gets ``round(40 * w)`` virtual nodes of 4 ketama points each
-(the md5-based ketama hash of ``"<id>-<i>"``, as uhashring and libketama compute it; a unit
-test checks owners against uhashring's ketama ring), so its
-share of the ring follows its weight and does not depend on the other workers' weights. The
-continuum is one sorted array built with a sort (uhashring inserts point by point, quadratic in
-the fleet size), and a walk is a binary search plus a scan that stops as soon as the caller has
-what it needs, so looking up an anchor costs O(log points) however large the fleet.
+Points: a worker of weight ``w`` gets ``round(40 * w)`` virtual nodes (at least one) of 4
+ketama points each, the md5 of ``"<id>-<i>"`` read as four little-endian 32-bit words, and an
+anchor falls where the first word of the md5 of its 16-hex-digit string does. That is exactly
+uhashring's ketama ring (``HashRing(hash_fn="ketama")``) with each worker given
+``vnodes=round(40 * w)`` and uhashring weight 1: the same continuum, owners and walk order (a
+unit test compares them; the one difference is a point two workers share, 32-bit collisions,
+which uhashring gives to the worker it inserted last and this ring to the lower id). A worker's
+share thus follows its own weight only. uhashring's own
+``weight`` is not used because it sizes a node relative to the fleet's summed weights (changing
+one worker's weight would move anchors between two other workers) and takes integers only.
+
+Why the continuum is built and walked here instead of inside uhashring: uhashring inserts the
+points one by one into a sorted list (``insort``, quadratic in the fleet size) and hashes one
+md5 per point rather than one per virtual node; its walk (``range``) copies the continuum's
+tail on every call, so its cost grows with the fleet. Here the build is one sort of packed
+integers and a walk is a binary search plus a scan that stops as soon as the caller has what it
+needs. Measured side by side with ``python -m loadtest.bench_ring`` (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -40,13 +50,17 @@ def ketama_hash(key: str) -> int:
 class Ring:
     def __init__(self, weights: Mapping[str, float]) -> None:
         self._ids = tuple(sorted(weights))
-        points: list[tuple[int, str]] = []
-        for wid in self._ids:
+        # Each point packed with its owner's index in the low bits: one sort of ints orders the
+        # continuum by point, ties by worker id (as sorting (point, id) pairs would).
+        shift = max(1, len(self._ids)).bit_length()
+        packed: list[int] = []
+        for i, wid in enumerate(self._ids):
             for v in range(max(1, round(_VNODES * weights[wid]))):
-                points.extend((p, wid) for p in ketama_points(f"{wid}-{v}"))
-        points.sort()
-        self._keys = [p for p, _ in points]
-        self._owners = [wid for _, wid in points]
+                packed.extend((p << shift) | i for p in ketama_points(f"{wid}-{v}"))
+        packed.sort()
+        mask = (1 << shift) - 1
+        self._keys = [k >> shift for k in packed]
+        self._owners = [self._ids[k & mask] for k in packed]
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -70,4 +84,8 @@ class Ring:
                     return
 
     def owner(self, anchor: int) -> str | None:
-        return next(self.walk(anchor), None)
+        """The first worker of :meth:`walk` (``None`` on an empty ring)."""
+        if not self._owners:
+            return None
+        start = bisect.bisect(self._keys, ketama_hash(f"{anchor:016x}"))
+        return self._owners[start % len(self._owners)]

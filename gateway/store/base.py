@@ -15,31 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# The record workers register; its home is the contracts package the worker shares.
+from gateway.contracts.worker_record import WorkerRecord as WorkerRecord
+
 
 class StoreUnavailable(Exception):
     """The store could not be reached or answered with an error."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerRecord:
-    """A worker as it registers itself: where it is and what it can hold."""
-
-    id: str
-    url: str
-    models: tuple[str, ...] = ()
-    capacity_blocks: int = 0  # KV blocks of ``block_size`` tokens; 0 = unknown
-    block_size: int = 16
-    kind: str = "openai"  # which backend speaks to it
-    # Where its engine publishes KV-cache events (vLLM's ZMQ format) and replays missed ones;
-    # "" = it publishes none (see gateway.kvevents).
-    kv_events: str = ""
-    kv_replay: str = ""
-    # HMAC of the other fields under the registration secret ("" = unsigned); see
-    # gateway.contracts.registry_signing.
-    signature: str = ""
-
-    def capacity_tokens(self) -> int:
-        return self.capacity_blocks * self.block_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -222,7 +222,7 @@ class SimResult:
     # Decisions by label (Decision.label; "diverted:<why>" split out).
     reasons: Mapping[str, int] = field(default_factory=dict)
     ring_seed: int = 0
-    # The rebalancer's actions by kind (shrink_capacity, shed).
+    # The rebalancer's actions by kind (shrink_capacity, grow_capacity, shed).
     rebalance: Mapping[str, int] = field(default_factory=dict)
 
 
@@ -364,7 +364,7 @@ class ClusterSim:
     def _rebalance(self) -> None:
         """One round of the gateway's rebalancer over the hit counters so far."""
         for action in self.rebalancer.decide(self.telemetry.workers):
-            self._rebalance_actions[str(action["action"])] += 1
+            self._rebalance_actions[action.action] += 1
             self.rebalancer.apply(action)
 
     # -- worker side ----------------------------------------------------------------------------

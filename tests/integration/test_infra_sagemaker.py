@@ -18,6 +18,7 @@ from moto.server import ThreadedMotoServer
 
 from gateway.store.redis import RedisStore
 from infra.__main__ import main
+from infra.sagemaker_image import resolve_lmi_image, sdk_retrieve
 from tests.conftest import MODEL, RedisServer, StartCluster, free_port
 from tests.sagemaker_server import aws_test_env
 
@@ -79,7 +80,10 @@ def test_deploy_scale_weights_autoscale_status_teardown(
     assert all(v["InitialInstanceCount"] == 2 for v in variants)
     assert variants[0]["RoutingConfig"] == {
         "RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig": {"PrefixLength": 2048}}
-    env = client.describe_model(ModelName="llm-model")["PrimaryContainer"]["Environment"]
+    container = client.describe_model(ModelName="llm-model")["PrimaryContainer"]
+    assert container["Image"] == resolve_lmi_image("us-east-1").uri
+    assert f"llm-model: {container['Image']}" in out
+    env = container["Environment"]
     assert env["OPTION_ENABLE_PREFIX_CACHING"] == "true"
     assert env["OPTION_ROLLING_BATCH"] == "vllm"
     assert env["OPTION_MAX_MODEL_LEN"] == "8192"
@@ -107,6 +111,23 @@ def test_deploy_scale_weights_autoscale_status_teardown(
         client.describe_endpoint(EndpointName="llm")
     assert client.list_models()["Models"] == []
     assert scaling.describe_scalable_targets(ServiceNamespace="sagemaker")["ScalableTargets"] == []
+
+
+def test_deploy_uses_an_image_given_as_given(moto: str) -> None:
+    assert deploy(moto, "--image", "registry.example/{region}/lmi:1") == 0
+    container = sm(moto).describe_model(ModelName="llm-model")["PrimaryContainer"]
+    assert container["Image"] == "registry.example/us-east-1/lmi:1"
+
+
+def test_deploy_of_another_lmi_version_without_the_sdk_asks_for_the_image(
+    moto: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if sdk_retrieve() is not None:
+        pytest.skip("the sagemaker SDK is installed: it resolves the version")
+    assert deploy(moto, "--lmi-version", "0.38.0") == 1
+    assert "pass --image for LMI 0.38.0" in capsys.readouterr().err
+    with pytest.raises(ClientError):
+        sm(moto).describe_model(ModelName="llm-model")  # nothing created
 
 
 @pytest.mark.parametrize(

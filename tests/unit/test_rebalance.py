@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 from gateway.backends.base import CACHE_CAPACITY_TOKENS
 from gateway.pool import WorkerPool
-from gateway.rebalance import RebalanceOptions, Rebalancer
+from gateway.rebalance import (
+    GrowCapacity,
+    RebalanceOptions,
+    Rebalancer,
+    Shed,
+    ShrinkCapacity,
+    action_from_json,
+    action_to_json,
+)
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.store.base import CacheReport, HitCounters, WorkerRecord
 from gateway.store.memory import MemoryStore
@@ -33,8 +43,8 @@ async def test_mispredictions_shrink_the_modelled_capacity() -> None:
     index.record(list(range(100)), W1, 0.0)
     await store.add_telemetry([_report(W1, 100, 0, 80)] * 20)  # predicted hits, all missed
     actions = await rebalancer.step()
-    assert [a["action"] for a in actions] == ["shrink_capacity"]
-    assert actions[0]["worker"] == W1
+    assert [a.action for a in actions] == ["shrink_capacity"]
+    assert actions[0].worker == W1
     assert index.capacity(W1) == 50  # all missed: halved, the most one round takes
     assert index.held_blocks(W1) == 50
     assert (await store.recent_actions(10))[0]["worker"] == W1
@@ -47,7 +57,7 @@ async def test_a_modest_share_of_misses_shrinks_by_at_least_the_factor() -> None
     # than it says; ordinary noise stays below the 10% threshold.
     await store.add_telemetry([_report(W1, 100, 0, 80)] * 3 + [_report(W1, 100, 80, 80)] * 17)
     actions = await rebalancer.step()
-    assert [a["action"] for a in actions] == ["shrink_capacity"]
+    assert [a.action for a in actions] == ["shrink_capacity"]
     assert index.capacity(W1) == 80
     await store.add_telemetry([_report(W1, 100, 0, 80)] * 1 + [_report(W1, 100, 80, 80)] * 19)
     assert await rebalancer.step() == []  # 5%: no action
@@ -67,6 +77,49 @@ async def test_capacity_grows_back_slowly_after_clean_rounds() -> None:
         await rebalancer.step()
         capacities.append(index.capacity(W1))
     assert capacities == [50, 50, 53, 56]  # 3 clean rounds first, then +5% a round
+
+
+async def test_growing_back_is_logged_as_grow_capacity() -> None:
+    store, pool, index, rebalancer = _setup()
+    pool.set_capacity(W1, 100)
+    index.record(list(range(100)), W1, 0.0)
+    await store.add_telemetry([_report(W1, 100, 0, 80)] * 20)
+    assert [a.action for a in await rebalancer.step()] == ["shrink_capacity"]
+    kinds = []
+    for _ in range(3):
+        await store.add_telemetry([_report(W1, 100, 80, 80)] * 20)
+        kinds += [a.action for a in await rebalancer.step()]
+    assert kinds == ["grow_capacity"]
+    logged = await store.recent_actions(10)
+    assert [a["action"] for a in logged] == ["grow_capacity", "shrink_capacity"]
+    assert logged[0]["blocks"] == index.capacity(W1) == 53
+    assert {"id", "at", "worker", "blocks", "reason"} <= logged[0].keys()
+
+
+async def test_logged_actions_of_other_versions() -> None:
+    """A grow that an older replica logged as shrink_capacity still applies (both set the
+    capacity); kinds or shapes this version does not know are skipped."""
+    store, _, index, rebalancer = _setup()
+    index.record(list(range(100)), W2, 0.0)
+    for entry in (
+        {"id": "old:1:w2:grow", "action": "shrink_capacity", "worker": W2, "blocks": 70},
+        {"id": "new:1", "action": "rebalance_more", "worker": W2, "blocks": 10},
+        {"id": "bad:1", "action": "shed", "worker": W2, "fraction": "half"},
+        {"action": "shed", "worker": W2, "fraction": 0.5},
+    ):
+        await store.log_action(entry, keep=10)
+    assert await rebalancer.step() == []
+    assert index.capacity(W2) == 70
+    assert index.held_blocks(W2) == 70
+
+
+def test_actions_round_trip_through_json() -> None:
+    for action in (
+        ShrinkCapacity("a:1", 1.5, W1, 10, "missed"),
+        GrowCapacity("a:2", 2.5, W1, 12, "clean"),
+        Shed("a:3", 3.5, W2, 0.25, "thrashing"),
+    ):
+        assert action_from_json(json.loads(json.dumps(action_to_json(action)))) == action
 
 
 async def test_noise_in_a_low_hit_rate_is_not_thrashing() -> None:
@@ -96,9 +149,9 @@ async def test_thrashing_worker_sheds_its_oldest_prefixes() -> None:
     index.record(list(range(1000, 1100)), W1, 0.0)  # its prefixes grow...
     await store.add_telemetry([_report(W1, 100, 5, 0)] * 20)  # ...while hits collapse
     actions = await rebalancer.step()
-    assert [a["action"] for a in actions] == ["shed"]
+    assert [a.action for a in actions] == ["shed"]
     assert index.held_blocks(W1) == 150  # a quarter of 200 dropped
-    assert "thrashing" in str(actions[0]["reason"])
+    assert "thrashing" in actions[0].reason
 
 
 async def test_actions_apply_once() -> None:

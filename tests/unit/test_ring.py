@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -114,12 +115,57 @@ def test_removing_a_worker_moves_only_its_anchors_weighted() -> None:
     assert moved_between_survivors == 0
 
 
-def test_owners_match_uhashrings_ketama_ring() -> None:
-    """Equal weights: the same continuum as uhashring's ketama ring with 40 virtual nodes."""
+def _uhashring(weights: dict[str, float]) -> Any:
+    """uhashring's ketama ring with the point counts the gateway gives each worker."""
     from uhashring import HashRing
 
-    ids = [f"10.0.0.{i}:8001" for i in range(7)]
-    reference = HashRing(nodes=ids, hash_fn="ketama", vnodes=40)
-    ring = Ring(dict.fromkeys(ids, 1.0))
-    for anchor in range(0, 5_000_000, 9_973):
-        assert ring.owner(anchor) == reference.get_node(f"{anchor:016x}")
+    nodes = {wid: {"vnodes": max(1, round(40 * w)), "weight": 1} for wid, w in weights.items()}
+    return HashRing(nodes=nodes, hash_fn="ketama")
+
+
+UHASHRING_CASES = [
+    pytest.param({f"10.0.0.{i}:8001": 1.0 for i in range(7)}, id="equal"),
+    pytest.param({f"w{i:02d}": (2.0 if i % 4 == 0 else 1.0) for i in range(16)}, id="2-to-1"),
+    pytest.param({"a": 3.0, "b": 0.5, "c": 1.0, "d": 0.01}, id="fractional"),
+]
+
+
+@pytest.mark.parametrize("weights", UHASHRING_CASES)
+def test_continuum_is_uhashrings_ketama_continuum(weights: dict[str, float]) -> None:
+    ring = Ring(weights)
+    reference = _uhashring(weights)
+    assert list(zip(ring._keys, ring._owners, strict=True)) == reference.get_points()
+
+
+@pytest.mark.parametrize("weights", UHASHRING_CASES)
+def test_owner_and_walk_match_uhashring(weights: dict[str, float]) -> None:
+    ring = Ring(weights)
+    reference = _uhashring(weights)
+    for anchor in ANCHORS[:2000]:
+        key = f"{anchor:016x}"  # how the ring hashes an anchor
+        assert ring.owner(anchor) == reference.get_node(key)
+        assert list(ring.walk(anchor)) == list(reference.iterate_nodes(key))
+
+
+def test_uhashrings_own_weights_would_move_anchors_between_other_workers() -> None:
+    """Why weights become point counts: uhashring sizes a node relative to the summed weights,
+    so one worker's new weight moves anchors between two others; here it does not."""
+    from uhashring import HashRing
+
+    before = {f"w{i}": 1 for i in range(6)}
+    after = {**before, "w0": 3}
+    theirs_before = HashRing(nodes=before, hash_fn="ketama")
+    theirs_after = HashRing(nodes=after, hash_fn="ketama")
+    keys = [f"{a:016x}" for a in ANCHORS[:3000]]
+    moved_theirs = sum(
+        1 for k in keys
+        if "w0" not in (theirs_before.get_node(k), theirs_after.get_node(k))
+        and theirs_before.get_node(k) != theirs_after.get_node(k)
+    )
+    assert moved_theirs > 0
+    ours_before = _owners(Ring({k: float(v) for k, v in before.items()}), ANCHORS[:3000])
+    ours_after = _owners(Ring({k: float(v) for k, v in after.items()}), ANCHORS[:3000])
+    moved_ours = sum(
+        1 for b, a in zip(ours_before, ours_after, strict=True) if "w0" not in (b, a) and b != a
+    )
+    assert moved_ours == 0
