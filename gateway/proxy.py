@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.backends.base import BackendUnavailable, UpstreamReply, UpstreamRequest
+from gateway.contracts.errors import openai_error
 from gateway.errors import ConnectionQueueFull, NoWorkerAvailable, UpstreamError
 from gateway.guard import NoFirstByte, SlotTimeout, UpstreamGuard
 from gateway.routing.types import Decision, NoCandidates, PrefixMatcher, RouteRequest
@@ -293,14 +294,7 @@ async def _relay_stream(
     except _UpstreamBrokeOff as exc:
         broke_off = f"broke off: {exc}"
         guard.breakers.failure(wid, time.monotonic())
-        error = {
-            "error": {
-                "message": f"the worker {wid} {exc}",
-                "type": "upstream_error",
-                "param": None,
-                "code": exc.code,
-            }
-        }
+        error = openai_error(f"the worker {wid} {exc}", "upstream_error", code=exc.code)
         await response.write(f"data: {json.dumps(error)}\n\n".encode())
     finally:
         # A reply not read to its end closes its connection: the worker sees its client leave.

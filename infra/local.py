@@ -8,16 +8,17 @@ until Ctrl-C, then stopped cleanly (SIGTERM, then SIGKILL after a grace period).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sys
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from gateway.settings import GatewaySettings
+from infra.procs import start_server, stop_processes, wait_healthy
+
+# Re-exported for loadtest.replay and loadtest.chaos_load, which still import them from here
+# (infra.procs is their home).
+__all__ = ["DEFAULT_POLICY", "LocalCluster", "sample_curl", "serve", "stop_processes",
+           "wait_healthy"]
 
 DEFAULT_POLICY = GatewaySettings().policy  # the gateway's own default
 
@@ -59,36 +60,6 @@ class LocalCluster:
         return cmd
 
 
-async def wait_healthy(url: str, timeout_s: float = 30.0) -> None:
-    """Poll ``url``/health until it answers 200; raise TimeoutError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-        while True:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with session.get(url + "/health") as response:
-                    if response.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f}s")
-            await asyncio.sleep(0.1)
-
-
-async def stop_processes(
-    procs: Sequence[asyncio.subprocess.Process], grace_s: float = 10.0
-) -> None:
-    for proc in procs:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            await asyncio.wait_for(proc.wait(), grace_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-
-
 def sample_curl(base: str, model: str) -> str:
     return (
         f"curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
@@ -98,31 +69,14 @@ def sample_curl(base: str, model: str) -> str:
     )
 
 
-async def _start_and_wait(
-    cmd: Sequence[str], url: str, procs: list[asyncio.subprocess.Process]
-) -> None:
-    """Start one server and wait until it is healthy; fail fast if it exits first."""
-    proc = await asyncio.create_subprocess_exec(*cmd)
-    procs.append(proc)
-    healthy = asyncio.create_task(wait_healthy(url))
-    exited = asyncio.create_task(proc.wait())
-    done, _ = await asyncio.wait([healthy, exited], return_when=asyncio.FIRST_COMPLETED)
-    healthy.cancel()
-    exited.cancel()
-    if healthy in done:
-        healthy.result()  # re-raises a timeout
-    else:
-        raise RuntimeError(f"{' '.join(cmd[1:4])} exited with code {proc.returncode}")
-
-
 async def _run_until_stopped(cluster: LocalCluster, procs: list[asyncio.subprocess.Process],
                              stop: asyncio.Event) -> int:
     await asyncio.gather(*(
-        _start_and_wait(cmd, url, procs)
+        start_server(cmd, url, None, procs)
         for cmd, url in zip(cluster.worker_commands(), cluster.worker_urls(), strict=True)
     ))
     base = f"http://{cluster.host}:{cluster.gateway_port}"
-    await _start_and_wait(cluster.gateway_command(), base, procs)
+    await start_server(cluster.gateway_command(), base, None, procs)
     policy = cluster.policy or "from its settings"
     print(
         f"\nGateway ready at {base}/v1 (OpenAI-compatible), policy {policy}, "

@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from infra.local import wait_healthy
+from infra.procs import wait_healthy
 
 
 @dataclass

@@ -37,8 +37,8 @@ from typing import Any
 
 import aiohttp
 
-from infra.local import stop_processes
-from loadtest.bench_gateway import start_server, wait_all_workers_up
+from infra.procs import start_server, stop_processes
+from loadtest.harness import wait_all_workers_up
 from loadtest.tiny_tokenizer import train
 from loadtest.workloads import LiveRequest, LiveSpec, user_requests
 

@@ -26,37 +26,46 @@ import contextlib
 import json
 import shlex
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from infra.local import LocalCluster, stop_processes, wait_healthy
-from loadtest.workloads import WorkloadSpec, chat_requests, describe
-from worker.chat import render_chat
-from worker.kvcache import block_hashes
-from worker.tokenizer import HashTokenizer
+from infra.local import LocalCluster
+from infra.procs import free_port_block, start_server, stop_processes
+from loadtest.harness import (
+    AFFINITY_WORKER_ARGS,
+    HOST,
+    MODEL,
+    ZERO_COST_WORKER_ARGS,
+    Reply,
+    emit,
+    percentile,
+    post,
+    reason_kind,
+    replay,
+    wait_all_workers_up,
+    workload_for,
+)
+
+# Re-exported for loadtest.replay, loadtest.chaos_load and loadtest.chaos, which still import
+# them from here (loadtest.harness and infra.procs are their home).
+__all__ = [
+    "AFFINITY_WORKER_ARGS", "HOST", "MODEL", "ZERO_COST_WORKER_ARGS", "Reply", "emit",
+    "free_port_block", "percentile", "reason_kind", "replay", "start_server",
+    "wait_all_workers_up",
+]
 
 POLICIES = (
     "round_robin", "least_load", "consistent_hash", "bounded_hash", "prefix_affinity",
     "cache_aware",
-)
-HOST = "127.0.0.1"
-MODEL = "sim-model"
-# Small but nonzero simulated costs for the affinity runs: the same for every policy.
-AFFINITY_WORKER_ARGS = ("--prefill-us-per-token", "20", "--decode-ms-per-token", "1")
-# Zero simulated costs for the overhead runs: what is left is HTTP, parsing and routing.
-ZERO_COST_WORKER_ARGS = (
-    "--prefill-us-per-token", "0", "--prefill-us-per-cached-token", "0",
-    "--decode-ms-per-token", "0",
 )
 OVERHEAD_BODY: dict[str, Any] = {
     "model": MODEL, "prompt": "Say hello to the benchmark.", "max_tokens": 1, "temperature": 0,
@@ -83,23 +92,8 @@ class BenchConfig:
 # -- results -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
-    status: int  # 0: no HTTP answer (connection error, timeout)
-    worker: str
-    input_tokens: int
-    matched_tokens: int
-    seconds: float
-    reason: str = ""  # x-route-reason
-    index_blocks: int = 0  # x-prefix-match-blocks: what the gateway's index expected
-    sent_at: float = 0.0  # perf_counter() when the request was sent
 
 
-def reason_kind(reason: str) -> str:
-    """``prefix_hit depth=37`` -> ``prefix_hit``; ``diverted: w1 ...`` -> ``diverted``."""
-    if reason.startswith("ring skip"):
-        return "ring skip"
-    return reason.split(" ", 1)[0].rstrip(":")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,78 +141,12 @@ class BenchResult:
     overhead: OverheadResult | None = None
 
 
-# -- processes -----------------------------------------------------------------------------
 
 
-def _ports_free(ports: Iterable[int]) -> bool:
-    socks: list[socket.socket] = []
-    try:
-        for port in ports:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp's server does
-            s.bind((HOST, port))
-        return True
-    except OSError:
-        return False
-    finally:
-        for s in socks:
-            s.close()
 
 
-def free_port_block(size: int, preferred: int = 0) -> int:
-    """The first of ``size`` consecutive ports free on loopback now (``preferred`` if it is)."""
-    if preferred:
-        if _ports_free(range(preferred, preferred + size)):
-            return preferred
-        raise RuntimeError(f"ports {preferred}-{preferred + size - 1} are not all free")
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            base = int(s.getsockname()[1])
-        if base + size <= 65535 and _ports_free(range(base, base + size)):
-            return base
-    raise RuntimeError(f"no block of {size} free ports found")
 
 
-async def start_server(
-    cmd: Sequence[str], url: str, log_path: Path, procs: list[asyncio.subprocess.Process],
-    timeout_s: float = 30.0,
-) -> None:
-    """Start one server (output to ``log_path``) and wait until it answers /health."""
-    log = await asyncio.to_thread(log_path.open, "wb")
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log
-        )
-    finally:
-        await asyncio.to_thread(log.close)  # the child keeps its own copy of the descriptor
-    procs.append(proc)
-    healthy = asyncio.create_task(wait_healthy(url, timeout_s))
-    exited = asyncio.create_task(proc.wait())
-    done, _ = await asyncio.wait([healthy, exited], return_when=asyncio.FIRST_COMPLETED)
-    healthy.cancel()
-    exited.cancel()
-    if healthy not in done:
-        tail = (await asyncio.to_thread(log_path.read_text, "utf-8", "replace"))[-2000:]
-        raise RuntimeError(f"{shlex.join(cmd[1:5])} exited with {proc.returncode}:\n{tail}")
-    healthy.result()
-
-
-async def wait_all_workers_up(
-    session: aiohttp.ClientSession, gateway: str, count: int, timeout_s: float = 30.0
-) -> None:
-    """Wait until the gateway has seen every worker healthy (it learns their models then)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-            async with session.get(gateway + "/admin/workers") as response:
-                data = await response.json()
-            if sum(1 for w in data["workers"] if w["healthy"] and w["models"]) == count:
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the gateway at {gateway} did not see {count} healthy workers")
-        await asyncio.sleep(0.1)
 
 
 def client_session(config: BenchConfig) -> aiohttp.ClientSession:
@@ -276,60 +204,12 @@ def cluster_for(
 # -- load generation -----------------------------------------------------------------------
 
 
-def _int(headers: Any, name: str) -> int:
-    try:
-        return int(headers.get(name, "0"))
-    except ValueError:
-        return 0
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Reply:
-    started = time.perf_counter()
-    try:
-        async with session.post(url, json=body) as response:
-            await response.read()
-            return Reply(
-                status=response.status,
-                # Behind another router only the worker's own header names the worker.
-                worker=response.headers.get("x-route-worker")
-                or response.headers.get("x-worker-id")
-                or "",
-                input_tokens=_int(response.headers, "x-cache-input-tokens"),
-                matched_tokens=_int(response.headers, "x-cache-matched-tokens"),
-                seconds=time.perf_counter() - started,
-                reason=response.headers.get("x-route-reason", ""),
-                index_blocks=_int(response.headers, "x-prefix-match-blocks"),
-                sent_at=started,
-            )
-    except (aiohttp.ClientError, TimeoutError):
-        return Reply(0, "", 0, 0, time.perf_counter() - started, sent_at=started)
 
 
-async def replay(
-    session: aiohttp.ClientSession, url: str | Sequence[str], bodies: Sequence[dict[str, Any]],
-    concurrency: int,
-) -> list[Reply]:
-    """Send ``bodies`` in order from ``concurrency`` concurrent senders; replies in send order.
-
-    ``url`` may be several URLs (gateway replicas): body ``i`` goes to ``url[i % len(url)]``.
-    """
-    urls = [url] if isinstance(url, str) else list(url)
-    replies: list[Reply | None] = [None] * len(bodies)
-    order = iter(range(len(bodies)))
-
-    async def sender() -> None:
-        for i in order:  # shared iterator: each index is taken by exactly one sender
-            replies[i] = await post(session, urls[i % len(urls)], bodies[i])
-
-    await asyncio.gather(*(sender() for _ in range(concurrency)))
-    return [r for r in replies if r is not None]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in (0, 100])."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 def latency(seconds: Sequence[float]) -> Latency:
@@ -423,23 +303,6 @@ async def bench_overhead(config: BenchConfig, base_port: int) -> OverheadResult:
     )
 
 
-def ideal_hit_rate(bodies: Iterable[dict[str, Any]], block_size: int = 16) -> float:
-    """Hit rate of ONE unbounded cache serving ``bodies`` in order: the bound for any routing.
-
-    Uses the reference worker's own chat template, tokenizer and block hashing, so it counts
-    exactly what a worker would match if it had seen every earlier request and evicted nothing.
-    """
-    tokenizer = HashTokenizer()
-    seen: set[int] = set()
-    matched = total = 0
-    for body in bodies:
-        tokens = tokenizer.encode(render_chat(body["messages"]))
-        hashes = block_hashes(tokens, block_size)
-        depth = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
-        matched += depth * block_size
-        total += len(tokens)
-        seen.update(hashes)
-    return matched / total if total else 0.0
 
 
 async def run_bench(
@@ -549,23 +412,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def workload_for(
-    seed: int, requests: int, max_tokens: int
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The seeded chat workload and its description (with the one-cache bound)."""
-    spec = WorkloadSpec(seed=seed, model=MODEL, max_tokens=max_tokens)
-    bodies = list(chat_requests(spec, requests))
-    workload: dict[str, Any] = dict(describe(spec, requests))
-    workload["ideal_hit_rate"] = ideal_hit_rate(bodies)
-    return bodies, workload
 
 
-def emit(markdown: str, json_text: str, out: Path | None, *, as_json: bool) -> None:
-    """Print the result (markdown, or JSON with ``--json``) and write the markdown to ``out``."""
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(markdown, encoding="utf-8")
-    print(json_text if as_json else markdown, end="\n" if as_json else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -51,16 +51,8 @@ from typing import Any
 
 import aiohttp
 
-from infra.local import stop_processes
-from loadtest.bench_gateway import (
-    HOST,
-    MODEL,
-    ZERO_COST_WORKER_ARGS,
-    emit,
-    free_port_block,
-    percentile,
-    start_server,
-)
+from infra.procs import free_port_block, start_server, stop_processes
+from loadtest.harness import HOST, MODEL, ZERO_COST_WORKER_ARGS, emit, percentile
 from loadtest.peers import PEERS, PeerUnavailableError, peer_launcher, running_peer
 from loadtest.workloads import system_prompt, words
 

@@ -48,17 +48,16 @@ from typing import Any
 
 import aiohttp
 
-from infra.local import LocalCluster, stop_processes
-from loadtest.bench_gateway import (
+from infra.local import LocalCluster
+from infra.procs import free_port_block, start_server, stop_processes
+from loadtest.harness import (
     AFFINITY_WORKER_ARGS,
     HOST,
     MODEL,
     Reply,
     emit,
-    free_port_block,
     reason_kind,
     replay,
-    start_server,
     wait_all_workers_up,
     workload_for,
 )

@@ -34,7 +34,8 @@ from typing import Any
 import aiohttp
 
 from gateway.settings import GatewaySettings
-from loadtest.bench_gateway import MODEL, free_port_block
+from infra.procs import free_port_block
+from loadtest.harness import MODEL
 from loadtest.peers import PEERS, PeerUnavailableError, running_peer
 from loadtest.replay import Fleet, ReplayConfig, gateway_running
 from loadtest.workloads import VOCABULARY

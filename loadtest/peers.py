@@ -30,7 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
-from infra.local import stop_processes
+from infra.procs import stop_processes
 
 # name -> the PyPI release the benchmarks were run with (the `peers` extra pins the same).
 PEERS: dict[str, str] = {"sglang-router": "0.3.2", "smg": "1.13.0"}

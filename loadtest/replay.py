@@ -23,9 +23,11 @@ per worker), ``prefill_max_over_mean`` (uncached blocks per worker), latency ``p
 ``p99_ms`` (whole request, client side), and ``cpu_s_per_1k``: the router process's user +
 system CPU seconds per 1,000 requests (``/proc``). ``--simulate`` also runs the simulator after
 each live run of a gateway policy, with the same fleet, costs, concurrency and fingerprint
-shape, and with that run's timing (:func:`live_timing`: the wait before the decision and the
-gateway's hold, from the run's throughput, latency and sampled in-flight count), and reports
-the median per policy (``simulated`` in the JSON, each run under ``runs``).
+shape and with that run's timing (:mod:`loadtest.replay_sim`), ``--sim-draws`` times with the
+decision instants jittered (the mean is reported: on 1,000 requests one draw of routed
+max/mean moves by ~0.07), and reports the median over the live runs per policy
+(``simulated`` in the JSON, each run under ``runs``). ``--resimulate REPORT`` re-runs only the
+simulator against the live runs of a saved ``--json`` report.
 
 Experiments for the telemetry-driven correction of the gateway's index: ``--restart-worker I@T``
 restarts worker I T seconds into every gateway run (its cache empties), ``--flush-worker I@T``
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shlex
 import shutil
@@ -54,7 +57,6 @@ from typing import Any
 
 import aiohttp
 
-from gateway.fingerprint import PrefixKey
 from gateway.routing.policies import POLICY_NAMES
 from gateway.settings import GatewaySettings
 from infra.local import LocalCluster, stop_processes
@@ -69,8 +71,9 @@ from loadtest.bench_gateway import (
     wait_all_workers_up,
 )
 from loadtest.peers import PEERS, PeerUnavailableError, process_cpu_seconds, running_peer
-from loadtest.sim.cluster import SimConfig, pooled_bound, simulate
-from loadtest.sim.report import max_over_mean, metrics
+from loadtest.replay_sim import simulate_runs
+from loadtest.sim.cluster import pooled_bound
+from loadtest.sim.report import max_over_mean
 from loadtest.simulate import DEFAULT_TRACE
 from loadtest.textgen import TextSynth
 from loadtest.timeline import timeline, write_timeline
@@ -401,94 +404,6 @@ def request_bodies(requests: Sequence[TraceRequest], block_chars: int, max_token
     return [trace_body(spec, synth.prompt(r.blocks), r.output_tokens) for r in requests]
 
 
-def live_units(requests: Sequence[TraceRequest], config: ReplayConfig) -> list[TraceRequest]:
-    """The trace as the live run sends it, for the simulator: every block is ``block_tokens``
-    worker tokens and ``block_chars`` characters, decode capped at ``max_tokens``."""
-    bt = config.block_tokens
-    return [
-        TraceRequest(r.index, r.arrival_s, len(r.blocks) * bt, min(r.output_tokens,
-                                                                   config.max_tokens),
-                     PrefixKey(r.key.blocks, r.key.anchor, len(r.blocks) * config.block_chars))
-        for r in requests
-    ]
-
-
-def delay_factors(run: RunResult) -> tuple[float, ...]:
-    """Each request's live latency over the run's mean: the simulator's per-request factor on
-    its delays, so that every request takes as long as it did live (order of completions
-    included)."""
-    mean = statistics.fmean(run.latencies_ms) if run.latencies_ms else 0.0
-    return tuple(ms / mean for ms in run.latencies_ms) if mean > 0 else ()
-
-
-def live_timing(run: RunResult, config: ReplayConfig) -> tuple[float, float]:
-    """``(route_delay_s, relay_delay_s)`` of a live run, for the simulator. By Little's law a
-    request spends the mean client latency ``L`` in flight at throughput ``X = requests /
-    seconds``; the gateway's mean count in flight ``I`` (decided, not yet settled) makes
-    ``I / X`` of it the gateway's hold (decision to settlement, the worker's time included) and
-    the rest the wait before the decision. Without a sample, the gateway holds it all."""
-    if run.seconds <= 0 or run.requests == 0:
-        return 0.0, 0.0
-    throughput = run.requests / run.seconds
-    latency = run.mean_latency_ms / 1e3
-    inflight = config.concurrency if run.gateway_inflight is None else run.gateway_inflight
-    held = min(latency, inflight / throughput)
-    return latency - held, held
-
-
-SIM_KEYS = ("block_hit_rate", "hit_over_bound", "routed_max_over_mean",
-            "requests_max_over_mean", "prefill_max_over_mean")
-
-
-def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: str,
-              pooled: float, timing: tuple[float, float] = (0.0, 0.0),
-              worker_ids: Sequence[str] = (), factors: Sequence[float] = ()) -> dict[str, Any]:
-    """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
-    concurrency, keys and ``timing`` (:func:`live_timing`, per request scaled by ``factors``:
-    :func:`delay_factors`)."""
-    sim = SimConfig(
-        workers=config.workers, cache_blocks=config.cache_blocks, policy=policy,
-        mode="sequential", concurrency=config.concurrency, max_running=config.max_running,
-        costs=config.sim_costs(), index_knows_capacity=config.report_cache_size,
-        key_blocks_per_block=config.block_chars // 64,
-        route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
-        delay_factors=tuple(factors),
-    )
-    result = simulate(live_units(requests, config), sim)
-    m = metrics(result, pooled)
-    # As the live run counts it: blocks routed per worker (the simulator's own report counts
-    # requests); requests as requests_max_over_mean.
-    m["routed_max_over_mean"] = max_over_mean([w.blocks for w in result.per_worker])
-    m["requests_max_over_mean"] = max_over_mean([w.routed for w in result.per_worker])
-    return {"router": f"ours:{policy}", "pooled_bound": pooled,
-            **{k: m[k] for k in SIM_KEYS},
-            "route_delay_ms": timing[0] * 1e3, "relay_delay_ms": timing[1] * 1e3,
-            "sim_seconds": result.sim_seconds, "reasons": dict(result.reasons),
-            "rebalance": dict(result.rebalance)}
-
-
-def simulate_runs(requests: Sequence[TraceRequest], config: ReplayConfig,
-                  results: Sequence[RunResult]) -> list[dict[str, Any]]:
-    """Per gateway policy: the simulator once per live run, with that run's timing, and the
-    median of each metric (``runs`` holds each one)."""
-    pooled = pooled_bound(requests, config.workers * config.cache_blocks)
-    by_policy: dict[str, list[dict[str, Any]]] = {}
-    for run in results:
-        if run.router.startswith("ours:"):
-            by_policy.setdefault(run.router[5:], []).append(
-                simulated(requests, config, run.router[5:], pooled, live_timing(run, config),
-                          run.worker_ids, delay_factors(run)))
-    out = []
-    for policy, runs in by_policy.items():
-        row: dict[str, Any] = {"router": f"ours:{policy}", "repeats": len(runs),
-                               "pooled_bound": pooled}
-        for key in SIM_KEYS:
-            row[key] = statistics.median(r[key] for r in runs)
-        row["runs"] = runs
-        out.append(row)
-    return out
-
-
 async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
                      policies: Sequence[str], peers: Sequence[str], repeats: int,
                      gateway: str = "") -> list[RunResult]:
@@ -639,6 +554,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, default=32, help="worker admission limit")
     p.add_argument("--simulate", action="store_true",
                    help="also run the simulator on the same fleet for each gateway policy")
+    p.add_argument("--sim-draws", type=int, default=5,
+                   help="simulator runs per live run, the decision instants jittered; their "
+                   "mean is reported (default 5)")
+    p.add_argument("--resimulate", type=Path, metavar="REPORT",
+                   help="only re-run the simulator against the live runs of a saved --json "
+                   "report of this command")
     p.add_argument("--restart-worker", metavar="I@T",
                    help="restart worker I T seconds into every gateway run")
     p.add_argument("--flush-worker", metavar="I@T",
@@ -709,17 +630,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(args_list)
-    config = config_from_args(parser, args)
-    try:
-        policies = parse_policies(args.policy)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.gateway and (args.peers or args.simulate or len(policies) > 1):
-        parser.error("--gateway replays through that gateway only (no --peers, --simulate)")
+def load_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
+    """The trace the arguments name (file or workload, ``--skip``, ``--limit``) and a label."""
     if args.workload:
         requests = workload_trace(args.workload, args.requests, args.seed)
         source = f"{args.workload} (seed {args.seed})"
@@ -731,6 +643,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         source += f", from request {args.skip}"
     if args.limit:
         requests = requests[: args.limit]
+    return requests, source
+
+
+def resimulate(path: Path, draws: int, as_json: bool) -> int:
+    """Re-run the simulator against the live runs of a saved ``--json`` report (same trace and
+    fleet, from its command line; each run's timing, worker ids and latencies) and print the
+    report with its ``simulated`` section replaced."""
+    report = json.loads(path.read_text(encoding="utf-8"))
+    argv = shlex.split(report["command"])[4:]  # after "python -m loadtest replay"
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_from_args(parser, args)
+    requests, source = load_requests(args)
+    known = {f.name for f in dataclasses.fields(RunResult)}
+    results = [RunResult(**{k: v for k, v in run.items() if k in known})
+               for run in report["runs"]]
+    report["simulated"] = simulate_runs(requests, config, results, draws)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"```\n{report['command']}\n```\n\n{source}: {len(requests)} requests "
+              f"(simulator re-run with {draws} draws per live run)\n")
+        print(markdown(report["medians"], report["simulated"]), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    if args.sim_draws < 1:
+        parser.error("--sim-draws must be >= 1")
+    if args.resimulate is not None:
+        return resimulate(args.resimulate, args.sim_draws, args.json)
+    config = config_from_args(parser, args)
+    try:
+        policies = parse_policies(args.policy)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.gateway and (args.peers or args.simulate or len(policies) > 1):
+        parser.error("--gateway replays through that gateway only (no --peers, --simulate)")
+    requests, source = load_requests(args)
     peers = list(PEERS) if args.peers else []
     try:
         results = asyncio.run(run_replay(config, requests, policies, peers, args.repeat,
@@ -746,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_timeline(res.timeline, args.timeline / f"{res.router.replace(':', '-')}"
                            f"-{res.repeat}", res.router, events)
     rows = medians(results)
-    sims = simulate_runs(requests, config, results) if args.simulate else []
+    sims = simulate_runs(requests, config, results, args.sim_draws) if args.simulate else []
     command = shlex.join(["python", "-m", "loadtest", "replay", *args_list])
     if args.json:
         print(json.dumps({"command": command, "trace": source, "requests": len(requests),

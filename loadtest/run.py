@@ -34,13 +34,8 @@ from typing import Any
 import aiohttp
 
 from gateway.routing.policies import POLICY_NAMES
-from loadtest.bench_gateway import (
-    BenchConfig,
-    client_session,
-    cluster_for,
-    free_port_block,
-    running,
-)
+from infra.procs import free_port_block
+from loadtest.bench_gateway import BenchConfig, client_session, cluster_for, running
 from loadtest.report import PolicyResult, RunReport, summarize, write_report
 from loadtest.samples import read_samples
 from loadtest.workloads import WORKLOADS

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_gateway import Reply
+from loadtest.harness import Reply
 
 
 def timeline(replies: Sequence[Reply], started: float, bucket_s: float,

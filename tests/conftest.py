@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from gateway.app import create_app as create_gateway
 from gateway.httpserver import JsonErrorRunner
 from gateway.settings import GatewaySettings
-from infra.local import stop_processes, wait_healthy
+from infra.procs import stop_processes, wait_healthy
 from worker.server import create_app as create_worker
 from worker.settings import WorkerSettings
 

@@ -37,23 +37,35 @@ async def heartbeat(store: RedisStore, record: WorkerRecord, every_s: float, ttl
         await asyncio.sleep(every_s)
 
 
+@contextlib.asynccontextmanager
+async def registered(
+    store_url: str, record: WorkerRecord, *, every_s: float, ttl_s: float, prefix: str
+) -> AsyncIterator[None]:
+    """Keeps ``record`` registered (heartbeats) inside the block; deregisters on the way out.
+
+    The one registration lifecycle of both the reference worker (as an aiohttp cleanup context,
+    :func:`registration`) and the vLLM launcher (around the vLLM process)."""
+    store = RedisStore(store_url, prefix=prefix)
+    await store.start()
+    task = asyncio.create_task(heartbeat(store, record, every_s, ttl_s), name="heartbeat")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(StoreUnavailable):
+            await store.deregister_worker(record.id)
+        await store.close()
+
+
 def registration(
     store_url: str, record: WorkerRecord, *, every_s: float, ttl_s: float, prefix: str
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     """An aiohttp cleanup context that keeps ``record`` registered while the app runs."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        store = RedisStore(store_url, prefix=prefix)
-        await store.start()
-        task = asyncio.create_task(heartbeat(store, record, every_s, ttl_s), name="heartbeat")
-        try:
+        async with registered(store_url, record, every_s=every_s, ttl_s=ttl_s, prefix=prefix):
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            with contextlib.suppress(StoreUnavailable):
-                await store.deregister_worker(record.id)
-            await store.close()
 
     return ctx

@@ -35,9 +35,7 @@ from collections.abc import Sequence
 import aiohttp
 
 from gateway.contracts.worker_record import WorkerRecord
-from gateway.store.base import StoreUnavailable
-from gateway.store.redis import RedisStore
-from worker.register import heartbeat
+from worker.register import registered
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -130,51 +128,41 @@ async def launch(settings: WorkerSettings, vllm_args: Sequence[str]) -> int:
         loop.add_signal_handler(sig, stop.set)
     base = f"http://{'127.0.0.1' if settings.host in ('0.0.0.0', '') else settings.host}"
     base += f":{settings.port}"
-    store: RedisStore | None = None
-    beat: asyncio.Task[None] | None = None
-    record: WorkerRecord | None = None
     try:
-        ready = asyncio.create_task(_wait_ready(base, proc, settings.startup_timeout_s))
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
-        if not ready.done():
-            ready.cancel()
+        # Leaving this block deregisters (if registered), before vLLM is stopped below.
+        async with contextlib.AsyncExitStack() as registration:
+            ready = asyncio.create_task(_wait_ready(base, proc, settings.startup_timeout_s))
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if not ready.done():
+                ready.cancel()
+                return 0
+            stopped.cancel()
+            geometry = ready.result()
+            blocks, block_size = geometry if geometry else (0, settings.block_size)
+            print(f"vllm ready at {base} ({blocks} KV blocks of {block_size} tokens)", flush=True)
+            if settings.store:
+                kv_events, kv_replay = settings.kv_events, settings.kv_replay
+                record = WorkerRecord(
+                    id=settings.effective_worker_id, url=settings.effective_public_url,
+                    models=(settings.model,), capacity_blocks=blocks, block_size=block_size,
+                    kind="vllm",
+                    kv_events=settings.advertised(kv_events) if kv_events else "",
+                    kv_replay=settings.advertised(kv_replay) if kv_replay else "",
+                )
+                await registration.enter_async_context(registered(
+                    settings.store, record, every_s=settings.heartbeat_s,
+                    ttl_s=settings.registry_ttl_s, prefix=settings.store_prefix,
+                ))
+            exited = asyncio.create_task(proc.wait())
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait([exited, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if exited.done():
+                print(f"vllm exited with code {proc.returncode}", file=sys.stderr)
+                return 1
             return 0
-        stopped.cancel()
-        geometry = ready.result()
-        blocks, block_size = geometry if geometry else (0, settings.block_size)
-        print(f"vllm ready at {base} ({blocks} KV blocks of {block_size} tokens)", flush=True)
-        if settings.store:
-            record = WorkerRecord(
-                id=settings.effective_worker_id, url=settings.effective_public_url,
-                models=(settings.model,), capacity_blocks=blocks, block_size=block_size,
-                kind="vllm",
-                kv_events=settings.advertised(settings.kv_events) if settings.kv_events else "",
-                kv_replay=settings.advertised(settings.kv_replay) if settings.kv_replay else "",
-            )
-            store = RedisStore(settings.store, prefix=settings.store_prefix)
-            await store.start()
-            beat = asyncio.create_task(
-                heartbeat(store, record, settings.heartbeat_s, settings.registry_ttl_s)
-            )
-        exited = asyncio.create_task(proc.wait())
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([exited, stopped], return_when=asyncio.FIRST_COMPLETED)
-        if exited.done():
-            print(f"vllm exited with code {proc.returncode}", file=sys.stderr)
-            return 1
-        return 0
     except (RuntimeError, TimeoutError) as exc:
         print(f"python -m worker --engine vllm: {exc}", file=sys.stderr)
         return 1
     finally:
-        if beat is not None:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
-        if store is not None:
-            if record is not None:
-                with contextlib.suppress(StoreUnavailable):
-                    await store.deregister_worker(record.id)
-            await store.close()
         await _stop(proc, grace_s=30.0)

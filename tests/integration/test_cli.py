@@ -11,7 +11,7 @@ import sys
 import openai
 import pytest
 
-from infra.local import wait_healthy
+from infra.procs import wait_healthy
 from tests.conftest import MODEL, free_port
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import aiohttp
 
-from infra.local import stop_processes, wait_healthy
+from infra.procs import stop_processes, wait_healthy
 from tests.conftest import MODEL, Processes, free_port
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 
 from gateway.store.redis import RedisStore
-from infra.local import wait_healthy
+from infra.procs import wait_healthy
 from tests.conftest import RedisServer, free_port
 from worker.settings import WorkerSettings
 from worker.vllm_launcher import parse_cache_info, vllm_command

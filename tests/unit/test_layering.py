@@ -32,8 +32,6 @@ WORKER_NOT_YET_IN_CONTRACTS = frozenset({
     ("worker/server.py", "gateway.kvevents.keys"),
     ("worker/register.py", "gateway.store.base"),
     ("worker/register.py", "gateway.store.redis"),
-    ("worker/vllm_launcher.py", "gateway.store.base"),
-    ("worker/vllm_launcher.py", "gateway.store.redis"),
 })
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.replay import ReplayConfig, RunResult, delay_factors, live_timing, simulated
+from loadtest.replay import ReplayConfig, RunResult
+from loadtest.replay_sim import delay_factors, live_timing, simulated
 from loadtest.traces import TraceRequest, prefix_key
 
 

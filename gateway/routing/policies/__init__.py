@@ -63,9 +63,8 @@ POLICY_NAMES = (
 class PolicyOptions:
     load_factor: float = 1.25  # bounded_hash and prefix_affinity
     load_floor_requests: float = 1.0
-    # cache_aware, tuned on the Mooncake conversation trace with the cluster simulator
-    # (BENCHMARKS.md, "Issue 6"): its cost and the ring choices balance the load, so its hard
-    # bound is only a guard against hot spots.
+    # cache_aware: its cost and the ring choices balance the load, so its hard bound is only
+    # a guard against hot spots.
     cache_aware_load_factor: float = 3.0
     prefill_weight: float = 1.0
     queue_weight: float = 0.01

@@ -31,7 +31,6 @@ Requests (recent and in flight) count per unit of ring weight, which follows cac
 a worker with twice the cache takes twice the requests.
 Ties (an index that has recorded nothing yet) go to fewer requests in flight, then fewer tokens
 in flight, then ring order, so replicas that see the same index and loads agree.
-Measured on the Mooncake conversation trace (BENCHMARKS.md, "Issue 6").
 """
 
 from __future__ import annotations
