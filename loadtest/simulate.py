@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--route-delay-ms", type=float, default=0.0,
                    help="live timing: a request's wait from the client's send to the routing "
                    "decision (default 0)")
+    p.add_argument("--streaming", action="store_true",
+                   help="streamed replies: the gateway sees each first token (its queued "
+                   "prefill ends there, not at the end)")
     p.add_argument("--relay-delay-ms", type=float, default=0.0,
                    help="live timing: from the worker's last token to the gateway settling the "
                    "request (default 0)")
@@ -130,6 +133,7 @@ def config_from_args(args: argparse.Namespace, policy: str) -> SimConfig:
         concurrency=concurrency, speedup=args.speedup or 1.0, max_running=args.max_running,
         costs=costs, serial_prefill=not args.parallel_prefill,
         route_delay_s=args.route_delay_ms / 1e3, relay_delay_s=args.relay_delay_ms / 1e3,
+        streaming=args.streaming,
     )
     if args.rebalance_interval_s is not None:
         config = dataclasses.replace(config, rebalance_interval_s=args.rebalance_interval_s)

@@ -24,7 +24,9 @@ fewer than ``concurrency`` are in flight (unbounded when ``None``). Two modes:
 each issued request ``session.route(request, now)`` with the simulated time (snapshot, decision,
 index record, in-flight accounting: ``input + output`` tokens, added at dispatch), timed with
 ``perf_counter``; ``session.completed`` with the blocks the worker reused when it finishes.
-Its cache reports feed the gateway's own :class:`~gateway.rebalance.Rebalancer`, which decides
+With ``streaming`` the gateway also sees each first token (``session.first_token``: the
+request's prefill no longer counts as queued), as it does on a streamed reply. Its cache reports
+feed the gateway's own :class:`~gateway.rebalance.Rebalancer`, which decides
 and applies its actions every ``rebalance_interval_s`` of simulated time, as the live gateway's
 background loop does (0: never).
 
@@ -133,6 +135,9 @@ class SimConfig:
     # fingerprint blocks of text (gateway_key: checkpoints beyond the dense head), as in the
     # live replay, where one trace block is one 64-character block.
     key_blocks_per_block: int = 0
+    # Streamed replies: the gateway sees each request's first token (session.first_token)
+    # when its prefill ends, and stops counting that prefill as queued; otherwise at the end.
+    streaming: bool = False
     # The gateway's rebalancer, every this many simulated seconds (0: off).
     rebalance_interval_s: float = field(
         default_factory=lambda: _gateway_default("rebalance_interval_s"))
@@ -391,8 +396,13 @@ class ClusterSim:
             if self.config.serial_prefill:
                 w.prefill_free_at = first_token
             self._ttft.append(first_token - job.issued)
+            if self.config.streaming:
+                self._at(first_token, functools.partial(self._first_token, job.attempt))
             done = first_token + costs.decode_seconds(req.output_tokens)
             self._at(done, functools.partial(self._complete, w, job))
+
+    def _first_token(self, attempt: Attempt, now: float) -> None:
+        self.session.first_token(attempt)
 
     def _complete(self, w: _SimWorker, job: _Job, now: float) -> None:
         w.cache.release(job.rid)

@@ -13,6 +13,7 @@ import pytest
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.routing.policies import POLICY_NAMES
 from gateway.routing.ring import Ring
+from gateway.session import Attempt
 from loadtest import simulate as cli
 from loadtest.sim import (
     ORACLE,
@@ -288,3 +289,29 @@ def test_gateway_key_has_the_fingerprints_checkpoints(blocks: int, per_block: in
     shared = [a == b for a, b in zip(key.blocks, other.blocks, strict=True)]
     inside = [d <= (blocks - 1) * per_block for d in key.depths]
     assert shared == inside
+
+
+def _first_tokens(streaming: bool) -> tuple[list[int], int]:
+    """(queued prefill of the worker at each first token the session saw, left at the end)."""
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=10.0)
+    sim = ClusterSim(config(1, 8, "cache_aware", costs=costs, streaming=streaming))
+    seen: list[int] = []
+    first_token = sim.session.first_token
+
+    def spy(attempt: Attempt) -> None:
+        seen.append(sim.pool.get(attempt.worker_id).inflight_prefill)
+        first_token(attempt)
+
+    sim.session.first_token = spy  # type: ignore[method-assign]
+    sim.run(trace([1, 2], [3, 4], tokens=1000, output=5))
+    return seen, sim.pool.states()[0].inflight_prefill
+
+
+def test_streamed_replies_release_the_queued_prefill_at_the_first_token() -> None:
+    assert _first_tokens(streaming=False) == ([], 0)
+    seen, left = _first_tokens(streaming=True)
+    # Counted as queued until the first token (each request, one at a time), none at the end.
+    assert len(seen) == 2
+    assert all(q > 0 for q in seen)
+    assert left == 0
