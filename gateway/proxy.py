@@ -137,6 +137,11 @@ async def dispatch(
                     wid, state.backend_for(worker).open(worker, attempt_upstream)
                 )
                 guard.liveness.heard(wid, time.monotonic())
+                opened = None
+                if reply.status < 400 and _is_stream(reply):
+                    # Engines send a stream's headers at once: nothing reached the client until
+                    # the first chunk, so a worker silent until then loses the request too.
+                    opened = await _first_chunk(reply, wid, guard)
             except SlotTimeout as exc:
                 if exc.scope != wid:  # the gateway's own limit: no other worker helps
                     observed.upstream_done(None, str(exc))
@@ -159,7 +164,7 @@ async def dispatch(
                     guard.breakers.success(wid)
                     if _is_stream(reply):
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
-                        return await _relay_stream(state, http_request, reply, attempt)
+                        return await _relay_stream(state, http_request, reply, attempt, opened)
                     payload = await _read_whole(reply)
                     observed.upstream_done(reply.status if payload is not None else None,
                                            "" if payload is not None else "broke off")
@@ -271,8 +276,35 @@ def _respond_whole(
     return web.Response(body=payload, status=reply.status, headers=_client_headers(attempt, reply))
 
 
+async def _first_chunk(
+    reply: UpstreamReply, worker_id: str, guard: UpstreamGuard
+) -> tuple[bytes | None, AsyncIterator[bytes]]:
+    """The stream's first chunk (None: it ended at once) and the rest of it, awaited under
+    the first-byte timeout and given up if the worker is found down meanwhile; giving up
+    releases the reply and raises :class:`NoFirstByte`, so the request can go elsewhere."""
+    chunks = reply.chunks()
+
+    async def first() -> bytes | None:
+        try:
+            return await anext(chunks)
+        except StopAsyncIteration:
+            return None
+
+    try:
+        chunk = await guard.open(worker_id, first())
+    except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError) as exc:
+        reply.release()
+        raise NoFirstByte(f"broke off before its first chunk: {exc}") from exc
+    except NoFirstByte:
+        reply.release()
+        raise
+    guard.liveness.heard(worker_id, time.monotonic())
+    return chunk, chunks
+
+
 async def _relay_stream(
-    state: GatewayState, http_request: web.Request, reply: UpstreamReply, attempt: Attempt
+    state: GatewayState, http_request: web.Request, reply: UpstreamReply, attempt: Attempt,
+    opened: tuple[bytes | None, AsyncIterator[bytes]] | None = None,
 ) -> web.StreamResponse:
     headers = _client_headers(attempt, reply)
     stats = stats_from_headers(reply)
@@ -285,7 +317,7 @@ async def _relay_stream(
     try:
         # Inside the try: if the client is already gone, the upstream reply is still released.
         await response.prepare(http_request)
-        async for chunk in _upstream_chunks(reply, wid, guard):
+        async for chunk in _upstream_chunks(reply, wid, guard, opened):
             observed.first_byte()
             state.session.first_token(attempt)  # its prefill no longer queues on the worker
             await response.write(chunk)
@@ -318,12 +350,21 @@ class _UpstreamBrokeOff(Exception):
 
 
 async def _upstream_chunks(
-    reply: UpstreamReply, worker_id: str, guard: UpstreamGuard
+    reply: UpstreamReply, worker_id: str, guard: UpstreamGuard,
+    opened: tuple[bytes | None, AsyncIterator[bytes]] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The worker's chunks; each one after the first must come within the stream idle timeout
-    (only the wait for the worker is timed, never the write to a slow client)."""
-    chunks = reply.chunks()
+    """The worker's chunks (after ``opened``'s first one, when it was awaited already); each
+    one after the first must come within the stream idle timeout (only the wait for the worker
+    is timed, never the write to a slow client)."""
     idle_s: float | None = None  # the first chunk may wait behind the worker's queue
+    if opened is None:
+        chunks = reply.chunks()
+    else:
+        first, chunks = opened
+        if first is None:
+            return
+        idle_s = guard.stream_idle_timeout_s or None
+        yield first
     heard = guard.liveness.heard
     while True:
         timer = asyncio.timeout(idle_s)

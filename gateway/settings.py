@@ -197,10 +197,11 @@ class GatewaySettings:
     )
     first_byte_timeout_s: float = field(
         default=0.0,
-        metadata=_help("give up on a worker that sent no reply (status line) within this many "
-                       "seconds and re-route the request (0: no limit; a non-streaming reply "
-                       "only starts when it is complete). A worker the health probes find down "
-                       "loses its waiting requests to other workers either way"),
+        metadata=_help("give up on a worker that sent no reply (status line; for a stream, its "
+                       "first chunk) within this many seconds and re-route the request (0: no "
+                       "limit; a non-streaming reply only starts when it is complete). A worker "
+                       "the health probes find down loses its waiting requests to other "
+                       "workers either way"),
     )
     stream_idle_timeout_s: float = field(
         default=60.0,

@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from gateway.app import create_app as create_gateway
 from gateway.settings import GatewaySettings
@@ -155,3 +156,56 @@ async def test_bad_timeout_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="first_byte_timeout_s"):
         GatewaySettings(first_byte_timeout_s=-1)
 
+
+
+def _silent_streamer(release: asyncio.Event) -> web.Application:
+    """A worker that answers probes and sends a stream's headers at once (as engines do),
+    then nothing until ``release``."""
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await release.wait()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+async def test_a_stream_with_headers_but_no_first_chunk_is_rerouted(
+    processes: Processes,
+) -> None:
+    ok_url, _ = await processes.worker()
+    port = free_port()
+    release = asyncio.Event()
+    silent = await serve(_silent_streamer(release), port)
+    silent_url = f"http://127.0.0.1:{port}"
+    try:
+        async with _gateway(
+            [silent_url, ok_url], first_byte_timeout_s=0.3, health_interval_s=3600.0,
+        ) as gateway, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+            served = set()
+            for i in range(6):
+                body = {**_chat(f"stream {i} " * (i + 1)), "stream": True}
+                async with http.post(gateway + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+                    text = (await r.read()).decode()
+                    served.add(r.headers["x-route-worker"])
+                assert "[DONE]" in text
+                assert "error" not in text
+            # Every stream came from the worker that sent chunks, the silent one's included.
+            assert served == {ok_url.removeprefix("http://")}
+            view = await _view(http, gateway)
+            assert view[silent_url.removeprefix("http://")]["breaker"] != "closed"
+    finally:
+        release.set()
+        await silent.cleanup()
