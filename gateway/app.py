@@ -371,7 +371,7 @@ def create_app(
         lifecycle=CacheLifecycle(pool, backend_for, warmup),
         prewarmer=PreWarmer(pool, index, warmup.replay, PrewarmOptions(
             enabled=settings.prewarm, hot_threshold=hot,
-            fraction=settings.prewarm_fraction,
+            fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
         )),
     )
     state.metrics.watch_store(lambda: state.sync.health.available,

@@ -1,11 +1,15 @@
 """Predictive pre-warming: place a hot prefix on its next holder before a request must wait.
 
-The routing policy spreads a hot prefix (many recent requests share it) once its holder is over
-its load bound: the next request goes to the next worker on the anchor's ring walk, which
-prefills the whole prefix on the critical path. The pre-warmer watches the same quantities right
-after each decision: when the chosen worker held the prefix, the prefix is hot, the holder has
-at least ``min_holder_requests`` in flight and its load with this request has reached
-``fraction`` of its bound, the spread is imminent; it then
+The routing policy moves a prefix off its holder when waiting there costs more than the
+prefill a move adds (``cache_cost``: the holder's queued prefill above the pool's mean, against
+the prompt tokens the holder would have skipped, weighed by the prefill queued in the pool), and,
+with the request-count rule on, spreads a hot prefix whose holder is over its load bound. Either
+way the next request goes to another worker, which prefills the whole prefix on the critical
+path. The pre-warmer watches the same quantities right after each decision: when the chosen
+worker held the prefix, has at least ``min_holder_requests`` in flight, and either its excess
+queued prefill has reached ``fraction`` of what a move would add, or the prefix is hot and the
+holder's load with this request has reached ``fraction`` of its bound, the spread is imminent;
+it then
 replays this request as a prefill-only request (``max_tokens`` 1, the same body and namespace)
 on the first worker of the ring walk that does not hold the prefix, and records it there. When
 the spread happens, the new holder answers from its cache.
@@ -44,6 +48,7 @@ class PrewarmOptions:
     # serving a single request already sits at its bound, and an engine scrape can show a
     # request that has just finished; neither means the next request will be spread.
     min_holder_requests: int = 2
+    wait_weight: float = 1.0  # the routing policy's weight of queued prefill (cache_cost)
 
 
 class PreWarmer:
@@ -63,18 +68,16 @@ class PreWarmer:
         task). ``upstream`` is the request as it goes to the chosen worker."""
         opts = self.options
         depth = decision.match_blocks  # in blocks
-        if not opts.enabled or depth < 1 or decision.load_bound is None:
+        if not opts.enabled or depth < 1:
             return
         if len(self._tasks) >= opts.max_inflight:
             return
         key = request.key
         held = bisect.bisect_right(key.depths, depth) if key.depths else depth  # checkpoints
-        if held < 1 or self.index.heat(key.blocks[held - 1], now) < opts.hot_threshold:
+        if held < 1 or decision.worker.inflight_requests < opts.min_holder_requests:
             return
-        if decision.worker.inflight_requests < opts.min_holder_requests:
-            return
-        load = decision.worker.inflight_tokens + request.cost_tokens
-        if load < opts.fraction * (decision.load_bound + request.cost_tokens):
+        if not (self._waiting_outgrows_prefill(decision, request)
+                or self._hot_near_bound(decision, request, key.blocks[held - 1], now)):
             return
         anchor = key.anchor
         if now - self._recent.get(anchor, -opts.cooldown_s) < opts.cooldown_s:
@@ -91,6 +94,30 @@ class PreWarmer:
         task = asyncio.get_running_loop().create_task(self._place(target, prompt))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _waiting_outgrows_prefill(self, decision: Decision, request: RouteRequest) -> bool:
+        """The cost rule's spread is near: the holder's queued prefill above the pool's mean
+        has reached ``fraction`` of the prefill a move would add (in the policy's terms)."""
+        queued = {s.worker.id: s.inflight_prefill for s in self.pool.states() if s.healthy}
+        holder = queued.get(decision.worker.id)
+        blocks = request.key.total_blocks
+        if holder is None or not blocks:
+            return False
+        prompt = max(request.prompt_tokens, 1)
+        saved = prompt * min(decision.match_blocks, blocks) / blocks
+        behind = 1.0 + sum(queued.values()) / prompt
+        excess = self.options.wait_weight * max(0.0, holder - sum(queued.values()) / len(queued))
+        return saved > 0 and excess >= self.options.fraction * saved * behind
+
+    def _hot_near_bound(
+        self, decision: Decision, request: RouteRequest, block: int, now: float
+    ) -> bool:
+        """The request-count rule's spread is near: a hot prefix, its holder near its bound."""
+        opts = self.options
+        if decision.load_bound is None or self.index.heat(block, now) < opts.hot_threshold:
+            return False
+        load = decision.worker.inflight_tokens + request.cost_tokens
+        return load >= opts.fraction * (decision.load_bound + request.cost_tokens)
 
     def _next_holder(self, request: RouteRequest, held: int, now: float) -> str | None:
         matches = self.index.match(request.key.blocks, now)

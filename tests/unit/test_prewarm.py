@@ -70,3 +70,28 @@ async def test_cool_prefix_or_low_load_or_a_miss_is_left_alone() -> None:
     assert await run(heat=10, inflight=100) == []
     assert await run(heat=10, inflight=900, depth=0) == []
     assert await run(heat=10, inflight=900, requests=1) == []  # one request: at the floor
+
+
+async def test_a_holder_whose_queue_outgrows_the_prefill_a_move_adds_warms_the_next() -> None:
+    """The cost rule (no request count): the holder of half the prompt has queued prefill
+    above the pool's mean that nears what a move would add (the half it saves, weighed by the
+    pool's queue), so the spread is near and the next holder is warmed."""
+    pool, index, request, holder = setup(heat=1)  # not hot: only the cost rule can fire
+    placed: list[str] = []
+
+    async def replay(wid: str, prompt: WarmPrompt) -> bool:
+        placed.append(wid)
+        return True
+
+    warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
+    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
+    d = decision(pool, holder, request.key.total_blocks // 2, 0, 1000.0, 3)
+    pool.acquire(holder, 300, prefill=100)  # a little queued: far from the prompt it saves
+    warmer.after_route(d, request, upstream, "", 0.0)
+    await asyncio.sleep(0.01)
+    assert placed == []
+    pool.acquire(holder, 3000, prefill=2500)  # 0.75 x 2,600 over the mean >= 0.8 x 125 x 11.4
+    warmer.after_route(d, request, upstream, "", 0.0)
+    await asyncio.sleep(0.01)
+    expected = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+    assert placed == [expected]
