@@ -55,6 +55,24 @@ async def serve(app: web.Application, port: int) -> web.AppRunner:
     return runner
 
 
+
+@contextlib.asynccontextmanager
+async def gateway_over(workers: list[str], **overrides: Any) -> AsyncIterator[str]:
+    """An in-process gateway in front of ``workers`` (settings ``overrides``): its URL."""
+    port = free_port()
+    settings = dataclasses.replace(GatewaySettings(port=port, worker=tuple(workers)), **overrides)
+    runner = await serve(create_gateway(settings), port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def admin_workers(http: Any, gateway: str) -> dict[str, dict[str, Any]]:
+    """``/admin/workers`` by worker id (``http``: an aiohttp client session)."""
+    async with http.get(gateway + "/admin/workers") as response:
+        return {w["id"]: w for w in (await response.json())["workers"]}
+
 @dataclass
 class Cluster:
     gateway_url: str

@@ -4,46 +4,25 @@ worker keeps streaming (it stays in the pool)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.app import create_app as create_gateway
 from gateway.settings import GatewaySettings
-from tests.conftest import MODEL, Processes, free_port, serve
-
-
-@contextlib.asynccontextmanager
-async def _gateway(workers: list[str], **overrides: Any) -> AsyncIterator[str]:
-    port = free_port()
-    settings = dataclasses.replace(GatewaySettings(port=port, worker=tuple(workers)), **overrides)
-    runner = await serve(create_gateway(settings), port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
-async def _workers(http: aiohttp.ClientSession, gateway: str) -> dict[str, dict[str, Any]]:
-    async with http.get(gateway + "/admin/workers") as response:
-        return {w["id"]: w for w in (await response.json())["workers"]}
+from tests.conftest import MODEL, Processes, admin_workers, free_port, gateway_over, serve
 
 
 async def _inflight(http: aiohttp.ClientSession, gateway: str) -> int:
-    return sum(int(w["inflight_requests"]) for w in (await _workers(http, gateway)).values())
+    return sum(int(w["inflight_requests"]) for w in (await admin_workers(http, gateway)).values())
 
 
 async def _wait_healthy(http: aiohttp.ClientSession, gateway: str, wid: str) -> None:
     for _ in range(300):
-        view = (await _workers(http, gateway)).get(wid)
+        view = (await admin_workers(http, gateway)).get(wid)
         if view is not None and view["healthy"]:
             return
         await asyncio.sleep(0.05)
@@ -61,7 +40,7 @@ async def test_worker_hung_mid_stream_ends_the_stream_with_an_error_event(
     wid = url.removeprefix("http://")
     body = {"model": MODEL, "max_tokens": 2000, "stream": True,
             "messages": [{"role": "user", "content": "a long story"}]}
-    async with _gateway(
+    async with gateway_over(
         [url], stream_idle_timeout_s=0.5, breaker_failures=1, breaker_cooldown_s=3600.0,
         health_interval_s=3600.0,
     ) as gateway, aiohttp.ClientSession() as http:
@@ -73,7 +52,7 @@ async def test_worker_hung_mid_stream_ends_the_stream_with_an_error_event(
             os.kill(proc.pid, signal.SIGSTOP)
             try:
                 received += await asyncio.wait_for(response.content.read(), 60)
-                view = await _workers(http, gateway)
+                view = await admin_workers(http, gateway)
                 inflight = await _inflight(http, gateway)
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
@@ -91,7 +70,7 @@ async def test_idle_timeout_spares_a_stream_that_keeps_sending(processes: Proces
     body = {"model": MODEL, "max_tokens": 60, "stream": True,
             "messages": [{"role": "user", "content": "steady"}]}
     # Tokens every 20 ms, an idle timeout of 0.3 s: the stream is slow overall, never idle.
-    async with _gateway([url], stream_idle_timeout_s=0.3) as gateway, \
+    async with gateway_over([url], stream_idle_timeout_s=0.3) as gateway, \
             aiohttp.ClientSession() as http:
         await _wait_healthy(http, gateway, url.removeprefix("http://"))
         async with http.post(gateway + "/v1/chat/completions", json=body) as response:
@@ -155,7 +134,7 @@ async def test_probe_timeouts_do_not_eject_a_worker_that_keeps_streaming() -> No
     wid = url.removeprefix("http://")
     body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     try:
-        async with _gateway([url], health_interval_s=0.1) as gateway, \
+        async with gateway_over([url], health_interval_s=0.1) as gateway, \
                 aiohttp.ClientSession() as http:
             await _wait_healthy(http, gateway, wid)
             stream = asyncio.create_task(http.post(gateway + "/v1/chat/completions", json=body))
@@ -163,14 +142,14 @@ async def test_probe_timeouts_do_not_eject_a_worker_that_keeps_streaming() -> No
             fake.health_hangs = True
             # A second hung probe starts only once the first round timed out and was judged.
             await _hung_probes_at_least(fake, 2)
-            assert (await _workers(http, gateway))[wid]["healthy"] is True
+            assert (await admin_workers(http, gateway))[wid]["healthy"] is True
             fake.stop_streaming.set()
             response = await stream
             events = _events(await response.read())
             assert events[-1] == "[DONE]"
             # Silent now: a later timed-out round finds it down.
             for _ in range(600):
-                if not (await _workers(http, gateway))[wid]["healthy"]:
+                if not (await admin_workers(http, gateway))[wid]["healthy"]:
                     break
                 await asyncio.sleep(0.05)
             else:

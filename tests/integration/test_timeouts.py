@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -19,25 +18,22 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.app import create_app as create_gateway
 from gateway.settings import GatewaySettings
-from tests.conftest import MODEL, Processes, StartCluster, free_port, serve
+from tests.conftest import (
+    MODEL,
+    Processes,
+    StartCluster,
+    admin_workers,
+    free_port,
+    gateway_over,
+    serve,
+)
 
 
 def _chat(user: str, max_tokens: int = 2) -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": user}]}
 
-
-@contextlib.asynccontextmanager
-async def _gateway(workers: list[str], **overrides: Any) -> AsyncIterator[str]:
-    port = free_port()
-    settings = dataclasses.replace(GatewaySettings(port=port, worker=tuple(workers)), **overrides)
-    runner = await serve(create_gateway(settings), port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 @contextlib.asynccontextmanager
@@ -48,10 +44,6 @@ async def _stopped(proc: asyncio.subprocess.Process) -> AsyncIterator[None]:
     finally:
         os.kill(proc.pid, signal.SIGCONT)
 
-
-async def _view(http: aiohttp.ClientSession, gateway: str) -> dict[str, dict[str, Any]]:
-    async with http.get(gateway + "/admin/workers") as response:
-        return {w["id"]: w for w in (await response.json())["workers"]}
 
 
 @pytest.fixture
@@ -64,7 +56,7 @@ async def test_first_byte_timeout_reroutes_and_the_breaker_ejects_a_hung_worker(
 ) -> None:
     (hung_url, hung), (ok_url, _) = two_workers
     hung_id = hung_url.removeprefix("http://")
-    async with _gateway(
+    async with gateway_over(
         [hung_url, ok_url], first_byte_timeout_s=0.3, breaker_failures=2,
         breaker_cooldown_s=0.5, health_interval_s=3600.0,
     ) as gateway, aiohttp.ClientSession() as http:
@@ -76,7 +68,7 @@ async def test_first_byte_timeout_reroutes_and_the_breaker_ejects_a_hung_worker(
                     assert r.status == 200, await r.text()
                     replies.append(r.headers["x-route-worker"])
             assert set(replies) == {ok_url.removeprefix("http://")}
-            view = await _view(http, gateway)
+            view = await admin_workers(http, gateway)
             assert view[hung_id]["breaker"] in ("open", "half_open")
 
         # Back to life: once the cooldown ends, one trial request closes the breaker.
@@ -86,7 +78,7 @@ async def test_first_byte_timeout_reroutes_and_the_breaker_ejects_a_hung_worker(
                 async with http.post(gateway + "/v1/chat/completions",
                                      json=_chat(f"later {i} " * (i + 1))) as r:
                     assert r.status == 200
-            if (await _view(http, gateway))[hung_id]["breaker"] == "closed":
+            if (await admin_workers(http, gateway))[hung_id]["breaker"] == "closed":
                 break
         else:
             raise AssertionError("the breaker never closed again")
@@ -97,7 +89,7 @@ async def test_worker_found_down_by_probes_loses_its_waiting_requests(
 ) -> None:
     (hung_url, hung), _ = two_workers
     # No first-byte timeout: only the health probes can free the requests.
-    async with _gateway([hung_url], health_interval_s=0.2) as gateway, \
+    async with gateway_over([hung_url], health_interval_s=0.2) as gateway, \
             aiohttp.ClientSession() as http, _stopped(hung):
         response = await asyncio.wait_for(
             http.post(gateway + "/v1/chat/completions", json=_chat("hello")), 30
@@ -190,7 +182,7 @@ async def test_a_stream_with_headers_but_no_first_chunk_is_rerouted(
     silent = await serve(_silent_streamer(release), port)
     silent_url = f"http://127.0.0.1:{port}"
     try:
-        async with _gateway(
+        async with gateway_over(
             [silent_url, ok_url], first_byte_timeout_s=0.3, health_interval_s=3600.0,
         ) as gateway, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
             served = set()
@@ -204,7 +196,7 @@ async def test_a_stream_with_headers_but_no_first_chunk_is_rerouted(
                 assert "error" not in text
             # Every stream came from the worker that sent chunks, the silent one's included.
             assert served == {ok_url.removeprefix("http://")}
-            view = await _view(http, gateway)
+            view = await admin_workers(http, gateway)
             assert view[silent_url.removeprefix("http://")]["breaker"] != "closed"
     finally:
         release.set()
