@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar, TypeAlias
 
+from gateway.contracts.tasks import stop_if_cancelled
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.store.base import HitCounters, MetadataStore, StoreUnavailable
@@ -142,9 +143,11 @@ class Rebalancer:
             try:
                 await self.step()
             except StoreUnavailable:
+                stop_if_cancelled()
                 continue  # the sync loops log the outage once
             except Exception:
                 log.exception("rebalance round failed")
+            stop_if_cancelled()
 
     async def step(self) -> list[RebalanceAction]:
         """One round: decide (if leading), then apply every action not applied yet."""

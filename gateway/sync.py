@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.backends.base import CACHE_CAPACITY_TOKENS
 from gateway.contracts.registry_signing import verified
+from gateway.contracts.tasks import stop_if_cancelled
 from gateway.fingerprint import PrefixKey
 from gateway.kvevents.endpoints import EventEndpoints
 from gateway.pool import WorkerPool
@@ -162,10 +163,12 @@ class StoreSync:
             try:
                 await self._guard(fn)
             except StoreUnavailable:
+                stop_if_cancelled()
                 await asyncio.sleep(max(every_s, 0.5))
                 continue
             except Exception:
                 log.exception("store sync step %s failed", getattr(fn, "__name__", fn))
+            stop_if_cancelled()
             await asyncio.sleep(every_s)
 
     # -- the loops ----------------------------------------------------------------------------

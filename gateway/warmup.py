@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 
 from gateway.backends.base import Backend, BackendUnavailable, UpstreamRequest
+from gateway.contracts.tasks import stop_if_cancelled
 from gateway.fingerprint import FingerprintOptions
 from gateway.normalize import NormalizeOptions
 from gateway.pool import WorkerPool
@@ -281,6 +282,7 @@ class WarmupManager:
             status.warmed_by = held.split(":", 1)[1] if ":" in held else held
             if held.startswith(_DONE) or time.monotonic() > deadline or wid not in self.pool:
                 return False
+            stop_if_cancelled()
             await asyncio.sleep(_FOLLOW_POLL_S)
 
     async def _wait_healthy(self, wid: str) -> bool:

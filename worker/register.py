@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from gateway.contracts.tasks import stop_if_cancelled
 from gateway.store.base import StoreUnavailable, WorkerRecord
 from gateway.store.redis import RedisStore
 
@@ -34,6 +35,7 @@ async def heartbeat(store: RedisStore, record: WorkerRecord, every_s: float, ttl
             if registered:
                 log.warning("store unreachable, still serving: %s", exc)
             registered = False
+        stop_if_cancelled()
         await asyncio.sleep(every_s)
 
 
