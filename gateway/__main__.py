@@ -9,9 +9,9 @@ import socket
 import sys
 
 from gateway.app import create_app
-from gateway.httpserver import run
+from gateway.contracts.httpserver import run
+from gateway.contracts.redact import redact_url
 from gateway.procs import run_supervisor, watch_parent
-from gateway.redact import redact_url
 from gateway.settings import GatewaySettings, parse_settings
 from gateway.telemetry import access_log
 

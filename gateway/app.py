@@ -22,6 +22,7 @@ from gateway.backends.sagemaker import SageMakerBackend
 from gateway.breaker import BreakerOptions, Breakers
 from gateway.contracts.disconnect import cancel_on_disconnect
 from gateway.contracts.registry_signing import load_secret
+from gateway.contracts.tracing import Tracing
 from gateway.credentials import worker_keys
 from gateway.errors import (
     GatewayError,
@@ -59,7 +60,6 @@ from gateway.telemetry.middleware import (
     telemetry_middleware,
 )
 from gateway.telemetry.record import Telemetry
-from gateway.telemetry.tracing import Tracing
 from gateway.warmup import WarmupManager, WarmupOptions
 from gateway.warmup_sources import PromptSample, WarmPrompt, load_warmup_file
 

@@ -8,14 +8,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from gateway.config import load_settings
+from gateway.contracts.config import load_settings
+from gateway.contracts.tracing import PROTOCOLS, TracingOptions
 from gateway.fingerprint import FingerprintOptions
 from gateway.kvevents.tokenize import TokenizerOptions
 from gateway.limits import LimitOptions
 from gateway.normalize import NormalizeOptions
 from gateway.routing.policies import POLICY_NAMES, PolicyOptions, build_engine
 from gateway.telemetry.access_log import ACCESS_LOG_MODES
-from gateway.telemetry.tracing import PROTOCOLS, TracingOptions
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 

@@ -42,8 +42,8 @@ from typing import Any
 
 import aiohttp
 
+from gateway.contracts.registry import RegistryClient
 from gateway.store.base import WorkerRecord
-from gateway.store.redis import RedisStore
 from infra.local import stop_processes, wait_healthy
 from loadtest.bench_gateway import free_port_block, percentile
 from loadtest.workloads import WorkloadSpec, chat_requests
@@ -317,14 +317,13 @@ async def _scale(config: ScaleConfig, procs: list[asyncio.subprocess.Process], r
                  base: int, logs: Path, mode: str) -> None:
     """The extra workers join: registered in the store as a worker registers itself, with
     heartbeats until the run ends."""
-    store = RedisStore(redis)
-    await store.start()
+    store = RegistryClient(redis)
     beats = []
     try:
         for i in range(config.workers, config.workers + config.add):
             record = WorkerRecord(id=f"{HOST}:{base + i}", url=f"http://{HOST}:{base + i}",
                                   models=("sim-model",), capacity_blocks=config.cache_blocks)
-            await store.register_worker(record, ttl_s=3.0)
+            await store.register(record, ttl_s=3.0)
             beats.append(asyncio.create_task(heartbeat(store, record, 0.5, 3.0)))
         await asyncio.sleep(config.after_s + 5)
     finally:

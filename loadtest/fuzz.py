@@ -27,7 +27,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.app import create_app as create_gateway
-from gateway.httpserver import JsonErrorRunner
+from gateway.contracts.httpserver import JsonErrorRunner
 from gateway.settings import GatewaySettings
 from worker.server import create_app as create_worker
 from worker.settings import WorkerSettings

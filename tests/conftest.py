@@ -24,7 +24,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.app import create_app as create_gateway
-from gateway.httpserver import JsonErrorRunner
+from gateway.contracts.httpserver import JsonErrorRunner
 from gateway.settings import GatewaySettings
 from infra.procs import stop_processes, wait_healthy
 from worker.server import create_app as create_worker

@@ -7,8 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gateway.config import SettingsError
-from gateway.httpserver import run
+from gateway.contracts.config import SettingsError
+from gateway.contracts.httpserver import run
 from worker.engines.base import EngineUnavailableError
 from worker.server import ENGINE_KEY, create_app
 from worker.settings import parse_settings

@@ -4,7 +4,7 @@ With ``--kv-events tcp://*:5557`` the worker binds a ZMQ PUB socket and publishe
 of its prefix cache (:class:`~worker.kvcache.CacheListener`): ``BlockStored`` (block hashes,
 parent hash, token ids, block size; the cache namespace in the first block's ``extra_keys``),
 ``BlockRemoved`` and ``AllBlocksCleared``. Events of one event-loop tick go out as one batch,
-``[topic, seq (8-byte big-endian), msgpack KVEventBatch]`` (:mod:`gateway.kvevents.wire`), as
+``[topic, seq (8-byte big-endian), msgpack KVEventBatch]`` (:mod:`gateway.contracts.kv_wire`), as
 vLLM sends one batch per engine step. With ``--kv-replay tcp://*:5558`` a ROUTER socket serves
 the last ``buffer_steps`` batches to a subscriber that missed some.
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from gateway.kvevents.wire import (
+from gateway.contracts.kv_wire import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 
-from gateway.telemetry.tracing import Tracing
+from gateway.contracts.tracing import Tracing
 
 
 @dataclass(slots=True)

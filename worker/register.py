@@ -16,20 +16,22 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from gateway.contracts.registry import RegistryClient, StoreUnavailable
 from gateway.contracts.tasks import stop_if_cancelled
-from gateway.store.base import StoreUnavailable, WorkerRecord
-from gateway.store.redis import RedisStore
+from gateway.contracts.worker_record import WorkerRecord
 
 log = logging.getLogger(__name__)
 
 
-async def heartbeat(store: RedisStore, record: WorkerRecord, every_s: float, ttl_s: float) -> None:
+async def heartbeat(
+    registry: RegistryClient, record: WorkerRecord, every_s: float, ttl_s: float
+) -> None:
     registered = False
     while True:
         try:
-            await store.register_worker(record, ttl_s)
+            await registry.register(record, ttl_s)
             if not registered:
-                log.info("registered %s (%s) in %s", record.id, record.url, store.url)
+                log.info("registered %s (%s) in %s", record.id, record.url, registry.url)
             registered = True
         except StoreUnavailable as exc:
             if registered:
@@ -47,9 +49,8 @@ async def registered(
 
     The one registration lifecycle of both the reference worker (as an aiohttp cleanup context,
     :func:`registration`) and the vLLM launcher (around the vLLM process)."""
-    store = RedisStore(store_url, prefix=prefix)
-    await store.start()
-    task = asyncio.create_task(heartbeat(store, record, every_s, ttl_s), name="heartbeat")
+    registry = RegistryClient(store_url, prefix=prefix)
+    task = asyncio.create_task(heartbeat(registry, record, every_s, ttl_s), name="heartbeat")
     try:
         yield
     finally:
@@ -57,8 +58,8 @@ async def registered(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         with contextlib.suppress(StoreUnavailable):
-            await store.deregister_worker(record.id)
-        await store.close()
+            await registry.deregister(record.id)
+        await registry.close()
 
 
 def registration(

@@ -45,10 +45,10 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.contracts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from gateway.contracts.disconnect import cancel_on_disconnect
+from gateway.contracts.kv_keys import engine_namespace
 from gateway.contracts.registry_signing import signed
+from gateway.contracts.tracing import Tracing
 from gateway.contracts.worker_record import WorkerRecord
-from gateway.kvevents.keys import engine_namespace
-from gateway.telemetry.tracing import Tracing
 from worker.auth import auth_middleware
 from worker.engines.base import Engine, EngineUnavailableError
 from worker.engines.sim import WORDS, SimCosts, SimEngine

@@ -7,9 +7,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from gateway.config import SettingsError, load_settings
+from gateway.contracts.config import SettingsError, load_settings
 from gateway.contracts.registry_signing import load_secret
-from gateway.telemetry.tracing import TracingOptions
+from gateway.contracts.tracing import TracingOptions
 
 ENGINES = ("sim", "torch", "vllm")
 TOKENIZERS = ("hash", "chars")

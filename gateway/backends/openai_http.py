@@ -33,7 +33,7 @@ from gateway.backends.base import (
     UpstreamRequest,
     WorkerProbe,
 )
-from gateway.kvevents.keys import engine_namespace
+from gateway.contracts.kv_keys import engine_namespace
 from gateway.openai_schema import encode_body
 from gateway.routing.types import Worker
 

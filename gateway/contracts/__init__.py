@@ -1,4 +1,12 @@
-"""Contracts the gateway and the reference worker share, and nothing else of the gateway:
-the worker record (``worker_record``) and its signature (``registry_signing``), chat rendering
-and roles (``chat``, ``chat_template``), the OpenAI error body (``errors``) and the aiohttp
-middleware that cancels a request whose client went away (``disconnect``)."""
+"""Contracts the gateway and the reference worker share, and nothing else of the gateway.
+
+* the worker record (``worker_record``), its signature (``registry_signing``) and the Redis
+  registry it is stored in, with the client a worker registers itself with (``registry``);
+* chat rendering and roles (``chat``, ``chat_template``), the OpenAI error body (``errors``);
+* the KV-cache event wire format (``kv_wire``) and the block keys both sides compute
+  (``kv_keys``);
+* the servers' plumbing: settings from flags, environment and TOML (``config``,
+  ``config_file``), the HTTP runner that answers its own errors as JSON (``httpserver``), the
+  middleware that cancels a request whose client went away (``disconnect``), task helpers
+  (``tasks``), tracing setup (``tracing``) and URL redaction for logs (``redact``).
+"""

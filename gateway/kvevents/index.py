@@ -1,7 +1,7 @@
 """The engine-exact index: which token blocks each worker's engine holds, from its events.
 
 One :class:`WorkerBlocks` per worker that publishes KV events: the block keys its engine
-reported stored and not yet removed (:mod:`gateway.kvevents.keys`), bounded, plus the blocks
+reported stored and not yet removed (:mod:`gateway.contracts.kv_keys`), bounded, plus the blocks
 this gateway just sent it (*pending*: the engine will store them as it admits the request, and
 its events follow a moment later; they stop counting after ``pending_ttl_s`` unless an event
 confirms them). AllBlocksCleared, a restart or a gap in the events that cannot be replayed
@@ -27,8 +27,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gateway.kvevents.keys import chain_from, chain_seed, salt_of
-from gateway.kvevents.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from gateway.contracts.kv_keys import chain_from, chain_seed, salt_of
+from gateway.contracts.kv_wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 from gateway.routing.types import PrefixMatcher
 
 

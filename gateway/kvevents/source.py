@@ -18,9 +18,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from gateway.contracts.kv_keys import engine_namespace
 from gateway.kvevents.endpoints import EventEndpoints
 from gateway.kvevents.index import ExactIndex, ExactMatcher
-from gateway.kvevents.keys import engine_namespace
 from gateway.kvevents.subscriber import KVEventHub
 from gateway.kvevents.tokenize import PromptTokenizer, TokenizedPrompt
 from gateway.routing.types import PrefixMatcher

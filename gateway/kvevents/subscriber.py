@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from gateway.contracts.kv_wire import END_SEQ, WireError, decode_batch, decode_seq
 from gateway.kvevents.endpoints import EventEndpoints
 from gateway.kvevents.index import ExactIndex, WorkerBlocks
-from gateway.kvevents.wire import END_SEQ, WireError, decode_batch, decode_seq
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 With a tokenizer configured (``--tokenizer-file``, a local HuggingFace ``tokenizer.json``; never
 downloaded), the gateway turns a request into the token ids its engine will see and keys it by
-the same chained hash of token blocks that events are keyed by (:mod:`gateway.kvevents.keys`):
+the same chained hash of token blocks that events are keyed by (:mod:`gateway.contracts.kv_keys`):
 
 * chat requests are rendered with the model's chat template first (``reference``: the
   reference worker's template; or the model's Jinja template from its ``tokenizer_config.json``,
@@ -34,8 +34,8 @@ import xxhash
 
 from gateway.contracts.chat import ChatFormatError
 from gateway.contracts.chat_template import ChatTemplateError, load_chat_template
+from gateway.contracts.kv_keys import chain_seed, token_block_keys
 from gateway.fingerprint import PrefixKey
-from gateway.kvevents.keys import chain_seed, token_block_keys
 
 
 class TokenizerError(ValueError):

@@ -15,12 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-# The record workers register; its home is the contracts package the worker shares.
+# The record workers register and the error every store method may raise are part of this
+# interface; their home is the contracts package, which the worker shares.
+from gateway.contracts.registry import StoreUnavailable as StoreUnavailable
 from gateway.contracts.worker_record import WorkerRecord as WorkerRecord
-
-
-class StoreUnavailable(Exception):
-    """The store could not be reached or answered with an error."""
 
 
 @dataclass(frozen=True, slots=True)

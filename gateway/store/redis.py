@@ -6,10 +6,8 @@ a TTL or a length cap; values are ids, hashes and counters, never prompt text.
 ======================================  ======  =============================================
 key                                     type    content, bound
 ======================================  ======  =============================================
-``{p}:workers``                         zset    worker id -> expiry (ms); stale members pruned
-``{p}:worker:<id>``                     hash    url, models, capacity_blocks, block_size, kind,
-                                                kv_events, kv_replay, sig (HMAC under the
-                                                registration secret); TTL = heartbeat TTL
+``{p}:workers``, ``{p}:worker:<id>``   zset,   the worker registry, defined in
+                                        hash    :mod:`gateway.contracts.registry`
 ``{p}:assignments``                     stream  origin, worker, packed 64-bit block hashes;
                                                 approximate MAXLEN
 ``{p}:gateways``                        zset    replica id -> expiry (ms) of its load share
@@ -32,9 +30,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
-from gateway.redact import redact_url
+from gateway.contracts import registry
+from gateway.contracts.redact import redact_url
 from gateway.store.base import (
     Assignment,
     CacheReport,
@@ -126,72 +124,17 @@ class RedisStore:
         return self._client
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
-        try:
-            return await op()
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise StoreUnavailable(f"redis at {self._url}: {type(exc).__name__}: {exc}") from exc
+        return await registry.unavailable_as_store_error(self._url, op)
 
-    # -- worker registry ----------------------------------------------------------------------
+    # -- worker registry (schema: gateway.contracts.registry) ------------------------------
     async def register_worker(self, record: WorkerRecord, ttl_s: float) -> None:
-        ttl_ms = int(ttl_s * 1000)
-        fields = {
-            "url": record.url,
-            "models": ",".join(record.models),
-            "capacity_blocks": str(record.capacity_blocks),
-            "block_size": str(record.block_size),
-            "kind": record.kind,
-            "kv_events": record.kv_events,
-            "kv_replay": record.kv_replay,
-            "sig": record.signature,
-        }
-
-        async def op() -> None:
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.hset(self.key("worker", record.id), mapping=cast(Any, fields))
-                pipe.pexpire(self.key("worker", record.id), ttl_ms)
-                pipe.zadd(self.key("workers"), {record.id: time.time() * 1000 + ttl_ms})
-                await pipe.execute()
-
-        await self._call(op)
+        await self._call(lambda: registry.register(self._r, self._prefix, record, ttl_s))
 
     async def deregister_worker(self, worker_id: str) -> None:
-        async def op() -> None:
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.delete(self.key("worker", worker_id))
-                pipe.zrem(self.key("workers"), worker_id)
-                await pipe.execute()
-
-        await self._call(op)
+        await self._call(lambda: registry.deregister(self._r, self._prefix, worker_id))
 
     async def list_workers(self) -> list[WorkerRecord]:
-        async def op() -> list[WorkerRecord]:
-            now_ms = time.time() * 1000
-            await self._r.zremrangebyscore(self.key("workers"), "-inf", now_ms)
-            members = cast(list[bytes], await self._r.zrange(self.key("workers"), 0, -1))
-            ids = [_s(i) for i in members]
-            async with self._r.pipeline(transaction=False) as pipe:
-                for wid in ids:
-                    pipe.hgetall(self.key("worker", wid))
-                rows = await pipe.execute()
-            records = []
-            for wid, row in zip(ids, rows, strict=True):
-                if not row:
-                    continue  # expired between the two reads
-                f = {_s(k): _s(v) for k, v in row.items()}
-                records.append(WorkerRecord(
-                    id=wid,
-                    url=f.get("url", ""),
-                    models=tuple(m for m in f.get("models", "").split(",") if m),
-                    capacity_blocks=int(f.get("capacity_blocks", "0") or 0),
-                    block_size=int(f.get("block_size", "16") or 16),
-                    kind=f.get("kind", "openai"),
-                    kv_events=f.get("kv_events", ""),
-                    kv_replay=f.get("kv_replay", ""),
-                    signature=f.get("sig", ""),
-                ))
-            return records
-
-        return await self._call(op)
+        return await self._call(lambda: registry.list_records(self._r, self._prefix))
 
     # -- prefix assignments -------------------------------------------------------------------
     async def publish_assignments(self, batch: Sequence[Assignment]) -> None:

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 
+from gateway.contracts.tracing import Tracing
 from gateway.misses import MissTracker, Outcome
 from gateway.telemetry.access_log import AccessLog
 from gateway.telemetry.metrics import GatewayMetrics, reason_kind
-from gateway.telemetry.tracing import Tracing
 from gateway.telemetry.window import RecentWindow
 
 if TYPE_CHECKING:

@@ -14,11 +14,11 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from gateway.contracts.kv_keys import chain_seed, token_block_keys
+from gateway.contracts.kv_wire import END_SEQ
 from gateway.kvevents.endpoints import EventEndpoints
 from gateway.kvevents.index import ExactIndex
-from gateway.kvevents.keys import chain_seed, token_block_keys
 from gateway.kvevents.subscriber import KVEventHub
-from gateway.kvevents.wire import END_SEQ
 from tests.conftest import FAST_WORKER, free_port, serve
 from worker.kv_events import KVEventPublisher
 from worker.server import ENGINE_KEY, _cache_of

@@ -17,7 +17,7 @@ from aiohttp import web
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import SettingsError
+from gateway.contracts.config import SettingsError
 from worker.server import ENGINE_KEY, create_app
 from worker.settings import WorkerSettings, parse_settings
 

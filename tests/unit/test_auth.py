@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.auth import KeyStore, TenantHasher, hash_key, parse_keys_file, tenant_secret
+from gateway.contracts.redact import redact_url
 from gateway.credentials import worker_key, worker_keys
-from gateway.redact import redact_url
 from gateway.registry_trust import trusted_capacities
 from gateway.store.base import WorkerRecord
 from gateway.store.redis import RedisStore

@@ -1,4 +1,4 @@
-"""Tests for gateway.config.load_settings, driven by gateway.settings.GatewaySettings."""
+"""Tests for gateway.contracts.config.load_settings, driven by gateway.settings.GatewaySettings."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.config import SettingsError, load_settings
+from gateway.contracts.config import SettingsError, load_settings
 from gateway.settings import GatewaySettings, parse_settings
 
 

@@ -1,8 +1,8 @@
 """``--config FILE``: TOML with the same keys as the flags; flag > environment > file > default.
 
-The committed examples are rendered by ``gateway.config_file.example``; to refresh them::
+The committed examples are rendered by ``gateway.contracts.config_file.example``; to refresh them::
 
-    python -c "from gateway.config_file import example; ..."  (see test_examples_load)
+    python -c "from gateway.contracts.config_file import example; ..."  (see test_examples_load)
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import SettingsError
-from gateway.config_file import example
+from gateway.contracts.config import SettingsError
+from gateway.contracts.config_file import example
 from gateway.settings import GatewaySettings, parse_settings
 from worker.settings import WorkerSettings
 from worker.settings import parse_settings as parse_worker_settings

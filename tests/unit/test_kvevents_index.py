@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from gateway.kvevents.index import ExactIndex, ExactMatcher, WorkerBlocks
-from gateway.kvevents.keys import chain_seed, engine_namespace, token_block_keys
-from gateway.kvevents.wire import (
+from gateway.contracts.kv_keys import chain_seed, engine_namespace, token_block_keys
+from gateway.contracts.kv_wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -16,6 +15,7 @@ from gateway.kvevents.wire import (
     decode_batch,
     encode_batch,
 )
+from gateway.kvevents.index import ExactIndex, ExactMatcher, WorkerBlocks
 from gateway.routing.prefix_index import PrefixIndex
 from worker.kvcache import PrefixCache
 

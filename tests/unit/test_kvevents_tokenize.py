@@ -10,8 +10,8 @@ import pytest
 
 from gateway.contracts.chat import render_chat
 from gateway.contracts.chat_template import load_chat_template
+from gateway.contracts.kv_keys import chain_seed, token_block_keys
 from gateway.kvevents.endpoints import EventEndpoints, split_url
-from gateway.kvevents.keys import chain_seed, token_block_keys
 from gateway.kvevents.tokenize import PromptTokenizer, TokenizerError, TokenizerOptions
 from loadtest.tiny_tokenizer import train
 from worker.parsing import parse_chat

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.kvevents.wire import (
+from gateway.contracts.kv_wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -5,7 +5,7 @@ dataclass whose fields carry ``help`` metadata. :func:`load_settings` turns that
 ``argparse`` parser, reads ``<PREFIX><FIELD>`` environment variables as defaults, and parses once.
 Precedence: command-line flag > environment variable > config file > dataclass default. The
 config file is TOML with the same keys (``--config FILE`` or ``<PREFIX>CONFIG``; see
-:mod:`gateway.config_file`).
+:mod:`gateway.contracts.config_file`).
 
 Supported field types: ``str``, ``int``, ``float``, ``bool`` (``--flag`` / ``--no-flag``) and
 ``tuple[str, ...]`` (repeatable flag; comma-separated in the environment).
@@ -20,7 +20,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from gateway import config_file
+from gateway.contracts import config_file
 
 T = TypeVar("T")
 
