@@ -26,6 +26,7 @@ from gateway.openai_schema import (
 )
 from gateway.openapi import openapi_document
 from gateway.proxy import NAMESPACE_KEY, TENANT_KEY, dispatch
+from gateway.resources import REBALANCER_KEY, STORE_KEY, SYNC_KEY
 from gateway.routing.types import RouteRequest
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
@@ -235,15 +236,17 @@ def _worker_phase(healthy: bool, warmup: WarmupStatus | None) -> str:
 
 async def admin_rebalance(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    telemetry = await _or_none(state.store.read_telemetry())
-    actions = await _or_none(state.store.recent_actions(50))
+    store, sync, rebalancer = (
+        request.app[STORE_KEY], request.app[SYNC_KEY], request.app[REBALANCER_KEY])
+    telemetry = await _or_none(store.read_telemetry())
+    actions = await _or_none(store.recent_actions(50))
     return web.json_response(
         {
-            "replica": state.sync.origin,
-            "store": state.store.url,
-            "store_available": state.sync.health.available,
-            "leader": state.rebalancer.leading,
-            "rounds": state.rebalancer.rounds,
+            "replica": sync.origin,
+            "store": store.url,
+            "store_available": sync.health.available,
+            "leader": rebalancer.leading,
+            "rounds": rebalancer.rounds,
             "actions": actions if actions is not None else [],
             "workers": {
                 s.worker.id: {

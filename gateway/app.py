@@ -1,22 +1,21 @@
-"""Builds the gateway's aiohttp application: routes, the error middleware, owned resources."""
+"""Builds the gateway's aiohttp application: routes, the error middleware, and the resources it
+owns (each opened and closed by its own cleanup context: :mod:`gateway.resources`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import Histogram
 
-from gateway import explain, ui
+from gateway import explain, resources, ui
 from gateway.api import STATE, add_routes
 from gateway.auth import AUTH_KEY, Auth, KeyStore, TenantHasher, read_secret, tenant_secret
-from gateway.backends.base import CACHE_CAPACITY_TOKENS, Backend, WorkerProbe
+from gateway.backends.base import Backend
 from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.backends.sagemaker import SageMakerBackend
 from gateway.breaker import BreakerOptions, Breakers
@@ -32,6 +31,7 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.guard import ConnectionSlots, UpstreamGuard
+from gateway.health import HealthChecker
 from gateway.kvevents.source import ExactSource
 from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.lifecycle import CacheLifecycle
@@ -39,6 +39,18 @@ from gateway.limits import LIMITS_KEY, Limits
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.rebalance import RebalanceOptions, Rebalancer
+from gateway.resources import (
+    BACKENDS_KEY,
+    EXACT_KEY,
+    HEALTH_KEY,
+    LIFECYCLE_KEY,
+    POOL_KEY,
+    PREWARMER_KEY,
+    REBALANCER_KEY,
+    STORE_KEY,
+    SYNC_KEY,
+    WARMUP_KEY,
+)
 from gateway.routing.policies import build_engine
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
@@ -108,52 +120,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     return _error_response(error)
 
 
-async def _probe(state: GatewayState, worker: Worker) -> WorkerProbe:
-    try:
-        backend = state.backend_for(worker)
-    except LookupError as exc:
-        return WorkerProbe(False, frozenset(), str(exc))
-    return await backend.probe(worker)
-
-
-async def _probe_all(state: GatewayState, telemetry: Telemetry) -> None:
-    workers = state.pool.states()
-    # A probe that only timed out is no proof of a hang when the worker sent us replies or
-    # stream chunks while it was waited for.
-    alive_since = time.monotonic()
-    probes = await asyncio.gather(*(_probe(state, s.worker) for s in workers))
-    for s, probe in zip(workers, probes, strict=True):
-        queries = probe.metrics.get("vllm:prefix_cache_queries_total")
-        if telemetry.misses.probed(s.worker.id, queries):
-            log.warning("worker %s restarted (its cache counters went back); its cache is "
-                        "cold", s.worker.id)
-            state.index.forget_worker(s.worker.id)
-        if probe.healthy:
-            state.pool.mark_up(s.worker.id, probe.models, probe.metrics)
-            if state.pool.set_versions(s.worker.id, probe.versions):
-                state.lifecycle.version_changed(s.worker)
-            capacity = probe.metrics.get(CACHE_CAPACITY_TOKENS, 0.0)
-            if capacity > 0:  # the index models the worker's cache at its real size
-                blocks = max(1, int(capacity / state.settings.tokens_per_block()))
-                state.pool.set_capacity(s.worker.id, blocks)
-        elif probe.timed_out and state.guard.liveness.heard_since(s.worker.id, alive_since):
-            log.info("worker %s: health probe timed out, but it keeps answering requests; "
-                     "kept in the pool", s.worker.id)
-        else:
-            state.pool.mark_down(s.worker.id, probe.error)
-            # Requests waiting on it for a first byte go elsewhere now.
-            state.guard.ejections.eject(s.worker.id, probe.error)
-
-
-async def _health_loop(state: GatewayState, telemetry: Telemetry) -> None:
-    while True:
-        await asyncio.sleep(state.settings.health_interval_s)
-        try:
-            await _probe_all(state, telemetry)
-        except Exception:
-            log.exception("health check round failed")
-
-
 def _reload_keys(auth: Auth) -> None:
     try:
         count = auth.keys.reload()
@@ -196,42 +162,6 @@ def build_auth(settings: GatewaySettings) -> Auth:
         metrics_auth=settings.metrics_auth,
         route_headers=settings.route_headers,
     )
-
-
-def _resources(
-    state: GatewayState, telemetry: Telemetry
-) -> Callable[[web.Application], AsyncIterator[None]]:
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        for backend in state.backends.values():
-            await backend.start()
-        await state.store.start()
-        await state.sync.start()
-        await _probe_all(state, telemetry)
-        await state.exact.start(state.pool)
-        state.warmup.start()
-        tasks = [
-            asyncio.create_task(_health_loop(state, telemetry), name="gateway-health"),
-            asyncio.create_task(state.rebalancer.run(), name="gateway-rebalance"),
-        ]
-        try:
-            yield
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await state.prewarmer.stop()
-            await state.lifecycle.stop()
-            await state.warmup.stop()
-            await state.exact.close()
-            await state.sync.stop()
-            await state.store.close()
-            for backend in state.backends.values():
-                await backend.close()
-            await telemetry.tracing.shutdown()
-
-    return ctx
 
 
 def build_store(settings: GatewaySettings) -> MetadataStore:
@@ -345,6 +275,8 @@ def create_app(
         sample=PromptSample(tenants=settings.sampled_tenants()),
         file_prompts=_warmup_prompts(settings, auth.hasher),
     )
+    sync_health = sync.health
+    metrics.watch_store(lambda: sync_health.available, lambda: sync_health.outages)
     state = GatewayState(
         settings=settings,
         pool=pool,
@@ -352,12 +284,6 @@ def create_app(
         session=RoutingSession(engine, index, pool, sync, exact=exact),
         backends=backends,
         metrics=metrics,
-        store=store,
-        sync=sync,
-        rebalancer=Rebalancer(
-            store, pool, index, origin,
-            RebalanceOptions(interval_s=settings.rebalance_interval_s),
-        ),
         exact=exact,
         guard=UpstreamGuard(
             slots=ConnectionSlots(settings.max_connections, settings.max_connections_per_worker,
@@ -368,16 +294,14 @@ def create_app(
                                              settings.breaker_cooldown_s)),
         ),
         warmup=warmup,
-        lifecycle=CacheLifecycle(pool, backend_for, warmup),
         prewarmer=PreWarmer(pool, index, warmup.replay, PrewarmOptions(
             enabled=settings.prewarm, hot_threshold=hot,
             fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
         )),
     )
-    state.metrics.watch_store(lambda: state.sync.health.available,
-                              lambda: state.sync.health.outages)
+    lifecycle = CacheLifecycle(pool, backend_for, warmup)
     telemetry = Telemetry(
-        metrics=state.metrics,
+        metrics=metrics,
         tracing=Tracing.build(settings.tracing_options(), span_exporter),
         access_log=AccessLog(settings.access_log),
     )
@@ -388,11 +312,22 @@ def create_app(
     )
     app[STATE] = state
     app[TELEMETRY_KEY] = telemetry
+    app[BACKENDS_KEY] = backends
+    app[STORE_KEY] = store
+    app[SYNC_KEY] = sync
+    app[POOL_KEY] = pool
+    app[HEALTH_KEY] = HealthChecker(state, lifecycle, telemetry.misses)
+    app[EXACT_KEY] = exact
+    app[WARMUP_KEY] = warmup
+    app[LIFECYCLE_KEY] = lifecycle
+    app[PREWARMER_KEY] = state.prewarmer
+    app[REBALANCER_KEY] = Rebalancer(
+        store, pool, index, origin, RebalanceOptions(interval_s=settings.rebalance_interval_s))
     app[AUTH_KEY] = auth
     app[LIMITS_KEY] = Limits(settings.limit_options())
     app.on_response_prepare.append(add_request_id)
     app.on_response_prepare.append(auth.on_response_prepare)
-    app.cleanup_ctx.append(_resources(state, telemetry))
+    resources.install(app)
     app.cleanup_ctx.append(_key_reloading)
     add_routes(app)
     explain.add_routes(app)

@@ -1,4 +1,8 @@
-"""Everything one gateway application owns, built once at startup."""
+"""What the request handlers read: one object per application, built once at start-up.
+
+It refers to the resources a request needs; each resource is opened and closed by its own
+cleanup context (:mod:`gateway.resources`), and the ones only background loops and admin
+pages use (the store, its sync, the rebalancer, the cache lifecycle) are not here."""
 
 from __future__ import annotations
 
@@ -7,16 +11,12 @@ from dataclasses import dataclass
 from gateway.backends.base import Backend
 from gateway.guard import UpstreamGuard
 from gateway.kvevents.source import ExactSource
-from gateway.lifecycle import CacheLifecycle
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer
-from gateway.rebalance import Rebalancer
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
 from gateway.session import RoutingSession
 from gateway.settings import GatewaySettings
-from gateway.store.base import MetadataStore
-from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
 from gateway.warmup import WarmupManager
 
@@ -29,13 +29,9 @@ class GatewayState:
     session: RoutingSession  # routes and accounts every attempt (owns index writes per request)
     backends: dict[str, Backend]
     metrics: GatewayMetrics
-    store: MetadataStore
-    sync: StoreSync
-    rebalancer: Rebalancer
     exact: ExactSource  # engine-exact cache knowledge: KV-event feeds, tokenizer
     guard: UpstreamGuard
     warmup: WarmupManager
-    lifecycle: CacheLifecycle
     prewarmer: PreWarmer
 
     def backend_for(self, worker: Worker) -> Backend:

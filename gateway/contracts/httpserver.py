@@ -118,8 +118,8 @@ async def _serve(
 ) -> None:
     runner = JsonErrorRunner(app, access_log=None, handle_signals=True,
                              shutdown_timeout=shutdown_timeout_s)
-    await runner.setup()
     try:
+        await runner.setup()  # a resource failing to start: the ones started are closed below
         await web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=backlog).start()
         for sock in extra_sockets:
             await web.SockSite(runner, sock).start()

@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.api import STATE
+from gateway.resources import STORE_KEY, SYNC_KEY
 from gateway.store.base import StoreUnavailable
 from gateway.telemetry.middleware import TELEMETRY_KEY
 
@@ -37,6 +38,7 @@ async def page(request: web.Request) -> web.Response:
 
 async def data(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    store, sync = request.app[STORE_KEY], request.app[SYNC_KEY]
     telemetry = request.app[TELEMETRY_KEY]
     misses = telemetry.misses
     by_worker = misses.counts()
@@ -66,15 +68,15 @@ async def data(request: web.Request) -> web.Response:
         for cause, n in causes.items():
             by_cause[cause] = by_cause.get(cause, 0) + n
     try:
-        actions = await state.store.recent_actions(20)
+        actions = await store.recent_actions(20)
     except StoreUnavailable:
         actions = []
     now = time.time()
     return web.json_response({
         "now": now,
         "policy": state.session.router.name,
-        "replica": state.sync.origin,
-        "store": {"url": state.store.url, "available": state.sync.health.available},
+        "replica": sync.origin,
+        "store": {"url": store.url, "available": sync.health.available},
         "bucket_s": telemetry.window.bucket_s,
         "totals": {
             "requests": sum(w["routed"] for w in workers),

@@ -15,8 +15,8 @@ import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.api import STATE
 from gateway.app import create_app as create_gateway
+from gateway.resources import SYNC_KEY
 from gateway.settings import GatewaySettings
 from tests.conftest import FAST_WORKER, MODEL, RedisServer, free_port, serve
 from worker.server import create_app as create_worker
@@ -75,7 +75,7 @@ async def test_flushed_registry_keeps_healthy_workers_and_the_index(
             runners.append((await _start_worker(redis_server.url))[1])
         gateway, grunner = await _start_gateway(redis_server.url)
         runners.insert(0, grunner)
-        state = grunner.app[STATE]
+        sync = grunner.app[SYNC_KEY]
         async with aiohttp.ClientSession() as http:
             async def both_healthy() -> bool:
                 view = await _workers(http, gateway)
@@ -88,7 +88,7 @@ async def test_flushed_registry_keeps_healthy_workers_and_the_index(
             client = aioredis.Redis.from_url(redis_server.url)
             await client.flushall()
             await client.aclose()
-            await state.sync.sync_membership()  # the registry is empty now
+            await sync.sync_membership()  # the registry is empty now
 
             view = await _workers(http, gateway)
             assert sum(w["healthy"] for w in view["workers"]) == 2
@@ -104,7 +104,7 @@ async def test_flushed_registry_keeps_healthy_workers_and_the_index(
             runners.remove(victim)
 
             async def victim_left() -> bool:
-                await state.sync.sync_membership()
+                await sync.sync_membership()
                 view = await _workers(http, gateway)
                 return first["x-route-worker"] not in {w["id"] for w in view["workers"]}
             await _until(victim_left)

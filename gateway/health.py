@@ -1,0 +1,72 @@
+"""Health probes: every worker's health, models, versions and cache size, once at start-up and
+then every ``health_interval_s``; a worker that fails its probe leaves the routing until it
+passes one again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
+from gateway.lifecycle import CacheLifecycle
+from gateway.misses import MissTracker
+from gateway.routing.types import Worker
+from gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    def __init__(
+        self, state: GatewayState, lifecycle: CacheLifecycle, misses: MissTracker
+    ) -> None:
+        self._state = state
+        self._lifecycle = lifecycle
+        self._misses = misses
+
+    async def _probe(self, worker: Worker) -> WorkerProbe:
+        try:
+            backend = self._state.backend_for(worker)
+        except LookupError as exc:
+            return WorkerProbe(False, frozenset(), str(exc))
+        return await backend.probe(worker)
+
+    async def probe_all(self) -> None:
+        """Probe every worker once and update the pool with what each answered."""
+        state = self._state
+        workers = state.pool.states()
+        # A probe that only timed out is no proof of a hang when the worker sent us replies or
+        # stream chunks while it was waited for.
+        alive_since = time.monotonic()
+        probes = await asyncio.gather(*(self._probe(s.worker) for s in workers))
+        for s, probe in zip(workers, probes, strict=True):
+            queries = probe.metrics.get("vllm:prefix_cache_queries_total")
+            if self._misses.probed(s.worker.id, queries):
+                log.warning("worker %s restarted (its cache counters went back); its cache is "
+                            "cold", s.worker.id)
+                state.index.forget_worker(s.worker.id)
+            if probe.healthy:
+                state.pool.mark_up(s.worker.id, probe.models, probe.metrics)
+                if state.pool.set_versions(s.worker.id, probe.versions):
+                    self._lifecycle.version_changed(s.worker)
+                capacity = probe.metrics.get(CACHE_CAPACITY_TOKENS, 0.0)
+                if capacity > 0:  # the index models the worker's cache at its real size
+                    blocks = max(1, int(capacity / state.settings.tokens_per_block()))
+                    state.pool.set_capacity(s.worker.id, blocks)
+            elif probe.timed_out and state.guard.liveness.heard_since(s.worker.id, alive_since):
+                log.info("worker %s: health probe timed out, but it keeps answering requests; "
+                         "kept in the pool", s.worker.id)
+            else:
+                state.pool.mark_down(s.worker.id, probe.error)
+                # Requests waiting on it for a first byte go elsewhere now.
+                state.guard.ejections.eject(s.worker.id, probe.error)
+
+    async def run(self) -> None:
+        """Probe every ``health_interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self._state.settings.health_interval_s)
+            try:
+                await self.probe_all()
+            except Exception:
+                log.exception("health check round failed")

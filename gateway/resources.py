@@ -1,0 +1,162 @@
+"""What the gateway opens at start-up and closes at shutdown: one ``AppKey`` and one aiohttp
+cleanup context per resource.
+
+:func:`install` appends the contexts in dependency order: tracing, one HTTP client pool per
+backend, the metadata store, the store sync, the first health round, the KV-event feeds, the
+warm-up, the cache lifecycle and pre-warming (their on-demand tasks), the rebalancer and the
+health loop. aiohttp enters them in that order and leaves them in reverse, and leaves every
+context it entered even when a later one fails to start, so a failed start-up closes what it
+had opened.
+
+Request handlers do not look these keys up: they read the one ``GatewayState`` the app holds
+(``gateway.api.STATE``), which refers to the resources they need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from gateway.backends.base import Backend
+from gateway.health import HealthChecker
+from gateway.kvevents.source import ExactSource
+from gateway.lifecycle import CacheLifecycle
+from gateway.pool import WorkerPool
+from gateway.prewarm import PreWarmer
+from gateway.rebalance import Rebalancer
+from gateway.store.base import MetadataStore
+from gateway.sync import StoreSync
+from gateway.telemetry.middleware import TELEMETRY_KEY
+from gateway.warmup import WarmupManager
+
+CleanupContext = Callable[[web.Application], AsyncIterator[None]]
+
+BACKENDS_KEY = web.AppKey[dict[str, Backend]]("backends")
+STORE_KEY = web.AppKey("store", MetadataStore)
+SYNC_KEY = web.AppKey("sync", StoreSync)
+HEALTH_KEY = web.AppKey("health", HealthChecker)
+EXACT_KEY = web.AppKey("exact", ExactSource)
+POOL_KEY = web.AppKey("pool", WorkerPool)
+WARMUP_KEY = web.AppKey("warmup", WarmupManager)
+LIFECYCLE_KEY = web.AppKey("lifecycle", CacheLifecycle)
+PREWARMER_KEY = web.AppKey("prewarmer", PreWarmer)
+REBALANCER_KEY = web.AppKey("rebalancer", Rebalancer)
+
+
+async def _tracing(app: web.Application) -> AsyncIterator[None]:
+    """Spans recorded until shutdown are flushed at the very end."""
+    try:
+        yield
+    finally:
+        await app[TELEMETRY_KEY].tracing.shutdown()
+
+
+def _backend(kind: str) -> CleanupContext:
+    """The HTTP client pool (or SDK session) of one backend kind."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        backend = app[BACKENDS_KEY][kind]
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    return ctx
+
+
+async def _store(app: web.Application) -> AsyncIterator[None]:
+    store = app[STORE_KEY]
+    await store.start()
+    try:
+        yield
+    finally:
+        await store.close()
+
+
+async def _sync(app: web.Application) -> AsyncIterator[None]:
+    sync = app[SYNC_KEY]
+    await sync.start()
+    try:
+        yield
+    finally:
+        await sync.stop()
+
+
+async def _first_health_round(app: web.Application) -> AsyncIterator[None]:
+    """Workers are probed once before the first request (nothing to close)."""
+    await app[HEALTH_KEY].probe_all()
+    yield
+
+
+async def _kv_events(app: web.Application) -> AsyncIterator[None]:
+    exact = app[EXACT_KEY]
+    await exact.start(app[POOL_KEY])
+    try:
+        yield
+    finally:
+        await exact.close()
+
+
+async def _warmup(app: web.Application) -> AsyncIterator[None]:
+    warmup = app[WARMUP_KEY]
+    warmup.start()
+    try:
+        yield
+    finally:
+        await warmup.stop()
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """Cache invalidations run as tasks the health loop starts; stopped at shutdown."""
+    try:
+        yield
+    finally:
+        await app[LIFECYCLE_KEY].stop()
+
+
+async def _prewarmer(app: web.Application) -> AsyncIterator[None]:
+    """Pre-warm replays run as tasks requests start; stopped at shutdown."""
+    try:
+        yield
+    finally:
+        await app[PREWARMER_KEY].stop()
+
+
+def _task(name: str, run: Callable[[web.Application], Coroutine[Any, Any, None]]
+          ) -> CleanupContext:
+    """A background loop, cancelled (and awaited) at shutdown."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(run(app), name=name)
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return ctx
+
+
+def install(app: web.Application) -> None:
+    """Append the cleanup context of every resource, in the order they depend on each other
+    (every key above must be set)."""
+    app.cleanup_ctx.append(_tracing)
+    for kind in app[BACKENDS_KEY]:
+        app.cleanup_ctx.append(_backend(kind))
+    app.cleanup_ctx.extend([
+        _store,
+        _sync,
+        _first_health_round,
+        _kv_events,
+        _warmup,
+        _lifecycle,
+        _prewarmer,
+        _task("gateway-rebalance", lambda a: a[REBALANCER_KEY].run()),
+        _task("gateway-health", lambda a: a[HEALTH_KEY].run()),
+    ])
