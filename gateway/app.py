@@ -16,8 +16,8 @@ from gateway import explain, resources, ui
 from gateway.api import STATE, add_routes
 from gateway.auth import AUTH_KEY, Auth, KeyStore, TenantHasher, read_secret, tenant_secret
 from gateway.backends.base import Backend
-from gateway.backends.openai_http import OpenAIHTTPBackend
-from gateway.backends.sagemaker import SageMakerBackend
+from gateway.backends.kinds import BackendOptions
+from gateway.backends.registry import build_backends
 from gateway.breaker import BreakerOptions, Breakers
 from gateway.contracts.disconnect import cancel_on_disconnect
 from gateway.contracts.registry_signing import load_secret
@@ -172,17 +172,17 @@ def build_store(settings: GatewaySettings) -> MetadataStore:
     return RedisStore(settings.store, prefix=settings.store_prefix)
 
 
-def _http_backend(settings: GatewaySettings, *, namespace_in_body: bool) -> OpenAIHTTPBackend:
-    return OpenAIHTTPBackend(
-        api_keys=worker_keys(settings.worker),
-        default_api_key=read_secret(
-            settings.worker_api_key, settings.worker_api_key_file, "worker API key"),
-        admin_token=settings.worker_admin_token,
+def backend_options(settings: GatewaySettings) -> BackendOptions:
+    """What every backend kind is built from; raises ValueError for an unreadable key."""
+    return BackendOptions(
         connect_timeout_s=settings.connect_timeout_s,
         read_timeout_s=settings.read_timeout_s,
         max_connections=settings.max_connections,
         max_connections_per_worker=settings.max_connections_per_worker,
-        namespace_in_body=namespace_in_body,
+        api_keys=worker_keys(settings.worker),
+        default_api_key=read_secret(
+            settings.worker_api_key, settings.worker_api_key_file, "worker API key"),
+        admin_token=settings.worker_admin_token,
     )
 
 
@@ -229,7 +229,7 @@ def create_app(
     metrics = GatewayMetrics(pool)
     exact = build_exact_source(settings, metrics)
     pool.matcher = exact.matcher
-    backend = _http_backend(settings, namespace_in_body=False)
+    backends = build_backends(backend_options(settings))
     store = build_store(settings)
     origin = settings.replica_id()
     registry_secret = load_secret(settings.registry_secret, settings.registry_secret_file)
@@ -243,15 +243,6 @@ def create_app(
         registry_secret=registry_secret,
     )
     engine = build_engine(settings.policy, settings.policy_options())
-    backends: dict[str, Backend] = {
-        "openai": backend,
-        "vllm": _http_backend(settings, namespace_in_body=True),
-        "sagemaker": SageMakerBackend(
-            connect_timeout_s=settings.connect_timeout_s,
-            read_timeout_s=settings.read_timeout_s,
-            max_connections=settings.max_connections,
-        ),
-    }
 
     def backend_for(worker: Worker) -> Backend:
         found = backends.get(worker.kind)

@@ -13,13 +13,13 @@ from collections.abc import Iterable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from gateway.auth import read_secret
-from gateway.backends.sagemaker_target import is_sagemaker_url
+from gateway.backends.registry import kind_of_url
 from gateway.pool import worker_id_for
 
 
 def worker_key(url: str, environ: Mapping[str, str] | None = None) -> str:
     """The key named by one worker URL's query; "" when it names none."""
-    if is_sagemaker_url(url) or "?" not in url:
+    if not kind_of_url(url).query_names_credentials or "?" not in url:
         return ""
     query = parse_qs(urlsplit(url).query)
     env_names, files = query.get("api_key_env", []), query.get("api_key_file", [])

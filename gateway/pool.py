@@ -10,9 +10,8 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
-from gateway.backends.sagemaker_target import is_sagemaker_url, parse_target
+from gateway.backends.registry import kind_of_url
 from gateway.kvevents.endpoints import EventEndpoints, split_url
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.ring import Ring
@@ -24,34 +23,9 @@ _COST_EWMA = 0.05  # weight of the newest request in a worker's mean request cos
 
 
 def worker_id_for(url: str) -> str:
-    """A stable, readable id for a worker URL: ``host:port`` (``sm:endpoint/variant`` for
-    ``sagemaker://`` targets)."""
-    if is_sagemaker_url(url):
-        return parse_target(url).id
-    parts = urlsplit(plain_url(url))
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"worker URL must look like http://host:port, got {url!r}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"{parts.hostname}:{port}"
-
-
-VLLM_SCHEMES = ("vllm+http://", "vllm+https://")
-
-
-def kind_for(url: str) -> str:
-    """The backend kind a worker URL implies: ``sagemaker://``, ``vllm+http://`` (a vLLM server:
-    tenant namespaces go into ``cache_salt``) or plain OpenAI HTTP."""
-    if is_sagemaker_url(url):
-        return "sagemaker"
-    return "vllm" if url.startswith(VLLM_SCHEMES) else "openai"
-
-
-def plain_url(url: str) -> str:
-    """The URL to send requests to: ``vllm+http://h:p`` is served at ``http://h:p``; the query
-    of an HTTP worker URL names its credentials (see :mod:`gateway.credentials`), not a path."""
-    if is_sagemaker_url(url):
-        return url
-    return url.removeprefix("vllm+").split("?", 1)[0]
+    """A stable, readable id for a worker URL (``host:port``; ``sm:endpoint/variant`` for
+    ``sagemaker://`` targets): as its backend kind reads it."""
+    return kind_of_url(url).worker_id(url)
 
 
 @dataclass(slots=True)
@@ -141,7 +115,9 @@ class WorkerPool:
         events = events or in_url
         wid = wid or worker_id_for(url)
         if wid not in self._workers:
-            worker = Worker(wid, plain_url(url), weight=weight, kind=kind or kind_for(url))
+            by_url = kind_of_url(url)
+            worker = Worker(wid, by_url.target_url(url), weight=weight,
+                            kind=kind or by_url.name)
             self._workers[wid] = WorkerState(worker, source=source, events=events)
             self._stale.add(wid)
             self._rebuild_ring()

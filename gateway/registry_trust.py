@@ -15,9 +15,13 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gateway.backends.registry import kind_named
 from gateway.store.base import WorkerRecord
 
-UNCONFIRMED_KINDS_TRUSTED = frozenset({"sagemaker"})
+
+def _trusted_unconfirmed(kind_name: str) -> bool:
+    kind = kind_named(kind_name)
+    return kind is not None and kind.trust_unconfirmed_capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +43,7 @@ def trusted_capacities(
             continue
         if probed > 0:
             believed[record.id] = min(claimed, probed)
-        elif record.kind in UNCONFIRMED_KINDS_TRUSTED:
+        elif _trusted_unconfirmed(record.kind):
             believed[record.id] = claimed
     weights = {r.id: 1.0 for r in records}
     if believed:

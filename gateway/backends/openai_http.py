@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -33,6 +34,7 @@ from gateway.backends.base import (
     UpstreamRequest,
     WorkerProbe,
 )
+from gateway.backends.kinds import BackendKind, BackendOptions
 from gateway.contracts.kv_keys import engine_namespace
 from gateway.openai_schema import encode_body
 from gateway.routing.types import Worker
@@ -310,3 +312,40 @@ class OpenAIHTTPBackend:
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+
+def target_url(url: str) -> str:
+    """Where requests go: ``vllm+http://h:p`` is served at ``http://h:p``, and the query of a
+    worker URL names its credentials (see :mod:`gateway.credentials`), not a path."""
+    return url.removeprefix("vllm+").split("?", 1)[0]
+
+
+def worker_id(url: str) -> str:
+    """``host:port`` of a worker URL (the scheme's default port when it names none)."""
+    parts = urlsplit(target_url(url))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"worker URL must look like http://host:port, got {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.hostname}:{port}"
+
+
+def _builder(namespace_in_body: bool) -> Callable[[BackendOptions], OpenAIHTTPBackend]:
+    def build(options: BackendOptions) -> OpenAIHTTPBackend:
+        return OpenAIHTTPBackend(
+            connect_timeout_s=options.connect_timeout_s,
+            read_timeout_s=options.read_timeout_s,
+            max_connections=options.max_connections,
+            max_connections_per_worker=options.max_connections_per_worker,
+            namespace_in_body=namespace_in_body,
+            api_keys=options.api_keys,
+            default_api_key=options.default_api_key,
+            admin_token=options.admin_token,
+        )
+
+    return build
+
+
+# Our reference worker, SGLang or any OpenAI-compatible server: the namespace as a header.
+OPENAI = BackendKind("openai", ("http", "https"), worker_id, target_url, _builder(False))
+# A vLLM server (``vllm+http://``): the namespace goes into ``cache_salt``.
+VLLM = BackendKind("vllm", ("vllm+http", "vllm+https"), worker_id, target_url, _builder(True))

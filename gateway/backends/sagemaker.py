@@ -54,6 +54,7 @@ from botocore.exceptions import (
 
 from gateway.backends.base import BackendUnavailable, UpstreamRequest, WorkerProbe
 from gateway.backends.eventstream import LineBuffer
+from gateway.backends.kinds import BackendKind, BackendOptions
 from gateway.backends.sagemaker_body import (
     BodyError,
     OpenAIStream,
@@ -62,7 +63,7 @@ from gateway.backends.sagemaker_body import (
     error_event,
     tgi_reply,
 )
-from gateway.backends.sagemaker_target import SageMakerTarget, parse_target
+from gateway.backends.sagemaker_target import SCHEME, SageMakerTarget, parse_target
 from gateway.contracts.errors import openai_error
 from gateway.routing.types import Worker
 
@@ -463,3 +464,20 @@ class SageMakerBackend:
             if variant.get("CurrentInstanceCount", 1) < 1:
                 return WorkerProbe(False, models, "variant has no instance in service")
         return WorkerProbe(True, models)
+
+
+def _build(options: BackendOptions) -> SageMakerBackend:
+    return SageMakerBackend(
+        connect_timeout_s=options.connect_timeout_s,
+        read_timeout_s=options.read_timeout_s,
+        max_connections=options.max_connections,
+    )
+
+
+# The query of a target URL describes the target; the gateway invokes it in its own AWS
+# account, whose cache size no probe reports.
+SAGEMAKER = BackendKind(
+    "sagemaker", (SCHEME,), worker_id=lambda url: parse_target(url).id,
+    target_url=lambda url: url, build=_build,
+    query_names_credentials=False, trust_unconfirmed_capacity=True,
+)

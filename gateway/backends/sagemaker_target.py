@@ -83,10 +83,6 @@ class SageMakerTarget:
         return f"{SCHEME}://{quote(self.endpoint, safe='')}{tail}"
 
 
-def is_sagemaker_url(url: str) -> bool:
-    return url.startswith(SCHEME + "://")
-
-
 def _one(query: dict[str, list[str]], name: str, default: str = "") -> str:
     values = query.get(name)
     return values[-1].strip() if values else default

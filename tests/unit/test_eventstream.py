@@ -18,10 +18,11 @@ from gateway.backends.eventstream import (
     payload_part,
     stream_exception,
 )
+from gateway.backends.registry import kind_of_url
 from gateway.backends.sagemaker import SessionTable
 from gateway.backends.sagemaker_body import OpenAIStream, TGIStream, tgi_reply, tgi_request
 from gateway.backends.sagemaker_target import SageMakerTarget, parse_target
-from gateway.pool import kind_for, worker_id_for
+from gateway.pool import worker_id_for
 
 
 def _decode(wire: bytes, cut: int | None = None) -> list[Any]:
@@ -217,7 +218,7 @@ def test_target_urls_parse_and_round_trip(url: str, expected: SageMakerTarget, w
     target = parse_target(url)
     assert target == expected
     assert target.id == wid == worker_id_for(url)
-    assert kind_for(url) == "sagemaker"
+    assert kind_of_url(url).name == "sagemaker"
     assert parse_target(target.url()) == target
 
 
@@ -240,4 +241,4 @@ def test_bad_target_urls_say_what_is_wrong(url: str, message: str) -> None:
 def test_advertised_models_default_to_the_component_or_endpoint() -> None:
     assert parse_target("sagemaker://ep?variant=A").advertised_models() == {"ep"}
     assert parse_target("sagemaker://ep?component=ic").advertised_models() == {"ic"}
-    assert kind_for("http://127.0.0.1:8001") == "openai"
+    assert kind_of_url("http://127.0.0.1:8001").name == "openai"
