@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import warnings
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -23,8 +24,11 @@ BACKGROUND = ("gateway-health", "gateway-rebalance", "kv-events-reconcile")
 
 
 def open_client_sessions() -> set[int]:
-    return {id(o) for o in gc.get_objects()
-            if isinstance(o, aiohttp.ClientSession) and not o.closed}
+    # Every live object is looked at; some libraries warn when merely inspected.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {id(o) for o in gc.get_objects()
+                if isinstance(o, aiohttp.ClientSession) and not o.closed}
 
 
 def gateway_tasks() -> list[str]:
