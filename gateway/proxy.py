@@ -25,6 +25,12 @@ from aiohttp import web
 
 from gateway.backends.base import BackendUnavailable, UpstreamReply, UpstreamRequest
 from gateway.contracts.errors import openai_error
+from gateway.contracts.headers import (
+    CACHE_STAT_HEADERS,
+    INPUT_TOKENS_HEADER,
+    MATCHED_TOKENS_HEADER,
+    WORKER_BOOT_HEADER,
+)
 from gateway.errors import ConnectionQueueFull, NoWorkerAvailable, UpstreamError
 from gateway.guard import NoFirstByte, SlotTimeout, UpstreamGuard
 from gateway.routing.types import Decision, NoCandidates, PrefixMatcher, RouteRequest
@@ -39,18 +45,10 @@ log = logging.getLogger(__name__)
 TENANT_KEY = web.RequestKey("tenant", str)
 NAMESPACE_KEY = web.RequestKey("namespace", str)
 
-CACHE_HEADERS = (
-    "x-cache-input-tokens",
-    "x-cache-matched-tokens",
-    "x-cache-matched-blocks",
-    "x-cache-hit-ratio",
-)
 _USAGE_TAIL_BYTES = 8192
 _FIRST_BACKOFF_S = 0.05  # before retrying elsewhere after a 429/503; doubles, jittered
 _MAX_BACKOFF_S = 1.0
-_RELAYED_HEADERS = ("Content-Type", *CACHE_HEADERS)
-# Our worker's boot id: a new value means it restarted with a cold cache.
-WORKER_BOOT_HEADER = "x-worker-boot-id"
+_RELAYED_HEADERS = ("Content-Type", *CACHE_STAT_HEADERS)
 
 
 def route_headers(decision: Decision, request: RouteRequest) -> dict[str, str]:
@@ -207,10 +205,10 @@ async def dispatch(
 
 def stats_from_headers(reply: UpstreamReply) -> CacheUsage | None:
     """What our worker reused, from its ``x-cache-*`` headers."""
-    input_tokens = _int_header(reply, "x-cache-input-tokens")
+    input_tokens = _int_header(reply, INPUT_TOKENS_HEADER)
     if not input_tokens:
         return None
-    return CacheUsage(input_tokens, _int_header(reply, "x-cache-matched-tokens"))
+    return CacheUsage(input_tokens, _int_header(reply, MATCHED_TOKENS_HEADER))
 
 
 def stats_from_usage(payload: bytes) -> CacheUsage | None:

@@ -17,6 +17,12 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.contracts.headers import (
+    HIT_RATIO_HEADER,
+    INPUT_TOKENS_HEADER,
+    MATCHED_BLOCKS_HEADER,
+    MATCHED_TOKENS_HEADER,
+)
 from worker.engines.base import Admission, Engine, GenerationRequest
 from worker.metrics import WorkerMetrics
 from worker.observe import PromptTiming, RequestTrace
@@ -65,10 +71,10 @@ class CacheReport:
 
     def headers(self) -> dict[str, str]:
         return {
-            "x-cache-input-tokens": str(self.input_tokens),
-            "x-cache-matched-tokens": str(self.matched_tokens),
-            "x-cache-matched-blocks": str(self.matched_blocks),
-            "x-cache-hit-ratio": f"{self.cache_hit_ratio:.6f}",
+            INPUT_TOKENS_HEADER: str(self.input_tokens),
+            MATCHED_TOKENS_HEADER: str(self.matched_tokens),
+            MATCHED_BLOCKS_HEADER: str(self.matched_blocks),
+            HIT_RATIO_HEADER: f"{self.cache_hit_ratio:.6f}",
         }
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:

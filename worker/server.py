@@ -45,6 +45,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.contracts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from gateway.contracts.disconnect import cancel_on_disconnect
+from gateway.contracts.headers import NAMESPACE_HEADER, WORKER_BOOT_HEADER
 from gateway.contracts.kv_keys import engine_namespace
 from gateway.contracts.registry_signing import signed
 from gateway.contracts.tracing import Tracing
@@ -80,7 +81,6 @@ STARTED_KEY = web.AppKey("worker_started", int)
 BOOT_ID_KEY = web.AppKey("worker_boot_id", str)
 TRACING_KEY = web.AppKey("worker_tracing", Tracing)
 
-NAMESPACE_HEADER = "x-cache-namespace"
 CLIENT_MAX_SIZE = 32 * 1024 * 1024
 # Texts longer than this are tokenized in a thread so the event loop keeps serving.
 THREAD_TOKENIZE_CHARS = 8192
@@ -154,7 +154,7 @@ async def _run(request: web.Request, job: Job) -> web.StreamResponse:
         "x-worker-id": settings.effective_worker_id,
         "x-request-id": job.response_id,
         # New at every start: a gateway that sees it change knows this cache is cold.
-        "x-worker-boot-id": request.app[BOOT_ID_KEY],
+        WORKER_BOOT_HEADER: request.app[BOOT_ID_KEY],
     }
     engine, metrics = request.app[ENGINE_KEY], request.app[METRICS_KEY]
     loop = asyncio.get_running_loop()

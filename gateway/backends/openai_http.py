@@ -35,11 +35,11 @@ from gateway.backends.base import (
     WorkerProbe,
 )
 from gateway.backends.kinds import BackendKind, BackendOptions
+from gateway.contracts.headers import NAMESPACE_HEADER
 from gateway.contracts.kv_keys import engine_namespace
 from gateway.openai_schema import encode_body
 from gateway.routing.types import Worker
 
-NAMESPACE_HEADER = "x-cache-namespace"
 ENGINE_METRICS = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",

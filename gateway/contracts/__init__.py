@@ -2,7 +2,8 @@
 
 * the worker record (``worker_record``), its signature (``registry_signing``) and the Redis
   registry it is stored in, with the client a worker registers itself with (``registry``);
-* chat rendering and roles (``chat``, ``chat_template``), the OpenAI error body (``errors``);
+* chat rendering and roles (``chat``, ``chat_template``), the OpenAI error body (``errors``),
+  the header names both sides read and write (``headers``);
 * the KV-cache event wire format (``kv_wire``) and the block keys both sides compute
   (``kv_keys``);
 * the servers' plumbing: settings from flags, environment and TOML (``config``,
