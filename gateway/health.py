@@ -9,6 +9,7 @@ import logging
 import time
 
 from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
+from gateway.contracts import engine_metrics as metric
 from gateway.lifecycle import CacheLifecycle
 from gateway.misses import MissTracker
 from gateway.routing.types import Worker
@@ -41,7 +42,7 @@ class HealthChecker:
         alive_since = time.monotonic()
         probes = await asyncio.gather(*(self._probe(s.worker) for s in workers))
         for s, probe in zip(workers, probes, strict=True):
-            queries = probe.metrics.get("vllm:prefix_cache_queries_total")
+            queries = probe.metrics.get(metric.total(metric.PREFIX_CACHE_QUERIES))
             if self._misses.probed(s.worker.id, queries):
                 log.warning("worker %s restarted (its cache counters went back); its cache is "
                             "cold", s.worker.id)

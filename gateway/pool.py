@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.backends.registry import kind_of_url
+from gateway.contracts.engine_metrics import RUNNING, WAITING
 from gateway.kvevents.endpoints import EventEndpoints, split_url
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.ring import Ring
@@ -65,9 +66,7 @@ class WorkerState:
         requests = self.inflight_requests
         engine = self.engine_metrics
         if engine:
-            queued = engine.get("vllm:num_requests_running", 0.0) + engine.get(
-                "vllm:num_requests_waiting", 0.0
-            )
+            queued = engine.get(RUNNING, 0.0) + engine.get(WAITING, 0.0)
             requests = max(requests, int(queued))
             tokens = max(tokens, int(queued * self.mean_cost_tokens))
         worker = self.worker

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gateway.contracts import engine_metrics as metric
 from worker.engines.base import Engine
 
 # vLLM's buckets for vllm:time_to_first_token_seconds.
@@ -47,8 +48,8 @@ class EngineCollector:
         labels = ["model_name"]
         values = [self._model]
         counters = (
-            ("vllm:prefix_cache_queries", "Prefix cache queries, tokens.", s.cache.queries_tokens),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.cache.hit_tokens),
+            (metric.PREFIX_CACHE_QUERIES, "Prefix cache queries, tokens.", s.cache.queries_tokens),
+            (metric.PREFIX_CACHE_HITS, "Prefix cache hits, in tokens.", s.cache.hit_tokens),
             ("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens),
             ("vllm:generation_tokens", "Generation tokens processed.", s.generation_tokens),
             ("vllm:request_success", "Requests finished.", s.requests_finished),
@@ -58,10 +59,10 @@ class EngineCollector:
             counter.add_metric(values, value)
             yield counter
         gauges = (
-            ("vllm:num_requests_running", "Requests running (holding KV blocks).", s.running),
-            ("vllm:num_requests_waiting", "Requests waiting for admission.", s.waiting),
+            (metric.RUNNING, "Requests running (holding KV blocks).", s.running),
+            (metric.WAITING, "Requests waiting for admission.", s.waiting),
             (
-                "vllm:kv_cache_usage_perc",
+                metric.KV_CACHE_USAGE,
                 "KV cache usage, 0-1: fraction of blocks referenced by running requests.",
                 s.cache.usage,
             ),
@@ -74,7 +75,7 @@ class EngineCollector:
             return
         # vLLM's info gauge: the cache geometry, so launchers and gateways learn the capacity.
         info = GaugeMetricFamily(
-            "vllm:cache_config_info", "Information of the KV cache config.",
+            metric.CACHE_CONFIG_INFO, "Information of the KV cache config.",
             labels=["block_size", "num_gpu_blocks"],
         )
         blocks = self._reported_blocks or s.cache.num_blocks

@@ -35,20 +35,22 @@ from gateway.backends.base import (
     WorkerProbe,
 )
 from gateway.backends.kinds import BackendKind, BackendOptions
+from gateway.contracts import engine_metrics as metric
 from gateway.contracts.headers import NAMESPACE_HEADER
 from gateway.contracts.kv_keys import engine_namespace
 from gateway.openai_schema import encode_body
 from gateway.routing.types import Worker
 
 ENGINE_METRICS = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
+    metric.RUNNING,
+    metric.WAITING,
+    metric.KV_CACHE_USAGE,
+    metric.total(metric.PREFIX_CACHE_QUERIES),
+    metric.total(metric.PREFIX_CACHE_HITS),
 )
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
-_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
+_CACHE_INFO = re.compile(rf"^{re.escape(metric.CACHE_CONFIG_INFO)}\{{(?P<labels>[^}}]*)\}}",
+                         re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 

@@ -3,7 +3,8 @@
 * the worker record (``worker_record``), its signature (``registry_signing``) and the Redis
   registry it is stored in, with the client a worker registers itself with (``registry``);
 * chat rendering and roles (``chat``, ``chat_template``), the OpenAI error body (``errors``),
-  the header names both sides read and write (``headers``);
+  the header names both sides read and write (``headers``) and the engine metric names a
+  worker exports and the gateway reads (``engine_metrics``);
 * the KV-cache event wire format (``kv_wire``) and the block keys both sides compute
   (``kv_keys``);
 * the servers' plumbing: settings from flags, environment and TOML (``config``,

@@ -1,0 +1,14 @@
+"""Engine metrics a worker exports on ``/metrics`` and the gateway reads when it probes: vLLM's
+names, which the reference worker exports too. Counters appear with the ``_total`` suffix."""
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"  # counter, in tokens
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"  # counter, in tokens
+CACHE_CONFIG_INFO = "vllm:cache_config_info"  # labels block_size, num_gpu_blocks
+
+
+def total(counter: str) -> str:
+    """The sample name of a counter in the Prometheus text format."""
+    return counter + "_total"
