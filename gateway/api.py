@@ -52,6 +52,8 @@ def request_cost(parsed: ParsedRequest, settings: GatewaySettings) -> tuple[int,
 
 async def _read_body(request: web.Request, timeout_s: float) -> bytes:
     """The request body, if the client sends all of it within ``timeout_s``."""
+    if request.content.is_eof():  # all of it arrived already: nothing to wait for
+        return await request.read()
     try:
         async with asyncio.timeout(timeout_s):
             return await request.read()

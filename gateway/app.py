@@ -19,7 +19,6 @@ from gateway.backends.base import Backend
 from gateway.backends.kinds import BackendOptions
 from gateway.backends.registry import build_backends
 from gateway.breaker import BreakerOptions, Breakers
-from gateway.contracts.disconnect import cancel_on_disconnect
 from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import Tracing
 from gateway.credentials import worker_keys
@@ -297,7 +296,7 @@ def create_app(
         access_log=AccessLog(settings.access_log),
     )
     app = web.Application(
-        middlewares=[telemetry_middleware, cancel_on_disconnect(), error_middleware,
+        middlewares=[telemetry_middleware, error_middleware,
                      auth.middleware],
         client_max_size=settings.max_body_bytes,
     )

@@ -182,6 +182,8 @@ class TenantHasher:
 
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
+        # Namespaces already derived (every request needs one; few distinct ones recur).
+        self._namespaces: dict[tuple[str, str], str] = {}
 
     def tenant_id(self, tenant: str) -> str:
         if not tenant:
@@ -192,8 +194,15 @@ class TenantHasher:
     def namespace(self, tenant_id: str, cache_salt: str) -> str:
         """The cache namespace of a tenant's request: always derived here, the client's salt
         only ever adds to it."""
+        known = self._namespaces.get((tenant_id, cache_salt))
+        if known is not None:
+            return known
         msg = b"ns\x00" + tenant_id.encode() + b"\x00" + _key_bytes(cache_salt)
-        return "ns-" + hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
+        namespace = "ns-" + hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
+        if len(self._namespaces) >= _VERIFIED_CACHE:
+            self._namespaces.clear()
+        self._namespaces[tenant_id, cache_salt] = namespace
+        return namespace
 
 
 def _bearer(request: web.Request) -> str:

@@ -25,7 +25,7 @@ import contextlib
 import math
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from gateway.breaker import BreakerOptions, Breakers
 from gateway.pool import WorkerPool
@@ -56,6 +56,9 @@ class ConnectionSlots:
         self.queue_timeout_s = queue_timeout_s
 
     async def _take(self, sem: asyncio.Semaphore, scope: str) -> None:
+        if not sem.locked():  # free now: no wait, no timer
+            await sem.acquire()
+            return
         try:
             async with asyncio.timeout(self.queue_timeout_s):
                 await sem.acquire()
@@ -86,53 +89,54 @@ class ConnectionSlots:
 
 
 class Ejections:
-    """Futures that complete when a worker is found down (by a probe or a failed attempt)."""
+    """Who to tell when a worker is found down (by a probe or a failed attempt)."""
 
     def __init__(self) -> None:
-        self._waiters: dict[str, set[asyncio.Future[str]]] = {}
+        self._waiters: dict[str, set[Callable[[str], None]]] = {}
 
     @contextlib.contextmanager
-    def watch(self, wid: str) -> Iterator[asyncio.Future[str]]:
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(wid, set()).add(future)
+    def watch(self, wid: str, on_eject: Callable[[str], None]) -> Iterator[None]:
+        """``on_eject(reason)`` is called if ``wid`` is ejected while the block runs."""
+        self._waiters.setdefault(wid, set()).add(on_eject)
         try:
-            yield future
+            yield
         finally:
             waiters = self._waiters.get(wid)
             if waiters is not None:
-                waiters.discard(future)
+                waiters.discard(on_eject)
                 if not waiters:
                     del self._waiters[wid]
-            future.cancel()
 
     def eject(self, wid: str, reason: str) -> None:
-        for future in self._waiters.pop(wid, set()):
-            if not future.done():
-                future.set_result(reason)
+        for on_eject in self._waiters.pop(wid, set()):
+            on_eject(reason)
 
 
-async def first_byte(opening: Awaitable[T], timeout_s: float, ejected: asyncio.Future[str]) -> T:
+async def first_byte(opening: Awaitable[T], timeout_s: float, ejections: Ejections,
+                     wid: str) -> T:
     """``opening`` (the request up to the reply's status line), given up after ``timeout_s``
-    (0: no limit) or once ``ejected`` completes; giving up cancels it, which closes its
-    connection."""
-    task = asyncio.ensure_future(opening)
-    either: set[asyncio.Future[Any]] = {task, ejected}
-    try:
-        done, _ = await asyncio.wait(
-            either, timeout=timeout_s or None, return_when=asyncio.FIRST_COMPLETED
-        )
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if task not in done:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    if not task.cancelled() and (task in done or task.exception() is None):
-        return task.result()  # it arrived (possibly just as we gave up): use it
-    if ejected.done() and not ejected.cancelled():
-        raise NoFirstByte(f"found down while waiting: {ejected.result()}")
-    raise NoFirstByte(f"nothing received within the first-byte timeout ({timeout_s:g}s)")
+    (0: no limit) or once ``wid`` is ejected; giving up cancels it, which closes its
+    connection. It runs in the caller's task under one timer (no task of its own): an
+    ejection moves the timer's deadline to now."""
+    timer = asyncio.timeout(timeout_s or None)
+    ejected: list[str] = []
+
+    def on_eject(reason: str) -> None:
+        if not ejected and not timer.expired():
+            ejected.append(reason)
+            timer.reschedule(asyncio.get_running_loop().time())
+
+    with ejections.watch(wid, on_eject):
+        try:
+            async with timer:
+                return await opening
+        except TimeoutError:
+            if not timer.expired():
+                raise  # the opening's own timeout, not ours
+            if ejected:
+                raise NoFirstByte(f"found down while waiting: {ejected[0]}") from None
+            raise NoFirstByte(
+                f"nothing received within the first-byte timeout ({timeout_s:g}s)") from None
 
 
 class Liveness:
@@ -159,8 +163,7 @@ class UpstreamGuard:
 
     async def open(self, wid: str, opening: Awaitable[T]) -> T:
         """``opening`` under the first-byte timeout, given up if ``wid`` is found down."""
-        with self.ejections.watch(wid) as ejected:
-            return await first_byte(opening, self.first_byte_timeout_s, ejected)
+        return await first_byte(opening, self.first_byte_timeout_s, self.ejections, wid)
 
     def blocked(self, pool: WorkerPool, now: float) -> frozenset[str]:
         """Workers whose breaker keeps requests away now; none if that is every healthy one

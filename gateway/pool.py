@@ -88,6 +88,9 @@ class WorkerPool:
         self._stale: set[str] = set()
         self._healthy_tokens = 0
         self._healthy_weight = 0.0
+        # The models the healthy workers serve and each one's namespace identity, read on every
+        # request: computed once after any change of health, models or versions.
+        self._catalog: tuple[frozenset[str], dict[str, str]] | None = None
         # Wraps the modelled index for routing (the engine-exact source, gateway.kvevents).
         self.matcher: Callable[[PrefixMatcher, float], PrefixMatcher] | None = None
         # Called with the worker id when a worker joins or leaves (gateway.warmup).
@@ -119,6 +122,7 @@ class WorkerPool:
                             kind=kind or by_url.name)
             self._workers[wid] = WorkerState(worker, source=source, events=events)
             self._stale.add(wid)
+            self._catalog = None
             self._rebuild_ring()
             log.info("worker %s joined (%s, %s)", wid, url, source)
             if self.on_join is not None:
@@ -128,6 +132,7 @@ class WorkerPool:
     def remove(self, wid: str) -> None:
         if self._workers.pop(wid, None) is not None:
             self._stale.add(wid)
+            self._catalog = None
             self._index.forget_worker(wid)
             self._rebuild_ring()
             log.info("worker %s left", wid)
@@ -216,6 +221,7 @@ class WorkerPool:
         if state is None:
             return
         self._stale.add(wid)
+        self._catalog = None
         if metrics is not None:
             state.engine_metrics = dict(metrics)
         if not state.healthy:
@@ -234,6 +240,7 @@ class WorkerPool:
             return []
         changed = [m for m, v in versions.items() if state.versions.get(m, v) != v]
         state.versions = dict(versions)
+        self._catalog = None
         if changed:
             log.warning("worker %s now serves another version of %s: forgetting its cache",
                         wid, ", ".join(sorted(changed)))
@@ -248,21 +255,34 @@ class WorkerPool:
         """``model`` plus the version most of its healthy workers report (the newest-looking
         on a tie), for cache namespaces: prefixes keyed under one version never match requests
         keyed under another. Just ``model`` while no worker reports a version."""
-        counts: dict[str, int] = {}
+        return self._served()[1].get(model, model)
+
+    def _served(self) -> tuple[frozenset[str], dict[str, str]]:
+        if self._catalog is not None:
+            return self._catalog
+        models: set[str] = set()
+        counts: dict[str, dict[str, int]] = {}
         for state in self._workers.values():
-            version = state.versions.get(model) if state.healthy else None
-            if version:
-                counts[version] = counts.get(version, 0) + 1
-        if not counts:
-            return model
-        best = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
-        return f"{model}@{best}"
+            if not state.healthy:
+                continue
+            models |= state.worker.models
+            for model, version in state.versions.items():
+                if version:
+                    per = counts.setdefault(model, {})
+                    per[version] = per.get(version, 0) + 1
+        identities = {
+            model: f"{model}@{max(per.items(), key=lambda kv: (kv[1], kv[0]))[0]}"
+            for model, per in counts.items()
+        }
+        self._catalog = (frozenset(models), identities)
+        return self._catalog
 
     def mark_down(self, wid: str, reason: str) -> None:
         state = self._workers.get(wid)
         if state is None:
             return
         self._stale.add(wid)
+        self._catalog = None
         if state.healthy:
             log.warning("worker %s is down: %s", wid, reason)
             # Whatever it held is unknown now; a restarted worker comes back with a cold cache.
@@ -270,12 +290,9 @@ class WorkerPool:
         state.healthy = False
         state.last_error = reason
 
-    def models(self) -> set[str]:
-        out: set[str] = set()
-        for state in self._workers.values():
-            if state.healthy:
-                out |= state.worker.models
-        return out
+    def models(self) -> frozenset[str]:
+        """The models the healthy workers serve."""
+        return self._served()[0]
 
     def any_healthy(self) -> bool:
         return any(s.healthy for s in self._workers.values())

@@ -92,7 +92,14 @@ class JsonErrorServer(web.Server):
 
 
 class JsonErrorRunner(web.AppRunner):
-    """An ``AppRunner`` whose connections use :class:`JsonErrorRequestHandler`."""
+    """An ``AppRunner`` whose connections use :class:`JsonErrorRequestHandler`, and whose
+    handlers are cancelled when their client disconnects (``handler_cancellation``; aiohttp's
+    default lets them run on): a request waiting on a worker then closes its upstream
+    connection at once, which the worker sees as its own client going away."""
+
+    def __init__(self, app: web.Application, *, handler_cancellation: bool = True,
+                 **kwargs: Any) -> None:
+        super().__init__(app, handler_cancellation=handler_cancellation, **kwargs)
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()

@@ -9,11 +9,13 @@ they fail.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
+
+import orjson
 
 if TYPE_CHECKING:
     from gateway.telemetry.record import RequestRecord
@@ -24,11 +26,50 @@ QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/favicon.ico"})
 QUIET_PREFIXES = ("/ui",)
 
 
-def configure_stream(stream: object = None) -> None:
+FLUSH_AFTER_S = 0.2  # the longest a line waits in the buffer while the event loop runs
+FLUSH_LINES = 512
+
+
+class BufferedLines(logging.Handler):
+    """Writes the bare message of each record to ``stream``, in batches: one write per
+    ``FLUSH_LINES`` lines or ``FLUSH_AFTER_S`` (a timer on the running event loop), not one
+    write and flush per request. Without a running loop every line is written at once."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        super().__init__()
+        self.stream = stream
+        self._lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._lines.append(record.getMessage())
+            if len(self._lines) == 1:
+                try:
+                    asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self.flush)
+                    return
+                except RuntimeError:
+                    pass  # no loop: write now
+            if len(self._lines) >= FLUSH_LINES or len(self._lines) == 1:
+                self.flush()
+        except Exception:
+            self.handleError(record)
+
+    def flush(self) -> None:
+        with self.lock:  # type: ignore[union-attr]  # created by Handler.__init__
+            if not self._lines:
+                return
+            lines, self._lines = self._lines, []
+            try:
+                self.stream.write("\n".join(lines) + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass  # stdout closed or gone: access lines are best effort
+
+
+def configure_stream(stream: IO[str] | None = None) -> None:
     """Send access lines bare (the line is the message) to stdout, apart from other logs."""
     logger = logging.getLogger(LOGGER_NAME)
-    handler = logging.StreamHandler(stream or sys.stdout)  # type: ignore[arg-type]
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler = BufferedLines(stream or sys.stdout)
     logger.handlers = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -77,7 +118,7 @@ class AccessLog:
             return
         values = fields(record, latency_s, sent_bytes)
         if self.mode == "json":
-            line = json.dumps(values, separators=(",", ":"))
+            line = orjson.dumps(values).decode()
         else:
             line = " ".join(f"{k}={v}" for k, v in values.items())
         self._logger.info(line)

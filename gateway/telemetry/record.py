@@ -18,7 +18,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_
 from gateway.contracts.tracing import Tracing
 from gateway.misses import MissTracker, Outcome
 from gateway.telemetry.access_log import AccessLog
-from gateway.telemetry.metrics import GatewayMetrics, reason_kind
+from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.window import RecentWindow
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class RequestRecord:
         ``index`` is what routing matched against (None for policies without one): the
         deepest match any worker held is read from it."""
         self.policy, self.reason = decision.policy, decision.reason
-        self.kind = reason_kind(decision.reason)
+        self.kind = decision.label
         self.worker = decision.worker_id
         self.match_blocks = decision.match_blocks
         blocks = request.key.blocks
