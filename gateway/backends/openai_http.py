@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+from yarl import URL
 
 from gateway.backends.base import (
     CACHE_CAPACITY_TOKENS,
@@ -178,6 +179,8 @@ class OpenAIHTTPBackend:
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
         self._client: aiohttp.ClientSession | None = None
+        # Parsed upstream URLs (worker URL + path): the client parses a string on every call.
+        self._urls: dict[tuple[str, str], URL] = {}
 
     async def start(self) -> None:
         """Open the pooled session (it must be created inside the running event loop)."""
@@ -233,9 +236,13 @@ class OpenAIHTTPBackend:
         elif namespace:
             headers[NAMESPACE_HEADER] = namespace
         data = encode_body(body)
+        url = self._urls.get((worker.url, request.path))
+        if url is None:
+            if len(self._urls) >= 4096:
+                self._urls.clear()
+            url = self._urls[worker.url, request.path] = URL(worker.url + request.path)
         try:
-            response = await self._session.post(worker.url + request.path, data=data,
-                                                 headers=headers)
+            response = await self._session.post(url, data=data, headers=headers)
         except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
         return HTTPReply(response, strip_usage=strip_usage)

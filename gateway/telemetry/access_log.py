@@ -42,17 +42,21 @@ class BufferedLines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._lines.append(record.getMessage())
-            if len(self._lines) == 1:
-                try:
-                    asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self.flush)
-                    return
-                except RuntimeError:
-                    pass  # no loop: write now
-            if len(self._lines) >= FLUSH_LINES or len(self._lines) == 1:
-                self.flush()
+            self.write_line(record.getMessage())
         except Exception:
             self.handleError(record)
+
+    def write_line(self, line: str) -> None:
+        """What ``emit`` does with a record's message, without building the record."""
+        self._lines.append(line)
+        if len(self._lines) == 1:
+            try:
+                asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self.flush)
+                return
+            except RuntimeError:
+                pass
+        if len(self._lines) >= FLUSH_LINES or len(self._lines) == 1:
+            self.flush()
 
     def flush(self) -> None:
         with self.lock:  # type: ignore[union-attr]  # created by Handler.__init__
@@ -121,4 +125,8 @@ class AccessLog:
             line = orjson.dumps(values).decode()
         else:
             line = " ".join(f"{k}={v}" for k, v in values.items())
-        self._logger.info(line)
+        handlers = self._logger.handlers
+        if len(handlers) == 1 and type(handlers[0]) is BufferedLines and not self._logger.propagate:
+            handlers[0].write_line(line)  # the stdout sink alone: skip building a LogRecord
+        else:
+            self._logger.info(line)

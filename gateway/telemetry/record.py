@@ -85,7 +85,7 @@ class Telemetry:
             self.metrics.misses.labels(record.worker, cause).inc()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestRecord:
     """Everything telemetry needs about one request; filled in by hooks along the way."""
 
