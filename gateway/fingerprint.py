@@ -123,6 +123,25 @@ class PrefixKey:
         """Depth in blocks of checkpoint ``i``."""
         return self.depths[i] if self.depths else i + 1
 
+    def anchor_past(self, depth: int) -> int:
+        """The ring anchor of the rest of the prompt after its first ``depth`` blocks: the
+        deepest checkpoint as far past ``depth`` as :attr:`anchor` is past the start (the
+        first checkpoint past it where the checkpoints are sparser; the last one of a shorter
+        prompt). Prompts that share a trunk of ``depth`` blocks and go on alike share it."""
+        blocks, depths = self.blocks, self.depths
+        if not blocks:
+            return self.anchor
+        try:
+            span = self.depth_at(blocks.index(self.anchor, 0, 64))
+        except ValueError:  # an anchor of no block (an empty prompt's)
+            span = 1
+        if not depths:
+            return blocks[min(depth + span, len(blocks)) - 1]
+        i = bisect.bisect_right(depths, depth + span) - 1
+        if i < 0 or depths[i] <= depth:
+            i = bisect.bisect_right(depths, depth)
+        return blocks[min(i, len(blocks) - 1)]
+
 
 def fingerprint(
     text: str, namespace: Namespace, opts: FingerprintOptions = FingerprintOptions()

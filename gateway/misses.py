@@ -13,7 +13,8 @@ of these that applies:
     hot prefix spread to a second holder);
 ``cold_placement``
     some worker held part of the prefix, too little to count as a match, so the request was
-    placed as cold on a worker that held none of it;
+    placed as cold on a worker that held none of it; or the part held was a shared trunk the
+    request branched off, and it was placed past the trunk (decision kind ``branch``);
 ``evicted_by_worker``
     the chosen worker was predicted to hold the prefix and served part of it, or the index
     models its cache as full: it evicted the rest under memory pressure;
@@ -97,7 +98,8 @@ def classify(o: Outcome) -> str | None:
     if o.restarted:
         return "worker_restarted"
     if o.match_blocks < o.best_blocks:
-        return "cold_placement" if o.match_blocks == 0 and o.kind == "cold" else (
+        return "cold_placement" if o.kind == "branch" or (
+            o.match_blocks == 0 and o.kind == "cold") else (
             "diverted_by_load")
     if o.cached_tokens > 0 or o.worker_evicting:
         return "evicted_by_worker"

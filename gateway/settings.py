@@ -112,6 +112,14 @@ class GatewaySettings:
         metadata=_help("cache_aware: look at the prefix's holders and the first k workers on "
                        "the ring from its anchor (0: every worker)"),
     )
+    branch_guard: float = field(
+        default=_POLICY.branch_guard,
+        metadata=_help("cache_aware: a request whose known prefix is a trunk other prompts "
+                       "went on from (a shared system or tool prompt) and less than half of it "
+                       "is placed as a cold prefix from the ring position past the trunk, while "
+                       "every holder of the trunk has more than this x its share of recent "
+                       "requests (0: never)"),
+    )
     store: str = field(
         default="memory://",
         metadata=_help("metadata store: memory:// (embedded, one process) or redis://host:port/db"),

@@ -331,8 +331,14 @@ class ExactMatcher:
     def heat(self, block: int) -> float:
         return self.base.heat(block)
 
+    def branched(self, block: int) -> bool:
+        return self.base.branched(block)
+
     def recent_requests(self, worker_id: str) -> float:
         return self.base.recent_requests(worker_id)
+
+    def pool_recent_requests(self) -> float:
+        return self.base.pool_recent_requests()
 
     def mean_new_blocks(self) -> float:
         return self.base.mean_new_blocks()

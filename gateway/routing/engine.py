@@ -39,6 +39,14 @@ class Context:
     pool_load: tuple[int, float] | None = None
     # The deepest known prefix of this request is hot (many recent requests share it).
     hot: bool = False
+    # Set when the request branches off a shared trunk with most of its prompt: the ring
+    # anchor of the part past the trunk, from which it is placed as a cold prefix.
+    branch_anchor: int | None = None
+
+    @property
+    def anchor(self) -> int:
+        """Where the request's ring walk starts: past the trunk for a branch."""
+        return self.request.key.anchor if self.branch_anchor is None else self.branch_anchor
 
 
 class Filter(Protocol):
@@ -80,6 +88,12 @@ class Profile:
     candidate_limit: int = 0
     # A known prefix shared by at least this many recent requests (decayed) is hot; 0 = never.
     hot_threshold: float = 0.0
+    # A request whose deepest known prefix is a trunk other prompts went on from (a shared
+    # system or tool prompt), and less than half of it, is placed as a cold prefix from the
+    # ring anchor past the trunk (:meth:`RoutingEngine._branch`).
+    # ... and only while every holder of the trunk has more than ``branch_guard`` times its
+    # share of the pool's recent requests; 0: never.
+    branch_guard: float = 0.0
 
 
 def _clamp(x: float) -> float:
@@ -104,19 +118,25 @@ class RoutingEngine:
     ) -> Decision:
         """Choose a worker for ``request``; ``exclude`` holds workers that already failed it."""
         profile = self.profile
-        matches, hot = self._matches(request, snapshot)
+        matches, deepest = self._matches(request, snapshot)
+        hot = bool(matches) and profile.hot_threshold > 0 and (
+            snapshot.index.heat(request.key.blocks[deepest - 1]) >= profile.hot_threshold)
+        branch = self._branch(request, snapshot, matches, deepest) if matches else None
+        anchor = request.key.anchor if branch is None else branch
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
         limit = profile.candidate_limit
         candidates: list[WorkerView] | None = None
         if limit and len(snapshot.workers) > limit + len(matches) + len(exclude):
-            few, pool_load = self._narrow(request, snapshot, matches, exclude, limit)
-            ctx = Context(request, snapshot, matches, pool_load=pool_load, hot=hot)
+            few, pool_load = self._narrow(anchor, snapshot, matches, exclude, limit)
+            ctx = Context(request, snapshot, matches, pool_load=pool_load, hot=hot,
+                          branch_anchor=branch)
             try:
                 candidates = self._filter(ctx, few, dropped)
             except NoCandidates:  # the few were all filtered out: look at everyone
                 dropped = dict.fromkeys(exclude, "failed")
         if candidates is None:
-            ctx = Context(request=request, snapshot=snapshot, matches=matches, hot=hot)
+            ctx = Context(request=request, snapshot=snapshot, matches=matches, hot=hot,
+                          branch_anchor=branch)
             everyone = [w for w in snapshot.workers if w.id not in exclude]
             candidates = self._filter(ctx, everyone, dropped)
         totals: dict[str, float] = {w.id: 0.0 for w in candidates}
@@ -126,12 +146,12 @@ class RoutingEngine:
         chosen, how = profile.picker.pick(ctx, candidates, totals)
         return self._decision(ctx, chosen, how, dropped, totals)
 
-    def _matches(self, request: RouteRequest, snapshot: Snapshot) -> tuple[dict[str, int], bool]:
+    def _matches(self, request: RouteRequest, snapshot: Snapshot) -> tuple[dict[str, int], int]:
         """Known holders of at least ``min_match_blocks`` of the prefix (worker -> depth in
-        blocks), and whether the deepest known part of it is hot."""
+        blocks), and how many checkpoints of the key the deepest of them holds."""
         profile = self.profile
         if not profile.uses_prefix_index:
-            return {}, False
+            return {}, 0
         key = request.key
         floor = profile.min_match_blocks
         matches: dict[str, int] = {}
@@ -141,19 +161,52 @@ class RoutingEngine:
             if depth >= floor:
                 matches[wid] = depth
                 deepest = max(deepest, count)
-        if not matches or profile.hot_threshold <= 0:
-            return matches, False
-        return matches, snapshot.index.heat(key.blocks[deepest - 1]) >= profile.hot_threshold
+        return matches, deepest
+
+    def _branch(
+        self, request: RouteRequest, snapshot: Snapshot, matches: Mapping[str, int], deepest: int
+    ) -> int | None:
+        """The ring anchor past the trunk when ``request`` branches off one, else None.
+
+        The deepest known prefix of the request (``deepest`` checkpoints) is a *trunk* when a
+        recorded prompt went on past it along another path: a system or tool prompt that
+        sessions share, not the end of the conversation this request extends. When the trunk
+        is less than half of the prompt, where the rest goes is a new placement: the part
+        past the trunk is what the worker will hold and what the session's next requests
+        extend, so it is placed like a cold prefix, from its own ring position (the trunk's
+        holders are the same few workers for every session, and would gather all of them
+        for a saving of less than half a prompt; the trunk is soon cached wherever sessions
+        go). A prompt that is mostly the trunk (a shared prompt with a short question) stays
+        with the trunk's holders, and so does every request that extends its own history."""
+        guard = self.profile.branch_guard
+        if guard <= 0:
+            return None
+        key = request.key
+        depth = key.depth_at(deepest - 1)
+        index = snapshot.index
+        if 2 * depth >= key.total_blocks or not index.branched(key.blocks[deepest - 1]):
+            return None
+        weights = (snapshot.pool_load[1] if snapshot.pool_load is not None
+                   else sum(w.worker.weight for w in snapshot.workers)) or 1.0
+        fair = guard * index.pool_recent_requests() / weights
+        by_id = snapshot.by_id
+        for wid, d in matches.items():
+            if d >= depth:
+                view = by_id.get(wid) if by_id is not None else None
+                weight = view.worker.weight if view is not None else 1.0
+                if index.recent_requests(wid) <= fair * weight:
+                    return None
+        return key.anchor_past(depth)
 
     @staticmethod
     def _narrow(
-        request: RouteRequest,
+        anchor: int,
         snapshot: Snapshot,
         matches: Mapping[str, int],
         exclude: frozenset[str],
         limit: int,
     ) -> tuple[list[WorkerView], tuple[int, float]]:
-        """The holders plus the first ``limit`` healthy workers on the ring from the anchor,
+        """The holders plus the first ``limit`` healthy workers on the ring from ``anchor``,
         and the pool-wide load the bound needs. O(holders + limit) when the snapshot carries
         ``by_id`` and ``pool_load``; one pass over the workers otherwise."""
         by_id = snapshot.by_id
@@ -179,7 +232,7 @@ class RoutingEngine:
 
         chosen = {wid: v for wid in matches if (v := usable(wid)) is not None}
         wanted = len(chosen) + limit
-        for wid in snapshot.ring.walk(request.key.anchor):
+        for wid in snapshot.ring.walk(anchor):
             if wid not in chosen and (view := usable(wid)) is not None:
                 chosen[wid] = view
                 if len(chosen) >= wanted:
@@ -212,7 +265,11 @@ class RoutingEngine:
         profile = self.profile
         depth = ctx.matches.get(chosen.id, 0)
         holder, holder_blocks, why = "", 0, ""
-        if depth > 0:
+        if ctx.branch_anchor is not None:
+            kind = DecisionKind.BRANCH
+            holder = max(ctx.matches, key=lambda wid: ctx.matches[wid])
+            holder_blocks = ctx.matches[holder]
+        elif depth > 0:
             kind = DecisionKind.PREFIX_HIT
         elif not ctx.matches:
             kind = DecisionKind.COLD if profile.uses_prefix_index else DecisionKind.PLACED

@@ -165,6 +165,14 @@ class PrefixIndex:
             return 0.0
         return node.heat * self._decay_factor(node.heat_at, now)
 
+    def branched(self, block: int) -> bool:
+        """Whether some worker holds a checkpoint right below the prefix ``block`` names: a
+        recorded prompt went on past it. For the deepest prefix of a request that some worker
+        holds, that continuation is another prompt's, so the prefix is a trunk the request
+        branches from (a shared system or tool prompt), not the end of a prompt it extends."""
+        node = self._nodes.get(block)
+        return node is not None and any(hold.children for hold in node.holders.values())
+
     # -- writes -------------------------------------------------------------------------------
 
     def record(
@@ -323,6 +331,11 @@ class PrefixIndex:
             return 0.0
         return cache.churn.requests * self._decay_factor(cache.churn.at, now)
 
+    def pool_recent_requests(self, now: float) -> float:
+        """Requests recorded for all workers, halved every ``heat_half_life_s``."""
+        churn = self._pool_churn
+        return churn.requests * self._decay_factor(churn.at, now)
+
     def mean_new_blocks(self) -> float:
         """Blocks a recorded request added to its worker's cache, on average over all workers
         (recent requests weigh more); 0 before the first record."""
@@ -352,8 +365,14 @@ class IndexView:
     def heat(self, block: int) -> float:
         return self.index.heat(block, self.now)
 
+    def branched(self, block: int) -> bool:
+        return self.index.branched(block)
+
     def recent_requests(self, worker_id: str) -> float:
         return self.index.recent_requests(worker_id, self.now)
+
+    def pool_recent_requests(self) -> float:
+        return self.index.pool_recent_requests(self.now)
 
     def mean_new_blocks(self) -> float:
         return self.index.mean_new_blocks()

@@ -67,8 +67,17 @@ class PrefixMatcher(Protocol):
         """Recent requests (decayed) that shared the prefix ``block`` names."""
         ...
 
+    def branched(self, block: int) -> bool:
+        """Whether a recorded prompt went on past the prefix ``block`` names (some worker
+        holds a checkpoint right below it)."""
+        ...
+
     def recent_requests(self, worker_id: str) -> float:
         """Recent requests (decayed) recorded for ``worker_id``."""
+        ...
+
+    def pool_recent_requests(self) -> float:
+        """Recent requests (decayed) recorded for all workers together."""
         ...
 
     def mean_new_blocks(self) -> float:
@@ -107,6 +116,9 @@ class DecisionKind(StrEnum):
     COLD = "cold"  # no worker is known to hold the prefix: placed from the anchor's ring walk
     DIVERTED = "diverted"  # a holder exists but was filtered out (its load bound, a failure)
     SPREAD = "spread"  # a prefix given to one more holder: waiting cost more than the prefill
+    # The known prefix is a shared trunk and most of the prompt is new: placed as a cold
+    # prefix from the ring position past the trunk.
+    BRANCH = "branch"
     PLACED = "placed"  # a policy without a prefix index (ring, round robin, least load)
 
 
@@ -156,6 +168,9 @@ class Decision:
             case DecisionKind.SPREAD:
                 text = (f"spread: {self.holder} {self.diverted_by} "
                         f"(depth={self.holder_blocks}) -> {self.placement}")
+            case DecisionKind.BRANCH:
+                text = (f"branch past depth={self.holder_blocks} -> {self.placement}"
+                        f" depth={self.match_blocks}")
             case _:
                 text = self.placement
         return f"{text} {self.note}" if self.note else text

@@ -145,7 +145,9 @@ class RequestRecord:
         if index is not None:
             # A prefix hit went to a holder: take it as the deepest one and spare a second
             # walk of the index on the hot path. Other decisions may have passed a holder by.
-            if self.kind != "prefix_hit" and best < len(blocks):
+            if self.kind == "branch":  # the decision names the trunk's depth
+                best = max(best, decision.holder_blocks)
+            elif self.kind != "prefix_hit" and best < len(blocks):
                 best = max(index.match(blocks).values(), default=0)
             self.worker_evicting = index.tail_age(decision.worker_id) != float("inf")
         self.best_blocks = max(best, decision.match_blocks)

@@ -10,7 +10,14 @@ from gateway.fingerprint import PrefixKey
 from gateway.routing.policies import PolicyOptions, build_engine
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.ring import Ring
-from gateway.routing.types import RouteRequest, Snapshot, Worker, WorkerView
+from gateway.routing.types import (
+    Decision,
+    DecisionKind,
+    RouteRequest,
+    Snapshot,
+    Worker,
+    WorkerView,
+)
 
 IDS = ("w0", "w1", "w2", "w3")
 RING = Ring({wid: 1.0 for wid in IDS})
@@ -82,8 +89,9 @@ def test_cold_prefix_goes_to_the_lightest_of_the_first_k_on_the_ring(
 
 
 def test_over_bound_holder_is_never_chosen() -> None:
-    # Total 1,500 in flight; w2's guard is 3 x 1/4 x (1,500 + 50) = 1,162 < 1,200.
-    chosen, why = _route({"w2": 1200, "w0": 100, "w1": 100, "w3": 100}, {"w2": 10}, 40)
+    # Total 1,550 in flight; w2's guard is 3 x 1/4 x (1,550 + 50) = 1,200, plus the 40 tokens
+    # of prefill it saves (it holds the whole prompt): 1,240 < 1,250.
+    chosen, why = _route({"w2": 1250, "w0": 100, "w1": 100, "w3": 100}, {"w2": 10}, 40)
     assert chosen != "w2"
     assert why.startswith("diverted: w2 bounded_load")
 
@@ -171,3 +179,112 @@ def test_the_policy_weights_are_validated() -> None:
         build_engine("cache_aware", PolicyOptions(wait_weight=-1.0))
     with pytest.raises(ValueError, match="candidate_limit"):
         PolicyOptions(candidate_limit=-1)
+
+
+# -- the load guard's credit for the prefill a move would redo ----------------------------------
+# Three workers at 100 tokens in flight, w2 at ``load``; a 40-token prompt of 10 blocks (cost 50).
+# Guard: 3 x 1/4 x (total + 50); w2's bound grows by 4 tokens per block it holds of the prompt.
+GUARD_CASES = [
+    # total 1,490: bound 1,155 + 40 (all 10 blocks held) = 1,195 >= 1,190: the holder keeps it.
+    pytest.param(1190, 10, "w2", "prefix_hit depth=10", id="whole-prefix-holder-stays"),
+    # The same load with 2 blocks held: 1,155 + 8 = 1,163 < 1,190: over the bound, diverted.
+    pytest.param(1190, 2, "", "diverted: w2 bounded_load", id="shallow-holder-diverted"),
+    # total 1,550: 1,200 + 40 = 1,240 < 1,250: the credit is only the prefill a move redoes.
+    pytest.param(1250, 10, "", "diverted: w2 bounded_load", id="far-over-bound-diverted"),
+]
+
+
+@pytest.mark.parametrize(("load", "depth", "expected", "reason"), GUARD_CASES)
+def test_the_guard_credits_a_holder_with_the_prefill_it_saves(
+    load: int, depth: int, expected: str, reason: str
+) -> None:
+    chosen, why = _route({"w2": load, "w0": 100, "w1": 100, "w3": 100}, {"w2": depth}, 40)
+    assert why.startswith(reason)
+    assert (chosen == "w2") == (expected == "w2")
+
+
+# -- branches off a shared trunk ----------------------------------------------------------------
+TRUNK = tuple(range(600, 604))  # a 4-block shared system prompt
+OTHER = TRUNK + tuple(range(700, 712))  # another session on it, recorded on w1
+
+
+def _branch_route(
+    prompt: tuple[int, ...],
+    recorded: tuple[tuple[tuple[int, ...], str], ...] = ((OTHER, "w1"),),
+    opts: PolicyOptions | None = None,
+) -> Decision:
+    index = PrefixIndex()
+    for blocks, wid in recorded:
+        index.record(blocks, wid, 0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
+    request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
+                           16 * len(prompt) + 10, 16 * len(prompt))
+    engine = build_engine("cache_aware", opts or PolicyOptions())
+    return engine.route(request, Snapshot(views, index.at(0.0), RING))
+
+
+NEW_SESSION = TRUNK + tuple(range(800, 812))  # the trunk + 12 blocks of its own: 4 of 16 known
+BRANCH_CASES = [
+    # The trunk (4 of 16 blocks) is shared: w1 went on past it with another session, and w1
+    # has all the recent requests. The session is placed from the ring past the trunk.
+    pytest.param(NEW_SESSION, ((OTHER, "w1"),), None, DecisionKind.BRANCH, "",
+                 id="branch-off-a-shared-trunk-is-placed-cold"),
+    # Half of the prompt or more is the trunk (a shared prompt and a short question): it stays.
+    pytest.param((*TRUNK, 900, 901, 902, 903), ((OTHER, "w1"),), None, DecisionKind.PREFIX_HIT,
+                 "w1", id="mostly-trunk-stays-with-its-holder"),
+    # The known prefix is the end of a prompt (this conversation's own history): no branch,
+    # however much the request adds.
+    pytest.param(NEW_SESSION, ((TRUNK, "w1"),), None, DecisionKind.PREFIX_HIT, "w1",
+                 id="own-history-stays-with-its-holder"),
+    # w1 holds the trunk but has no more than its share of the recent requests (the others
+    # had as many): the saving wins, the session goes to the trunk's holder.
+    pytest.param(NEW_SESSION, ((OTHER, "w1"), ((1,), "w0"), ((2,), "w2"), ((3,), "w3")), None,
+                 DecisionKind.PREFIX_HIT, "w1", id="holder-within-its-share-keeps-it"),
+    # Switched off.
+    pytest.param(NEW_SESSION, ((OTHER, "w1"),), PolicyOptions(branch_guard=0.0),
+                 DecisionKind.PREFIX_HIT, "w1", id="branch-guard-0-never-branches"),
+]
+
+
+@pytest.mark.parametrize(("prompt", "recorded", "opts", "kind", "expected"), BRANCH_CASES)
+def test_branches_off_a_shared_trunk(
+    prompt: tuple[int, ...],
+    recorded: tuple[tuple[tuple[int, ...], str], ...],
+    opts: PolicyOptions | None,
+    kind: DecisionKind,
+    expected: str,
+) -> None:
+    decision = _branch_route(prompt, recorded, opts)
+    assert decision.kind is kind
+    if expected:
+        assert decision.worker_id == expected
+    if kind is DecisionKind.BRANCH:
+        assert decision.worker_id != "w1"  # not the holder with all the recent requests
+        assert decision.holder == "w1"
+        assert decision.holder_blocks == len(TRUNK)
+        assert decision.reason.startswith("branch past depth=4 -> ring")
+
+
+def test_a_branch_is_placed_by_the_ring_past_the_trunk() -> None:
+    """Sessions that share the trunk but not what follows start their ring walks at
+    different points; a session that shares what follows the trunk starts at the same one."""
+    index = PrefixIndex()
+    index.record(OTHER, "w1", 0.0)
+    ring = Ring({f"x{i}": 1.0 for i in range(32)})
+    views = tuple(WorkerView(Worker(f"x{i}", "http://x")) for i in range(32))
+    snap = Snapshot(views, index.at(0.0), ring)
+    engine = build_engine("cache_aware", PolicyOptions(ring_choices=1, candidate_limit=0))
+    index.record(OTHER, "x0", 0.0)
+
+    def route(tail: tuple[int, ...]) -> str:
+        prompt = TRUNK + tail
+        request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m", 200, 190)
+        decision = engine.route(request, snap)
+        assert decision.kind is DecisionKind.BRANCH
+        first = next(iter(ring.walk(PrefixKey(prompt, prompt[3], 0).anchor_past(4))))
+        assert decision.worker_id == first
+        return decision.worker_id
+
+    placed = {route(tuple(range(1000 * s, 1000 * s + 12))) for s in range(2, 12)}
+    assert len(placed) > 3  # the trunk's anchor alone would send all ten to one worker
+    assert route(tuple(range(5000, 5012))) == route((*tuple(range(5000, 5008)), 1, 2, 3, 4))

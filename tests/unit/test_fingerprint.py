@@ -253,3 +253,33 @@ def test_sparse_checkpoints_chain_over_segments(text: str) -> None:
 def test_invalid_options_raise(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         FingerprintOptions(**kwargs)
+
+
+def test_anchor_past_on_dense_keys() -> None:
+    """Every block a checkpoint (trace keys): as far past ``depth`` as the anchor is past the
+    start, or the last block of a shorter prompt."""
+    blocks = tuple(range(100, 120))
+    key = PrefixKey(blocks, blocks[3], 0)  # anchor at depth 4
+    assert key.anchor_past(0) == key.anchor
+    assert key.anchor_past(5) == blocks[8]
+    assert key.anchor_past(18) == blocks[19]
+
+
+@pytest.mark.parametrize("trunk", [3, 10, 40, 70])
+def test_anchor_past_names_what_follows_the_trunk(trunk: int) -> None:
+    opts = FingerprintOptions(block_chars=8, max_blocks=512, anchor_blocks=3, dense_blocks=16,
+                              checkpoint_ratio=4)
+    head = _text(8 * trunk, 5)
+    follow = _text(8 * 40, 6)
+    a = fingerprint(head + follow + _text(80, 7), NS, opts)
+    b = fingerprint(head + follow + _text(160, 8), NS, opts)
+    c = fingerprint(head + _text(8 * 40 + 80, 9), NS, opts)
+    assert a.anchor == c.anchor  # one trunk (>= anchor_blocks), one ring position
+    assert a.anchor_past(trunk) == b.anchor_past(trunk)  # the same continuation
+    assert a.anchor_past(trunk) != c.anchor_past(trunk)  # another one
+    i = a.blocks.index(a.anchor_past(trunk))
+    depth = a.depth_at(i)
+    # Past the trunk: within anchor_blocks of it where a checkpoint lies there, else the next.
+    assert depth > trunk
+    inside = [d for d in a.depths if trunk < d <= trunk + 3]
+    assert depth == (inside[-1] if inside else min(d for d in a.depths if d > trunk))

@@ -25,6 +25,9 @@ def outcome(**kw: object) -> Outcome:
         (outcome(kind="diverted", match_blocks=0, cached_tokens=0), "diverted_by_load"),
         (outcome(kind="spread", match_blocks=2, cached_tokens=16), "diverted_by_load"),
         (outcome(kind="cold", match_blocks=0, best_blocks=1, cached_tokens=0), "cold_placement"),
+        # Placed past a shared trunk it branched off, on a worker without the trunk.
+        (outcome(kind="branch", match_blocks=0, best_blocks=4, cached_tokens=0),
+         "cold_placement"),
         (outcome(cached_tokens=16), "evicted_by_worker"),  # part of it was still there
         (outcome(cached_tokens=0, worker_evicting=True), "evicted_by_worker"),
         (outcome(cached_tokens=0), "stale_index_entry"),

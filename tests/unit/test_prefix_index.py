@@ -229,3 +229,27 @@ def test_tail_age_is_infinite_until_the_modelled_cache_is_full() -> None:
     assert index.tail_age("w1", now) == pytest.approx(20.0)  # block 1 is still from t=10
     index.record([6], "w1", now)  # evicts block 1: now the oldest is from t=25
     assert index.tail_age("w1", now) == pytest.approx(5.0)
+
+
+def test_branched_tells_a_trunk_from_the_end_of_a_prompt() -> None:
+    idx = PrefixIndex()
+    trunk, session = [1, 2, 3], [1, 2, 3, 10, 11]
+    idx.record(session, "w1", 0.0)
+    assert idx.branched(3)  # w1 holds a checkpoint below it: a prompt went on past it
+    assert not idx.branched(11)  # the end of the recorded prompt
+    assert not idx.branched(99)  # unknown
+    idx.record(trunk, "w2", 0.0)  # w2 holds only the trunk: w1's hold still makes it one
+    assert idx.branched(3)
+    idx.forget_worker("w1")
+    assert not idx.branched(3)  # w2 holds nothing past it
+
+
+def test_pool_recent_requests_counts_every_worker_and_halves() -> None:
+    idx = PrefixIndex(heat_half_life_s=10.0)
+    assert idx.pool_recent_requests(0.0) == 0.0
+    idx.record([1, 2], "w1", 0.0)
+    idx.record([3, 4], "w2", 0.0)
+    idx.record([1, 2], "w1", 0.0)
+    assert idx.pool_recent_requests(0.0) == pytest.approx(3.0)
+    assert idx.pool_recent_requests(10.0) == pytest.approx(1.5)
+    assert idx.at(10.0).pool_recent_requests() == pytest.approx(1.5)

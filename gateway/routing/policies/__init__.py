@@ -79,12 +79,16 @@ class PolicyOptions:
     # only when waiting on its holder costs more than the prefill elsewhere: wait_weight).
     hot_threshold: float = 0.0
     hot_load_factor: float = 1.25  # cache_aware's bound for hot prefixes
+    # cache_aware: a request that branches off a shared trunk with most of its prompt, while
+    # every holder of the trunk has more than this x its share of recent requests, is placed
+    # as a cold prefix from the ring position past the trunk; 0: never.
+    branch_guard: float = 1.5
 
     def __post_init__(self) -> None:
         if min(self.load_floor_requests, self.hot_threshold, self.candidate_limit,
-               self.min_match_blocks) < 0:
-            raise ValueError("load_floor_requests, hot_threshold, candidate_limit and "
-                             "min_match_blocks must be >= 0")
+               self.min_match_blocks, self.branch_guard) < 0:
+            raise ValueError("load_floor_requests, hot_threshold, candidate_limit, "
+                             "min_match_blocks and branch_guard must be >= 0")
 
 
 def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEngine:
@@ -109,7 +113,8 @@ def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEng
                 opts.prefill_weight, opts.queue_weight, opts.wait_weight, opts.evict_weight
             )
             guard = BoundedLoadFilter(
-                opts.cache_aware_load_factor, opts.load_floor_requests, opts.hot_load_factor
+                opts.cache_aware_load_factor, opts.load_floor_requests, opts.hot_load_factor,
+                match_credit=True,
             )
             profile = Profile(
                 name, (*base, guard), ((scorer, 1.0),), SpreadPicker(
@@ -117,6 +122,7 @@ def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEng
                 ),
                 uses_prefix_index=True, min_match_blocks=opts.min_match_blocks,
                 candidate_limit=opts.candidate_limit, hot_threshold=opts.hot_threshold,
+                branch_guard=opts.branch_guard,
             )
         case _:
             raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

@@ -12,6 +12,15 @@ Without it, a worker serving a single request while the others idle is "over 1.2
 and a second request of the same prefix is sent away to prefill from scratch, although the
 holder has free slots; and replicas that see each other's load a moment late would disagree on
 who is loaded at all. From a few requests per worker upwards the relative bound rules.
+
+With ``match_credit`` (``cache_aware``'s guard) a worker's bound grows by the prompt tokens it
+is known to hold for this request: the prefill a move to another worker would have to redo.
+Diverting a request from the holder of its prefix trades that prefill for the holder's excess
+load, so the holder is left only when it is over the bound by more than the move costs. A
+conversation is then not moved off its worker because its own earlier turns are still in
+flight there (their prompt tokens are mostly cached), while a cold prefix or a shallow match
+meets the plain bound. The credit is not given to a request placed past a shared trunk
+(``Context.branch_anchor``) or to a hot prefix (whose tight bound is meant to spread it).
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ class BoundedLoadFilter:
     name = "bounded_load"
 
     def __init__(
-        self, c: float = 1.25, floor_requests: float = 0.0, hot_c: float | None = None
+        self, c: float = 1.25, floor_requests: float = 0.0, hot_c: float | None = None,
+        match_credit: bool = False,
     ) -> None:
         if c < 1.0 or (hot_c is not None and hot_c < 1.0):
             raise ValueError("the load bound factors must be >= 1")
@@ -42,6 +52,7 @@ class BoundedLoadFilter:
         self.c = c
         self.floor_requests = floor_requests
         self.hot_c = hot_c  # the factor for hot prefixes (Context.hot), if different
+        self.match_credit = match_credit
 
     def apply(self, ctx: Context, candidates: Sequence[WorkerView]) -> list[WorkerView]:
         if ctx.pool_load is not None:  # the engine narrowed the candidates: use the whole pool
@@ -52,9 +63,15 @@ class BoundedLoadFilter:
         weight_sum = weight_sum or 1.0
         cost = ctx.request.cost_tokens
         c = self.hot_c if ctx.hot and self.hot_c is not None else self.c
+        blocks = ctx.request.key.total_blocks
+        credit = (ctx.request.prompt_tokens / blocks if self.match_credit and blocks
+                  and not ctx.hot and ctx.branch_anchor is None else 0.0)
+        matches = ctx.matches
         kept: list[WorkerView] = []
         for w in candidates:
             bound = load_bound(c, total, cost, w.worker.weight / weight_sum, self.floor_requests)
+            if credit:
+                bound += credit * matches.get(w.id, 0)
             ctx.load_bounds[w.id] = bound
             if w.inflight_tokens <= bound:
                 kept.append(w)

@@ -63,7 +63,8 @@ class CacheCostScorer:
     def score(self, ctx: Context, candidates: Sequence[WorkerView]) -> dict[str, float]:
         blocks = ctx.request.key.total_blocks
         matches = ctx.matches
-        if blocks == 0 or not any(matches.get(w.id, 0) for w in candidates):
+        if (blocks == 0 or ctx.branch_anchor is not None
+                or not any(matches.get(w.id, 0) for w in candidates)):
             return {w.id: 0.0 for w in candidates}
         prompt = max(ctx.request.prompt_tokens, 1)
         index = ctx.snapshot.index

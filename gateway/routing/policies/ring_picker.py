@@ -41,7 +41,7 @@ class RingPicker:
         best = max(totals.values())
         by_id = {w.id: w for w in candidates if totals[w.id] >= best - _EPS}
         seen: list[tuple[int, WorkerView]] = []
-        for skipped, wid in enumerate(ctx.snapshot.ring.walk(ctx.request.key.anchor)):
+        for skipped, wid in enumerate(ctx.snapshot.ring.walk(ctx.anchor)):
             view = by_id.get(wid)
             if view is None:
                 continue
