@@ -114,11 +114,11 @@ class GatewaySettings:
     )
     branch_guard: float = field(
         default=_POLICY.branch_guard,
-        metadata=_help("cache_aware: a request whose known prefix is a trunk other prompts "
-                       "went on from (a shared system or tool prompt) and less than half of it "
-                       "is placed as a cold prefix from the ring position past the trunk, while "
-                       "every holder of the trunk has more than this x its share of recent "
-                       "requests (0: never)"),
+        metadata=_help("cache_aware: for a request whose known prefix is a trunk other prompts "
+                       "went on from (a shared system or tool prompt) and less than half of it, "
+                       "a holder of the trunk with more than this x its share of recent "
+                       "requests gets no credit for it; with none left the request is placed "
+                       "as a cold prefix from the ring position past the trunk (0: never)"),
     )
     store: str = field(
         default="memory://",

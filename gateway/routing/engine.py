@@ -88,12 +88,17 @@ class Profile:
     candidate_limit: int = 0
     # A known prefix shared by at least this many recent requests (decayed) is hot; 0 = never.
     hot_threshold: float = 0.0
-    # A request whose deepest known prefix is a trunk other prompts went on from (a shared
-    # system or tool prompt), and less than half of it, is placed as a cold prefix from the
-    # ring anchor past the trunk (:meth:`RoutingEngine._branch`).
-    # ... and only while every holder of the trunk has more than ``branch_guard`` times its
-    # share of the pool's recent requests; 0: never.
+    # For a request whose deepest known prefix is a trunk other prompts went on from (a
+    # shared system or tool prompt) and less than half of it, a holder of the trunk with more
+    # than ``branch_guard`` times its share of the pool's recent requests gets no credit for
+    # the trunk; with none left the request is placed as a cold prefix from the ring anchor
+    # past the trunk (:meth:`RoutingEngine._branch`). 0: never.
     branch_guard: float = 0.0
+
+
+def _weight(by_id: Mapping[str, WorkerView] | None, wid: str) -> float:
+    view = by_id.get(wid) if by_id is not None else None
+    return view.worker.weight if view is not None else 1.0
 
 
 def _clamp(x: float) -> float:
@@ -121,7 +126,9 @@ class RoutingEngine:
         matches, deepest = self._matches(request, snapshot)
         hot = bool(matches) and profile.hot_threshold > 0 and (
             snapshot.index.heat(request.key.blocks[deepest - 1]) >= profile.hot_threshold)
-        branch = self._branch(request, snapshot, matches, deepest) if matches else None
+        branch = None
+        if matches and profile.branch_guard > 0:
+            branch, matches = self._branch(request, snapshot, matches, deepest)
         anchor = request.key.anchor if branch is None else branch
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
         limit = profile.candidate_limit
@@ -164,39 +171,45 @@ class RoutingEngine:
         return matches, deepest
 
     def _branch(
-        self, request: RouteRequest, snapshot: Snapshot, matches: Mapping[str, int], deepest: int
-    ) -> int | None:
-        """The ring anchor past the trunk when ``request`` branches off one, else None.
+        self, request: RouteRequest, snapshot: Snapshot, matches: dict[str, int], deepest: int
+    ) -> tuple[int | None, dict[str, int]]:
+        """Whether ``request`` branches off a shared trunk: the ring anchor past the trunk (or
+        None) and the matches that still count.
 
         The deepest known prefix of the request (``deepest`` checkpoints) is a *trunk* when a
         recorded prompt went on past it along another path: a system or tool prompt that
         sessions share, not the end of the conversation this request extends. When the trunk
         is less than half of the prompt, where the rest goes is a new placement: the part
         past the trunk is what the worker will hold and what the session's next requests
-        extend, so it is placed like a cold prefix, from its own ring position (the trunk's
-        holders are the same few workers for every session, and would gather all of them
-        for a saving of less than half a prompt; the trunk is soon cached wherever sessions
-        go). A prompt that is mostly the trunk (a shared prompt with a short question) stays
-        with the trunk's holders, and so does every request that extends its own history."""
-        guard = self.profile.branch_guard
-        if guard <= 0:
-            return None
+        extend. The trunk's holders are the same few workers for every session and would
+        gather all of them for a saving of less than half a prompt, while the trunk is soon
+        cached wherever sessions go. So a holder that already has more than ``branch_guard``
+        times its share of the pool's recent requests gets no credit for the trunk; when no
+        holder is left, the request is placed like a cold prefix from its own ring position
+        past the trunk. A prompt that is mostly the trunk (a shared prompt with a short
+        question) stays with the trunk's holders, and so does every request that extends its
+        own history."""
         key = request.key
         depth = key.depth_at(deepest - 1)
         index = snapshot.index
         if 2 * depth >= key.total_blocks or not index.branched(key.blocks[deepest - 1]):
-            return None
+            return None, matches
         weights = (snapshot.pool_load[1] if snapshot.pool_load is not None
                    else sum(w.worker.weight for w in snapshot.workers)) or 1.0
-        fair = guard * index.pool_recent_requests() / weights
+        fair = self.profile.branch_guard * index.pool_recent_requests() / weights
         by_id = snapshot.by_id
+        holders = busy = 0
         for wid, d in matches.items():
             if d >= depth:
-                view = by_id.get(wid) if by_id is not None else None
-                weight = view.worker.weight if view is not None else 1.0
-                if index.recent_requests(wid) <= fair * weight:
-                    return None
-        return key.anchor_past(depth)
+                holders += 1
+                if index.recent_requests(wid) > fair * _weight(by_id, wid):
+                    busy += 1
+        if busy == holders:
+            return key.anchor_past(depth), matches
+        if busy:
+            matches = {wid: d for wid, d in matches.items() if d < depth
+                       or index.recent_requests(wid) <= fair * _weight(by_id, wid)}
+        return None, matches
 
     @staticmethod
     def _narrow(

@@ -212,11 +212,14 @@ def _branch_route(
     prompt: tuple[int, ...],
     recorded: tuple[tuple[tuple[int, ...], str], ...] = ((OTHER, "w1"),),
     opts: PolicyOptions | None = None,
+    loads: Mapping[str, int] | None = None,
 ) -> Decision:
     index = PrefixIndex()
     for blocks, wid in recorded:
         index.record(blocks, wid, 0.0)
-    views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
+    loads = loads or {}
+    views = tuple(WorkerView(Worker(w, f"http://{w}"), True, 1 if loads.get(w) else 0,
+                             loads.get(w, 0)) for w in IDS)
     request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
                            16 * len(prompt) + 10, 16 * len(prompt))
     engine = build_engine("cache_aware", opts or PolicyOptions())
@@ -288,3 +291,19 @@ def test_a_branch_is_placed_by_the_ring_past_the_trunk() -> None:
     placed = {route(tuple(range(1000 * s, 1000 * s + 12))) for s in range(2, 12)}
     assert len(placed) > 3  # the trunk's anchor alone would send all ten to one worker
     assert route(tuple(range(5000, 5012))) == route((*tuple(range(5000, 5008)), 1, 2, 3, 4))
+
+
+@pytest.mark.parametrize(("guard", "expected"), [(1.25, "w2"), (0.0, "w1")])
+def test_a_trunk_holder_over_its_share_gets_no_credit_for_the_trunk(
+    guard: float, expected: str
+) -> None:
+    """w1 and w2 both hold the trunk; w1 has 3 of the 6 recent requests (over 1.25 x 6 / 4),
+    w2 one. w2 has more tokens in flight, so with the trunk credited to both the faint queue
+    preference picks w1; without w1's credit, w2's saving of the trunk wins."""
+    other2 = (*TRUNK, *range(720, 732))
+    recorded = ((OTHER, "w1"), (OTHER, "w1"), (OTHER, "w1"), (other2, "w2"),
+                ((1,), "w0"), ((3,), "w3"))
+    decision = _branch_route(NEW_SESSION, recorded, PolicyOptions(branch_guard=guard),
+                             loads={"w2": 1000})
+    assert decision.kind is DecisionKind.PREFIX_HIT
+    assert decision.worker_id == expected

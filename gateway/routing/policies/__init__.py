@@ -29,6 +29,15 @@ replicas mostly agree, and both the request counts and the caches' eviction even
 bound is a loose guard, ``cache_aware_load_factor`` (3 x mean): an instantaneous token bound of
 1.25 x mean sends away a quarter of the hits on real traffic, while the cost and the ring
 choices already keep the cumulative load within 1.1 x mean (BENCHMARKS.md).
+A request that *branches off a shared trunk* (its deepest known prefix is a prompt others went
+on past along other paths, e.g. an agent's tool and system prompt, and it is less than half of
+the request) is a new placement: its holders that already have more than ``branch_guard``
+(1.25) times their share of the recent requests get no credit for the trunk, and with none
+left the request is placed like a cold prefix, from the ring anchor past the trunk
+(``DecisionKind.BRANCH``), so sessions that share only the trunk do not all gather on the
+trunk's few holders. The guard credits a holder with the prefill a move would redo (its bound
+grows by the prompt tokens it holds for the request): a conversation is not moved off its worker
+because its own earlier turns are in flight there.
 ``hot_threshold`` > 0 brings back the older rule (a prefix that many recent requests share gets
 the tight ``hot_load_factor`` bound, so its holder overflows to a second holder); it is off by
 default. Defaults live in :class:`PolicyOptions`; every field is a gateway setting of the same
@@ -79,10 +88,11 @@ class PolicyOptions:
     # only when waiting on its holder costs more than the prefill elsewhere: wait_weight).
     hot_threshold: float = 0.0
     hot_load_factor: float = 1.25  # cache_aware's bound for hot prefixes
-    # cache_aware: a request that branches off a shared trunk with most of its prompt, while
-    # every holder of the trunk has more than this x its share of recent requests, is placed
-    # as a cold prefix from the ring position past the trunk; 0: never.
-    branch_guard: float = 1.5
+    # cache_aware: for a request that branches off a shared trunk with most of its prompt, a
+    # trunk holder with more than this x its share of the recent requests gets no credit for
+    # the trunk; with none left the request is placed as a cold prefix from the ring position
+    # past the trunk. The bounded-load factor's 1.25; 0: never.
+    branch_guard: float = 1.25
 
     def __post_init__(self) -> None:
         if min(self.load_floor_requests, self.hot_threshold, self.candidate_limit,
