@@ -56,7 +56,8 @@ from loadtest.harness import HOST, MODEL, ZERO_COST_WORKER_ARGS, emit, percentil
 from loadtest.peers import PEERS, PeerUnavailableError, peer_launcher, running_peer
 from loadtest.workloads import system_prompt, words
 
-ROUTERS = ("ours", *PEERS)
+FLOOR = "floor"  # loadtest.floor_proxy: a bare aiohttp relay, the floor for a Python router
+ROUTERS = ("ours", FLOOR, *PEERS)
 DIRECT = "direct"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -168,7 +169,7 @@ def gateway_command(port: int, worker_urls: Sequence[str], config: OverheadConfi
 
 def available(name: str) -> str:
     """Why router ``name`` cannot run here ("" if it can)."""
-    if name == "ours":
+    if name in ("ours", FLOOR):
         return ""
     return "" if peer_launcher(name) is not None else "not installed (pip install '.[peers]')"
 
@@ -205,6 +206,8 @@ async def running_targets(
         skipped.pop(r)
     ours: list[tuple[str, tuple[str, ...]]] = [("ours", ())] if "ours" in routers else []
     ours += [(f"ours[{label}]", tuple(args)) for label, args in config.variants]
+    if FLOOR in routers:
+        ours.append((FLOOR, ()))
     base = free_port_block(config.workers + len(ours))
     worker_urls = [f"http://{HOST}:{base + i}" for i in range(config.workers)]
     procs: list[asyncio.subprocess.Process] = []
@@ -219,6 +222,10 @@ async def running_targets(
             for j, (name, extra) in enumerate(ours):
                 url = f"http://{HOST}:{base + config.workers + j}"
                 cmd = gateway_command(base + config.workers + j, worker_urls, config, extra)
+                if name == FLOOR:
+                    cmd = [sys.executable, "-m", "loadtest.floor_proxy", "--host", HOST,
+                           "--port", str(base + config.workers + j),
+                           *(a for w in worker_urls for a in ("--worker", w))]
                 await start_server(cmd, url, logs / f"{name}.log", procs)
                 targets.append(Target(name, url + "/v1/chat/completions", procs[-1].pid))
             for name in routers:
