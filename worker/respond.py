@@ -2,9 +2,9 @@
 
 The cache report (summed over the request's prompts) goes into ``usage`` and the ``x-cache-*``
 headers; a streaming response sends its headers once every prompt is admitted, before the first
-token. When the client goes away (in the queue, in prefill or mid-stream; see
-:mod:`gateway.contracts.disconnect`), the producers are cancelled, their queue entry or KV blocks
-released, and ``worker_requests_aborted_total`` counts it.
+token. When the client goes away (in the queue, in prefill or mid-stream, the server cancels
+the handler: :mod:`gateway.contracts.httpserver`), the producers are cancelled, their queue
+entry or KV blocks released, and ``worker_requests_aborted_total`` counts it.
 """
 
 from __future__ import annotations

@@ -44,7 +44,6 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.contracts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from gateway.contracts.disconnect import cancel_on_disconnect
 from gateway.contracts.headers import NAMESPACE_HEADER, WORKER_BOOT_HEADER
 from gateway.contracts.kv_keys import engine_namespace
 from gateway.contracts.registry_signing import signed
@@ -427,7 +426,6 @@ def create_app(
     spans there as they end (tests), whatever ``settings.otel_endpoint`` says."""
     app = web.Application(
         middlewares=[
-            cancel_on_disconnect(),
             error_middleware,
             auth_middleware(settings.api_key, settings.admin_token),
         ],

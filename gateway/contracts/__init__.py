@@ -8,7 +8,7 @@
 * the KV-cache event wire format (``kv_wire``) and the block keys both sides compute
   (``kv_keys``);
 * the servers' plumbing: settings from flags, environment and TOML (``config``,
-  ``config_file``), the HTTP runner that answers its own errors as JSON (``httpserver``), the
-  middleware that cancels a request whose client went away (``disconnect``), task helpers
-  (``tasks``), tracing setup (``tracing``) and URL redaction for logs (``redact``).
+  ``config_file``), the HTTP runner that answers its own errors as JSON and cancels a
+  request whose client went away (``httpserver``), task helpers (``tasks``), tracing setup
+  (``tracing``) and URL redaction for logs (``redact``).
 """

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from gateway.contracts.httpserver import JsonErrorRunner
 from loadtest.peers import PEERS, peer_binary, process_cpu_seconds, running_peer
 from worker.server import create_app
 from worker.settings import WorkerSettings
@@ -19,12 +20,13 @@ PROMPT = "The shared instructions of this benchmark tenant, repeated. " * 20
 
 
 async def start_workers(count: int) -> tuple[list[str], list[web.AppRunner]]:
-    urls, runners = [], []
+    urls: list[str] = []
+    runners: list[web.AppRunner] = []
     for i in range(count):
         settings = WorkerSettings(port=0, model="sim-model", cache_blocks=256,
                                   prefill_us_per_token=0, decode_ms_per_token=0,
                                   worker_id=f"w{i}")
-        runner = web.AppRunner(create_app(settings))
+        runner = JsonErrorRunner(create_app(settings))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

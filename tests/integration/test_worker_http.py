@@ -18,6 +18,7 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.contracts.config import SettingsError
+from gateway.contracts.httpserver import JsonErrorRunner
 from worker.server import ENGINE_KEY, create_app
 from worker.settings import WorkerSettings, parse_settings
 
@@ -53,7 +54,7 @@ async def worker() -> AsyncIterator[Worker]:
         worker_id="w-test",
     )
     app = create_app(settings)
-    runner = web.AppRunner(app)
+    runner = JsonErrorRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -441,7 +442,7 @@ async def test_deeply_nested_json_is_a_client_error(worker: Worker) -> None:
 
 async def test_client_disconnect_mid_stream_releases_blocks() -> None:
     settings = WorkerSettings(port=0, model=MODEL, decode_ms_per_token=20.0, worker_id="slow")
-    runner = web.AppRunner(create_app(settings))
+    runner = JsonErrorRunner(create_app(settings))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

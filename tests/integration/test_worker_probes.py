@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from gateway.contracts.httpserver import JsonErrorRunner
 from worker.server import create_app
 from worker.settings import WorkerSettings
 from worker.tokenizer import CharsTokenizer
@@ -19,7 +20,7 @@ from worker.tokenizer import CharsTokenizer
 async def serve_worker(**overrides: Any) -> AsyncIterator[str]:
     settings = WorkerSettings(port=0, model="m", cache_blocks=64, block_size=4,
                               prefill_us_per_token=0, decode_ms_per_token=0, **overrides)
-    runner = web.AppRunner(create_app(settings))
+    runner = JsonErrorRunner(create_app(settings))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -13,6 +13,8 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.contracts.httpserver import JsonErrorRunner
+
 torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed (optional extra: pip install '.[torch]')"
 )
@@ -33,7 +35,7 @@ async def base_url() -> AsyncIterator[str]:
     torch.set_num_threads(1)
     settings = WorkerSettings(port=0, model=MODEL, engine="torch", model_config="tiny",
                               device="cpu", cache_blocks=256, worker_id="torch-w")
-    runner = web.AppRunner(create_app(settings))
+    runner = JsonErrorRunner(create_app(settings))
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Third-party packages the contracts may use, and what for.
 CONTRACT_PACKAGES = frozenset({
-    "aiohttp",        # the JSON-error HTTP runner and the disconnect middleware
+    "aiohttp",        # the JSON-error HTTP runner
     "jinja2",         # chat templates
     "msgspec",        # the KV-event wire format
     "opentelemetry",  # tracing setup
