@@ -199,6 +199,8 @@ def build_exact_source(settings: GatewaySettings, metrics: GatewayMetrics) -> Ex
     return ExactSource(
         tokenizer, max_blocks=settings.kv_events_max_blocks,
         pending_ttl_s=settings.kv_pending_ttl_s, min_match_blocks=settings.min_match_blocks,
+        view=settings.kv_events_view, settle_s=settings.kv_events_settle_s,
+        skew_s=settings.kv_events_skew_s,
     )
 
 

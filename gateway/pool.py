@@ -251,6 +251,15 @@ class WorkerPool:
         """Drop what the prefix index knows about ``wid`` (its cache was flushed)."""
         self._index.forget_worker(wid)
 
+    def retain_index(self, wid: str, keep: Callable[[int], bool]) -> None:
+        """The prefix index keeps of ``wid`` only the prefixes ``keep`` accepts (its cache was
+        emptied; what was sent there since is being stored again)."""
+        self._index.retain(wid, keep)
+
+    def model_holds(self, wid: str, block: int) -> bool:
+        """Whether the prefix index says ``wid`` holds the prefix ``block`` names."""
+        return self._index.holds(wid, block)
+
     def model_identity(self, model: str) -> str:
         """``model`` plus the version most of its healthy workers report (the newest-looking
         on a tie), for cache namespaces: prefixes keyed under one version never match requests

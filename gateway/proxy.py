@@ -183,13 +183,13 @@ async def dispatch(
                         guard.breakers.failure(wid, time.monotonic())
             excluded.add(wid)
             state.metrics.retries.labels(wid).inc()
-            session.failed(attempt)
+            session.failed(attempt, time.monotonic())
         finally:
             if release_slot is not None:
                 release_slot()
             guard.breakers.settled(wid)
             # The client went away mid-relay: release the worker, with nothing to report.
-            session.completed(attempt)
+            session.completed(attempt, now=time.monotonic())
     state.metrics.requests.labels(session.router.name, "unavailable").inc()
     if busy and busy == len(problems):
         raise ConnectionQueueFull(
@@ -270,7 +270,7 @@ def _respond_whole(
     if stats is None and reply.status == 200:
         stats = stats_from_usage(payload)
     _report(http_request, reply, stats)
-    state.session.completed(attempt, stats)
+    state.session.completed(attempt, stats, time.monotonic())
     return web.Response(body=payload, status=reply.status, headers=_client_headers(attempt, reply))
 
 
@@ -334,7 +334,7 @@ async def _relay_stream(
     tail += getattr(reply, "withheld", b"")
     usage = stats or stats_from_usage(tail)
     _report(http_request, reply, usage)
-    state.session.completed(attempt, usage)
+    state.session.completed(attempt, usage, time.monotonic())
     await response.write_eof()
     return response
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.fingerprint import PrefixKey
+from gateway.kvevents.hybrid import HybridMatcher
 from gateway.kvevents.index import ExactMatcher
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
@@ -57,6 +58,10 @@ class SentBlocks(Protocol):
 
     def unsent(self, worker_id: str, blocks: Sequence[int]) -> None: ...
 
+    def done(self, worker_id: str, blocks: Sequence[int], now: float) -> None:
+        """The request that carried ``blocks`` there ended (answered or failed)."""
+        ...
+
 
 class NoSink:
     """Shares nothing: a single gateway with no store, or the simulator."""
@@ -90,6 +95,7 @@ class Attempt:
     index: PrefixMatcher | None = None  # the prefix index as the decision saw it
     prefill_tokens: int = 0  # prompt tokens the worker is predicted to compute (not cached)
     prefilled: bool = False  # its first token came back: the prefill no longer queues
+    at: float = 0.0  # when it was routed
 
     @property
     def worker_id(self) -> str:
@@ -109,11 +115,11 @@ def predicted_tokens(snapshot: Snapshot, request: RouteRequest, decision: Decisi
     if not request.block_tokens:
         return None
     index, wid = snapshot.index, decision.worker_id
-    if isinstance(index, ExactMatcher):
-        depth = index.held(wid, request.key.blocks)
+    if isinstance(index, ExactMatcher | HybridMatcher):
+        held = index.held(wid, request.key.blocks)  # checkpoints
     else:
-        held = index.match(request.key.blocks).get(wid, 0)  # checkpoints
-        depth = request.key.depth_at(held - 1) if held else 0
+        held = index.match(request.key.blocks).get(wid, 0)
+    depth = request.key.depth_at(held - 1) if held else 0
     if decision.worker.worker.kind == "vllm":
         # vLLM computes at least the last prompt token: a fully cached prompt reports one
         # block less.
@@ -166,7 +172,7 @@ class RoutingSession:
         prefill = max(0, request.prompt_tokens - cached)
         self.pool.acquire(wid, request.cost_tokens, prefill)
         return Attempt(request, decision, tenant, predicted, index=snapshot.index,
-                       prefill_tokens=prefill)
+                       prefill_tokens=prefill, at=now)
 
     def first_token(self, attempt: Attempt) -> None:
         """The worker sent the first token (a streamed reply): its prefill is done, so it no
@@ -176,8 +182,9 @@ class RoutingSession:
         attempt.prefilled = True
         self.pool.prefilled(attempt.worker_id, attempt.prefill_tokens)
 
-    def failed(self, attempt: Attempt) -> None:
-        """The worker never got the prompt: it holds no more of the prefix than before."""
+    def failed(self, attempt: Attempt, now: float | None = None) -> None:
+        """The worker never got the prompt: it holds no more of the prefix than before.
+        ``now``: when the attempt ended (None: the time it was routed)."""
         if attempt.settled:
             return
         attempt.settled = True
@@ -185,17 +192,24 @@ class RoutingSession:
         depth = attempt.decision.match_blocks
         keep = bisect.bisect_right(key.depths, depth) if key.depths else depth
         self.index.forget(attempt.worker_id, key.blocks, keep)
-        if self.exact is not None:
+        if self.exact is not None and self.router.uses_prefix_index:
+            self.exact.done(attempt.worker_id, key.blocks, attempt.at if now is None else now)
             self.exact.unsent(attempt.worker_id, key.blocks[keep:])
         self.pool.release(attempt.worker_id, attempt.request.cost_tokens, attempt.queued_prefill)
 
-    def completed(self, attempt: Attempt, usage: CacheUsage | None = None) -> None:
+    def completed(
+        self, attempt: Attempt, usage: CacheUsage | None = None, now: float | None = None
+    ) -> None:
         """The worker answered; ``usage`` is what it reported reusing (None: it reports
-        nothing we can read, or the client went away before the end)."""
+        nothing we can read, or the client went away before the end). ``now``: when it
+        answered (None: the time it was routed)."""
         if attempt.settled:
             return
         attempt.settled = True
         wid = attempt.worker_id
+        if self.exact is not None and self.router.uses_prefix_index:
+            self.exact.done(wid, attempt.request.key.blocks,
+                            attempt.at if now is None else now)
         if usage is not None:
             self.pool.record_cache_stats(wid, usage.input_tokens, usage.matched_tokens)
             blocks = attempt.request.key.total_blocks

@@ -177,7 +177,28 @@ class GatewaySettings:
     kv_pending_ttl_s: float = field(
         default=10.0,
         metadata=_help("seconds a prompt sent to an event-fed worker counts as held before "
-                       "its events confirm it"),
+                       "its events confirm it (events view), or as this gateway's own when "
+                       "its blocks' store events arrive (hybrid view)"),
+    )
+    kv_events_view: str = field(
+        default="hybrid",
+        metadata=_help("how an event-fed worker's cache is seen: hybrid (the modelled index, "
+                       "corrected by the events: blocks they report removed, blocks others "
+                       "stored) or events (the events alone, plus what this gateway just "
+                       "sent there)"),
+    )
+    kv_events_skew_s: float = field(
+        default=0.005,
+        metadata=_help("hybrid view: seconds an engine's event batch may be stamped late "
+                       "against this gateway's clock (publisher flush, clock offset between "
+                       "hosts); an event stamped up to this long after a request ended may "
+                       "still predate it"),
+    )
+    kv_events_settle_s: float = field(
+        default=2.0,
+        metadata=_help("hybrid view: a removal published before the end of a request that "
+                       "carried the block waits for the store admitting that request made; "
+                       "it counts once later events show none came, or after this long"),
     )
     chars_per_token: float = field(
         default=4.0, metadata=_help("characters per token, to estimate request cost in tokens")
@@ -445,6 +466,10 @@ class GatewaySettings:
             raise ValueError(f"chat_template {self.chat_template!r}: no such file")
         if self.kv_events_max_blocks < 1 or self.kv_pending_ttl_s < 0:
             raise ValueError("kv_events_max_blocks must be >= 1 and kv_pending_ttl_s >= 0")
+        if self.kv_events_view not in ("hybrid", "events"):
+            raise ValueError("kv_events_view must be hybrid or events")
+        if self.kv_events_settle_s < 0 or self.kv_events_skew_s < 0:
+            raise ValueError("kv_events_settle_s and kv_events_skew_s must be >= 0")
         if self.procs < 1:
             raise ValueError("procs must be >= 1")
         if self.event_loop not in EVENT_LOOPS:

@@ -7,7 +7,9 @@ Reference workers run as child processes with a locally trained tokenizer
 every mode gets fresh workers with the same settings and replays the same seeded workloads
 (:mod:`loadtest.workloads`: tenants, chat, rag, fewshot) through the gateway:
 
-* ``events``: ``--tokenizer-file`` and the workers' event endpoints (``#kv-events=...``);
+* ``hybrid``: ``--tokenizer-file`` and the workers' event endpoints (``#kv-events=...``):
+  the modelled LRU corrected by the events (the gateway's default view);
+* ``events``: the same, with ``--kv-events-view events`` (the events alone);
 * ``model-tokens``: ``--tokenizer-file``, no events: the modelled LRU over token-block keys;
 * ``model-chars``: neither (the character fingerprint and modelled LRU; the default gateway).
 
@@ -42,7 +44,8 @@ from loadtest.harness import wait_all_workers_up
 from loadtest.tiny_tokenizer import train
 from loadtest.workloads import LiveRequest, LiveSpec, user_requests
 
-MODES = ("events", "model-tokens", "model-chars")
+MODES = ("hybrid", "events", "model-tokens", "model-chars")
+EVENTED = ("hybrid", "events")
 WORKLOADS = ("tenants", "chat", "rag", "fewshot")
 MODEL = "sim-model"
 _USERS = 16
@@ -109,7 +112,9 @@ async def cluster(mode: str, args: argparse.Namespace, tok: Path, logs: Path,
             if mode != "model-chars":
                 cmd += ["--tokenizer-file", str(tok)]
             for w, frag in zip(c.workers, c.events, strict=True):
-                cmd += ["--worker", w + (frag if mode == "events" else "")]
+                cmd += ["--worker", w + (frag if mode in EVENTED else "")]
+            if mode in EVENTED:
+                cmd += ["--kv-events-view", mode]
             await start_server(cmd, url, logs / f"{mode}-g{g}.log", c.procs)
             c.gateways.append(url)
         yield c
@@ -135,7 +140,7 @@ async def predictions(session: aiohttp.ClientSession, gateways: Sequence[str]) -
 async def ready(session: aiohttp.ClientSession, c: Cluster, mode: str) -> None:
     for g in c.gateways:
         await wait_all_workers_up(session, g, len(c.workers))
-        if mode != "events":
+        if mode not in EVENTED:
             continue
         deadline = time.monotonic() + 30
         while sum(w["cache_source"] == "events"

@@ -107,7 +107,8 @@ class ReplayConfig:
     extra_worker_args: tuple[str, ...] = ()
     # Token-exact mode: workers and gateways tokenize with this tokenizer.json (engine blocks
     # of block_tokens tokens); with kv_events the workers publish their KV events and each
-    # gateway policy also runs as "ours+events:<policy>", fed by them.
+    # gateway policy also runs as "ours+events:<policy>" (the events alone) and
+    # "ours+hybrid:<policy>" (the modelled index corrected by them).
     tokenizer_file: str = ""
     kv_events: bool = False
 
@@ -358,9 +359,11 @@ async def exact_predictions(session: aiohttp.ClientSession, url: str) -> float |
     return None
 
 
-def gateway_command(fleet: Fleet, policy: str, events: bool = False) -> list[str]:
+def gateway_command(fleet: Fleet, policy: str, events: bool = False,
+                    view: str = "hybrid") -> list[str]:
     """The gateway's command line: ``policy`` over the fleet; with the fleet's tokenizer
-    (token-exact keys) and, with ``events``, its workers' KV-event feeds."""
+    (token-exact keys) and, with ``events``, its workers' KV-event feeds, seen as ``view``
+    (``--kv-events-view``)."""
     cluster, config = fleet.cluster, fleet.config
     cmd = LocalCluster(
         host=cluster.host, gateway_port=cluster.gateway_port,
@@ -372,19 +375,20 @@ def gateway_command(fleet: Fleet, policy: str, events: bool = False) -> list[str
     if events:
         urls = dict(zip(fleet.urls, fleet.event_fragments, strict=True))
         cmd = [a + urls[a] if a in urls else a for a in cmd]
+        cmd += ["--kv-events-view", view]
     return cmd
 
 
 @contextlib.asynccontextmanager
-async def gateway_running(fleet: Fleet, policy: str,
-                          events: bool = False) -> AsyncIterator[tuple[str, int]]:
+async def gateway_running(fleet: Fleet, policy: str, events: bool = False,
+                          view: str = "hybrid") -> AsyncIterator[tuple[str, int]]:
     """A fresh gateway with ``policy`` in front of the fleet: (URL, pid)."""
     cluster = fleet.cluster
-    cmd = gateway_command(fleet, policy, events)
+    cmd = gateway_command(fleet, policy, events, view)
     procs: list[asyncio.subprocess.Process] = []
     url = f"http://{cluster.host}:{cluster.gateway_port}"
     try:
-        await start_server(cmd, url, fleet.logs / f"gateway-{policy}{'-ev' * events}.log",
+        await start_server(cmd, url, fleet.logs / f"gateway-{policy}{f'-{view}' * events}.log",
                            procs, START_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             await wait_all_workers_up(session, url, cluster.workers, START_TIMEOUT_S)
@@ -448,7 +452,8 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
     ids = [url.removeprefix("http://") for url in fleet.urls]
     try:
         async with fleet.running():
-            evented = [f"ours+events:{p}" for p in policies] if config.kv_events else []
+            evented = [f"ours+{view}:{p}" for view in ("events", "hybrid") for p in policies
+                       ] if config.kv_events else []
             for router in [*(f"ours:{p}" for p in policies), *evented, *peers]:
                 async with aiohttp.ClientSession() as session:
                     await fleet.flush(session)
@@ -456,8 +461,9 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                       "requests) ...", file=sys.stderr, flush=True)
                 if router.startswith("ours"):
                     name, _, policy = router.partition(":")
+                    view = name.removeprefix("ours+")
                     async with gateway_running(
-                        fleet, policy, events=name == "ours+events"
+                        fleet, policy, events=name != "ours", view=view
                     ) as (url, pid):
                         res = await measure(router, r, url, pid, fleet, bodies, pooled,
                                             config, ids, restart=True)
@@ -577,7 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "engine blocks of block-chars/4 tokens")
     p.add_argument("--kv-events", action="store_true",
                    help="workers publish KV events; every policy also runs as "
-                   "ours+events:<policy> (needs --tokenizer-file)")
+                   "ours+events:<policy> (the events alone) and ours+hybrid:<policy> (the "
+                   "modelled index corrected by them) (needs --tokenizer-file)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

@@ -24,11 +24,12 @@ index, so both kinds of worker share one pool and one policy. Pure: no I/O, time
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gateway.contracts.kv_keys import chain_from, chain_seed, salt_of
 from gateway.contracts.kv_wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from gateway.kvevents.hybrid import Corrections, WallClock
 from gateway.routing.types import PrefixMatcher
 
 
@@ -59,6 +60,8 @@ class WorkerBlocks:
         self._doomed: frozenset[int] = frozenset()
         self._doomed_at: float | None = None  # when _doomed was computed (None: stale)
         self.stats = BlockStats()
+        # The hybrid view's corrections to the modelled index (gateway.kvevents.hybrid).
+        self.corrections: Corrections | None = None
 
     def __len__(self) -> int:
         return len(self._held)
@@ -110,15 +113,25 @@ class WorkerBlocks:
         return n
 
     # -- events -----------------------------------------------------------------------------
-    def apply(self, event: Event) -> None:
+    def begin_batch(self, ts: float, now: float) -> None:
+        """The events that follow came in one batch, published at ``ts`` (wall clock)."""
+        if self.corrections is not None:
+            self.corrections.begin(ts, now)
+
+    def end_batch(self) -> None:
+        if self.corrections is not None:
+            self.corrections.end()
+
+    def apply(self, event: Event, now: float = 0.0) -> None:
+        """One event, as it arrives at ``now`` (the clock of this gateway's decisions)."""
         if isinstance(event, BlockStored):
-            self._stored(event)
+            self._stored(event, now)
         elif isinstance(event, BlockRemoved):
-            self._removed(event.block_hashes)
+            self._removed(event.block_hashes, now)
         elif isinstance(event, AllBlocksCleared):
             self.clear()
 
-    def _stored(self, event: BlockStored) -> None:
+    def _stored(self, event: BlockStored, now: float) -> None:
         if event.parent_block_hash is None:
             first = event.extra_keys[0] if event.extra_keys else None
             parent = chain_seed(event.lora_name or "", salt_of(first, event.lora_name))
@@ -129,6 +142,7 @@ class WorkerBlocks:
                 return
             parent = known
         keys = chain_from(parent, event.token_ids, event.block_size)
+        fix = self.corrections
         for engine_hash, key in zip(event.block_hashes, keys, strict=False):
             old = self._key_of.get(engine_hash)
             if old == key:
@@ -139,6 +153,8 @@ class WorkerBlocks:
             self._held[key] = self._held.get(key, 0) + 1
             self._pending.pop(key, None)
             self.stats.stored += 1
+            if fix is not None:
+                fix.stored(key, now)
         if self.capacity:
             lru = self._lru
             for key in reversed(keys[: len(event.block_hashes)]):  # deepest oldest
@@ -152,7 +168,8 @@ class WorkerBlocks:
             self.stats.dropped += 1
         # Engine hashes whose key was dropped above are purged lazily when removed.
 
-    def _removed(self, hashes: Iterable[BlockHash]) -> None:
+    def _removed(self, hashes: Iterable[BlockHash], now: float) -> None:
+        fix = self.corrections
         for engine_hash in hashes:
             key = self._key_of.pop(engine_hash, None)
             if key is not None:
@@ -160,6 +177,8 @@ class WorkerBlocks:
                 self._pending.pop(key, None)
                 if key not in self._held:
                     self._lru.pop(key, None)
+                    if fix is not None:
+                        fix.removed(key, now)
                 self.stats.removed += 1
         self._doomed_at = None
 
@@ -177,6 +196,8 @@ class WorkerBlocks:
         self._lru.clear()
         self._doomed_at = None
         self.stats.cleared += 1
+        if self.corrections is not None:
+            self.corrections.cleared()
 
     # -- this gateway's own decisions -------------------------------------------------------
     def sent(self, keys: Sequence[int], now: float, reserve: int | None = None) -> None:
@@ -227,12 +248,28 @@ class WorkerBlocks:
 class ExactIndex:
     """Worker id -> :class:`WorkerBlocks`, for the workers whose events are live."""
 
-    def __init__(self, max_blocks: int = 1 << 20, pending_ttl_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        max_blocks: int = 1 << 20,
+        pending_ttl_s: float = 10.0,
+        settle_s: float = 2.0,
+        skew_s: float = 0.005,
+        hybrid: bool = True,
+    ) -> None:
         self._max_blocks = max_blocks
         self._pending_ttl_s = pending_ttl_s
+        self._settle_s = settle_s
+        self._skew_s = skew_s
+        self.clock = WallClock()  # the decision clock -> the events' (set by the owner)
+        self.hybrid = hybrid  # keep the hybrid view's corrections (gateway.kvevents.hybrid)
         self._workers: dict[str, WorkerBlocks] = {}
         self._live: set[str] = set()
         self._capacity: dict[str, int] = {}
+        # The hybrid view (gateway.kvevents.hybrid): blocks stored by someone else -> workers,
+        # and the modelled index's answers it needs (set by the owner; None: not known).
+        self._foreign: dict[int, set[str]] = {}
+        self.model_holds: Callable[[str, int], bool] | None = None
+        self.on_reset: Callable[[str, Callable[[int], bool]], None] | None = None
 
     def worker(self, worker_id: str) -> WorkerBlocks:
         blocks = self._workers.get(worker_id)
@@ -241,7 +278,27 @@ class ExactIndex:
                 self._max_blocks, self._pending_ttl_s
             )
             blocks.capacity = self._capacity.get(worker_id, 0)
+            if self.hybrid:
+                blocks.corrections = Corrections(
+                    worker_id, self._foreign, self._model_holds, self._reset, self.clock,
+                    skew_s=self._skew_s, settle_s=self._settle_s, max_blocks=self._max_blocks,
+                )
         return blocks
+
+    def _model_holds(self, worker_id: str, key: int) -> bool | None:
+        holds = self.model_holds
+        return None if holds is None else holds(worker_id, key)
+
+    def _reset(self, worker_id: str, keep: Callable[[int], bool]) -> None:
+        if self.on_reset is not None:
+            self.on_reset(worker_id, keep)
+
+    def corrections(self, worker_id: str) -> Corrections | None:
+        blocks = self._workers.get(worker_id)
+        return blocks.corrections if blocks is not None else None
+
+    def foreign_holders(self, key: int) -> set[str]:
+        return self._foreign.get(key) or set()
 
     def set_capacity(self, worker_id: str, blocks: int) -> None:
         """The worker's engine holds ``blocks`` blocks (0: unknown)."""
@@ -268,8 +325,14 @@ class ExactIndex:
     def live(self) -> frozenset[str]:
         return frozenset(self._live)
 
+    @property
+    def has_live(self) -> bool:
+        return bool(self._live)
+
     def drop(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+        blocks = self._workers.pop(worker_id, None)
+        if blocks is not None and blocks.corrections is not None:
+            blocks.corrections.dropped()
         self._live.discard(worker_id)
         self._capacity.pop(worker_id, None)
 
@@ -284,13 +347,24 @@ class ExactIndex:
     def sent(
         self, worker_id: str, keys: Sequence[int], now: float, reserve: int | None = None
     ) -> None:
+        blocks = self._workers.get(worker_id)
+        if blocks is None:
+            return
+        if blocks.corrections is not None:
+            blocks.corrections.sent(keys, now)
         if worker_id in self._live:
-            self._workers[worker_id].sent(keys, now, reserve)
+            blocks.sent(keys, now, reserve)
 
     def unsent(self, worker_id: str, keys: Iterable[int]) -> None:
         blocks = self._workers.get(worker_id)
         if blocks is not None:
             blocks.unsent(keys)
+
+    def done(self, worker_id: str, keys: Sequence[int], now: float) -> None:
+        """The request that carried ``keys`` to the worker ended (however it ended)."""
+        fix = self.corrections(worker_id)
+        if fix is not None:
+            fix.done(keys, now)
 
 
 @dataclass(frozen=True, slots=True)

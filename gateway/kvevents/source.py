@@ -5,9 +5,11 @@ One :class:`ExactSource` per gateway application. It
 * subscribes to the event endpoint of every worker that announces one (and drops the feed when
   the worker leaves; a worker the pool marks down is emptied and bootstraps again);
 * turns requests into token-exact keys when a tokenizer is configured;
-* wraps the modelled index for routing (:class:`~gateway.kvevents.index.ExactMatcher`), so a
-  policy reads event-fed workers from their events and the others from the model;
-* remembers what this gateway just sent to event-fed workers until their events confirm it.
+* wraps the modelled index for routing, so one policy routes over workers with and without
+  events: by default (``view="hybrid"``, :class:`~gateway.kvevents.hybrid.HybridMatcher`) an
+  event-fed worker's view is the model's, corrected by its events; with ``view="events"``
+  (:class:`~gateway.kvevents.index.ExactMatcher`) it comes from its events alone, plus what this
+  gateway just sent there until the events confirm it.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from gateway.contracts.kv_keys import engine_namespace
 from gateway.kvevents.endpoints import EventEndpoints
+from gateway.kvevents.hybrid import HybridMatcher
 from gateway.kvevents.index import ExactIndex, ExactMatcher
 from gateway.kvevents.subscriber import KVEventHub
 from gateway.kvevents.tokenize import PromptTokenizer, TokenizedPrompt
@@ -41,6 +45,17 @@ class WorkerSet(Protocol):
         """Requests sent to the worker and not yet answered."""
         ...
 
+    def model_holds(self, wid: str, block: int) -> bool:
+        """Whether the modelled index says the worker holds the prefix ``block`` names."""
+        ...
+
+    def retain_index(self, wid: str, keep: Callable[[int], bool]) -> None:
+        """The modelled index keeps of the worker only the blocks ``keep`` accepts."""
+        ...
+
+
+VIEWS = ("hybrid", "events")
+
 
 class ExactSource:
     def __init__(
@@ -52,8 +67,16 @@ class ExactSource:
         replay_timeout_s: float = 1.0,
         reconcile_s: float = 0.5,
         min_match_blocks: int = 1,
+        view: str = "hybrid",
+        settle_s: float = 2.0,
+        skew_s: float = 0.005,
     ) -> None:
-        self.index = ExactIndex(max_blocks=max_blocks, pending_ttl_s=pending_ttl_s)
+        if view not in VIEWS:
+            raise ValueError(f"view must be one of {', '.join(VIEWS)}, got {view!r}")
+        self.view = view
+        self.index = ExactIndex(max_blocks=max_blocks, pending_ttl_s=pending_ttl_s,
+                                settle_s=settle_s, skew_s=skew_s, hybrid=view == "hybrid")
+        self._sync_clock()
         self.hub = KVEventHub(self.index, replay_timeout_s=replay_timeout_s)
         self.tokenizer = tokenizer
         self._reconcile_s = reconcile_s
@@ -64,6 +87,8 @@ class ExactSource:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self, workers: WorkerSet) -> None:
+        self.index.model_holds = workers.model_holds
+        self.index.on_reset = workers.retain_index
         self.hub.start()
         self.reconcile(workers)
         self._task = asyncio.create_task(self._loop(workers), name="kv-events-reconcile")
@@ -86,10 +111,18 @@ class ExactSource:
             except Exception:
                 log.exception("kv events: reconciling the feeds failed")
 
+    def _sync_clock(self) -> None:
+        # Events are stamped with the engines' wall clock, decisions with time.monotonic().
+        self.index.clock.offset = time.time() - time.monotonic()
+
     def reconcile(self, workers: WorkerSet) -> None:
         """Feeds follow the pool; a worker that went down loses what its feed said."""
+        self._sync_clock()
         self._workers = workers
-        self.hub.sync(workers.event_endpoints())
+        endpoints = workers.event_endpoints()
+        self.hub.sync(endpoints)
+        for wid in endpoints:  # what is sent there counts from now on, live feed or not yet
+            self.index.worker(wid)
         for wid, blocks in workers.capacities().items():
             self.index.set_capacity(wid, blocks)
         healthy = workers.healthy_ids()
@@ -108,9 +141,11 @@ class ExactSource:
         )
 
     def matcher(self, base: PrefixMatcher, now: float) -> PrefixMatcher:
-        if not self.index.live:
+        if not self.index.has_live:
             return base
-        return ExactMatcher(base, self.index, now, self._floor)
+        if self.view == "events":
+            return ExactMatcher(base, self.index, now, self._floor)
+        return HybridMatcher(base, self.index, now, self._floor)
 
     def sent(self, worker_id: str, blocks: Sequence[int], now: float) -> None:
         # Each request the engine runs holds a block of its own (the prompt's partial last
@@ -120,6 +155,9 @@ class ExactSource:
 
     def unsent(self, worker_id: str, blocks: Sequence[int]) -> None:
         self.index.unsent(worker_id, blocks)
+
+    def done(self, worker_id: str, blocks: Sequence[int], now: float) -> None:
+        self.index.done(worker_id, blocks, now)
 
     # -- the operator's view --------------------------------------------------------------------
     def source_of(self, worker_id: str) -> str:
@@ -146,6 +184,22 @@ class ExactSource:
             "blocks": len(blocks) if blocks is not None else 0,
             "pending_blocks": blocks.pending if blocks is not None else 0,
             "orphan_blocks": blocks.stats.orphans if blocks is not None else 0,
+            "view": self.view,
+            "corrections": self._corrections(worker_id),
+        }
+
+    def _corrections(self, worker_id: str) -> dict[str, int] | None:
+        fix = self.index.corrections(worker_id)
+        if fix is None or self.view != "hybrid":
+            return None
+        s = fix.stats
+        return {
+            "removed": s.removed,
+            "kept_in_flight": s.kept,
+            "foreign_stored": s.foreign,
+            "resets": s.resets,
+            "gone_blocks": len(fix.gone),
+            "foreign_blocks": len(fix.foreign),
         }
 
     def tokenizer_stats(self) -> dict[str, Any] | None:

@@ -191,12 +191,14 @@ class WorkerFeed:
             self.stats.bad_messages += 1
             log.debug("kv events of %s: bad batch %d: %s", self.worker_id, seq, exc)
             return
-        blocks = self.blocks
+        blocks, now = self.blocks, time.monotonic()
+        blocks.begin_batch(batch.ts, now)
         for event in batch.events:
-            blocks.apply(event)
+            blocks.apply(event, now)
+        blocks.end_batch()
         self.stats.batches += 1
         self.stats.events += len(batch.events)
-        self.stats.last_batch_at = time.monotonic()
+        self.stats.last_batch_at = now
 
     async def _replay(self, start: int) -> tuple[list[tuple[int, bytes]], bool] | None:
         """The buffered batches from ``start`` and whether they reach back to it; None when

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -114,6 +114,11 @@ class PrefixIndex:
         return cache.held if cache is not None else 0
 
     # -- lookups ------------------------------------------------------------------------------
+
+    def holds(self, worker_id: str, block: int) -> bool:
+        """Whether ``worker_id`` holds the prefix ``block`` names (one dict lookup)."""
+        node = self._nodes.get(block)
+        return node is not None and worker_id in node.holders
 
     def _held_count(self, blocks: Sequence[int], worker_id: str, hi: int) -> int:
         """How many leading checkpoints of ``blocks[:hi]`` ``worker_id`` holds."""
@@ -246,6 +251,21 @@ class PrefixIndex:
         target = held - int(held * min(1.0, max(0.0, fraction)))
         self._trim(worker_id, target)
         return held - self.held_blocks(worker_id)
+
+    def retain(self, worker_id: str, keep: Callable[[int], bool]) -> None:
+        """Drop the holds of ``worker_id`` on the prefixes ``keep`` rejects (its cache was
+        emptied, but for what was sent there since). ``keep`` accepts a prefix's ancestors
+        whenever it accepts the prefix. O(blocks the worker holds)."""
+        cache = self._caches.get(worker_id)
+        if cache is None:
+            return
+        nodes = self._nodes
+        doomed = [h for h in cache.nodes if not keep(h)]
+        doomed.sort(key=lambda h: nodes[h].depth, reverse=True)  # leaves before their parents
+        for h in doomed:
+            node = nodes.get(h)
+            if node is not None and worker_id in node.holders:
+                self._evict(worker_id, h)
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop every entry of a worker that left or restarted (its cache is gone with it)."""

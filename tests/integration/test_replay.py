@@ -77,8 +77,10 @@ def test_replay_with_kv_events_runs_the_event_fed_gateway_too(tmp_path: Path) ->
     )
     assert code == 0, stderr[-3000:]
     rows = {r["router"]: r for r in json.loads(stdout)["medians"]}
-    assert list(rows) == ["ours:cache_aware", "ours+events:cache_aware"]
+    assert list(rows) == ["ours:cache_aware", "ours+events:cache_aware",
+                          "ours+hybrid:cache_aware"]
     assert all(r["errors"] == 0 and r["block_hit_rate"] > 0 for r in rows.values())
     # Fed by the engines' events, the gateway knows what each cache holds: every prediction
     # of cached tokens is exact (nothing is evicted: the caches hold the whole trace).
     assert rows["ours+events:cache_aware"]["exact_predictions"] == 1.0
+    assert rows["ours+hybrid:cache_aware"]["exact_predictions"] == 1.0
