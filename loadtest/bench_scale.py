@@ -7,7 +7,8 @@ All modes run at once, each on its own ports (so they share the machine's noise)
 real redis-server, ``--workers`` reference workers (simulated engine, its default costs: 200 us
 per uncached prompt token, 5 us per cached one) that register in it, and a gateway on that
 store that samples prompts for warm-up (``--warmup-sample '*'``; ``cold`` runs it with
-``--no-warmup``). An open-loop chat + shared-system-prompt load
+``--no-warmup``; ``control`` adds no workers at all, so it shows how the hit rate of the load
+itself drifts over the same minutes). An open-loop chat + shared-system-prompt load
 (:func:`loadtest.workloads.chat_requests`, streaming) arrives at ``--rate`` requests per
 second; after ``--before-s`` seconds ``--add`` more workers join (they were started, idle and
 unregistered, before the load, so their Python start-up does not fall into the transition on
@@ -17,8 +18,10 @@ for ``--after-s`` seconds.
 Reported per mode: token hit rate and TTFT (time to the first content token) p50/p99 in the
 ``--steady-s`` seconds before the change (steady state) and in the ``--window-s`` seconds after
 it, p99 after / p99 before, failed requests, and the seconds until the hit rate (over 10 s
-windows) is back within 1 point of the steady state for good. ``report.md``, ``report.json``,
-``scale.png`` (hit rate and TTFT p99 over time per mode) and the raw samples go to ``--out``.
+windows) is back within 1 point of the steady state for good, and (with a ``control`` mode in
+the run) until it is back within 1 point of the control's hit rate over the same windows.
+``report.md``, ``report.json``, ``scale.png`` (hit rate and TTFT p99 over time per mode) and
+the raw samples go to ``--out``.
 
 A benchmark, not a test: figures depend on the machine; compare the modes side by side only.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import shutil
@@ -95,7 +99,7 @@ class ScaleConfig:
     tenants: int = 12
     max_tokens: int = 4
     seed: int = 2024
-    modes: tuple[str, ...] = ("warmup", "cold")
+    modes: tuple[str, ...] = ("warmup", "cold", "control")
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     logs: Path | None = None  # keep the servers' logs there (default: deleted after the run)
@@ -148,7 +152,23 @@ def recovery_s(result: ModeResult, steady: float, end: float) -> float | None:
     return None if last_below > end - 1.0 else last_below
 
 
-def summarize(result: ModeResult, config: ScaleConfig) -> dict[str, Any]:
+def recovery_vs_s(result: ModeResult, reference: ModeResult, end: float) -> float | None:
+    """Like :func:`recovery_s`, against ``reference``'s hit rate over the same windows (the
+    control run, whose load is the same and whose fleet never changes)."""
+    last_below: float | None = None
+    t = 0.0
+    while t + RECOVERY_WINDOW_S <= end:
+        own = hit_rate(result.window(t, t + RECOVERY_WINDOW_S))
+        if own < hit_rate(reference.window(t, t + RECOVERY_WINDOW_S)) - 0.01:
+            last_below = t + RECOVERY_WINDOW_S
+        t += 1.0
+    if last_below is None:
+        return 0.0
+    return None if last_below > end - 1.0 else last_below
+
+
+def summarize(result: ModeResult, config: ScaleConfig,
+              control: ModeResult | None = None) -> dict[str, Any]:
     steady = result.window(-config.steady_s, 0.0)
     after = result.window(0.0, config.window_s)
     steady_hit = hit_rate(steady)
@@ -167,6 +187,8 @@ def summarize(result: ModeResult, config: ScaleConfig) -> dict[str, Any]:
         "new_worker_requests": sum(
             1 for s in after if s.worker in _new_workers(result, config)),
         "recovery_s": recovery_s(result, steady_hit, config.after_s),
+        "recovery_vs_control_s": (recovery_vs_s(result, control, config.after_s)
+                                  if control is not None else float("nan")),
         "warmup": result.warmup,
     }
 
@@ -248,6 +270,8 @@ async def run_mode(mode: str, config: ScaleConfig, base: int, logs: Path) -> Mod
     await asyncio.to_thread(redis.start)
     procs: list[asyncio.subprocess.Process] = []
     result = ModeResult(mode)
+    if mode == "control":
+        config = dataclasses.replace(config, add=0)
     try:
         # The workers that join later start now, unregistered: their Python start-up must not
         # fall into the transition window of a busy machine. They join by registering.
@@ -303,7 +327,7 @@ async def _load(http: aiohttp.ClientSession, gateway: str, config: ScaleConfig,
         delay = start + at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        if scaled is None and time.monotonic() >= t0:
+        if scaled is None and config.add and time.monotonic() >= t0:
             scaled = asyncio.create_task(_scale(config, procs, redis, base, logs, result.mode))
         tasks.append(asyncio.create_task(_one(http, gateway, body, t0, result.samples)))
     await asyncio.gather(*tasks)
@@ -379,17 +403,21 @@ def to_markdown(summaries: Sequence[dict[str, Any]], config: ScaleConfig, comman
         f"{config.tenants} shared system prompts, streaming; steady = the {config.steady_s:g} s "
         f"before the change, after = the {config.window_s:g} s after it.", "",
         "| mode | requests | failed | steady hit | after hit | steady TTFT p50 / p99 ms | "
-        "after TTFT p50 / p99 ms | p99 after/steady | to within 1 pt (s) | new workers' reqs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "after TTFT p50 / p99 ms | p99 after/steady | to within 1 pt (s) | "
+        "to within 1 pt of control (s) | new workers' reqs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         rec = s["recovery_s"]
+        vs = s["recovery_vs_control_s"]
+        vs_text = "-" if vs != vs else "never" if vs is None else f"{vs:.0f}"  # NaN: no control
         lines.append(
             f"| {s['mode']} | {s['requests']} | {s['failed']} | {s['steady_hit_rate']:.3f} | "
             f"{s['after_hit_rate']:.3f} | {s['steady_ttft_p50_ms']:.0f} / "
             f"{s['steady_ttft_p99_ms']:.0f} | {s['after_ttft_p50_ms']:.0f} / "
             f"{s['after_ttft_p99_ms']:.0f} | {s['p99_ratio']:.2f} | "
-            f"{'never' if rec is None else f'{rec:.0f}'} | {s['new_worker_requests']} |")
+            f"{'never' if rec is None else f'{rec:.0f}'} | {vs_text} | "
+            f"{s['new_worker_requests']} |")
     for s in summaries:
         for w in s["warmup"]:
             if w.get("reason") == "joined":
@@ -417,15 +445,16 @@ def parse_args(argv: Sequence[str]) -> tuple[ScaleConfig, Path]:
     p.add_argument("--tenants", type=int, default=d.tenants)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--modes", default=",".join(d.modes), help="warmup, cold (comma list)")
+    p.add_argument("--modes", default=",".join(d.modes),
+                   help="warmup, cold, control (comma list)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag")
     p.add_argument("--out", type=Path, default=Path("loadtest/out/scale"))
     p.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
     a = p.parse_args(argv)
     modes = tuple(m for m in a.modes.split(",") if m)
-    if not modes or any(m not in ("warmup", "cold") for m in modes):
-        p.error("--modes takes warmup and/or cold")
+    if not modes or any(m not in ("warmup", "cold", "control") for m in modes):
+        p.error("--modes takes warmup, cold and/or control")
     config = ScaleConfig(
         workers=a.workers, add=a.add, rate=a.rate, before_s=a.before_s, after_s=a.after_s,
         steady_s=a.steady_s, window_s=a.window_s, cache_blocks=a.cache_blocks,
@@ -460,7 +489,8 @@ def _free(ports: range) -> bool:
 
 def write_report(results: Sequence[ModeResult], config: ScaleConfig, out: Path,
                  command: str) -> list[dict[str, Any]]:
-    summaries = [summarize(r, config) for r in results]
+    control = next((r for r in results if r.mode == "control"), None)
+    summaries = [summarize(r, config, control) for r in results]
     out.mkdir(parents=True, exist_ok=True)
     plot(results, config, out / "scale.png")
     (out / "report.md").write_text(to_markdown(summaries, config, command))

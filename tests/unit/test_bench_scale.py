@@ -1,0 +1,30 @@
+"""The scale benchmark's recovery measures, on made-up samples."""
+
+from __future__ import annotations
+
+from loadtest.bench_scale import ModeResult, Sample, recovery_s, recovery_vs_s
+
+
+def _run(mode: str, hits: list[float], start: float = -20.0) -> ModeResult:
+    """One sample per second from ``start``; ``hits[i]`` is that second's hit rate."""
+    result = ModeResult(mode)
+    for i, hit in enumerate(hits):
+        result.samples.append(Sample(t=start + i, ttft_s=0.01, ok=True, input_tokens=1000,
+                                     matched_tokens=round(1000 * hit), worker="w"))
+    return result
+
+
+def test_a_drift_of_the_load_itself_is_no_slow_recovery_against_the_control() -> None:
+    # Both runs drift from 0.90 to 0.88 over the minute; the scaled one also dips at the change.
+    drift = [0.90] * 20 + [0.90 - 0.02 * i / 60 for i in range(60)]
+    scaled = drift[:20] + [h - 0.05 if i < 5 else h for i, h in enumerate(drift[20:])]
+    control, run = _run("control", drift), _run("warmup", scaled)
+    assert recovery_s(run, 0.90, 60.0) is None  # never back within 1 pt of the steady level
+    # 10 s windows: the one from 2 s still holds 3 dipped seconds (1.5 pt below), from 3 s 2.
+    assert recovery_vs_s(run, control, 60.0) == 12.0
+
+
+def test_no_dip_is_zero_and_a_dip_to_the_end_is_never() -> None:
+    flat = _run("control", [0.9] * 80)
+    assert recovery_vs_s(_run("cold", [0.9] * 80), flat, 60.0) == 0.0
+    assert recovery_vs_s(_run("cold", [0.9] * 20 + [0.8] * 60), flat, 60.0) is None
