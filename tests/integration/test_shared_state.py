@@ -215,9 +215,17 @@ async def test_worker_with_twice_the_cache_gets_about_twice_the_share(
     gateway = await processes.gateway("--store", redis_server.url)
     routed: collections.Counter[str] = collections.Counter()
     async with aiohttp.ClientSession() as http:
-        async def all_seen() -> bool:
-            return len(await _workers_seen(http, gateway)) == 4
-        await _until(all_seen)
+        async def sizes_applied() -> bool:
+            # Ring weights follow capacities once probes confirm them (the same sync step sets
+            # both): wait for that, not just for the four workers, or a slow first probe round
+            # routes the whole run on equal weights.
+            seen = await _workers_seen(http, gateway)
+            sizes = {wid: w["capacity_blocks"] for wid, w in seen.items()}
+            big_size = sizes.get(big.removeprefix("http://"), 0)
+            return len(seen) == 4 and min(sizes.values()) > 0 and all(
+                big_size > 1.5 * size for wid, size in sizes.items()
+                if wid != big.removeprefix("http://"))
+        await _until(sizes_applied)
         for i in range(400):
             async with http.post(gateway + "/v1/completions", json={
                 "model": MODEL, "prompt": f"document {i}: " + "lorem ipsum " * 30,
