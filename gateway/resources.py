@@ -14,14 +14,13 @@ Request handlers do not look these keys up: they read the one ``GatewayState`` t
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
 
 from gateway.backends.base import Backend
+from gateway.contracts.tasks import running
 from gateway.health import HealthChecker
 from gateway.kvevents.source import ExactSource
 from gateway.lifecycle import CacheLifecycle
@@ -132,13 +131,8 @@ def _task(name: str, run: Callable[[web.Application], Coroutine[Any, Any, None]]
     """A background loop, cancelled (and awaited) at shutdown."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(run(app), name=name)
-        try:
+        async with running(run(app), name):
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     return ctx
 

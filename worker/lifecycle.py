@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gateway.contracts.tasks import running
 from worker.errors import ApiError
 from worker.kvcache import PrefixCache
 from worker.parsing import decode_body
@@ -89,12 +89,7 @@ def ttl_context(
     """A cleanup context that expires the cache's idle blocks while the app runs."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(_expire_loop(cache, ttl_s), name="cache-ttl")
-        try:
+        async with running(_expire_loop(cache, ttl_s), "cache-ttl"):
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     return ctx

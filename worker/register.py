@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from gateway.contracts.registry import RegistryClient, StoreUnavailable
-from gateway.contracts.tasks import stop_if_cancelled
+from gateway.contracts.tasks import running, stop_if_cancelled
 from gateway.contracts.worker_record import WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -50,13 +50,10 @@ async def registered(
     The one registration lifecycle of both the reference worker (as an aiohttp cleanup context,
     :func:`registration`) and the vLLM launcher (around the vLLM process)."""
     registry = RegistryClient(store_url, prefix=prefix)
-    task = asyncio.create_task(heartbeat(registry, record, every_s, ttl_s), name="heartbeat")
     try:
-        yield
+        async with running(heartbeat(registry, record, every_s, ttl_s), "heartbeat"):
+            yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         with contextlib.suppress(StoreUnavailable):
             await registry.deregister(record.id)
         await registry.close()
