@@ -307,6 +307,10 @@ class ExactIndex:
         if known is not None:
             known.capacity = blocks
 
+    def capacity(self, worker_id: str) -> int:
+        """The worker's engine blocks as reported (0: unknown)."""
+        return self._capacity.get(worker_id, 0)
+
     def get(self, worker_id: str) -> WorkerBlocks | None:
         return self._workers.get(worker_id)
 
