@@ -267,8 +267,34 @@ class CorrectedWorkers(Protocol):
     def foreign_holders(self, key: int) -> Collection[str]: ...
 
 
+class ModelledSignals:
+    """What a view of the caches corrected by events takes unchanged from the modelled index
+    ``base``, which records every decision: heat, branching, recent requests and churn."""
+
+    __slots__ = ()
+    base: PrefixMatcher  # a field of each subclass
+
+    def heat(self, block: int) -> float:
+        return self.base.heat(block)
+
+    def branched(self, block: int) -> bool:
+        return self.base.branched(block)
+
+    def recent_requests(self, worker_id: str) -> float:
+        return self.base.recent_requests(worker_id)
+
+    def pool_recent_requests(self) -> float:
+        return self.base.pool_recent_requests()
+
+    def mean_new_blocks(self) -> float:
+        return self.base.mean_new_blocks()
+
+    def tail_age(self, worker_id: str) -> float:
+        return self.base.tail_age(worker_id)
+
+
 @dataclass(frozen=True, slots=True)
-class HybridMatcher:
+class HybridMatcher(ModelledSignals):
     """A :class:`PrefixMatcher`: the modelled index ``base``, with the depths of workers whose
     events are live corrected by them (:class:`Corrections`). Heat and churn come from
     ``base``.
@@ -317,20 +343,3 @@ class HybridMatcher:
         fix = fleet.corrections(worker_id) if fleet.is_live(worker_id) else None
         return modelled if fix is None else fix.depth(blocks, modelled, self.now)
 
-    def heat(self, block: int) -> float:
-        return self.base.heat(block)
-
-    def branched(self, block: int) -> bool:
-        return self.base.branched(block)
-
-    def recent_requests(self, worker_id: str) -> float:
-        return self.base.recent_requests(worker_id)
-
-    def pool_recent_requests(self) -> float:
-        return self.base.pool_recent_requests()
-
-    def mean_new_blocks(self) -> float:
-        return self.base.mean_new_blocks()
-
-    def tail_age(self, worker_id: str) -> float:
-        return self.base.tail_age(worker_id)

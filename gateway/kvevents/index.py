@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from gateway.contracts.kv_keys import chain_from, chain_seed, salt_of
 from gateway.contracts.kv_wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
-from gateway.kvevents.hybrid import Corrections, WallClock
+from gateway.kvevents.hybrid import Corrections, ModelledSignals, WallClock
 from gateway.routing.types import PrefixMatcher
 
 
@@ -372,7 +372,7 @@ class ExactIndex:
 
 
 @dataclass(frozen=True, slots=True)
-class ExactMatcher:
+class ExactMatcher(ModelledSignals):
     """A :class:`PrefixMatcher`: depths from the exact index for workers with live events,
     from ``base`` (the modelled index) for the rest; heat and churn come from ``base``, which
     records every decision of either kind.
@@ -406,20 +406,3 @@ class ExactMatcher:
             return self.exact.worker(worker_id).depth(blocks, self.now)
         return self.base.match(blocks).get(worker_id, 0)
 
-    def heat(self, block: int) -> float:
-        return self.base.heat(block)
-
-    def branched(self, block: int) -> bool:
-        return self.base.branched(block)
-
-    def recent_requests(self, worker_id: str) -> float:
-        return self.base.recent_requests(worker_id)
-
-    def pool_recent_requests(self) -> float:
-        return self.base.pool_recent_requests()
-
-    def mean_new_blocks(self) -> float:
-        return self.base.mean_new_blocks()
-
-    def tail_age(self, worker_id: str) -> float:
-        return self.base.tail_age(worker_id)
