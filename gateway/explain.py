@@ -21,7 +21,6 @@ from gateway.auth import AUTH_KEY, IDENTITY_KEY, Unauthorized
 from gateway.errors import InvalidRequest
 from gateway.openai_schema import decode_json_object, parse_chat, parse_completion
 from gateway.routing.types import NoCandidates
-from gateway.telemetry.metrics import reason_kind
 from gateway.telemetry.middleware import TELEMETRY_KEY
 
 _PARSERS: dict[str, Parser] = {"chat": parse_chat, "completion": parse_completion}
@@ -56,7 +55,7 @@ async def explain(request: web.Request) -> web.Response:
         decision_view = {
             "worker": decision.worker_id,
             "policy": decision.policy,
-            "kind": reason_kind(decision.reason),
+            "kind": decision.label,
             "reason": decision.reason,
             "match_blocks": decision.match_blocks,
             "load_bound_tokens": decision.load_bound,

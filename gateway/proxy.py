@@ -12,6 +12,7 @@ event, so the client is never left with a silently truncated answer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -128,9 +129,8 @@ async def dispatch(
             try:
                 release_slot = await guard.slots.take(wid)
                 worker = decision.worker.worker
-                attempt_upstream = UpstreamRequest(
-                    upstream.path, upstream.body, upstream.namespace, upstream.anchor,
-                    headers=observed.upstream_headers({}))
+                attempt_upstream = dataclasses.replace(
+                    upstream, headers=observed.upstream_headers({}))
                 reply = await guard.open(
                     wid, state.backend_for(worker).open(worker, attempt_upstream)
                 )

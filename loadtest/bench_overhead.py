@@ -167,6 +167,12 @@ def gateway_command(port: int, worker_urls: Sequence[str], config: OverheadConfi
     return cmd
 
 
+def floor_command(port: int, worker_urls: Sequence[str]) -> list[str]:
+    """The bare aiohttp relay (:mod:`loadtest.floor_proxy`) in front of ``worker_urls``."""
+    return [sys.executable, "-m", "loadtest.floor_proxy", "--host", HOST, "--port", str(port),
+            *(a for w in worker_urls for a in ("--worker", w))]
+
+
 def available(name: str) -> str:
     """Why router ``name`` cannot run here ("" if it can)."""
     if name in ("ours", FLOOR):
@@ -220,12 +226,10 @@ async def running_targets(
                 await start_server(cmd, url, logs / f"worker{i}.log", procs)
             targets = [Target(DIRECT, worker_urls[0] + "/v1/chat/completions", 0)]
             for j, (name, extra) in enumerate(ours):
-                url = f"http://{HOST}:{base + config.workers + j}"
-                cmd = gateway_command(base + config.workers + j, worker_urls, config, extra)
-                if name == FLOOR:
-                    cmd = [sys.executable, "-m", "loadtest.floor_proxy", "--host", HOST,
-                           "--port", str(base + config.workers + j),
-                           *(a for w in worker_urls for a in ("--worker", w))]
+                port = base + config.workers + j
+                url = f"http://{HOST}:{port}"
+                cmd = (floor_command(port, worker_urls) if name == FLOOR
+                       else gateway_command(port, worker_urls, config, extra))
                 await start_server(cmd, url, logs / f"{name}.log", procs)
                 targets.append(Target(name, url + "/v1/chat/completions", procs[-1].pid))
             for name in routers:

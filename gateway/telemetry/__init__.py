@@ -8,6 +8,6 @@
 * :mod:`.middleware`: request ids, and where the record is turned into all of the above.
 """
 
-from gateway.telemetry.metrics import GatewayMetrics, reason_kind
+from gateway.telemetry.metrics import GatewayMetrics
 
-__all__ = ["GatewayMetrics", "reason_kind"]
+__all__ = ["GatewayMetrics"]

@@ -25,16 +25,6 @@ LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0,
     60.0, 120.0, 300.0,
 )
-DECISION_KINDS = ("prefix_hit", "cold", "diverted", "spread", "branch", "ring", "round_robin",
-                  "least_load")
-
-
-def reason_kind(reason: str) -> str:
-    """Collapse a decision reason into a low-cardinality label."""
-    for kind in DECISION_KINDS:
-        if reason.startswith(kind):
-            return kind
-    return "other"
 
 
 def build_version() -> str:

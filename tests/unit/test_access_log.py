@@ -64,10 +64,11 @@ async def test_a_full_batch_is_written_without_waiting() -> None:
     assert out.getvalue().splitlines() == [str(i) for i in range(FLUSH_LINES)]
 
 
-def test_flush_writes_what_is_left() -> None:
+async def test_flush_writes_what_is_left() -> None:
     out = io.StringIO()
     sink = BufferedLines(out)
-    sink._lines.append("pending")  # as if a timer were still due
+    sink.write_line("pending")  # batched: its timer is still due
+    assert out.getvalue() == ""
     sink.flush()
     assert out.getvalue() == "pending\n"
     sink.flush()
