@@ -266,6 +266,10 @@ class CorrectedWorkers(Protocol):
 
     def foreign_holders(self, key: int) -> Collection[str]: ...
 
+    def refresh(self, worker_id: str) -> None:
+        """Apply the worker's events published up to now."""
+        ...
+
 
 class ModelledSignals:
     """What a view of the caches corrected by events takes unchanged from the modelled index
@@ -319,6 +323,7 @@ class HybridMatcher(ModelledSignals):
         candidates = list(modelled)
         candidates += [w for w in fleet.foreign_holders(blocks[0]) if w not in modelled]
         for wid in candidates:
+            fleet.refresh(wid)
             fix = fleet.corrections(wid) if fleet.is_live(wid) else None
             if fix is None:
                 continue
@@ -338,8 +343,9 @@ class HybridMatcher(ModelledSignals):
     def held(self, worker_id: str, blocks: Sequence[int]) -> int:
         """Leading ``blocks`` ``worker_id`` holds: the model's word, corrected by its events
         while they are live."""
-        modelled = self.base.match(blocks).get(worker_id, 0)
         fleet = self.workers
+        fleet.refresh(worker_id)
+        modelled = self.base.match(blocks).get(worker_id, 0)
         fix = fleet.corrections(worker_id) if fleet.is_live(worker_id) else None
         return modelled if fix is None else fix.depth(blocks, modelled, self.now)
 

@@ -270,6 +270,8 @@ class ExactIndex:
         self._foreign: dict[int, set[str]] = {}
         self.model_holds: Callable[[str, int], bool] | None = None
         self.on_reset: Callable[[str, Callable[[int], bool]], None] | None = None
+        # Worker -> applies what its engine published up to now (set by its feed).
+        self._refresh: dict[str, Callable[[], None]] = {}
 
     def worker(self, worker_id: str) -> WorkerBlocks:
         blocks = self._workers.get(worker_id)
@@ -292,6 +294,19 @@ class ExactIndex:
     def _reset(self, worker_id: str, keep: Callable[[int], bool]) -> None:
         if self.on_reset is not None:
             self.on_reset(worker_id, keep)
+
+    def set_refresh(self, worker_id: str, refresh: Callable[[], None] | None) -> None:
+        """``refresh`` brings the worker's blocks up to what its engine published so far."""
+        if refresh is None:
+            self._refresh.pop(worker_id, None)
+        else:
+            self._refresh[worker_id] = refresh
+
+    def refresh(self, worker_id: str) -> None:
+        """Apply the worker's events published up to now (a decision is about to read them)."""
+        refresh = self._refresh.get(worker_id)
+        if refresh is not None:
+            refresh()
 
     def corrections(self, worker_id: str) -> Corrections | None:
         blocks = self._workers.get(worker_id)
@@ -342,7 +357,10 @@ class ExactIndex:
 
     def match(self, keys: Sequence[int], now: float) -> dict[str, int]:
         out: dict[str, int] = {}
-        for wid in self._live:
+        for wid in list(self._live):
+            self.refresh(wid)
+            if wid not in self._live:
+                continue
             depth = self._workers[wid].depth(keys, now)
             if depth:
                 out[wid] = depth
@@ -403,6 +421,7 @@ class ExactMatcher(ModelledSignals):
     def held(self, worker_id: str, blocks: Sequence[int]) -> int:
         """Leading blocks ``worker_id`` holds: its events' word when they are live."""
         if self.exact.is_live(worker_id):
+            self.exact.refresh(worker_id)
             return self.exact.worker(worker_id).depth(blocks, self.now)
         return self.base.match(blocks).get(worker_id, 0)
 

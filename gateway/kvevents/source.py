@@ -207,6 +207,7 @@ class ExactSource:
             "unreplayable_gaps": s.unreplayable,
             "restarts": s.restarts,
             "bad_messages": s.bad_messages,
+            "reads": s.reads,
             "blocks": len(blocks) if blocks is not None else 0,
             "pending_blocks": blocks.pending if blocks is not None else 0,
             "orphan_blocks": blocks.stats.orphans if blocks is not None else 0,

@@ -14,6 +14,12 @@ One :class:`WorkerFeed` per worker that announces an event endpoint (its registr
   restarted, its cache is empty): the block set is emptied. So is it when the pool marks the
   worker down, and the next batch bootstraps again.
 
+* **Keeping up**: a wake-up of the feed applies every batch the socket holds, not one (on a
+  busy event loop the feed would otherwise fall seconds behind its engine), and a decision
+  that reads a worker's blocks first applies what its engine published up to then
+  (:meth:`WorkerFeed.drain_now`, through :meth:`ExactIndex.refresh`): a non-blocking read of
+  the socket, no turn of the loop needed.
+
 Routing uses a worker's events only while its feed is *live* (bootstrapped, in order); until
 then, and for workers without events, the modelled index stands in.
 """
@@ -36,6 +42,7 @@ from gateway.kvevents.index import ExactIndex, WorkerBlocks
 log = logging.getLogger(__name__)
 
 _POLL_MS = 200
+_DRAIN_MAX = 512  # batches applied per wake-up of a feed before the loop gets a turn
 _RETRY_S = 1.0  # between bootstrap attempts while the replay socket does not answer
 
 
@@ -48,6 +55,7 @@ class FeedStats:
     unreplayable: int = 0
     restarts: int = 0
     bad_messages: int = 0
+    reads: int = 0  # wake-ups (or decisions) that applied at least one batch
     last_seq: int = -1
     last_batch_at: float = 0.0  # time.monotonic()
 
@@ -67,6 +75,8 @@ class WorkerFeed:
     _reset: bool = False
     _after_loss: bool = False  # batches were lost: start again from whatever comes next
     _tried_at: float = 0.0  # last bootstrap attempt (time.monotonic())
+    _drained: int = 0  # batches the last wake-up applied
+    _reader: zmq.Socket[bytes] | None = None  # set while the feed waits for a batch
 
     @property
     def blocks(self) -> WorkerBlocks:
@@ -83,6 +93,10 @@ class WorkerFeed:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self.endpoints.events)
+        # Non-blocking reads of the same socket: the feed's own wake-ups, and the decisions
+        # (drain_now) while the feed waits for the next batch.
+        reader: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        self.index.set_refresh(self.worker_id, self.drain_now)
         try:
             await self._bootstrap()
             while True:
@@ -91,20 +105,53 @@ class WorkerFeed:
                     self._last = None
                     self._dedupe_until = -1
                     await self._bootstrap()
-                if not await sub.poll(_POLL_MS):
+                if self._gap_start is not None:
+                    start, self._gap_start = self._gap_start, None
+                    await self._fill_gap(start)
+                    continue
+                self._reader = reader
+                try:
+                    ready = await sub.poll(_POLL_MS)
+                finally:
+                    self._reader = None
+                if not ready:
                     if self.state == "connecting" and self.endpoints.replay \
                             and time.monotonic() - self._tried_at >= _RETRY_S:
                         await self._bootstrap()  # the replay socket may answer now
                     continue
-                frames = await sub.recv_multipart()
-                self._on_message(frames)
-                if self._gap_start is not None:
-                    start, self._gap_start = self._gap_start, None
-                    await self._fill_gap(start)
+                self._drain(reader)
+                if self._gap_start is None and self._drained == _DRAIN_MAX:
+                    await asyncio.sleep(0)  # a flood: let the requests in between
         finally:
             self.state = "stopped"
+            self._reader = None
+            self.index.set_refresh(self.worker_id, None)
             self.index.set_live(self.worker_id, False)
             sub.close(linger=0)
+
+    def drain_now(self) -> None:
+        """Apply what the engine published up to now, before a decision reads the index
+        (a no-op while the feed bootstraps or fills a gap)."""
+        reader = self._reader
+        if reader is not None and self._gap_start is None:
+            self._drain(reader)
+
+    def _drain(self, reader: zmq.Socket[bytes]) -> None:
+        """Apply every batch the socket holds, up to ``_DRAIN_MAX`` (stopping at a gap, which
+        needs the replay socket). One wake-up of the feed reads all the engine published
+        since the last: on a busy event loop, a batch per wake-up falls ever further behind
+        the engine, and the events correct the view seconds too late."""
+        drained = 0
+        while drained < _DRAIN_MAX and self._gap_start is None and not self._reset:
+            try:
+                frames = reader.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            drained += 1
+            self._on_message(frames)
+        self._drained = drained
+        if drained:
+            self.stats.reads += 1
 
     async def _bootstrap(self) -> None:
         """Everything the publisher still buffers, from sequence 0 (what came before is lost:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
@@ -17,8 +18,9 @@ from aiohttp import web
 from gateway.contracts.kv_keys import chain_seed, token_block_keys
 from gateway.contracts.kv_wire import END_SEQ
 from gateway.kvevents.endpoints import EventEndpoints
-from gateway.kvevents.index import ExactIndex
+from gateway.kvevents.index import ExactIndex, ExactMatcher
 from gateway.kvevents.subscriber import KVEventHub
+from gateway.routing.prefix_index import PrefixIndex
 from tests.conftest import FAST_WORKER, free_port, serve
 from worker.kv_events import KVEventPublisher
 from worker.server import ENGINE_KEY, _cache_of
@@ -221,3 +223,55 @@ async def test_a_restarted_worker_is_followed_again(hub: KVEventHub) -> None:
         await eventually(lambda: blocks.depth(keys, 0.0) == 3)
     finally:
         await runner.cleanup()
+
+
+def _stored_batch(publisher: Publisher, i: int) -> bytes:
+    return publisher.stored([i + 1], None, list(range(i * BS, (i + 1) * BS)))
+
+
+async def test_a_backlog_is_applied_at_one_wake_up(
+    hub: KVEventHub, publisher: Publisher
+) -> None:
+    hub.sync({"w": publisher.endpoints})
+    await eventually(lambda: hub.index.is_live("w"))
+    await asyncio.sleep(0.2)  # the SUB socket joins
+    feed = hub.feed("w")
+    assert feed is not None
+    n = 100
+    for i in range(n):  # sent without yielding to the loop
+        await publisher.send(i, _stored_batch(publisher, i))
+    time.sleep(0.3)  # noqa: ASYNC251 (the gateway's loop is busy while the batches arrive)
+    await eventually(lambda: feed.stats.batches == n)
+    # Not one wake-up of the feed per batch: a busy loop would fall ever further behind.
+    assert feed.stats.reads < n // 4
+    blocks = hub.index.worker("w")
+    assert all(blocks.depth([token_block_keys(list(range(i * BS, (i + 1) * BS)), BS,
+                                              chain_seed())[0]], 0.0) == 1 for i in range(n))
+
+
+async def test_a_decision_applies_what_was_published_before_it(
+    hub: KVEventHub, publisher: Publisher
+) -> None:
+    hub.sync({"w": publisher.endpoints})
+    await eventually(lambda: hub.index.is_live("w"))
+    await asyncio.sleep(0.2)
+    tokens, keys = chain(3)
+    await publisher.send(0, publisher.stored([1, 2, 3], None, tokens))
+    blocks = hub.index.worker("w")
+    # The loop never gets a turn here (as while a decision is made): only reading the
+    # socket from the decision's side can apply the batch.
+    for _ in range(500):
+        hub.index.refresh("w")
+        if blocks.depth(keys, 0.0) == 3:
+            break
+        time.sleep(0.01)  # noqa: ASYNC251 (no turn for the loop)
+    assert blocks.depth(keys, 0.0) == 3
+    # The matchers refresh before they read: a removal published now is seen at once.
+    await publisher.send(1, msgspec.msgpack.encode([0.0, [["BlockRemoved", [3], "GPU"]], 0]))
+    exact = ExactMatcher(PrefixIndex().at(0.0), hub.index, 0.0)
+    for _ in range(500):
+        if exact.held("w", keys) == 2:
+            break
+        time.sleep(0.01)  # noqa: ASYNC251 (no turn for the loop)
+    assert exact.held("w", keys) == 2
+
