@@ -284,6 +284,9 @@ class ModelledSignals:
     def branched(self, block: int) -> bool:
         return self.base.branched(block)
 
+    def branches_grow(self, block: int) -> bool:
+        return self.base.branches_grow(block)
+
     def recent_requests(self, worker_id: str) -> float:
         return self.base.recent_requests(worker_id)
 

@@ -92,7 +92,8 @@ class Profile:
     # shared system or tool prompt) and less than half of it, a holder of the trunk with more
     # than ``branch_guard`` times its share of the pool's recent requests gets no credit for
     # the trunk; with none left the request is placed as a cold prefix from the ring anchor
-    # past the trunk (:meth:`RoutingEngine._branch`). 0: never.
+    # past the trunk (:meth:`RoutingEngine._branch`). Only for a trunk whose branches grow
+    # (``PrefixMatcher.branches_grow``). 0: never.
     branch_guard: float = 0.0
 
 
@@ -188,11 +189,17 @@ class RoutingEngine:
         holder is left, the request is placed like a cold prefix from its own ring position
         past the trunk. A prompt that is mostly the trunk (a shared prompt with a short
         question) stays with the trunk's holders, and so does every request that extends its
-        own history."""
+        own history. So does a request off a trunk whose branches do not grow
+        (``branches_grow``: later requests reused what went on from it more often than they
+        extended it, as questions on a shared document after a system prompt do): there the
+        part past the trunk is shared content that is worth keeping with the trunk, not a
+        session of its own."""
         key = request.key
         depth = key.depth_at(deepest - 1)
         index = snapshot.index
-        if 2 * depth >= key.total_blocks or not index.branched(key.blocks[deepest - 1]):
+        trunk = key.blocks[deepest - 1]
+        if (2 * depth >= key.total_blocks or not index.branched(trunk)
+                or not index.branches_grow(trunk)):
             return None, matches
         weights = (snapshot.pool_load[1] if snapshot.pool_load is not None
                    else sum(w.worker.weight for w in snapshot.workers)) or 1.0

@@ -25,6 +25,12 @@ Time is an argument of every call that depends on it (``now``, seconds on any mo
 origin), so the simulator replays traces on its own clock; :meth:`at` binds one instant for the
 routing policies (:class:`IndexView`).
 
+Where prompts part, it learns what later prompts do with the part past the *fork* (the deepest
+prefix known when a prompt went on along a new path): a session's next turn *extends* it (goes
+on from its end), a question on a shared document *reuses* it (goes on from inside).
+:meth:`PrefixIndex.branches_grow` tells the routing policy which of the two a fork's branches
+are (O(1) per record: the deepest known checkpoint is already found).
+
 It also keeps each worker's recent *churn*, which the cold-placement picker balances
 (:mod:`gateway.routing.policies.spread_picker`): requests recorded for it and blocks they added
 (decayed with the same half-life as the heat), and the age of its least recently used block
@@ -66,6 +72,22 @@ class _Node:
     holders: dict[str, _Hold] = field(default_factory=dict)
     heat: float = 0.0
     heat_at: float = 0.0
+    # The prompt that added this checkpoint: its length in blocks, and the fork it went on
+    # from (the deepest prefix known before it, or for a prompt that extended another, that
+    # prompt's fork; None for the first prompt on its path and the prompts extending it).
+    end: int = 0
+    fork: int | None = None
+
+
+@dataclass(slots=True)
+class _Fork:
+    """What later prompts did with the prompts that went on from one fork, decayed:
+    ``extended``, went on from the end of one (a session's next turn); ``reused``, went on
+    from inside one (another request sharing part of what came after the fork)."""
+
+    extended: float = 0.0
+    reused: float = 0.0
+    at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -91,6 +113,8 @@ class PrefixIndex:
         self._caches: dict[str, _Cache] = {}
         self._capacity: dict[str, int] = {}
         self._pool_churn = Churn()
+        self._forks: dict[int, _Fork] = {}
+        self._pool_forks = _Fork()
         self._seq = 0
         self._swept_at = -math.inf
 
@@ -178,6 +202,17 @@ class PrefixIndex:
         node = self._nodes.get(block)
         return node is not None and any(hold.children for hold in node.holders.values())
 
+    def branches_grow(self, block: int) -> bool:
+        """Whether the prompts that went on from the fork ``block`` names grow: later prompts
+        extended them (went on from the end of one, as a session's next turn does) at least
+        as often as they reused them (went on from inside one, as requests sharing a document
+        after a system prompt do). A fork with no such record yet is taken to be like the
+        pool's forks so far; true before anything is seen."""
+        stats = self._forks.get(block)
+        if stats is None or stats.extended + stats.reused == 0.0:
+            stats = self._pool_forks
+        return stats.extended >= stats.reused
+
     # -- writes -------------------------------------------------------------------------------
 
     def record(
@@ -197,8 +232,14 @@ class PrefixIndex:
         seq = self._seq
         held = self._held_count(blocks, worker_id, n)
         shared = max(held, self._known_count(blocks, n, {}))
+        total = depths[n - 1] if depths else n
+        fork: int | None = None
         if shared:
-            self._heat_up(nodes[blocks[shared - 1]], now)
+            known = nodes[blocks[shared - 1]]
+            self._heat_up(known, now)
+            if shared < n:
+                after = depths[shared] if depths else shared + 1
+                fork = self._went_on(known, blocks[shared - 1], after, now)
         parent = blocks[held - 1] if held else None
         if parent is not None and held < n:
             nodes[parent].holders[worker_id].children += 1
@@ -208,7 +249,7 @@ class PrefixIndex:
             node = nodes.get(h)
             if node is None:
                 depth = depths[i] if depths else i + 1
-                node = nodes[h] = _Node(parent, depth)
+                node = nodes[h] = _Node(parent, depth, end=total, fork=fork)
             node.holders[worker_id] = _Hold(seq, now, 1 if i < n - 1 else 0)
             cache.nodes.add(h)
             parent = h
@@ -227,6 +268,38 @@ class PrefixIndex:
         self._trim(worker_id, self.capacity(worker_id))
         self._count(cache.churn, new_blocks, now)
         self._count(self._pool_churn, new_blocks, now)
+
+    def _went_on(self, known: _Node, block: int, after: int, now: float) -> int | None:
+        """A prompt went on past ``known`` (its deepest known prefix, named ``block``) to its
+        next checkpoint at depth ``after``; returns the fork of the prompt being recorded.
+
+        It *extends* the prompt that added ``known`` when that checkpoint is past that one's
+        end (``known`` is that end, or where checkpoints are sparse, the last one of both
+        before it): it goes on from the same fork, and the fork is told. Otherwise
+        ``block`` is its fork; when ``block`` was no fork before, the prompt that added
+        ``known`` was *reused* from inside, and that prompt's fork is told. Going on from a
+        known fork (a new session off a shared system prompt) is neither, and so is going on
+        from the first prompt on a path (which went on from no fork): that finds a fork."""
+        if after > known.end:
+            if known.fork is not None:
+                self._tally(known.fork, True, now)
+            return known.fork
+        if block not in self._forks:
+            if known.fork is not None:
+                self._tally(known.fork, False, now)
+            self._forks[block] = _Fork(at=now)
+        return block
+
+    def _tally(self, fork: int, extended: bool, now: float) -> None:
+        stats = self._forks.get(fork)
+        if stats is None and fork in self._nodes:
+            stats = self._forks[fork] = _Fork(at=now)
+        for s in (stats, self._pool_forks):
+            if s is not None:
+                keep = self._decay_factor(s.at, now)
+                s.extended = s.extended * keep + extended
+                s.reused = s.reused * keep + (not extended)
+                s.at = now
 
     def _heat_up(self, node: _Node | None, now: float) -> None:
         if node is not None:
@@ -278,6 +351,7 @@ class PrefixIndex:
                 node.holders.pop(worker_id, None)
                 if not node.holders:
                     del self._nodes[h]
+                    self._forks.pop(h, None)
 
     # -- eviction -----------------------------------------------------------------------------
 
@@ -305,6 +379,7 @@ class PrefixIndex:
         cache.held -= node.depth - (parent.depth if parent is not None else 0)
         if not node.holders:
             del nodes[h]
+            self._forks.pop(h, None)
         up = parent.holders.get(worker_id) if parent is not None else None
         if up is not None and node.parent is not None:
             up.children -= 1
@@ -387,6 +462,9 @@ class IndexView:
 
     def branched(self, block: int) -> bool:
         return self.index.branched(block)
+
+    def branches_grow(self, block: int) -> bool:
+        return self.index.branches_grow(block)
 
     def recent_requests(self, worker_id: str) -> float:
         return self.index.recent_requests(worker_id, self.now)

@@ -72,6 +72,11 @@ class PrefixMatcher(Protocol):
         holds a checkpoint right below it)."""
         ...
 
+    def branches_grow(self, block: int) -> bool:
+        """Whether later prompts extended the prompts that went on from the prefix ``block``
+        names at least as often as they reused them (true until either is seen)."""
+        ...
+
     def recent_requests(self, worker_id: str) -> float:
         """Recent requests (decayed) recorded for ``worker_id``."""
         ...

@@ -227,6 +227,7 @@ def _branch_route(
 
 
 NEW_SESSION = TRUNK + tuple(range(800, 812))  # the trunk + 12 blocks of its own: 4 of 16 known
+SECOND = TRUNK + tuple(range(720, 732))  # a second prompt off the trunk
 BRANCH_CASES = [
     # The trunk (4 of 16 blocks) is shared: w1 went on past it with another session, and w1
     # has all the recent requests. The session is placed from the ring past the trunk.
@@ -246,6 +247,14 @@ BRANCH_CASES = [
     # Switched off.
     pytest.param(NEW_SESSION, ((OTHER, "w1"),), PolicyOptions(branch_guard=0.0),
                  DecisionKind.PREFIX_HIT, "w1", id="branch-guard-0-never-branches"),
+    # What went on from the trunk before was extended by later requests (sessions' next
+    # turns): a new branch is a session too, placed cold.
+    pytest.param(NEW_SESSION, ((OTHER, "w1"), (SECOND, "w1"), ((*SECOND, 740), "w1")), None,
+                 DecisionKind.BRANCH, "", id="branches-that-grow-are-placed-cold"),
+    # What went on from the trunk was reused from inside (a shared document with new
+    # questions), never extended: the trunk and what follows it stay together.
+    pytest.param(NEW_SESSION, ((OTHER, "w1"), (SECOND, "w1"), ((*SECOND[:10], 741), "w1")),
+                 None, DecisionKind.PREFIX_HIT, "w1", id="branches-reused-stay-with-the-trunk"),
 ]
 
 
@@ -300,8 +309,7 @@ def test_a_trunk_holder_over_its_share_gets_no_credit_for_the_trunk(
     """w1 and w2 both hold the trunk; w1 has 3 of the 6 recent requests (over 1.25 x 6 / 4),
     w2 one. w2 has more tokens in flight, so with the trunk credited to both the faint queue
     preference picks w1; without w1's credit, w2's saving of the trunk wins."""
-    other2 = (*TRUNK, *range(720, 732))
-    recorded = ((OTHER, "w1"), (OTHER, "w1"), (OTHER, "w1"), (other2, "w2"),
+    recorded = ((OTHER, "w1"), (OTHER, "w1"), (OTHER, "w1"), (SECOND, "w2"),
                 ((1,), "w0"), ((3,), "w3"))
     decision = _branch_route(NEW_SESSION, recorded, PolicyOptions(branch_guard=guard),
                              loads={"w2": 1000})

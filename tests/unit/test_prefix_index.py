@@ -253,3 +253,63 @@ def test_pool_recent_requests_counts_every_worker_and_halves() -> None:
     assert idx.pool_recent_requests(0.0) == pytest.approx(3.0)
     assert idx.pool_recent_requests(10.0) == pytest.approx(1.5)
     assert idx.at(10.0).pool_recent_requests() == pytest.approx(1.5)
+
+
+# Prompts as text of one-character blocks: S is a shared system prompt; after it, upper-case
+# letters are a session's or a document's own blocks, digits a question.
+GROW_CASES = [
+    pytest.param([], "S", True, id="nothing-seen"),
+    # Sessions off S, each later extended by its next turn: the branches grow.
+    pytest.param(["SSSSAAAA", "SSSSBBBB", "SSSSBBBBbb", "SSSSCCCC", "SSSSCCCCcc"], "SSSS", True,
+                 id="sessions-extend-their-branches"),
+    # Documents off S, reused by later questions from inside: the branches do not grow.
+    pytest.param(["SSSSAAAA1", "SSSSBBBB2", "SSSSBBBB3", "SSSSCCCC4", "SSSSCCCC5"], "SSSS",
+                 False, id="documents-reused-from-inside"),
+    # A new session off S reuses the first prompt up to S: that finds the fork, it is not a
+    # reuse of a branch (else every first session would count against the sessions after it).
+    pytest.param(["SSSSAAAA", "SSSSBBBB"], "SSSS", True, id="finding-the-fork-is-no-reuse"),
+    # Reused from inside at two points (each counts once: going on from a point that is
+    # already a fork is neither), extended once.
+    pytest.param(["SSSSAAAA1", "SSSSBBBB2", "SSSSBBBB3", "SSSSBBBB4", "SSSSBBBX5", "SSSSCCCC",
+                  "SSSSCCCCcc"], "SSSS", False, id="more-reused-than-extended"),
+    pytest.param(["SSSSAAAA1", "SSSSBBBB2", "SSSSBBBB3", "SSSSBBBB4", "SSSSCCCC", "SSSSCCCCcc"],
+                 "SSSS", True, id="a-reused-point-counts-once"),
+    # A fork with no record of its own (T) is taken to be like the pool's forks so far.
+    pytest.param(["SSSSAAAA1", "SSSSBBBB2", "SSSSBBBB3", "TTTTAAAA", "TTTTBBBB"], "TTTT", False,
+                 id="a-new-fork-follows-the-pool"),
+    pytest.param(["SSSSAAAA", "SSSSBBBB", "SSSSBBBBbb", "TTTTAAAA", "TTTTBBBB"], "TTTT", True,
+                 id="a-new-fork-follows-the-pool-of-sessions"),
+]
+
+
+@pytest.mark.parametrize(("prompts", "trunk", "expected"), GROW_CASES)
+def test_branches_grow_tells_sessions_from_shared_documents(
+    prompts: list[str], trunk: str, expected: bool
+) -> None:
+    idx = PrefixIndex()
+    for i, text in enumerate(prompts):
+        idx.record(P(text), f"w{i % 3}", float(i))
+    assert idx.branches_grow(P(trunk)[-1]) is expected
+    assert idx.at(9.0).branches_grow(P(trunk)[-1]) is expected
+
+
+@pytest.mark.parametrize(("shared", "expected"), [(45, True), (40, False)])
+def test_branches_grow_sees_an_extension_through_sparse_checkpoints(
+    shared: int, expected: bool
+) -> None:
+    """Checkpoints every 4 blocks past 8, and the last block. A session's next turn (all 45
+    blocks of the first turn, then more) shares the checkpoint at 44, and its next checkpoint
+    (48) is past the first turn's end: it extended it. A request that shares 40 blocks of it
+    and goes on differently has its next checkpoint (44) inside it: a reuse."""
+
+    def key(text: str) -> tuple[list[int], list[int]]:
+        depths = sorted({*range(1, 9), *range(12, len(text), 4), len(text)})
+        full = P(text)
+        return [full[d - 1] for d in depths], depths
+
+    idx = PrefixIndex()
+    first = "S" * 8 + "A" * 37  # 45 blocks, off the fork S * 8 found by the prompt before it
+    for text in ("S" * 8 + "B" * 20, first, first[:shared] + "x" * 30):
+        blocks, depths = key(text)
+        idx.record(blocks, "w1", 0.0, depths)
+    assert idx.branches_grow(P("S" * 8)[-1]) is expected

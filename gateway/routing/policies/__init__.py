@@ -35,9 +35,12 @@ the request) is a new placement: its holders that already have more than ``branc
 (1.25) times their share of the recent requests get no credit for the trunk, and with none
 left the request is placed like a cold prefix, from the ring anchor past the trunk
 (``DecisionKind.BRANCH``), so sessions that share only the trunk do not all gather on the
-trunk's few holders. The guard credits a holder with the prefill a move would redo (its bound
-grows by the prompt tokens it holds for the request): a conversation is not moved off its worker
-because its own earlier turns are in flight there.
+trunk's few holders. That holds only for a trunk whose branches grow (the index learns it per
+trunk: later requests extended what went on from it, as sessions' next turns do, at least as
+often as they reused it from inside, as questions on a shared document do); the branches of a
+trunk they reuse stay with the trunk. The guard credits a holder with the prefill a move would
+redo (its bound grows by the prompt tokens it holds for the request): a conversation is not
+moved off its worker because its own earlier turns are in flight there.
 ``hot_threshold`` > 0 brings back the older rule (a prefix that many recent requests share gets
 the tight ``hot_load_factor`` bound, so its holder overflows to a second holder); it is off by
 default. Defaults live in :class:`PolicyOptions`; every field is a gateway setting of the same
