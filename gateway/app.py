@@ -4,6 +4,7 @@ owns (each opened and closed by its own cleanup context: :mod:`gateway.resources
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -267,6 +268,7 @@ def create_app(
         sample=PromptSample(tenants=settings.sampled_tenants()),
         file_prompts=_warmup_prompts(settings, auth.hasher),
     )
+    warmup.exact = exact
     sync_health = sync.health
     metrics.watch_store(lambda: sync_health.available, lambda: sync_health.outages)
     state = GatewayState(
@@ -286,10 +288,11 @@ def create_app(
                                              settings.breaker_cooldown_s)),
         ),
         warmup=warmup,
-        prewarmer=PreWarmer(pool, index, warmup.replay, PrewarmOptions(
-            enabled=settings.prewarm, hot_threshold=hot,
-            fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
-        )),
+        prewarmer=PreWarmer(
+            pool, index, functools.partial(warmup.replay, early=True), PrewarmOptions(
+                enabled=settings.prewarm, hot_threshold=hot,
+                fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
+            )),
     )
     lifecycle = CacheLifecycle(pool, backend_for, warmup)
     telemetry = Telemetry(

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -120,6 +120,16 @@ class WarmupStatus:
         }
 
 
+class InFlightBlocks(Protocol):
+    """Told which blocks went to which worker and when that request ended."""
+
+    def sent(self, worker_id: str, blocks: Sequence[int], now: float) -> None: ...
+
+    def unsent(self, worker_id: str, blocks: Sequence[int]) -> None: ...
+
+    def done(self, worker_id: str, blocks: Sequence[int], now: float) -> None: ...
+
+
 class WarmupManager:
     """Owns the warm-up tasks of joining workers (one per worker, cancelled on leave/stop)."""
 
@@ -146,6 +156,8 @@ class WarmupManager:
         self._epochs: dict[str, str] = {}  # worker -> what its current warm-up is for
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._running = False
+        # Told of the early replays' blocks (the engine-exact source, awaiting its events).
+        self.exact: InFlightBlocks | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -362,12 +374,40 @@ class WarmupManager:
         if queue:
             status.error = status.error or "time budget spent"
 
-    async def replay(self, wid: str, prompt: WarmPrompt) -> bool:
+    async def replay(self, wid: str, prompt: WarmPrompt, *, early: bool = False) -> bool:
         """Send one prefill-only request to ``wid``; on success the index records that the
-        worker holds the prompt's prefix (and the store tells the other replicas)."""
+        worker holds the prompt's prefix (and the store tells the other replicas).
+
+        ``early``: recorded as it is sent, as a routed request is (the pre-warmer's replays
+        go to a serving worker, whose engine admits this one ahead of the requests routed
+        after it and evicts for it then; recorded at the reply, the index would meanwhile
+        predict blocks those evictions took), and forgotten again if it fails."""
         if wid not in self.pool:
             return False
         worker = self.pool.get(wid).worker
+        key = prompt.key
+        held = 0
+        if early:
+            now = time.monotonic()
+            held = self.index.match(key.blocks, now).get(wid, 0)
+            self.index.record(key.blocks, wid, now, key.depths)
+            if self.exact is not None:
+                self.exact.sent(wid, key.blocks, now)
+        ok = await self._send(worker, prompt)
+        if early:
+            if self.exact is not None:
+                self.exact.done(wid, key.blocks, time.monotonic())
+            if not ok:
+                self.index.forget(wid, key.blocks, held)
+                if self.exact is not None:
+                    self.exact.unsent(wid, key.blocks[held:])
+        elif ok:
+            self.index.record(key.blocks, wid, time.monotonic(), key.depths)
+        if ok:
+            self.sync.assigned(key, wid)
+        return ok
+
+    async def _send(self, worker: Worker, prompt: WarmPrompt) -> bool:
         upstream = UpstreamRequest(
             path=prompt.path, body=prompt.replay_body(), namespace=prompt.namespace,
             anchor=prompt.key.anchor_hex, request_id="warmup",
@@ -376,7 +416,7 @@ class WarmupManager:
         try:
             reply = await self._backend_for(worker).open(worker, upstream)
         except (BackendUnavailable, LookupError) as exc:
-            log.info("warm-up request to %s failed: %s", wid, exc)
+            log.info("warm-up request to %s failed: %s", worker.id, exc)
             return False
         try:
             await reply.read()
@@ -384,12 +424,7 @@ class WarmupManager:
             return False
         finally:
             reply.release()
-        if reply.status != 200:
-            return False
-        key = prompt.key
-        self.index.record(key.blocks, wid, time.monotonic(), key.depths)
-        self.sync.assigned(key, wid)
-        return True
+        return reply.status == 200
 
     async def _ramp(self, wid: str, status: WarmupStatus) -> None:
         steps = RAMP_STEPS if self.options.ramp_s > 0 else (1.0,)

@@ -1,0 +1,115 @@
+"""A pre-warm replay counts in the prefix index from the moment it is sent, as a routed request
+does (the engine admits it ahead of the requests routed after it), and is forgotten if it fails.
+
+A reference worker over real HTTP on 127.0.0.1; the gateway's own backends send the replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from gateway.app import backend_options
+from gateway.backends.registry import build_backends
+from gateway.fingerprint import Namespace, fingerprint
+from gateway.pool import WorkerPool
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.settings import GatewaySettings
+from gateway.store.memory import MemoryStore
+from gateway.sync import StoreSync
+from gateway.warmup import WarmupManager, WarmupOptions
+from gateway.warmup_sources import WarmPrompt
+from tests.conftest import FAST_WORKER, MODEL, free_port, serve
+from worker.server import create_app as create_worker
+
+TEXT = "You are the support desk of a bicycle shop. " * 30
+
+
+@dataclasses.dataclass
+class Sent:
+    """The engine-exact source's side: what it was told."""
+
+    log: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+
+    def sent(self, worker_id: str, blocks: Sequence[int], now: float) -> None:
+        self.log.append(("sent", worker_id, len(blocks)))
+
+    def unsent(self, worker_id: str, blocks: Sequence[int]) -> None:
+        self.log.append(("unsent", worker_id, len(blocks)))
+
+    def done(self, worker_id: str, blocks: Sequence[int], now: float) -> None:
+        self.log.append(("done", worker_id, len(blocks)))
+
+
+@dataclasses.dataclass
+class Setup:
+    manager: WarmupManager
+    index: PrefixIndex
+    live: str  # a worker that answers
+    dead: str  # a worker nothing listens on
+    sent: Sent
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[Setup]:
+    port = free_port()
+    runner = await serve(create_worker(dataclasses.replace(FAST_WORKER, port=port)), port)
+    live, dead = f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"
+    index = PrefixIndex()
+    pool = WorkerPool([f"http://{live}", f"http://{dead}"], index)
+    for state in pool.states():
+        pool.mark_up(state.worker.id, frozenset({MODEL}))
+    settings = GatewaySettings(connect_timeout_s=0.5)
+    backends = build_backends(backend_options(settings))
+    for backend in backends.values():
+        await backend.start()
+    sync = StoreSync(MemoryStore(), pool, index, origin="test", tokens_per_block=16.0,
+                     shares_state=False)
+    manager = WarmupManager(pool, index, sync, lambda w: backends[w.kind], WarmupOptions())
+    sent = Sent()
+    manager.exact = sent
+    try:
+        yield Setup(manager, index, live, dead, sent)
+    finally:
+        for backend in backends.values():
+            await backend.close()
+        await runner.cleanup()
+
+
+def prompt() -> WarmPrompt:
+    key = fingerprint(TEXT, Namespace(model=MODEL))
+    return WarmPrompt("/v1/completions", {"model": MODEL, "prompt": TEXT}, "", MODEL, key)
+
+
+def held(index: PrefixIndex, wid: str, p: WarmPrompt) -> int:
+    return index.match(p.key.blocks, 0.0).get(wid, 0)
+
+
+async def test_an_early_replay_counts_while_in_flight(setup: Setup) -> None:
+    p = prompt()
+    task = asyncio.create_task(setup.manager.replay(setup.live, p, early=True))
+    await asyncio.sleep(0)  # the replay is on its way; no answer can have come back yet
+    assert held(setup.index, setup.live, p) == len(p.key.blocks)
+    assert setup.sent.log == [("sent", setup.live, len(p.key.blocks))]
+    assert await task
+    assert held(setup.index, setup.live, p) == len(p.key.blocks)
+    assert setup.sent.log[-1] == ("done", setup.live, len(p.key.blocks))
+
+
+async def test_a_late_replay_counts_once_answered(setup: Setup) -> None:
+    p = prompt()
+    task = asyncio.create_task(setup.manager.replay(setup.live, p))
+    await asyncio.sleep(0)
+    assert held(setup.index, setup.live, p) == 0  # a joining worker's warm-up: at the reply
+    assert await task
+    assert held(setup.index, setup.live, p) == len(p.key.blocks)
+
+
+async def test_a_failed_early_replay_is_forgotten(setup: Setup) -> None:
+    p = prompt()
+    assert not await setup.manager.replay(setup.dead, p, early=True)
+    assert held(setup.index, setup.dead, p) == 0
+    assert [e[0] for e in setup.sent.log] == ["sent", "done", "unsent"]
