@@ -45,6 +45,21 @@ class ParsedRequest:
 MAX_JSON_DEPTH = 64
 
 
+def _opens_more_than(raw: bytes, limit: int) -> bool:
+    """Whether ``raw`` holds more than ``limit`` opening brackets (an upper bound on its depth):
+    at most ``limit + 1`` searches at memory speed, where counting them all would read a long
+    body twice more."""
+    seen = 0
+    for opener in (b"{", b"["):
+        at = raw.find(opener)
+        while at >= 0:
+            seen += 1
+            if seen > limit:
+                return True
+            at = raw.find(opener, at + 1)
+    return False
+
+
 def _depth_exceeds(value: Any, limit: int) -> bool:
     """Whether ``value`` nests containers deeper than ``limit`` (iterative: no recursion)."""
     stack: list[tuple[Any, int]] = [(value, 1)]
@@ -93,8 +108,7 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(value, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    containers = raw.count(b"[") + raw.count(b"{")  # an upper bound on the depth, in C
-    if containers > MAX_JSON_DEPTH and _depth_exceeds(value, MAX_JSON_DEPTH):
+    if _opens_more_than(raw, MAX_JSON_DEPTH) and _depth_exceeds(value, MAX_JSON_DEPTH):
         raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels",
                              code="invalid_json")
     return value

@@ -177,6 +177,13 @@ def test_missing_required_parameter_code(
     assert info.value.code == "missing_required_parameter"
 
 
+def _nested_lists(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 # -- decode_json_object ------------------------------------------------------------------------
 
 
@@ -194,6 +201,8 @@ def test_missing_required_parameter_code(
         pytest.param(b"null", id="null"),
         pytest.param(b'{"model": "\xff\xfe"}', id="invalid-utf8"),
         pytest.param(b"\xc3\x28", id="invalid-utf8-sequence"),
+        pytest.param(b'{"a": ' + b"[" * 64 + b"]" * 64 + b"}", id="65-levels"),
+        pytest.param(b'{"a": ' + b'[{"b": ' * 32 + b"1" + b"}]" * 32 + b"}", id="65-mixed-levels"),
     ],
 )
 def test_decode_json_object_rejects(raw: bytes) -> None:
@@ -210,6 +219,10 @@ def test_decode_json_object_rejects(raw: bytes) -> None:
         pytest.param(b' {"model": "m", "n": 1} ', {"model": "m", "n": 1}, id="whitespace"),
         pytest.param('{"p": "caf\u00e9"}'.encode(), {"p": "caf\u00e9"}, id="utf8"),
         pytest.param(b'{"p": "\\u00a0"}', {"p": "\u00a0"}, id="json-escape"),
+        pytest.param(b'{"a": ' + b"[" * 63 + b"]" * 63 + b"}",
+                     {"a": _nested_lists(63)}, id="64-levels"),
+        pytest.param(b'{"a": [' + b"[], " * 500 + b'{}], "p": "' + b"{[" * 500 + b'"}',
+                     {"a": [[]] * 500 + [{}], "p": "{[" * 500}, id="many-shallow-brackets"),
     ],
 )
 def test_decode_json_object_accepts(raw: bytes, expected: dict[str, Any]) -> None:
