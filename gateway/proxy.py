@@ -23,7 +23,12 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from gateway.backends.base import BackendUnavailable, UpstreamReply, UpstreamRequest
+from gateway.backends.base import (
+    BackendUnavailable,
+    UpstreamBrokeOff,
+    UpstreamReply,
+    UpstreamRequest,
+)
 from gateway.contracts.errors import openai_error
 from gateway.contracts.headers import (
     CACHE_STAT_HEADERS,
@@ -49,6 +54,8 @@ _USAGE_TAIL_BYTES = 8192
 _FIRST_BACKOFF_S = 0.05  # before retrying elsewhere after a 429/503; doubles, jittered
 _MAX_BACKOFF_S = 1.0
 _RELAYED_HEADERS = ("Content-Type", *CACHE_STAT_HEADERS)
+# How a worker's reply can break off once its head came (the backends' own error, aiohttp's).
+_BROKE_OFF = (UpstreamBrokeOff, aiohttp.ClientError, asyncio.IncompleteReadError)
 
 
 def route_headers(decision: Decision, request: RouteRequest) -> dict[str, str]:
@@ -244,7 +251,7 @@ async def _read_whole(reply: UpstreamReply) -> bytes | None:
     """The whole body, or None if the worker broke off while sending it."""
     try:
         return await reply.read()
-    except (aiohttp.ClientError, TimeoutError):
+    except (*_BROKE_OFF, TimeoutError):
         return None
     finally:
         reply.release()
@@ -290,7 +297,7 @@ async def _first_chunk(
 
     try:
         chunk = await guard.open(worker_id, first())
-    except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError) as exc:
+    except (*_BROKE_OFF, TimeoutError) as exc:
         reply.release()
         raise NoFirstByte(f"broke off before its first chunk: {exc}") from exc
     except NoFirstByte:
@@ -380,7 +387,7 @@ async def _upstream_chunks(
                 f"sent nothing for {idle_s:g}s mid-stream (stream idle timeout)",
                 "stream_idle_timeout",
             ) from None
-        except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+        except _BROKE_OFF as exc:
             log.warning("stream from %s broke off: %s", worker_id, exc)
             raise _UpstreamBrokeOff(f"broke off the stream: {exc}") from exc
         heard(worker_id, time.monotonic())

@@ -18,6 +18,11 @@ class BackendUnavailable(Exception):
     """The worker could not be reached (refused, reset, timed out) before any reply."""
 
 
+class UpstreamBrokeOff(Exception):
+    """The worker's reply stopped before its end (the connection closed or reset, or its
+    framing was malformed) after its status and headers came."""
+
+
 # Key in WorkerProbe.metrics: the worker's KV cache capacity in tokens (its blocks x block size).
 CACHE_CAPACITY_TOKENS = "cache_capacity_tokens"
 

@@ -1,8 +1,10 @@
 """Workers that speak OpenAI HTTP: our reference worker, vLLM, SGLang.
 
-One pooled :class:`aiohttp.ClientSession` for all workers, with a bounded connection pool (in
-total and per worker), an explicit connect timeout and a read timeout between bytes (a long
-generation keeps streaming; a stuck worker is cut off).
+Completions go through :class:`gateway.backends.http1.Http1Client` (kept-alive connections per
+worker, one write per request, a reply parsed as it arrives), with an explicit connect timeout
+and a read timeout between bytes (a long generation keeps streaming; a stuck worker is cut
+off); the number of requests in flight per worker and in total is bounded by the gateway's
+connection slots. Probes and admin calls use one pooled :class:`aiohttp.ClientSession`.
 
 Tenant isolation: the gateway passes the request's cache namespace (derived from the tenant and
 the client's ``cache_salt``, see :class:`gateway.auth.TenantHasher`) as the ``x-cache-namespace``
@@ -31,10 +33,10 @@ from yarl import URL
 
 from gateway.backends.base import (
     CACHE_CAPACITY_TOKENS,
-    BackendUnavailable,
     UpstreamRequest,
     WorkerProbe,
 )
+from gateway.backends.http1 import Http1Client, Http1Reply
 from gateway.backends.kinds import BackendKind, BackendOptions
 from gateway.contracts import engine_metrics as metric
 from gateway.contracts.headers import NAMESPACE_HEADER
@@ -111,7 +113,7 @@ class HTTPReply:
     server for a usage report the client did not ask for), that final usage event is kept in
     :attr:`withheld` instead of being relayed."""
 
-    def __init__(self, response: aiohttp.ClientResponse, *, strip_usage: bool = False) -> None:
+    def __init__(self, response: Http1Reply, *, strip_usage: bool = False) -> None:
         self._response = response
         self.status = response.status
         self.headers: Mapping[str, str] = response.headers
@@ -121,11 +123,11 @@ class HTTPReply:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         if not self._strip_usage:
-            async for chunk in self._response.content.iter_any():
+            async for chunk in self._response.chunks():
                 yield chunk
             return
         pending = b""
-        async for chunk in self._response.content.iter_any():
+        async for chunk in self._response.chunks():
             pending += chunk
             end = pending.rfind(b"\n\n")
             if end < 0:
@@ -179,6 +181,8 @@ class OpenAIHTTPBackend:
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
         self._client: aiohttp.ClientSession | None = None
+        self._relay = Http1Client(connect_timeout_s, read_timeout_s,
+                                   max_idle_per_origin=max_connections_per_worker)
         # Parsed upstream URLs (worker URL + path): the client parses a string on every call.
         self._urls: dict[tuple[str, str], URL] = {}
 
@@ -241,11 +245,7 @@ class OpenAIHTTPBackend:
             if len(self._urls) >= 4096:
                 self._urls.clear()
             url = self._urls[worker.url, request.path] = URL(worker.url + request.path)
-        try:
-            response = await self._session.post(url, data=data, headers=headers)
-        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        return HTTPReply(response, strip_usage=strip_usage)
+        return HTTPReply(await self._relay.post(url, headers, data), strip_usage=strip_usage)
 
     async def probe(self, worker: Worker) -> WorkerProbe:
         auth = self._credentials(worker)
@@ -318,6 +318,7 @@ class OpenAIHTTPBackend:
             return parse_engine_metrics(await response.text())
 
     async def close(self) -> None:
+        self._relay.close()
         if self._client is not None:
             await self._client.close()
             self._client = None

@@ -1,0 +1,471 @@
+"""A lean HTTP/1.1 client for the relay path: one write per request, one parser per connection.
+
+Relaying a completion is the gateway's hottest path, and a general-purpose client does far more
+per call than a relay needs (request and response objects with dozens of fields, tracing hooks,
+cookie and redirect handling, a connector with waiters per host). This client does only what
+relaying a POST to a known worker takes:
+
+* **Connections** are kept alive per origin (scheme, host, port) and reused most recent first.
+  One idle longer than ``idle_timeout_s`` is closed instead of reused (servers close idle
+  connections after a few seconds: uvicorn after 5 s, so the default is 4 s). The number of
+  connections in use is bounded by the caller (:class:`gateway.guard.ConnectionSlots`).
+* **A request** is one vectored write: the head (request line, ``Host``, ``Content-Length``,
+  the given headers) and the body bytes as they are.
+* **A reply** is parsed as it arrives by :class:`_Connection` (status line and headers; a body
+  framed by ``Content-Length``, ``Transfer-Encoding: chunked`` or the end of the connection;
+  interim 1xx heads skipped) and handed out chunk by chunk (:class:`Http1Reply`). Reading pauses
+  while more than ``_HIGH_WATER`` bytes wait for the caller.
+* **Timeouts**: ``connect_timeout_s`` to connect, ``read_timeout_s`` between bytes of the reply
+  (a timer is armed only while the caller waits for bytes that are not there yet).
+* **A reused connection the server closed meanwhile** (it found it idle, as the request went
+  out) fails before any byte of a reply: the request is sent once more on a new connection, as
+  other HTTP clients do. Any other failure before the reply raises
+  :class:`~gateway.backends.base.BackendUnavailable`; a failure in the middle of the body
+  raises :class:`~gateway.backends.base.UpstreamBrokeOff`.
+
+Health probes and admin calls, which are neither hot nor plain relays, keep aiohttp's client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from typing import cast
+
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from gateway.backends.base import BackendUnavailable, UpstreamBrokeOff
+
+_MAX_HEAD = 64 * 1024  # bytes of one response head (status line and headers)
+_HIGH_WATER = 1 << 20  # body bytes waiting for the caller before reading pauses
+_LOW_WATER = 1 << 18  # ... and below which it resumes
+_NO_BODY = frozenset({204, 304})
+
+# Body framings.
+_LENGTH, _CHUNKED, _UNTIL_CLOSE = 0, 1, 2
+# Chunked decoder states.
+_SIZE, _DATA, _DATA_END, _TRAILER = 0, 1, 2, 3
+
+
+class _Connection(asyncio.Protocol):
+    """One connection to a worker and the parser of the reply it is receiving."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._head_waiter: asyncio.Future[None] | None = None
+        self._body_waiter: asyncio.Future[None] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        """Ready for the next exchange on this connection."""
+        self._buf = bytearray()  # unparsed bytes: the head so far, or a chunked control line
+        self.in_head = True
+        self.received = False  # any byte of this exchange's reply
+        self.status = 0
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self._framing = _LENGTH
+        self._left = 0  # body bytes (or chunk bytes) still to come
+        self._chunk_state = _SIZE
+        self.chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
+        self.done = False  # the whole reply arrived
+        self.error: BaseException | None = None
+        self.keep_alive = True
+
+    # -- the exchange, as the client drives it ---------------------------------------------------
+
+    def send(self, head: bytes, body: bytes) -> asyncio.Future[None]:
+        """Write one request; the future resolves once the reply's head is parsed."""
+        assert self.transport is not None
+        self._reset()
+        waiter = self._head_waiter = self._loop.create_future()
+        self.transport.writelines((head, body))
+        return waiter
+
+    async def wait_body(self, timeout_s: float | None) -> None:
+        """Until more body bytes, the end of the reply, or an error are there."""
+        waiter = self._body_waiter = self._loop.create_future()
+        timer = (self._loop.call_later(timeout_s, _time_out, waiter)
+                 if timeout_s else None)
+        try:
+            await waiter
+        finally:
+            self._body_waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def take(self) -> bytes:
+        chunk = self.chunks.popleft()
+        self._buffered -= len(chunk)
+        if self._paused and self._buffered <= _LOW_WATER and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return chunk
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not subclasses of asyncio's, but have the same methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        why = f": {exc}" if exc else ""
+        if self.in_head:
+            when = "while sending" if self.received else "before"
+            self._fail_head(ConnectionResetError(
+                f"the worker closed the connection {when} its reply{why}"))
+        elif not self.done:
+            if self._framing == _UNTIL_CLOSE and exc is None:
+                self._finish()
+            else:
+                self._fail_body(UpstreamBrokeOff(
+                    f"the connection closed before the end of the reply{why}"))
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            if self.in_head:
+                self._buf += data
+                if not self._parse_head():
+                    return
+                data, self._buf = bytes(self._buf), bytearray()
+            if data:
+                self._parse_body(data)
+        except _BadReply as exc:
+            self.keep_alive = False
+            if self.in_head:
+                self._fail_head(exc)
+            else:
+                self._fail_body(UpstreamBrokeOff(str(exc)))
+            if self.transport is not None:
+                self.transport.close()
+
+    # -- parsing -------------------------------------------------------------------------------
+
+    def _parse_head(self) -> bool:
+        """Parse the head once it is all there; True when the body may start."""
+        while True:
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > _MAX_HEAD:
+                    raise _BadReply("the reply's head is too large")
+                return False
+            lines = bytes(self._buf[:end]).decode("latin-1").split("\r\n")
+            del self._buf[: end + 4]
+            version, _, rest = lines[0].partition(" ")
+            code = rest[:3]
+            if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+                raise _BadReply(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
+            status = int(code)
+            if 100 <= status < 200:  # an interim reply (100 Continue, 103 Early Hints)
+                continue
+            headers: CIMultiDict[str] = CIMultiDict()
+            for line in lines[1:]:
+                name, sep, value = line.partition(":")
+                if not sep or not name or name != name.strip():
+                    raise _BadReply(f"malformed header line: {line[:80]!r}")
+                headers.add(name, value.strip(" \t"))
+            self._start_body(status, version, headers)
+            return True
+
+    def _start_body(self, status: int, version: str, headers: CIMultiDict[str]) -> None:
+        self.status = status
+        self.headers = CIMultiDictProxy(headers)
+        connection = headers.get("Connection", "").lower()
+        self.keep_alive = ("close" not in connection
+                           and (version != "HTTP/1.0" or "keep-alive" in connection))
+        coding = headers.get("Transfer-Encoding", "").lower()
+        lengths = set(headers.getall("Content-Length", ()))
+        if status in _NO_BODY:
+            self._framing, self._left = _LENGTH, 0
+        elif coding:
+            if coding.rsplit(",", 1)[-1].strip() != "chunked":
+                raise _BadReply(f"unsupported Transfer-Encoding {coding!r}")
+            self._framing = _CHUNKED
+        elif lengths:
+            value = lengths.pop()
+            if lengths or not value.isdigit():
+                raise _BadReply("malformed Content-Length")
+            self._framing, self._left = _LENGTH, int(value)
+        else:
+            self._framing, self.keep_alive = _UNTIL_CLOSE, False
+        self.in_head = False
+        waiter = self._head_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if self._framing == _LENGTH and self._left == 0:
+            self._finish()
+
+    def _parse_body(self, data: bytes) -> None:
+        if self.done:
+            raise _BadReply("bytes after the end of the reply")
+        if self._framing == _UNTIL_CLOSE:
+            self._deliver(data)
+        elif self._framing == _LENGTH:
+            if len(data) > self._left:
+                raise _BadReply("more body bytes than its Content-Length")
+            self._left -= len(data)
+            self._deliver(data)
+            if self._left == 0:
+                self._finish()
+        else:
+            self._parse_chunked(data)
+
+    def _parse_chunked(self, data: bytes) -> None:
+        at, n = 0, len(data)
+        while at < n and not self.done:
+            state = self._chunk_state
+            if state == _DATA:
+                take = min(self._left, n - at)
+                self._deliver(data[at: at + take] if take < n else data)
+                at += take
+                self._left -= take
+                if self._left == 0:
+                    self._chunk_state = _DATA_END
+                continue
+            line_end = data.find(b"\n", at)
+            if line_end < 0:
+                self._buf += data[at:]
+                if len(self._buf) > _MAX_HEAD:
+                    raise _BadReply("a chunk's control line is too long")
+                return
+            self._buf += data[at: line_end + 1]
+            at = line_end + 1
+            line = bytes(self._buf).rstrip(b"\r\n")
+            self._buf = bytearray()
+            if state == _SIZE:
+                size = line.split(b";", 1)[0].strip()
+                try:
+                    self._left = int(size, 16)
+                except ValueError:
+                    raise _BadReply(f"malformed chunk size {size[:20]!r}") from None
+                self._chunk_state = _DATA if self._left else _TRAILER
+            elif state == _DATA_END:
+                if line:
+                    raise _BadReply("a chunk did not end with CRLF")
+                self._chunk_state = _SIZE
+            elif not line:  # _TRAILER: the empty line after the trailers ends the reply
+                self._finish()
+        if at < n:
+            raise _BadReply("bytes after the end of the reply")
+
+    def _deliver(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        self.chunks.append(chunk)
+        self._buffered += len(chunk)
+        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def _finish(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._body_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail_head(self, exc: BaseException) -> None:
+        waiter = self._head_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    def _fail_body(self, exc: BaseException) -> None:
+        self.error = exc
+        self._wake()
+
+
+class _BadReply(Exception):
+    """The worker's bytes are not a well-formed HTTP/1.1 reply."""
+
+
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class Http1Reply:
+    """One reply, handed out as it arrives; :meth:`release` gives the connection back (when the
+    reply was read to its end and the connection may stay open) or closes it."""
+
+    def __init__(self, client: Http1Client, origin: _Origin, conn: _Connection) -> None:
+        self._client = client
+        self._origin = origin
+        self._conn: _Connection | None = conn
+        self.status = conn.status
+        self.headers: Mapping[str, str] = conn.headers
+
+    async def _next(self) -> bytes | None:
+        """The next chunk of the body; None at its end."""
+        conn = self._conn
+        if conn is None:
+            raise UpstreamBrokeOff("the reply was released")
+        while True:
+            if conn.chunks:
+                return conn.take()
+            if conn.done:
+                return None
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait_body(self._client.read_timeout_s)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while (chunk := await self._next()) is not None:
+            yield chunk
+
+    async def read(self) -> bytes:
+        parts = []
+        while (chunk := await self._next()) is not None:
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.done and not conn.chunks and conn.keep_alive and not conn.closed:
+            self._client._keep(self._origin, conn)
+        else:
+            conn.close()
+
+
+_Origin = tuple[str, str, int]  # scheme, host, port
+
+
+class Http1Client:
+    """Keep-alive connections to workers, per origin; :meth:`post` sends one request."""
+
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float,
+                 idle_timeout_s: float = 4.0, max_idle_per_origin: int = 256) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self._max_idle = max_idle_per_origin
+        self._idle: dict[_Origin, deque[tuple[float, _Connection]]] = {}
+        self._heads: dict[tuple[str, str], tuple[_Origin, bytes]] = {}
+        self._ssl: ssl.SSLContext | None = None
+        self._closed = False
+
+    async def post(self, url: URL, headers: Mapping[str, str], body: bytes) -> Http1Reply:
+        """Send ``body`` to ``url``; returns once the reply's status and headers are in."""
+        origin, start = self._request_start(url)
+        lines = [start, b"Content-Length: %d\r\n" % len(body)]
+        for name, value in headers.items():
+            line = f"{name}: {value}\r\n"
+            if "\n" in line[:-2] or "\r" in line[:-2]:
+                raise ValueError(f"a line break in the header {name!r}")
+            lines.append(line.encode("utf-8"))
+        lines.append(b"\r\n")
+        head = b"".join(lines)
+        conn, reused = await self._connection(origin)
+        try:
+            try:
+                await self._exchange(conn, head, body)
+            except ConnectionError:
+                if not reused or conn.received:
+                    raise
+                # A kept-alive connection the worker closed as the request went out: once more
+                # on a new one (the worker never answered it, so it never ran it).
+                conn.close()
+                conn, _ = await self._connection(origin, reuse=False)
+                await self._exchange(conn, head, body)
+        except (OSError, TimeoutError, _BadReply) as exc:
+            conn.close()
+            detail = str(exc) or "no reply within the read timeout"
+            raise BackendUnavailable(f"{type(exc).__name__}: {detail}") from None
+        except BaseException:
+            conn.close()
+            raise
+        return Http1Reply(self, origin, conn)
+
+    async def _exchange(self, conn: _Connection, head: bytes, body: bytes) -> None:
+        """Send one request on ``conn`` and wait for its reply's head."""
+        waiter = conn.send(head, body)
+        timer = (asyncio.get_running_loop().call_later(self.read_timeout_s, _time_out, waiter)
+                 if self.read_timeout_s else None)
+        try:
+            await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _request_start(self, url: URL) -> tuple[_Origin, bytes]:
+        """The origin and the request line + Host header of ``url`` (cached per URL)."""
+        key = (str(url.origin()), url.raw_path_qs)
+        cached = self._heads.get(key)
+        if cached is None:
+            if url.scheme not in ("http", "https") or not url.host:
+                raise ValueError(f"not an http(s) URL: {url}")
+            port = url.port or (443 if url.scheme == "https" else 80)
+            host = url.raw_host or url.host
+            if ":" in host:  # an IPv6 literal
+                host = f"[{host}]"
+            authority = host if url.is_default_port() else f"{host}:{port}"
+            start = f"POST {url.raw_path_qs or '/'} HTTP/1.1\r\nHost: {authority}\r\n"
+            if len(self._heads) >= 4096:
+                self._heads.clear()
+            cached = self._heads[key] = ((url.scheme, url.host, port), start.encode("ascii"))
+        return cached
+
+    async def _connection(self, origin: _Origin, reuse: bool = True) -> tuple[_Connection, bool]:
+        loop = asyncio.get_running_loop()
+        idle = self._idle.get(origin)
+        if reuse and idle:
+            now = loop.time()
+            while idle:
+                at, conn = idle.pop()  # the most recently used first
+                if conn.closed:
+                    continue
+                if now - at > self.idle_timeout_s:  # and all those older than it
+                    conn.close()
+                    while idle:
+                        idle.pop()[1].close()
+                    break
+                return conn, True
+        scheme, host, port = origin
+        try:
+            async with asyncio.timeout(self.connect_timeout_s or None):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(loop), host, port,
+                    ssl=self._ssl_context() if scheme == "https" else None)
+        except (OSError, TimeoutError) as exc:
+            detail = "connect timed out" if isinstance(exc, TimeoutError) else str(exc)
+            raise BackendUnavailable(f"{type(exc).__name__}: {detail}") from None
+        return conn, False
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def _keep(self, origin: _Origin, conn: _Connection) -> None:
+        if self._closed:
+            conn.close()
+            return
+        idle = self._idle.setdefault(origin, deque())
+        if len(idle) >= self._max_idle:
+            idle.popleft()[1].close()
+        idle.append((asyncio.get_running_loop().time(), conn))
+
+    def close(self) -> None:
+        """Close every idle connection (those in use close when their replies are released)."""
+        self._closed = True
+        for idle in self._idle.values():
+            while idle:
+                idle.pop()[1].close()
+        self._idle.clear()

@@ -1,0 +1,259 @@
+"""The relay's HTTP/1.1 client against a raw TCP server over 127.0.0.1 that writes exactly the
+bytes each case needs: framings, interim replies, kept-alive and closed connections, failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from yarl import URL
+
+from gateway.backends.base import BackendUnavailable, UpstreamBrokeOff
+from gateway.backends.http1 import Http1Client
+from tests.conftest import free_port
+
+# What the server does with the n-th request (from 0) on the c-th connection (from 0): returns
+# the pieces to write, each flushed on its own (None: close the connection instead of replying).
+Script = Callable[[int, int, bytes], list[bytes] | None]
+
+
+@dataclass
+class RawServer:
+    script: Script
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    port: int = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = self.connections
+        self.connections += 1
+        n = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                pieces = self.script(conn, n, body)
+                n += 1
+                if pieces is None:
+                    break
+                for piece in pieces:
+                    if piece == b"<close>":
+                        writer.close()
+                        return
+                    if piece.startswith(b"<sleep "):
+                        await asyncio.sleep(float(piece[7:-1]))
+                        continue
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the client went, or the test ended
+        writer.close()
+
+    @property
+    def url(self) -> URL:
+        return URL(f"http://127.0.0.1:{self.port}/v1/completions")
+
+
+Serve = Callable[[Script], Awaitable[RawServer]]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    servers: list[asyncio.Server] = []
+
+    async def start(script: Script) -> RawServer:
+        raw = RawServer(script, port=free_port())
+        servers.append(await asyncio.start_server(raw.handle, "127.0.0.1", raw.port))
+        return raw
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+def _ok(body: bytes, *headers: bytes) -> list[bytes]:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + b"".join(
+        h + b"\r\n" for h in headers)
+    return [head + b"Content-Length: %d\r\n\r\n" % len(body) + body]
+
+
+def _client(**kwargs: float) -> Http1Client:
+    return Http1Client(connect_timeout_s=kwargs.get("connect", 2.0),
+                       read_timeout_s=kwargs.get("read", 5.0))
+
+
+async def test_content_length_replies_reuse_one_connection(serve: Serve) -> None:
+    server = await serve(lambda c, n, body: _ok(b'{"n": %d}' % n))
+    client = _client()
+    for n in range(3):
+        reply = await client.post(server.url, {"x-request-id": f"r{n}"}, b'{"prompt": "hi"}')
+        assert reply.status == 200
+        assert reply.headers["content-type"] == "application/json"
+        assert await reply.read() == b'{"n": %d}' % n
+        reply.release()
+    assert server.connections == 1
+    first = server.requests[0]
+    assert first.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+    assert b"\r\nHost: 127.0.0.1:%d\r\n" % server.port in first
+    assert b"\r\nx-request-id: r0\r\n" in first
+    assert first.endswith(b'\r\n\r\n{"prompt": "hi"}')
+    client.close()
+
+
+async def test_chunked_reply_split_byte_by_byte(serve: Serve) -> None:
+    wire = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+            b"6;ext=1\r\ndata: \r\n0a\r\n{\"a\": 1}\n\n\r\n0\r\nX-Trailer: t\r\n\r\n")
+    server = await serve(lambda c, n, body: [wire[i:i + 1] for i in range(len(wire))])
+    client = _client()
+    for _ in range(2):
+        reply = await client.post(server.url, {}, b"{}")
+        assert reply.status == 200
+        assert b"".join([c async for c in reply.chunks()]) == b'data: {"a": 1}\n\n'
+        reply.release()
+    assert server.connections == 1  # the whole chunked reply was read: kept alive
+    client.close()
+
+
+async def test_interim_reply_is_skipped(serve: Serve) -> None:
+    server = await serve(lambda c, n, body: [b"HTTP/1.1 100 Continue\r\n\r\n", *_ok(b"done")])
+    client = _client()
+    reply = await client.post(server.url, {}, b"{}")
+    assert (reply.status, await reply.read()) == (200, b"done")
+    reply.release()
+    client.close()
+
+
+@pytest.mark.parametrize(("pieces", "reused"), [
+    pytest.param([b"HTTP/1.1 200 OK\r\n\r\nto the end", b"<close>"], False, id="until-close"),
+    pytest.param(_ok(b"bye", b"Connection: close"), False, id="connection-close"),
+    pytest.param([b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"], False, id="http-1.0"),
+    pytest.param(_ok(b"ok", b"Connection: keep-alive"), True, id="keep-alive"),
+    pytest.param([b"HTTP/1.1 204 No Content\r\n\r\n"], True, id="no-content"),
+])
+async def test_which_replies_keep_the_connection(serve: Serve, pieces: list[bytes],
+                                                 reused: bool) -> None:
+    server = await serve(lambda c, n, body: pieces)
+    client = _client()
+    bodies = []
+    for _ in range(2):
+        reply = await client.post(server.url, {}, b"{}")
+        bodies.append(await reply.read())
+        reply.release()
+    assert bodies[0] == bodies[1]
+    assert server.connections == (1 if reused else 2)
+    client.close()
+
+
+async def test_a_kept_connection_closed_by_the_worker_is_retried_once(serve: Serve) -> None:
+    # The worker drops its idle connection as the second request arrives on it.
+    server = await serve(lambda c, n, body: None if n == 1 else _ok(b"ok"))
+    client = _client()
+    for _ in range(2):
+        reply = await client.post(server.url, {}, b"{}")
+        assert (reply.status, await reply.read()) == (200, b"ok")
+        reply.release()
+    assert server.connections == 2
+    assert len(server.requests) == 3  # the dropped one, then the same request again
+    client.close()
+
+
+async def test_a_new_connection_closed_before_a_reply_is_unavailable(serve: Serve) -> None:
+    server = await serve(lambda c, n, body: None)
+    client = _client()
+    with pytest.raises(BackendUnavailable, match="closed the connection before its reply"):
+        await client.post(server.url, {}, b"{}")
+    assert server.connections == 1  # not retried: the connection was not a kept-alive one
+    client.close()
+
+
+@pytest.mark.parametrize(("pieces", "message"), [
+    pytest.param([b"SPDY/3 200 OK\r\n\r\n"], "not an HTTP/1.1 status line", id="status-line"),
+    pytest.param([b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"], "malformed header",
+                 id="header-line"),
+    pytest.param([b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"],
+                 "Content-Length", id="two-lengths"),
+    pytest.param([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n"],
+                 "Transfer-Encoding", id="not-chunked"),
+    pytest.param([b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000], "too large", id="huge-head"),
+])
+async def test_malformed_heads_are_unavailable(serve: Serve, pieces: list[bytes],
+                                               message: str) -> None:
+    server = await serve(lambda c, n, body: pieces)
+    client = _client()
+    with pytest.raises(BackendUnavailable, match=message):
+        await client.post(server.url, {}, b"{}")
+    client.close()
+
+
+@pytest.mark.parametrize("pieces", [
+    pytest.param([b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial", b"<close>"],
+                 id="short-body"),
+    pytest.param([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", b"<close>"],
+                 id="short-chunk"),
+    pytest.param([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"],
+                 id="bad-chunk-size"),
+])
+async def test_a_reply_broken_mid_body_raises(serve: Serve, pieces: list[bytes]) -> None:
+    server = await serve(lambda c, n, body: pieces)
+    client = _client()
+    reply = await client.post(server.url, {}, b"{}")
+    assert reply.status == 200
+    with pytest.raises(UpstreamBrokeOff):
+        await reply.read()
+    reply.release()
+    client.close()
+
+
+async def test_timeouts(serve: Serve) -> None:
+    stalls = await serve(lambda c, n, body: [b"<sleep 5>"])
+    client = _client(read=0.2)
+    with pytest.raises(BackendUnavailable, match="TimeoutError"):
+        await client.post(stalls.url, {}, b"{}")
+    mid = await serve(lambda c, n, body: [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nhalf", b"<sleep 5>"])
+    reply = await client.post(mid.url, {}, b"{}")
+    with pytest.raises(TimeoutError):
+        await reply.read()
+    reply.release()
+    client.close()
+
+
+async def test_connection_refused_is_unavailable() -> None:
+    client = _client()
+    with pytest.raises(BackendUnavailable):
+        await client.post(URL(f"http://127.0.0.1:{free_port()}/v1/completions"), {}, b"{}")
+    client.close()
+
+
+async def test_a_reply_released_before_its_end_closes_its_connection(serve: Serve) -> None:
+    big = b"x" * (3 << 20)  # past the high-water mark: reading pauses until the caller reads
+    server = await serve(lambda c, n, body: _ok(big))
+    client = _client()
+    reply = await client.post(server.url, {}, b"{}")
+    assert await reply.read() == big
+    reply.release()
+    reply = await client.post(server.url, {}, b"{}")
+    assert len(await anext(reply.chunks())) > 0
+    reply.release()  # not read to the end: its connection is closed, not kept
+    reply = await client.post(server.url, {}, b"{}")
+    assert await reply.read() == big
+    reply.release()
+    assert server.connections == 2
+    client.close()
+
+
+async def test_a_header_with_a_line_break_is_refused(serve: Serve) -> None:
+    server = await serve(lambda c, n, body: _ok(b"ok"))
+    client = _client()
+    with pytest.raises(ValueError, match="line break"):
+        await client.post(server.url, {"x-id": "a\r\nInjected: yes"}, b"{}")
+    assert server.requests == []
+    client.close()
