@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import logging
 import socket
@@ -34,6 +35,23 @@ def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+# Allocations between two young-generation collections (CPython's default is 700). A request
+# allocates a few hundred objects that reference counting frees at once; at 700 the collector
+# ran every few requests and walked what survived, which made about 7% of the gateway's CPU.
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def quiet_collector() -> None:
+    """Collect the cyclic garbage less often, and never again walk what start-up built: the
+    imported modules, the app and its settings (``gc.freeze``). Long-lived routing state (the
+    prefix index's nodes) reaches the oldest generation, which is collected only when it has
+    grown by a quarter."""
+    gc.collect()
+    gc.freeze()
+    _, middle, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
+
+
 def serve(settings: GatewaySettings) -> int:
     base = f"http://{settings.host}:{settings.port}"
     loop = new_event_loop(settings.event_loop)
@@ -45,6 +63,7 @@ def serve(settings: GatewaySettings) -> int:
         loop.close()
         return 2
     watch_parent(loop)
+    quiet_collector()
     # The admin port listens on loopback only; requests arriving there are admin requests.
     admin = [
         socket.create_server(("127.0.0.1", settings.admin_port),
