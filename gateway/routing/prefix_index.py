@@ -368,8 +368,13 @@ class PrefixIndex:
             heapq.heappop(leaves)
         return None
 
-    def _evict(self, worker_id: str, h: int) -> None:
-        """Drop the hold of ``worker_id`` on leaf ``h``; its parent may become a leaf."""
+    def _evict(self, worker_id: str, h: int, chain: bool = False) -> int | None:
+        """Drop the hold of ``worker_id`` on leaf ``h``; its parent may become a leaf.
+
+        With ``chain`` (``h`` is the worker's least recently used leaf), a parent that becomes
+        a leaf no more recent than ``h`` is returned instead of queued: it is the least
+        recently used leaf now (no two leaves share a use), so the caller evicts it next
+        without a round through the heap. A prompt's tail goes block after block that way."""
         nodes = self._nodes
         node = nodes[h]
         hold = node.holders.pop(worker_id)
@@ -384,17 +389,29 @@ class PrefixIndex:
         if up is not None and node.parent is not None:
             up.children -= 1
             if up.children == 0:  # a leaf now, as recent as the newest use below it
+                if chain and up.seq <= hold.seq:
+                    up.seq, up.at = hold.seq, max(up.at, hold.at)
+                    return node.parent
                 up.seq = max(up.seq, hold.seq)
                 up.at = max(up.at, hold.at)
                 heapq.heappush(cache.leaves, (up.seq, node.parent))
+        return None
 
     def _trim(self, worker_id: str, limit: int) -> None:
         cache = self._caches.get(worker_id)
-        while cache is not None and cache.held > limit:
-            oldest = self._oldest_leaf(cache, worker_id)
-            if oldest is None:
-                break
-            self._evict(worker_id, oldest[0])
+        if cache is None:
+            return
+        following: int | None = None  # the next leaf to evict, known without the heap
+        while cache.held > limit:
+            if following is None:
+                oldest = self._oldest_leaf(cache, worker_id)
+                if oldest is None:
+                    break
+                following = oldest[0]
+            following = self._evict(worker_id, following, chain=True)
+        if following is not None:  # not evicted after all: a leaf like any other
+            heapq.heappush(cache.leaves,
+                           (self._nodes[following].holders[worker_id].seq, following))
 
     def _expire(self, now: float) -> None:
         """Drop entries unused for ``ttl_s`` (checked every ``ttl_s / 64`` at most)."""
