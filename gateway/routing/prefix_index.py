@@ -161,6 +161,14 @@ class PrefixIndex:
         """How many leading checkpoints of ``blocks[:hi]`` some worker not in ``skip`` holds."""
         nodes = self._nodes
         lo = 0
+        if not skip:  # every node has a holder (the last hold to go takes its node along)
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if blocks[mid - 1] in nodes:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
         while lo < hi:
             mid = (lo + hi + 1) >> 1
             node = nodes.get(blocks[mid - 1])
