@@ -172,7 +172,7 @@ class PrefixIndex:
         while lo < hi:
             mid = (lo + hi + 1) >> 1
             node = nodes.get(blocks[mid - 1])
-            if node is not None and any(w not in skip for w in node.holders):
+            if node is not None and not node.holders.keys() <= skip.keys():
                 lo = mid
             else:
                 hi = mid - 1
