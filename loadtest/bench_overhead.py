@@ -23,8 +23,11 @@ One run, one set of workers:
    rotates each round); p50/p99 per target, minus the direct p50.
 
 Medians over the repetitions, and each figure as a ratio to sglang-router's, so the numbers can
-be compared on a noisy shared machine. ``--profile FILE`` records our gateway with py-spy during
-the throughput repetitions (collapsed stacks to FILE) and reports the top functions.
+be compared on a noisy shared machine. Every other target's CPU per request is also given as a
+ratio to ours paired by repetition: many short repetitions (``--reps 8 --requests 400``) with
+``--variant before=@DIR`` make an A/B of one change. ``--profile FILE`` records our gateway
+with py-spy during the throughput repetitions (collapsed stacks to FILE) and reports the top
+functions.
 
 Loopback only, bounded request counts; a benchmark, not a test.
 """
@@ -500,6 +503,18 @@ def to_markdown(result: OverheadResult) -> str:
                 f"{_ratio(t.median('p99_ms'), ref.median('p99_ms'))} | "
                 f"{_ratio(t.median('cpu_s_per_1k'), ref.median('cpu_s_per_1k'))} | "
                 f"{t.seq_p50_ms - ref.seq_p50_ms:+.2f} |")
+    ours = next((t for t in result.targets if t.name == "ours"), None)
+    paired = [t for t in result.targets if ours is not None and t is not ours and t.reps
+              and t.name != DIRECT and len(t.reps) == len(ours.reps)]
+    if ours is not None and paired:
+        lines += ["", "CPU per request against ours, paired by repetition (each repetition "
+                  "runs every target once, in rotating order; median of the per-repetition "
+                  "ratios, which cancels the load that drifts between repetitions):", ""]
+        for t in paired:
+            ratios = [r.cpu_s_per_1k / o.cpu_s_per_1k
+                      for r, o in zip(t.reps, ours.reps, strict=True) if o.cpu_s_per_1k > 0]
+            if ratios:
+                lines.append(f"- {t.name}: {statistics.median(ratios):.3f}x ours")
     lines += ["", "Per repetition (req/s, p99 ms, CPU s / 1k):", ""]
     for t in result.targets:
         reps = "; ".join(f"{r.rps:,.0f}, {r.p99_ms:.1f}, {r.cpu_s_per_1k:.3f}" for r in t.reps)

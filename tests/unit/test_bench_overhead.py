@@ -2,7 +2,15 @@ from __future__ import annotations
 
 import os
 
-from loadtest.bench_overhead import proc_tree_cpu_s, top_functions
+from loadtest.bench_overhead import (
+    OverheadConfig,
+    OverheadResult,
+    Rep,
+    TargetResult,
+    proc_tree_cpu_s,
+    to_markdown,
+    top_functions,
+)
 
 
 def test_top_functions_counts_own_and_inclusive_samples() -> None:
@@ -19,3 +27,16 @@ def test_proc_tree_cpu_grows_with_work() -> None:
         sum(range(10_000))
     assert proc_tree_cpu_s(os.getpid()) >= deadline
     assert proc_tree_cpu_s(2**22 + 12345) == 0.0  # no such process
+
+
+def test_cpu_is_paired_by_repetition_against_ours() -> None:
+    def target(name: str, *cpu: float) -> TargetResult:
+        return TargetResult(name, reps=[Rep(100.0, 1.0, 2.0, 0, c) for c in cpu])
+
+    # The load drifts between repetitions; the paired ratio is the median of 3.0/2.0 and 1.0/1.0,
+    # not the ratio of the medians.
+    result = OverheadResult("cmd", OverheadConfig(), [
+        TargetResult("direct"), target("ours", 2.0, 1.0), target("ours[before]", 3.0, 1.0)], {})
+    text = to_markdown(result)
+    assert "- ours[before]: 1.250x ours" in text
+    assert "- direct:" not in text.split("paired by repetition")[1].split("Per repetition")[0]
