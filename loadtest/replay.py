@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import random
 import shlex
 import shutil
 import statistics
@@ -75,7 +76,7 @@ from loadtest.replay_sim import simulate_runs
 from loadtest.sim.cluster import pooled_bound
 from loadtest.sim.report import max_over_mean
 from loadtest.simulate import DEFAULT_TRACE
-from loadtest.textgen import TextSynth
+from loadtest.textgen import TextSynth, invisible_edit
 from loadtest.timeline import timeline, write_timeline
 from loadtest.trace_workloads import TRACE_WORKLOADS, workload_trace
 from loadtest.traces import TraceRequest, read_mooncake
@@ -111,6 +112,8 @@ class ReplayConfig:
     # "ours+hybrid:<policy>" (the modelled index corrected by them).
     tokenizer_file: str = ""
     kv_events: bool = False
+    # Share of requests whose prompt carries one invisible edit (the block bound ignores it).
+    invisible_edits: float = 0.0
 
     @property
     def block_tokens(self) -> int:
@@ -401,17 +404,27 @@ async def gateway_running(fleet: Fleet, policy: str, events: bool = False,
 
 
 def request_bodies(requests: Sequence[TraceRequest], block_chars: int, max_tokens: int,
-                   seed: int = 0) -> list[dict[str, Any]]:
-    """One non-streaming completions body per trace request: its blocks as text chunks."""
+                   seed: int = 0, invisible_edits: float = 0.0) -> list[dict[str, Any]]:
+    """One non-streaming completions body per trace request: its blocks as text chunks; a
+    seeded ``invisible_edits`` share of them carries one edit a reader cannot see
+    (:func:`loadtest.textgen.invisible_edit`), as re-rendered contexts do."""
     synth = TextSynth(chars=block_chars, seed=seed)
     spec = LiveSpec(model=MODEL, max_tokens=max_tokens, stream=False)
-    return [trace_body(spec, synth.prompt(r.blocks), r.output_tokens) for r in requests]
+    rng = random.Random(f"{seed}:invisible-edits")
+    bodies = []
+    for r in requests:
+        prompt = synth.prompt(r.blocks)
+        if invisible_edits and rng.random() < invisible_edits:
+            prompt = invisible_edit(prompt, rng)
+        bodies.append(trace_body(spec, prompt, r.output_tokens))
+    return bodies
 
 
 async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
                      policies: Sequence[str], peers: Sequence[str], repeats: int,
                      gateway: str = "") -> list[RunResult]:
-    bodies = request_bodies(requests, config.block_chars, config.max_tokens)
+    bodies = request_bodies(requests, config.block_chars, config.max_tokens,
+                            invisible_edits=config.invisible_edits)
     pooled = pooled_bound(requests, config.workers * config.cache_blocks)
     results: list[RunResult] = []
     if gateway:
@@ -585,6 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="workers publish KV events; every policy also runs as "
                    "ours+events:<policy> (the events alone) and ours+hybrid:<policy> (the "
                    "modelled index corrected by them) (needs --tokenizer-file)")
+    p.add_argument("--invisible-edits", type=float, default=0.0, metavar="SHARE",
+                   help="share of requests with one invisible edit in their prompt (a "
+                   "zero-width or no-break space, a soft hyphen, trailing spaces)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -604,6 +620,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
            args.max_tokens, args.max_running) < 1:
         p.error("--workers, --cache-blocks, --concurrency, --repeat, --max-tokens and "
                 "--max-running must be >= 1")
+    if not 0.0 <= args.invisible_edits <= 1.0:
+        p.error("--invisible-edits is a share, from 0 to 1")
     if args.block_chars < 64 or args.block_chars % 64:
         p.error("--block-chars must be a multiple of 64 (the gateway's block)")
     if args.kv_events and not args.tokenizer_file:
@@ -634,6 +652,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         report_cache_size=args.report_cache_size, misreport_worker=args.misreport_worker,
         restart_worker=restart, flush_worker=flush, bucket_s=args.bucket,
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
+        invisible_edits=args.invisible_edits,
     )
 
 

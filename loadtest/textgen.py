@@ -82,6 +82,29 @@ def block_text(block_id: int, chars: int = DEFAULT_BLOCK_CHARS, seed: int = 0) -
     return text
 
 
+# Edits a reader cannot see, each undone by the gateway's normalization (gateway.normalize):
+# a format character inserted (zero-width space, word joiner, soft hyphen, BOM), a space turned
+# into a no-break or narrow no-break space, or trailing spaces at the end of the prompt.
+_INSERTED = ("\u200b", "\u2060", "\u00ad", "\ufeff")
+_SPACES = ("\u00a0", "\u202f")
+
+
+def invisible_edit(text: str, rng: random.Random) -> str:
+    """``text`` with one invisible edit at a position drawn uniformly: what an editor, a
+    rich-text paste or an agent framework's re-render does to a context it sends again."""
+    kind = rng.randrange(len(_INSERTED) + len(_SPACES) + 1)
+    if kind == len(_INSERTED) + len(_SPACES) or not text:
+        return text + " " * rng.randint(1, 3)
+    if kind < len(_INSERTED):
+        at = rng.randrange(len(text) + 1)
+        return text[:at] + _INSERTED[kind] + text[at:]
+    spaces = [i for i in range(len(text)) if text[i] == " "]
+    if not spaces:
+        return text + " "
+    at = rng.choice(spaces)
+    return text[:at] + _SPACES[kind - len(_INSERTED)] + text[at + 1:]
+
+
 def trace_request(request: TraceRequest, synth: TextSynth, spec: LiveSpec,
                   max_blocks: int = 0) -> LiveRequest:
     """A replayed trace request as a streaming ``/v1/completions`` call.
