@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.backends.registry import kind_of_url
@@ -37,6 +37,8 @@ class WorkerState:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     inflight_prefill: int = 0  # predicted uncached prompt tokens of requests before 1st token
+    # ticket -> (checkpoint hashes, predicted cached prompt tokens) of each request in flight
+    inflight_prompts: dict[int, tuple[Sequence[int], int]] = field(default_factory=dict)
     remote_tokens: int = 0  # in flight from other gateway replicas, as last read
     capacity_blocks: int = 0  # in the gateway's fingerprint blocks; 0 = unknown
     last_error: str = ""
@@ -73,7 +75,7 @@ class WorkerState:
         if self.ramp != 1.0:
             worker = dataclasses.replace(worker, weight=worker.weight * self.ramp)
         return WorkerView(worker, self.healthy and not self.held_out, requests, tokens,
-                          self.inflight_prefill)
+                          self.inflight_prefill, tuple(self.inflight_prompts.values()))
 
 
 class WorkerPool:
@@ -86,6 +88,7 @@ class WorkerPool:
         # snapshot, with pool-wide (in-flight tokens, weight) of the healthy ones kept alongside.
         self._views: dict[str, WorkerView] = {}
         self._stale: set[str] = set()
+        self._tickets = 0
         self._healthy_tokens = 0
         self._healthy_weight = 0.0
         # The models the healthy workers serve and each one's namespace identity, read on every
@@ -313,26 +316,37 @@ class WorkerPool:
         return any(s.healthy for s in self._workers.values())
 
     # -- load ---------------------------------------------------------------------------------
-    def acquire(self, wid: str, tokens: int, prefill: int = 0) -> None:
+    def acquire(self, wid: str, tokens: int, prefill: int = 0,
+                prompt: tuple[Sequence[int], int] | None = None) -> int:
         """One more request in flight on ``wid``: ``tokens`` of load, ``prefill`` of them
-        prompt tokens it is predicted to compute (not cached)."""
+        prompt tokens it is predicted to compute (not cached); ``prompt``: its checkpoint
+        hashes and the prompt tokens it is predicted to find cached. Returns the ticket to
+        release it with (0 without a ``prompt``)."""
         state = self._workers[wid]
         self._stale.add(wid)
         state.inflight_requests += 1
         state.inflight_tokens += tokens
         state.inflight_prefill += prefill
+        ticket = 0
+        if prompt is not None:
+            self._tickets += 1
+            ticket = self._tickets
+            state.inflight_prompts[ticket] = prompt
         state.routed += 1
         alpha = 1.0 if state.routed == 1 else _COST_EWMA
         state.mean_cost_tokens += alpha * (tokens - state.mean_cost_tokens)
+        return ticket
 
-    def release(self, wid: str, tokens: int, prefill: int = 0) -> None:
-        """The request is over; ``prefill``: its prompt tokens still counted as queued."""
+    def release(self, wid: str, tokens: int, prefill: int = 0, ticket: int = 0) -> None:
+        """The request is over; ``prefill``: its prompt tokens still counted as queued;
+        ``ticket``: what :meth:`acquire` returned."""
         state = self._workers.get(wid)
         if state is not None:
             self._stale.add(wid)
             state.inflight_requests -= 1
             state.inflight_tokens -= tokens
             state.inflight_prefill -= prefill
+            state.inflight_prompts.pop(ticket, None)
 
     def prefilled(self, wid: str, prefill: int) -> None:
         """A request in flight on ``wid`` sent its first token: its prefill is done."""

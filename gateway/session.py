@@ -98,6 +98,7 @@ class Attempt:
     settled: bool = False
     index: PrefixMatcher | None = None  # the prefix index as the decision saw it
     prefill_tokens: int = 0  # prompt tokens the worker is predicted to compute (not cached)
+    ticket: int = 0  # its entry among the worker's requests in flight (WorkerPool.acquire)
     prefilled: bool = False  # its first token came back: the prefill no longer queues
     at: float = 0.0  # when it was routed
 
@@ -174,9 +175,9 @@ class RoutingSession:
         total = key.total_blocks
         cached = request.prompt_tokens * decision.match_blocks // total if total else 0
         prefill = max(0, request.prompt_tokens - cached)
-        self.pool.acquire(wid, request.cost_tokens, prefill)
+        ticket = self.pool.acquire(wid, request.cost_tokens, prefill, (blocks, cached))
         return Attempt(request, decision, tenant, predicted, index=snapshot.index,
-                       prefill_tokens=prefill, at=now)
+                       prefill_tokens=prefill, ticket=ticket, at=now)
 
     def first_token(self, attempt: Attempt) -> None:
         """The worker sent the first token (a streamed reply): its prefill is done, so it no
@@ -199,7 +200,8 @@ class RoutingSession:
         if self.exact is not None and self.router.uses_prefix_index:
             self.exact.done(attempt.worker_id, key.blocks, attempt.at if now is None else now)
             self.exact.unsent(attempt.worker_id, key.blocks[keep:])
-        self.pool.release(attempt.worker_id, attempt.request.cost_tokens, attempt.queued_prefill)
+        self.pool.release(attempt.worker_id, attempt.request.cost_tokens, attempt.queued_prefill,
+                          attempt.ticket)
 
     def completed(
         self, attempt: Attempt, usage: CacheUsage | None = None, now: float | None = None
@@ -235,7 +237,8 @@ class RoutingSession:
                 matched_tokens=usage.matched_tokens,
                 predicted_tokens=predicted,
             ))
-        self.pool.release(wid, attempt.request.cost_tokens, attempt.queued_prefill)
+        self.pool.release(wid, attempt.request.cost_tokens, attempt.queued_prefill,
+                          attempt.ticket)
 
     def _learn(self, wid: str, blocks: int, predicted: int, matched: int) -> None:
         """Fit the modelled cache of a worker that does not report its size to what it reused

@@ -36,6 +36,9 @@ class WorkerView:
     # predicted when each was routed), until their first token: the queue a new prefill waits
     # behind.
     inflight_prefill: int = 0
+    # The requests this gateway has in flight there: each one's checkpoint hashes
+    # (``PrefixKey.blocks``) and the prompt tokens it was predicted to find cached.
+    inflight_prompts: tuple[tuple[Sequence[int], int], ...] = ()
     id: str = field(init=False)  # = worker.id; a plain attribute, read on every decision
 
     def __post_init__(self) -> None:

@@ -30,13 +30,15 @@ def _route(
     held: Mapping[str, int],
     prompt_tokens: int,
     opts: PolicyOptions | None = None,
+    inflight: Mapping[str, tuple[tuple[tuple[int, ...], int], ...]] | None = None,
 ) -> tuple[str, str]:
     index = PrefixIndex()
     for wid, depth in held.items():
         index.record(BLOCKS[:depth], wid, 0.0)
+    inflight = inflight or {}
     views = tuple(
         WorkerView(Worker(wid, f"http://{wid}"), True, 1 if loads.get(wid) else 0,
-                   loads.get(wid, 0))
+                   loads.get(wid, 0), inflight_prompts=inflight.get(wid, ()))
         for wid in IDS
     )
     request = RouteRequest(PrefixKey(BLOCKS, ANCHOR, 640), "m", prompt_tokens + 10, prompt_tokens)
@@ -192,6 +194,31 @@ GUARD_CASES = [
     # total 1,550: 1,200 + 40 = 1,240 < 1,250: the credit is only the prefill a move redoes.
     pytest.param(1250, 10, "", "diverted: w2 bounded_load", id="far-over-bound-diverted"),
 ]
+
+
+OTHER_SESSIONS = (((900, 901, 902), 150), ((910, 911), 150))  # other prompts, 300 cached
+SAME_PROMPT = ((BLOCKS, 150), ((*BLOCKS[:3], 920), 150))  # share the first 3 blocks only
+ALLOWANCE_CASES = [
+    # The far-over-bound case again (1,250 against 1,240), but 300 of w2's load is other
+    # sessions' context it serves from its cache: 1,495 of bound, the session stays.
+    pytest.param(10, OTHER_SESSIONS, "w2", "prefix_hit depth=10", id="others-cached-context"),
+    # Prompts sharing what w2 holds of this one pile up there: no allowance, diverted.
+    pytest.param(10, ((BLOCKS, 150), (BLOCKS, 150)), "", "diverted: w2 bounded_load",
+                 id="the-same-prompt-piling-up"),
+    # w2 holds 3 blocks of it; one request in flight shares those 3, the other shares all 10
+    # of some prompt but so also the 3: neither is elsewhere. 1,155 + 12 < 1,250.
+    pytest.param(3, SAME_PROMPT, "", "diverted: w2 bounded_load", id="sharing-the-held-part"),
+]
+
+
+@pytest.mark.parametrize(("depth", "inflight", "expected", "reason"), ALLOWANCE_CASES)
+def test_a_holder_is_allowed_the_cached_context_of_other_prompts_in_flight(
+    depth: int, inflight: tuple[tuple[tuple[int, ...], int], ...], expected: str, reason: str
+) -> None:
+    chosen, why = _route({"w2": 1250, "w0": 100, "w1": 100, "w3": 100}, {"w2": depth}, 40,
+                         inflight={"w2": inflight})
+    assert why.startswith(reason)
+    assert (chosen == "w2") == (expected == "w2")
 
 
 @pytest.mark.parametrize(("load", "depth", "expected", "reason"), GUARD_CASES)

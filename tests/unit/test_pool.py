@@ -60,7 +60,7 @@ def test_snapshot_totals_follow_every_change() -> None:
 
     for wid in ids:
         pool.mark_up(wid, frozenset({"m"}))
-    steps: list[Callable[[], None]] = [
+    steps: list[Callable[[], object]] = [
         lambda: pool.acquire(ids[0], 100),
         lambda: pool.acquire(ids[1], 50),
         lambda: pool.set_remote_load({ids[2]: 70}),

@@ -173,10 +173,16 @@ def test_queued_prefill_counts_until_the_first_token() -> None:
     assert (hit.worker_id, hit.prefill_tokens) == (wid, 0)
     half = session.route(_request((*BLOCKS[:4], 91, 92, 93, 94)), now=3.0)
     assert (half.worker_id, half.prefill_tokens) == (wid, 40)  # 4 of 8 blocks held
+    # Routing sees each request in flight there: its checkpoints and predicted cached tokens.
+    views = session.pool.snapshot(3.0).by_id
+    assert views is not None
+    assert sorted(views[wid].inflight_prompts) == sorted(
+        [(BLOCKS, 80), ((*BLOCKS[:4], 91, 92, 93, 94), 40)])
     session.failed(hit)
     session.completed(half)  # never streamed: its prefill is released with it
     state = session.pool.get(wid)
     assert (state.inflight_requests, state.inflight_tokens, state.inflight_prefill) == (0, 0, 0)
+    assert state.inflight_prompts == {}
 
 
 @dataclass(frozen=True)

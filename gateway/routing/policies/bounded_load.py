@@ -19,16 +19,37 @@ Diverting a request from the holder of its prefix trades that prefill for the ho
 load, so the holder is left only when it is over the bound by more than the move costs. A
 conversation is then not moved off its worker because its own earlier turns are still in
 flight there (their prompt tokens are mostly cached), while a cold prefix or a shallow match
-meets the plain bound. The credit is not given to a request placed past a shared trunk
-(``Context.branch_anchor``) or to a hot prefix (whose tight bound is meant to spread it).
+meets the plain bound. A holder's bound also grows by the prompt tokens it was predicted to
+find cached for its requests in flight that do not share the part of this prompt it holds
+(other sessions' histories, served from its cache: little work, though counted in tokens).
+Counting those whole contexts against it sent sessions away from the worker holding their
+history. Requests that share that part (a hot prompt piling up there) get no such allowance,
+so the guard still spreads a hot spot. The credit is not given to a request placed past a
+shared trunk (``Context.branch_anchor``) or to a hot prefix (whose tight bound is meant to
+spread it).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
+from gateway.fingerprint import PrefixKey
 from gateway.routing.engine import Context
 from gateway.routing.types import WorkerView
+
+
+def _cached_elsewhere(key: PrefixKey, held: int, view: WorkerView) -> int:
+    """Prompt tokens the requests in flight on ``view`` were predicted to find cached, for
+    those that do not share the first ``held`` blocks of ``key`` (the part that worker holds
+    of this request). O(requests in flight there)."""
+    depths = key.depths
+    i = min(bisect.bisect_right(depths, held) - 1 if depths else held - 1, len(key.blocks) - 1)
+    if i < 0:
+        return 0
+    mark = key.blocks[i]
+    return sum(cached for blocks, cached in view.inflight_prompts
+               if len(blocks) <= i or blocks[i] != mark)
 
 
 def load_bound(
@@ -70,8 +91,8 @@ class BoundedLoadFilter:
         kept: list[WorkerView] = []
         for w in candidates:
             bound = load_bound(c, total, cost, w.worker.weight / weight_sum, self.floor_requests)
-            if credit:
-                bound += credit * matches.get(w.id, 0)
+            if credit and (held := matches.get(w.id, 0)):
+                bound += credit * held + _cached_elsewhere(ctx.request.key, held, w)
             ctx.load_bounds[w.id] = bound
             if w.inflight_tokens <= bound:
                 kept.append(w)
