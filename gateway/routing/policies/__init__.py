@@ -40,7 +40,10 @@ trunk: later requests extended what went on from it, as sessions' next turns do,
 often as they reused it from inside, as questions on a shared document do); the branches of a
 trunk they reuse stay with the trunk. The guard credits a holder with the prefill a move would
 redo (its bound grows by the prompt tokens it holds for the request): a conversation is not
-moved off its worker because its own earlier turns are in flight there.
+moved off its worker because its own earlier turns are in flight there. Its bound also grows by
+the cached context of the other prompts it has in flight (not of those that share the part it
+holds of this one): other sessions' long histories served from its cache do not send a
+session away from its own, while a hot prompt piling up there still spreads.
 ``hot_threshold`` > 0 brings back the older rule (a prefix that many recent requests share gets
 the tight ``hot_load_factor`` bound, so its holder overflows to a second holder); it is off by
 default. Defaults live in :class:`PolicyOptions`; every field is a gateway setting of the same
