@@ -7,13 +7,14 @@ All modes run at once, each on its own ports (so they share the machine's noise)
 real redis-server, ``--workers`` reference workers (simulated engine, its default costs: 200 us
 per uncached prompt token, 5 us per cached one) that register in it, and a gateway on that
 store that samples prompts for warm-up (``--warmup-sample '*'``; ``cold`` runs it with
-``--no-warmup``; ``control`` adds no workers at all, so it shows how the hit rate of the load
-itself drifts over the same minutes). An open-loop chat + shared-system-prompt load
-(:func:`loadtest.workloads.chat_requests`, streaming) arrives at ``--rate`` requests per
-second; after ``--before-s`` seconds ``--add`` more workers join (they were started, idle and
-unregistered, before the load, so their Python start-up does not fall into the transition on
-a busy machine; they join by registering in the store as a worker does), and the load goes on
-for ``--after-s`` seconds.
+``--no-warmup``; ``noprewarm`` warms joining workers but runs without predictive pre-warming
+(``--no-prewarm``), to tell the two apart; ``control`` adds no workers at all, so it shows how
+the hit rate of the load itself drifts over the same minutes). An open-loop chat +
+shared-system-prompt load (:func:`loadtest.workloads.chat_requests`, streaming) arrives at
+``--rate`` requests per second; after ``--before-s`` seconds ``--add`` more workers join
+(they were started, idle and unregistered, before the load, so their Python start-up does not
+fall into the transition on a busy machine; they join by registering in the store as a worker
+does), and the load goes on for ``--after-s`` seconds.
 
 Reported per mode: token hit rate and TTFT (time to the first content token) p50/p99 in the
 ``--steady-s`` seconds before the change (steady state) and in the ``--window-s`` seconds after
@@ -265,6 +266,14 @@ def _worker_cmd(port: int, redis: str, config: ScaleConfig) -> list[str]:
             "--cache-blocks", str(config.cache_blocks), *config.worker_args]
 
 
+MODES = ("warmup", "cold", "noprewarm", "control")
+
+
+def mode_gateway_args(mode: str) -> tuple[str, ...]:
+    """The gateway flags of a mode, on top of warm-up sampling (which every mode has)."""
+    return {"cold": ("--no-warmup",), "noprewarm": ("--no-prewarm",)}.get(mode, ())
+
+
 async def run_mode(mode: str, config: ScaleConfig, base: int, logs: Path) -> ModeResult:
     redis = RedisServer(base + config.workers + config.add + 1)
     await asyncio.to_thread(redis.start)
@@ -283,7 +292,7 @@ async def run_mode(mode: str, config: ScaleConfig, base: int, logs: Path) -> Mod
         gateway = f"http://{HOST}:{gport}"
         gcmd = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(gport),
                 "--store", redis.url, "--health-interval-s", "1", "--warmup-sample", "*",
-                *(["--no-warmup"] if mode == "cold" else []), *config.gateway_args]
+                *mode_gateway_args(mode), *config.gateway_args]
         await start_server(gcmd, gateway, logs / f"{mode}-gateway.log", procs)
         connector = aiohttp.TCPConnector(limit=512)
         async with aiohttp.ClientSession(connector=connector) as http:
@@ -446,15 +455,15 @@ def parse_args(argv: Sequence[str]) -> tuple[ScaleConfig, Path]:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--modes", default=",".join(d.modes),
-                   help="warmup, cold, control (comma list)")
+                   help=f"{', '.join(MODES)} (comma list)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag")
     p.add_argument("--out", type=Path, default=Path("loadtest/out/scale"))
     p.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
     a = p.parse_args(argv)
     modes = tuple(m for m in a.modes.split(",") if m)
-    if not modes or any(m not in ("warmup", "cold", "control") for m in modes):
-        p.error("--modes takes warmup, cold and/or control")
+    if not modes or any(m not in MODES for m in modes):
+        p.error(f"--modes takes {', '.join(MODES)}")
     config = ScaleConfig(
         workers=a.workers, add=a.add, rate=a.rate, before_s=a.before_s, after_s=a.after_s,
         steady_s=a.steady_s, window_s=a.window_s, cache_blocks=a.cache_blocks,

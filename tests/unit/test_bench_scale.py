@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from loadtest.bench_scale import ModeResult, Sample, recovery_s, recovery_vs_s
+from loadtest.bench_scale import (
+    MODES,
+    ModeResult,
+    Sample,
+    mode_gateway_args,
+    recovery_s,
+    recovery_vs_s,
+)
 
 
 def _run(mode: str, hits: list[float], start: float = -20.0) -> ModeResult:
@@ -28,3 +35,10 @@ def test_no_dip_is_zero_and_a_dip_to_the_end_is_never() -> None:
     flat = _run("control", [0.9] * 80)
     assert recovery_vs_s(_run("cold", [0.9] * 80), flat, 60.0) == 0.0
     assert recovery_vs_s(_run("cold", [0.9] * 20 + [0.8] * 60), flat, 60.0) is None
+
+
+def test_each_mode_starts_its_gateway_with_its_own_flags() -> None:
+    assert mode_gateway_args("cold") == ("--no-warmup",)
+    assert mode_gateway_args("noprewarm") == ("--no-prewarm",)
+    assert mode_gateway_args("warmup") == mode_gateway_args("control") == ()
+    assert set(MODES) == {"warmup", "cold", "noprewarm", "control"}
