@@ -59,6 +59,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._head_waiter: asyncio.Future[None] | None = None
         self._body_waiter: asyncio.Future[None] | None = None
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())  # the last reply's
         self._reset()
 
     def _reset(self) -> None:
@@ -67,7 +68,6 @@ class _Connection(asyncio.Protocol):
         self.in_head = True
         self.received = False  # any byte of this exchange's reply
         self.status = 0
-        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
         self._framing = _LENGTH
         self._left = 0  # body bytes (or chunk bytes) still to come
         self._chunk_state = _SIZE

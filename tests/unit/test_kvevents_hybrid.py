@@ -196,15 +196,22 @@ def test_a_prefix_cold_everywhere_matches_its_modelled_home() -> None:
     assert view.held(W, K) == 0  # ... while the prediction says it is cold
 
 
-def test_a_removal_in_doubt_waits_for_the_events_to_pass_the_requests_end() -> None:
-    # The engine removed block 3 before it admitted this gateway's request (published at
-    # 0.02, arriving at 0.3 after the request ended at 0.1): in doubt until a batch published
-    # after the request's end (+ skew) shows no store of it followed.
+def _removal_in_doubt() -> Gateway:
+    """A request stored 4 blocks and ended at 0.1; a removal of block 3 published at 0.02
+    (before the request was admitted) arrives at 0.3."""
     gw = Gateway.new()
     gw.send(4, 0.0)
     gw.event(stored(1, 4), 0.01)
     gw.done(4, 0.1)
     gw.event(removed(3), 0.3, ts=0.02)
+    return gw
+
+
+def test_a_removal_in_doubt_waits_for_the_events_to_pass_the_requests_end() -> None:
+    # The engine removed block 3 before it admitted this gateway's request (published at
+    # 0.02, arriving at 0.3 after the request ended at 0.1): in doubt until a batch published
+    # after the request's end (+ skew) shows no store of it followed.
+    gw = _removal_in_doubt()
     assert gw.view(0.3).held(W, K) == 4  # in doubt: the model's word stands
     gw.event(removed(9), 0.35, ts=0.12)  # not past the fence (0.1 + 0.05) yet
     assert gw.view(0.35).held(W, K) == 4
@@ -216,11 +223,7 @@ def test_a_removal_in_doubt_waits_for_the_events_to_pass_the_requests_end() -> N
 
 
 def test_a_removal_in_doubt_counts_after_settle_s_when_the_feed_goes_quiet() -> None:
-    gw = Gateway.new()
-    gw.send(4, 0.0)
-    gw.event(stored(1, 4), 0.01)
-    gw.done(4, 0.1)
-    gw.event(removed(3), 0.3, ts=0.02)
+    gw = _removal_in_doubt()
     assert gw.view(1.0).held(W, K) == 4
     assert gw.view(2.5).held(W, K) == 2  # settle_s (2 s) after it arrived
 
