@@ -173,11 +173,25 @@ def test_a_worker_holding_only_foreign_blocks_is_a_candidate() -> None:
     assert gw.view().match(K) == {"w2": 1, W: 4}
 
 
-def test_workers_without_live_events_keep_the_models_word() -> None:
+def _served(stored_at: float) -> Gateway:
+    """A request sent at 0, whose 4 blocks the engine stored at ``stored_at``, ended at 0.1."""
     gw = Gateway.new()
     gw.send(4, 0.0)
-    gw.event(stored(1, 4), 0.05)
+    gw.event(stored(1, 4), stored_at)
     gw.done(4, 0.1)
+    return gw
+
+
+def _removal_in_doubt() -> Gateway:
+    """A removal of block 3 published at 0.02 (before the request was admitted) arrives at
+    0.3."""
+    gw = _served(stored_at=0.01)
+    gw.event(removed(3), 0.3, ts=0.02)
+    return gw
+
+
+def test_workers_without_live_events_keep_the_models_word() -> None:
+    gw = _served(stored_at=0.05)
     gw.event(removed(2), 0.5)
     assert gw.view().held(W, K) == 1
     gw.exact.set_live(W, False)  # its feed is down: no corrections
@@ -186,25 +200,11 @@ def test_workers_without_live_events_keep_the_models_word() -> None:
 
 
 def test_a_prefix_cold_everywhere_matches_its_modelled_home() -> None:
-    gw = Gateway.new()
-    gw.send(4, 0.0)
-    gw.event(stored(1, 4), 0.05)
-    gw.done(4, 0.1)
+    gw = _served(stored_at=0.05)
     gw.event(removed(1), 0.5)
     view = HybridMatcher(gw.model.at(2.0), gw.exact, 2.0, floor=2)
     assert view.match(K) == {W: 4}  # its home, for siblings to go back to
     assert view.held(W, K) == 0  # ... while the prediction says it is cold
-
-
-def _removal_in_doubt() -> Gateway:
-    """A request stored 4 blocks and ended at 0.1; a removal of block 3 published at 0.02
-    (before the request was admitted) arrives at 0.3."""
-    gw = Gateway.new()
-    gw.send(4, 0.0)
-    gw.event(stored(1, 4), 0.01)
-    gw.done(4, 0.1)
-    gw.event(removed(3), 0.3, ts=0.02)
-    return gw
 
 
 def test_a_removal_in_doubt_waits_for_the_events_to_pass_the_requests_end() -> None:
