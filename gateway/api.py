@@ -225,7 +225,7 @@ async def admin_workers(request: web.Request) -> web.Response:
     return web.json_response(
         {"policy": state.session.router.name, "index_blocks": len(state.index),
          "workers": workers, "tokenizer": state.exact.tokenizer_stats(),
-         "warming": sorted(state.warmup.warming())}
+         "warming": sorted(state.warmup.warming()), "prewarm": state.prewarmer.stats()}
     )
 
 

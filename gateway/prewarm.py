@@ -58,6 +58,7 @@ class PreWarmer:
         self.index = index
         self._replay = replay  # sends one prefill-only request, records it (WarmupManager)
         self.options = options
+        self.sent = 0  # pre-warms started
         self.placed = 0  # pre-warms that succeeded
         self._recent: dict[int, float] = {}  # anchor -> when its last pre-warm started
         self._tasks: set[asyncio.Task[None]] = set()
@@ -91,6 +92,7 @@ class PreWarmer:
                 del self._recent[old]
         prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, key,
                             namespace=upstream.namespace)
+        self.sent += 1
         task = asyncio.get_running_loop().create_task(self._place(target, prompt))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -134,6 +136,13 @@ class PreWarmer:
         if await self._replay(wid, prompt):
             self.placed += 1
             log.debug("pre-warmed a hot prefix on %s", wid)
+
+    def stats(self) -> dict[str, int | bool]:
+        """Counts since start, for ``/admin/workers``: pre-warms started, placed (the worker
+        answered), failed, and still in flight."""
+        inflight = len(self._tasks)
+        return {"enabled": self.options.enabled, "sent": self.sent, "placed": self.placed,
+                "failed": self.sent - self.placed - inflight, "inflight": inflight}
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -36,6 +36,7 @@ import json
 import random
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,6 +105,7 @@ class ScaleConfig:
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     logs: Path | None = None  # keep the servers' logs there (default: deleted after the run)
+    repeats: int = 1  # whole side-by-side runs, one after another; the report gives medians
 
 
 @dataclass(slots=True)
@@ -122,6 +124,7 @@ class ModeResult:
     mode: str
     samples: list[Sample] = field(default_factory=list)
     warmup: list[dict[str, Any]] = field(default_factory=list)  # /admin/workers "warmup"s
+    prewarm: dict[str, Any] = field(default_factory=dict)  # /admin/workers "prewarm" counts
 
     def window(self, start: float, end: float) -> list[Sample]:
         return [s for s in self.samples if start <= s.t < end]
@@ -174,6 +177,8 @@ def summarize(result: ModeResult, config: ScaleConfig,
     after = result.window(0.0, config.window_s)
     steady_hit = hit_rate(steady)
     p99_before, p99_after = ttft(steady, 99), ttft(after, 99)
+    control_p99 = (ttft(control.window(0.0, config.window_s), 99) if control is not None
+                   else float("nan"))
     return {
         "mode": result.mode,
         "requests": len(result.samples),
@@ -185,12 +190,15 @@ def summarize(result: ModeResult, config: ScaleConfig,
         "after_ttft_p50_ms": 1000 * ttft(after, 50),
         "after_ttft_p99_ms": 1000 * p99_after,
         "p99_ratio": p99_after / p99_before if p99_before > 0 else float("nan"),
+        "p99_vs_control": p99_after / control_p99 if control_p99 > 0 else float("nan"),
         "new_worker_requests": sum(
             1 for s in after if s.worker in _new_workers(result, config)),
         "recovery_s": recovery_s(result, steady_hit, config.after_s),
         "recovery_vs_control_s": (recovery_vs_s(result, control, config.after_s)
                                   if control is not None else float("nan")),
         "warmup": result.warmup,
+        "prewarms_sent": int(result.prewarm.get("sent", 0)),
+        "prewarms_placed": int(result.prewarm.get("placed", 0)),
     }
 
 
@@ -302,6 +310,7 @@ async def run_mode(mode: str, config: ScaleConfig, base: int, logs: Path) -> Mod
                 view = await r.json()
             result.warmup = [w["warmup"] | {"id": w["id"]} for w in view["workers"]
                              if w.get("warmup")]
+            result.prewarm = dict(view.get("prewarm") or {})
     finally:
         await stop_processes(procs, grace_s=5.0)
         await asyncio.to_thread(redis.stop)
@@ -413,8 +422,9 @@ def to_markdown(summaries: Sequence[dict[str, Any]], config: ScaleConfig, comman
         f"before the change, after = the {config.window_s:g} s after it.", "",
         "| mode | requests | failed | steady hit | after hit | steady TTFT p50 / p99 ms | "
         "after TTFT p50 / p99 ms | p99 after/steady | to within 1 pt (s) | "
-        "to within 1 pt of control (s) | new workers' reqs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "to within 1 pt of control (s) | new workers' reqs | p99 after / control's | "
+        "pre-warms sent / placed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         rec = s["recovery_s"]
@@ -426,7 +436,8 @@ def to_markdown(summaries: Sequence[dict[str, Any]], config: ScaleConfig, comman
             f"{s['steady_ttft_p99_ms']:.0f} | {s['after_ttft_p50_ms']:.0f} / "
             f"{s['after_ttft_p99_ms']:.0f} | {s['p99_ratio']:.2f} | "
             f"{'never' if rec is None else f'{rec:.0f}'} | {vs_text} | "
-            f"{s['new_worker_requests']} |")
+            f"{s['new_worker_requests']} | {s['p99_vs_control']:.2f} | "
+            f"{s['prewarms_sent']} / {s['prewarms_placed']} |")
     for s in summaries:
         for w in s["warmup"]:
             if w.get("reason") == "joined":
@@ -436,6 +447,51 @@ def to_markdown(summaries: Sequence[dict[str, Any]], config: ScaleConfig, comman
                     f"{w['planned_prompts']} prompts ({w['done_blocks']} blocks), "
                     f"{w['failed_prompts']} failed, "
                     f"{(w['finished_at'] or 0) - w['started_at']:.1f} s incl. ramp")
+    return "\n".join(lines) + "\n"
+
+
+MEDIAN_FIELDS = (
+    "steady_hit_rate", "after_hit_rate", "steady_ttft_p99_ms", "after_ttft_p99_ms",
+    "p99_ratio", "p99_vs_control", "new_worker_requests", "prewarms_sent", "prewarms_placed",
+)
+
+
+def median_summaries(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per mode (in the order of the first run), the median of each field over the repeats,
+    each repeat's p99 ratio as it was, and the failed requests of all repeats together."""
+    out = []
+    for first in runs[0]:
+        mode = first["mode"]
+        rows = [next(s for s in summaries if s["mode"] == mode) for summaries in runs]
+        merged: dict[str, Any] = {"mode": mode, "repeats": len(rows),
+                                  "failed": sum(r["failed"] for r in rows),
+                                  "requests": sum(r["requests"] for r in rows),
+                                  "p99_ratios": [r["p99_ratio"] for r in rows]}
+        for name in MEDIAN_FIELDS:
+            merged[name] = statistics.median(r[name] for r in rows)
+        out.append(merged)
+    return out
+
+
+def medians_markdown(medians: Sequence[dict[str, Any]], config: ScaleConfig,
+                     command: str) -> str:
+    lines = [
+        f"`{command}`", "",
+        f"Medians of {config.repeats} repeats (each repeat: every mode side by side; its own "
+        "report in repeatN/).", "",
+        "| mode | requests | failed | steady hit | after hit | steady TTFT p99 ms | "
+        "after TTFT p99 ms | p99 after/steady | (each repeat) | p99 after / control's | "
+        "new workers' reqs | pre-warms sent / placed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in medians:
+        each = ", ".join(f"{r:.2f}" for r in m["p99_ratios"])
+        lines.append(
+            f"| {m['mode']} | {m['requests']} | {m['failed']} | {m['steady_hit_rate']:.3f} | "
+            f"{m['after_hit_rate']:.3f} | {m['steady_ttft_p99_ms']:.0f} | "
+            f"{m['after_ttft_p99_ms']:.0f} | {m['p99_ratio']:.2f} | {each} | "
+            f"{m['p99_vs_control']:.2f} | {m['new_worker_requests']:.0f} | "
+            f"{m['prewarms_sent']:.0f} / {m['prewarms_placed']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -460,16 +516,21 @@ def parse_args(argv: Sequence[str]) -> tuple[ScaleConfig, Path]:
     p.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag")
     p.add_argument("--out", type=Path, default=Path("loadtest/out/scale"))
     p.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help="run everything this many times (each repeat's report in "
+                        "OUT/repeatN); OUT/report.md gives each mode's medians")
     a = p.parse_args(argv)
     modes = tuple(m for m in a.modes.split(",") if m)
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes {', '.join(MODES)}")
+    if a.repeats < 1:
+        p.error("--repeats must be >= 1")
     config = ScaleConfig(
         workers=a.workers, add=a.add, rate=a.rate, before_s=a.before_s, after_s=a.after_s,
         steady_s=a.steady_s, window_s=a.window_s, cache_blocks=a.cache_blocks,
         tenants=a.tenants, max_tokens=a.max_tokens, seed=a.seed, modes=modes,
         worker_args=tuple(a.worker_arg),
-        gateway_args=tuple(a.gateway_arg), logs=a.logs)
+        gateway_args=tuple(a.gateway_arg), logs=a.logs, repeats=a.repeats)
     return config, a.out
 
 
@@ -521,14 +582,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep = config.logs is not None
     logs = config.logs if config.logs is not None else Path(tempfile.mkdtemp(prefix="bench-scale-"))
     logs.mkdir(parents=True, exist_ok=True)
+    runs: list[list[dict[str, Any]]] = []
     try:
-        results = asyncio.run(run(config, logs))
+        for i in range(config.repeats):
+            results = asyncio.run(run(config, logs))
+            where = out / f"repeat{i + 1}" if config.repeats > 1 else out
+            runs.append(write_report(results, config, where, command))
+            print((where / "report.md").read_text())
     finally:
         if not keep:
             shutil.rmtree(logs, ignore_errors=True)
-    summaries = write_report(results, config, out, command)
-    print((out / "report.md").read_text())
-    return 0 if all(s["requests"] for s in summaries) else 1
+    if config.repeats > 1:
+        medians = median_summaries(runs)
+        (out / "report.md").write_text(medians_markdown(medians, config, command))
+        (out / "report.json").write_text(json.dumps(
+            {"config": asdict(config), "medians": medians, "repeats": runs}, indent=2,
+            default=str))
+        print((out / "report.md").read_text())
+    return 0 if all(s["requests"] for summaries in runs for s in summaries) else 1
 
 
 if __name__ == "__main__":

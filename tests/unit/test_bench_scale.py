@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from loadtest.bench_scale import (
+    MEDIAN_FIELDS,
     MODES,
     ModeResult,
     Sample,
+    median_summaries,
     mode_gateway_args,
     recovery_s,
     recovery_vs_s,
@@ -42,3 +44,19 @@ def test_each_mode_starts_its_gateway_with_its_own_flags() -> None:
     assert mode_gateway_args("noprewarm") == ("--no-prewarm",)
     assert mode_gateway_args("warmup") == mode_gateway_args("control") == ()
     assert set(MODES) == {"warmup", "cold", "noprewarm", "control"}
+
+
+def test_repeats_give_each_modes_medians_and_every_failure() -> None:
+    def summary(mode: str, ratio: float, failed: int) -> dict[str, object]:
+        row: dict[str, object] = {name: ratio for name in MEDIAN_FIELDS}
+        return row | {"mode": mode, "failed": failed, "requests": 100}
+
+    runs = [[summary("warmup", r, f), summary("control", 2 * r, 0)]
+            for r, f in ((1.3, 0), (1.1, 2), (1.2, 1))]
+    medians = median_summaries(runs)
+    assert [m["mode"] for m in medians] == ["warmup", "control"]
+    warm, control = medians
+    assert warm["p99_ratio"] == 1.2
+    assert control["p99_ratio"] == 2.4
+    assert warm["p99_ratios"] == [1.3, 1.1, 1.2]
+    assert (warm["failed"], warm["requests"], control["failed"]) == (3, 300, 0)

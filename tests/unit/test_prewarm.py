@@ -95,3 +95,32 @@ async def test_a_holder_whose_queue_outgrows_the_prefill_a_move_adds_warms_the_n
     await asyncio.sleep(0.01)
     expected = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
     assert placed == [expected]
+
+
+async def test_stats_count_what_was_sent_placed_failed_and_in_flight() -> None:
+    """The counts ``/admin/workers`` shows: a pre-warm the worker refused is failed, one still
+    waiting for its worker is in flight, and none is counted placed before it answers."""
+    answers: list[asyncio.Future[bool]] = []
+
+    async def replay(wid: str, prompt: WarmPrompt) -> bool:
+        answers.append(asyncio.get_running_loop().create_future())
+        return await answers[-1]
+
+    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
+    warmers = []
+    for _ in range(3):  # three prefixes' worth: one pre-warm each (a warmer per prefix)
+        pool, index, request, holder = setup(heat=10)
+        warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0))
+        warmer.after_route(decision(pool, holder, request.key.total_blocks, 900, 1000.0, 3),
+                           request, upstream, "", 0.0)
+        warmers.append(warmer)
+    await asyncio.sleep(0)
+    assert [w.stats()["inflight"] for w in warmers] == [1, 1, 1]
+    assert all(w.stats()["placed"] == 0 for w in warmers)
+    answers[0].set_result(True)
+    answers[1].set_result(False)
+    await asyncio.sleep(0.01)
+    stats = [w.stats() for w in warmers]
+    assert [(s["sent"], s["placed"], s["failed"], s["inflight"]) for s in stats] == [
+        (1, 1, 0, 0), (1, 0, 1, 0), (1, 0, 0, 1)]
+    await warmers[2].stop()
