@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.auth import AUTH_KEY, IDENTITY_KEY, Identity
+from gateway.auth import ANONYMOUS, AUTH_KEY, IDENTITY_KEY, Identity
+from gateway.backends.base import UpstreamRequest
 from gateway.errors import ModelNotFound, NoWorkerAvailable, RequestTimeout
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.limits import LIMITS_KEY
@@ -25,7 +26,7 @@ from gateway.openai_schema import (
     parse_completion,
 )
 from gateway.openapi import openapi_document
-from gateway.proxy import NAMESPACE_KEY, TENANT_KEY, dispatch
+from gateway.proxy import dispatch
 from gateway.resources import REBALANCER_KEY, STORE_KEY, SYNC_KEY
 from gateway.routing.types import RouteRequest
 from gateway.settings import GatewaySettings
@@ -64,9 +65,10 @@ async def _read_body(request: web.Request, timeout_s: float) -> bytes:
 
 
 async def prepare(
-    request: web.Request, body: dict[str, Any], parse: Parser, path: str
-) -> tuple[ParsedRequest, RouteRequest]:
-    """Validate a completion request and build what routing needs (raises 4xx errors)."""
+    request: web.Request, body: dict[str, Any], parse: Parser, path: str, identity: Identity
+) -> tuple[ParsedRequest, RouteRequest, str]:
+    """Validate a completion request of ``identity`` and build what routing needs, and the
+    request's cache namespace (raises 4xx errors)."""
     state = request.app[STATE]
     settings = state.settings
     parsed = parse(body, settings.normalize_options())
@@ -79,12 +81,9 @@ async def prepare(
             f"{', '.join(sorted(models))}",
             param="model",
         )
-    identity = request.get(IDENTITY_KEY) or Identity("", "")
     tenant = identity.tenant_id  # a keyed hash: what Redis and the fingerprints see
-    request[TENANT_KEY] = tenant
     # The cache namespace the workers see: the tenant's, split further by the client's salt.
     namespace = request.app[AUTH_KEY].hasher.namespace(tenant, parsed.cache_salt)
-    request[NAMESPACE_KEY] = namespace
     tokenized = None
     if state.exact.tokenizer is not None:
         tokenized = await state.exact.key(
@@ -108,7 +107,7 @@ async def prepare(
         key=key, model=parsed.model, cost_tokens=cost, prompt_tokens=prompt_tokens,
         block_tokens=block_tokens,
     )
-    return parsed, route_request
+    return parsed, route_request, namespace
 
 
 async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamResponse:
@@ -116,26 +115,33 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
     settings = state.settings
     raw = await _read_body(request, settings.body_timeout_s)
     body = decode_json_object(raw)
-    parsed, route_request = await prepare(request, body, parse, path)
-    record_of(request).parsed(
-        tenant=request[TENANT_KEY], model=parsed.model, stream=body.get("stream") is True,
+    identity = request.get(IDENTITY_KEY) or ANONYMOUS
+    parsed, route_request, namespace = await prepare(request, body, parse, path, identity)
+    tenant = identity.tenant_id
+    record = record_of(request)
+    record.parsed(
+        tenant=tenant, model=parsed.model, stream=body.get("stream") is True,
         text_hash=prompt_head_hash(parsed.fingerprint_text, settings.block_chars
                                    * settings.anchor_blocks),
-        namespace=Namespace(tenant=request[TENANT_KEY], model=parsed.model,
+        namespace=Namespace(tenant=tenant, model=parsed.model,
                             cache_salt=parsed.cache_salt).seed(),
     )
-    identity = request.get(IDENTITY_KEY) or Identity("", "")
     # Hashes only: lets prompts a worker exports be keyed for this tenant (gateway.warmup).
-    state.warmup.namespaces.seen(request[NAMESPACE_KEY], request[TENANT_KEY])
+    state.warmup.namespaces.seen(namespace, tenant)
     if state.warmup.sample.samples(identity.tenant):  # opt-in: in this process's memory only
         # Token-exact keys are not re-derived from text: the sample keeps the key as it is.
         text = "" if route_request.block_tokens else parsed.fingerprint_text
-        state.warmup.observe(WarmPrompt(path, parsed.body, request[TENANT_KEY], parsed.model,
+        state.warmup.observe(WarmPrompt(path, parsed.body, tenant, parsed.model,
                                         route_request.key, text=text,
                                         cache_salt=parsed.cache_salt,
-                                        namespace=request[NAMESPACE_KEY]), identity.tenant)
+                                        namespace=namespace), identity.tenant)
     async with request.app[LIMITS_KEY].admitted(identity.tenant, route_request.cost_tokens):
-        return await dispatch(state, request, path, forwarded_body(parsed, raw), route_request)
+        return await dispatch(state, request, record, UpstreamRequest(
+            path=path, body=forwarded_body(parsed, raw),
+            # The request's cache namespace: our worker keys its cache by it, vLLM gets it as
+            # cache_salt.
+            namespace=namespace, anchor=route_request.key.anchor_hex,
+        ), route_request, tenant)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

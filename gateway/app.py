@@ -10,6 +10,7 @@ import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import Histogram
 
@@ -65,12 +66,7 @@ from gateway.store.redis import RedisStore, is_redis_url
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
 from gateway.telemetry.access_log import AccessLog
-from gateway.telemetry.middleware import (
-    TELEMETRY_KEY,
-    add_request_id,
-    note_error,
-    telemetry_middleware,
-)
+from gateway.telemetry.middleware import TELEMETRY_KEY, add_request_id, begin, sent_bytes
 from gateway.telemetry.record import Telemetry
 from gateway.warmup import WarmupManager, WarmupOptions
 from gateway.warmup_sources import PromptSample, WarmPrompt, load_warmup_file
@@ -100,24 +96,65 @@ def _from_http_exception(exc: web.HTTPException) -> GatewayError:
     return error
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place where exceptions become OpenAI-shaped error responses."""
-    try:
-        return await handler(request)
-    except GatewayError as exc:
-        error = exc
-    except web.HTTPException as exc:
-        if exc.status < 400:
+def _as_gateway_error(exc: Exception, request: web.Request) -> GatewayError:
+    """What the client is told about an exception a handler raised."""
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, web.HTTPException):
+        return _from_http_exception(exc)
+    log.exception("unexpected error serving %s %s", request.method, request.path)
+    return GatewayError("internal error in the gateway")
+
+
+def gateway_middleware(telemetry: Telemetry, auth: Auth) -> Middleware:
+    """The one middleware around every handler: the request's telemetry record (begun before
+    anything else, finished once the response went out), access rules, and the one place
+    where exceptions become OpenAI-shaped error responses."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        record = begin(telemetry, request)
+        status, sent = 500, 0
+        try:
+            try:
+                auth.admit(request)
+                response = await handler(request)
+            except (asyncio.CancelledError, ConnectionResetError):
+                raise
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                error = _as_gateway_error(exc, request)
+            except Exception as exc:
+                error = _as_gateway_error(exc, request)
+            else:
+                status, sent = response.status, sent_bytes(response)
+                return response
+            record.error_code = error.code or error.type
+            response = _error_response(error)
+            status, sent = response.status, sent_bytes(response)
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
             raise
-        error = _from_http_exception(exc)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unexpected error serving %s %s", request.method, request.path)
-        error = GatewayError("internal error in the gateway")
-    note_error(request, error.code or error.type)
-    return _error_response(error)
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499  # the client went away
+            raise
+        finally:
+            telemetry.finish(record, status, sent)
+
+    return middleware
+
+
+def response_hook(auth: Auth) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """``on_response_prepare``: the request id on every response; routing headers only for
+    callers that may see them."""
+
+    async def prepare(request: web.Request, response: web.StreamResponse) -> None:
+        add_request_id(request, response)
+        auth.hide_route_headers(request, response)
+
+    return prepare
 
 
 def _reload_keys(auth: Auth) -> None:
@@ -301,8 +338,7 @@ def create_app(
         access_log=AccessLog(settings.access_log),
     )
     app = web.Application(
-        middlewares=[telemetry_middleware, error_middleware,
-                     auth.middleware],
+        middlewares=[gateway_middleware(telemetry, auth)],
         client_max_size=settings.max_body_bytes,
     )
     app[STATE] = state
@@ -320,8 +356,7 @@ def create_app(
         store, pool, index, origin, RebalanceOptions(interval_s=settings.rebalance_interval_s))
     app[AUTH_KEY] = auth
     app[LIMITS_KEY] = Limits(settings.limit_options())
-    app.on_response_prepare.append(add_request_id)
-    app.on_response_prepare.append(auth.on_response_prepare)
+    app.on_response_prepare.append(response_hook(auth))
     resources.install(app)
     app.cleanup_ctx.append(_key_reloading)
     add_routes(app)

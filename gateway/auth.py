@@ -25,7 +25,7 @@ import hmac
 import logging
 import secrets
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +40,6 @@ ROUTE_HEADER_PREFIXES = ("x-route-", "x-prefix-", "x-cache-")
 ADMIN_TOKEN_HEADER = "x-admin-token"
 _OPEN_MODE_SECRET = b"affinity-gateway/open-mode"
 _VERIFIED_CACHE = 4096
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Unauthorized(GatewayError):
@@ -68,8 +66,8 @@ class Identity:
     admin: bool = False
 
 
+ANONYMOUS = Identity("", "")  # a request no key identified
 IDENTITY_KEY = web.RequestKey("identity", Identity)
-SHOW_ROUTE_HEADERS_KEY = web.RequestKey("show_route_headers", bool)
 
 
 def read_secret(value: str, path: str, what: str) -> str:
@@ -286,23 +284,23 @@ class Auth:
             return True
         return self.route_headers == "admin" and identity.admin
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    def admit(self, request: web.Request) -> None:
+        """Let a request through to its handler or raise :class:`Unauthorized` /
+        :class:`Forbidden`; a ``/v1/*`` request's identity is kept on it (``IDENTITY_KEY``)."""
         path = request.path
         if path.startswith("/v1/"):
-            identity = self.identify(request)
-            request[IDENTITY_KEY] = identity
-            request[SHOW_ROUTE_HEADERS_KEY] = self.show_route_headers(identity)
+            request[IDENTITY_KEY] = self.identify(request)
         elif (path.startswith(("/admin/", "/ui/data"))
               or (path == "/metrics" and self._metrics_auth)):
             self.check_admin(request)
-        return await handler(request)
 
-    async def on_response_prepare(
-        self, request: web.Request, response: web.StreamResponse
-    ) -> None:
-        """Drops the routing and cache headers that this caller may not see."""
-        if not request.path.startswith("/v1/") or request.get(SHOW_ROUTE_HEADERS_KEY, False):
+    def hide_route_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Before a response goes out: drop the routing and cache headers that this caller
+        may not see."""
+        if not request.path.startswith("/v1/"):
+            return
+        identity = request.get(IDENTITY_KEY)
+        if identity is not None and self.show_route_headers(identity):
             return
         for name in [h for h in response.headers if h.lower().startswith(ROUTE_HEADER_PREFIXES)]:
             del response.headers[name]

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.api import STATE, Parser, prepare
-from gateway.auth import AUTH_KEY, IDENTITY_KEY, Unauthorized
+from gateway.auth import ANONYMOUS, AUTH_KEY, Unauthorized
 from gateway.errors import InvalidRequest
 from gateway.openai_schema import decode_json_object, parse_chat, parse_completion
 from gateway.routing.types import NoCandidates
@@ -36,9 +36,10 @@ async def explain(request: web.Request) -> web.Response:
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     # The tenant (and so the fingerprint's namespace) of the key in Authorization, exactly as
     # the /v1 route would see it; an admin token there explains the request as the keyless one.
+    identity = ANONYMOUS
     with contextlib.suppress(Unauthorized):
-        request[IDENTITY_KEY] = request.app[AUTH_KEY].identify(request)
-    parsed, route_request = await prepare(request, body, parse, path)
+        identity = request.app[AUTH_KEY].identify(request)
+    parsed, route_request, _ = await prepare(request, body, parse, path, identity)
     router = state.session.router
     snapshot = state.pool.snapshot(time.monotonic())
     key = route_request.key

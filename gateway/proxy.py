@@ -12,7 +12,6 @@ event, so the client is never left with a silently truncated answer.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -41,14 +40,9 @@ from gateway.guard import NoFirstByte, SlotTimeout, UpstreamGuard
 from gateway.routing.types import Decision, NoCandidates, PrefixMatcher, RouteRequest
 from gateway.session import Attempt, CacheUsage
 from gateway.state import GatewayState
-from gateway.telemetry.middleware import record_of
+from gateway.telemetry.record import RequestRecord
 
 log = logging.getLogger(__name__)
-
-# Request-scoped: the tenant id the handler derived from the API key (a keyed hash), and the
-# cache namespace derived from it and the client's cache_salt.
-TENANT_KEY = web.RequestKey("tenant", str)
-NAMESPACE_KEY = web.RequestKey("namespace", str)
 
 _USAGE_TAIL_BYTES = 8192
 _FIRST_BACKOFF_S = 0.05  # before retrying elsewhere after a 429/503; doubles, jittered
@@ -87,24 +81,18 @@ def _int_header(reply: UpstreamReply, name: str) -> int:
 async def dispatch(
     state: GatewayState,
     http_request: web.Request,
-    path: str,
-    body: dict[str, object],
+    observed: RequestRecord,
+    upstream: UpstreamRequest,
     route_request: RouteRequest,
+    tenant: str,
 ) -> web.StreamResponse:
+    """Route ``upstream`` (of ``tenant``, the keyed id) and relay a worker's answer;
+    ``observed`` is the request's telemetry record (it adds the request id and trace context
+    to each attempt)."""
     settings = state.settings
     session = state.session
     excluded: set[str] = set()
     problems: list[str] = []
-    observed = record_of(http_request)  # telemetry; it adds the request id and trace context
-    tenant = http_request.get(TENANT_KEY, "")
-    upstream = UpstreamRequest(
-        path=path,
-        body=body,
-        # The request's cache namespace: our worker keys its cache by it, vLLM gets it as
-        # cache_salt.
-        namespace=http_request.get(NAMESPACE_KEY, ""),
-        anchor=route_request.key.anchor_hex,
-    )
     backoff_s = 0.0
     guard = state.guard
     busy = 0  # attempts that found no free connection to their worker
@@ -136,8 +124,7 @@ async def dispatch(
             try:
                 release_slot = await guard.slots.take(wid)
                 worker = decision.worker.worker
-                attempt_upstream = dataclasses.replace(
-                    upstream, headers=observed.upstream_headers({}))
+                attempt_upstream = upstream.with_headers(observed.upstream_headers({}))
                 reply = await guard.open(
                     wid, state.backend_for(worker).open(worker, attempt_upstream)
                 )
@@ -169,13 +156,14 @@ async def dispatch(
                     guard.breakers.success(wid)
                     if _is_stream(reply):
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
-                        return await _relay_stream(state, http_request, reply, attempt, opened)
+                        return await _relay_stream(state, http_request, observed, reply, attempt,
+                                                   opened)
                     payload = await _read_whole(reply)
                     observed.upstream_done(reply.status if payload is not None else None,
                                            "" if payload is not None else "broke off")
                     if payload is not None:
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
-                        return _respond_whole(state, http_request, reply, payload, attempt)
+                        return _respond_whole(state, observed, reply, payload, attempt)
                     # It broke off before the client saw a byte: try the next worker.
                     state.pool.mark_down(wid, "the connection broke off during its reply")
                     guard.breakers.failure(wid, time.monotonic())
@@ -236,11 +224,11 @@ def stats_from_usage(payload: bytes) -> CacheUsage | None:
     return None
 
 
-def _report(http_request: web.Request, reply: UpstreamReply, usage: CacheUsage | None) -> None:
+def _report(observed: RequestRecord, reply: UpstreamReply, usage: CacheUsage | None) -> None:
     """What the worker said it reused, for the request's telemetry record."""
     if usage is not None:
         boot_id = reply.headers.get(WORKER_BOOT_HEADER, "")
-        record_of(http_request).cache_reported(usage.input_tokens, usage.matched_tokens, boot_id)
+        observed.cache_reported(usage.input_tokens, usage.matched_tokens, boot_id)
 
 
 def _is_stream(reply: UpstreamReply) -> bool:
@@ -268,7 +256,7 @@ def _client_headers(attempt: Attempt, reply: UpstreamReply) -> dict[str, str]:
 
 def _respond_whole(
     state: GatewayState,
-    http_request: web.Request,
+    observed: RequestRecord,
     reply: UpstreamReply,
     payload: bytes,
     attempt: Attempt,
@@ -276,7 +264,7 @@ def _respond_whole(
     stats = stats_from_headers(reply)
     if stats is None and reply.status == 200:
         stats = stats_from_usage(payload)
-    _report(http_request, reply, stats)
+    _report(observed, reply, stats)
     state.session.completed(attempt, stats, time.monotonic())
     return web.Response(body=payload, status=reply.status, headers=_client_headers(attempt, reply))
 
@@ -308,14 +296,14 @@ async def _first_chunk(
 
 
 async def _relay_stream(
-    state: GatewayState, http_request: web.Request, reply: UpstreamReply, attempt: Attempt,
+    state: GatewayState, http_request: web.Request, observed: RequestRecord,
+    reply: UpstreamReply, attempt: Attempt,
     opened: tuple[bytes | None, AsyncIterator[bytes]] | None = None,
 ) -> web.StreamResponse:
     headers = _client_headers(attempt, reply)
     stats = stats_from_headers(reply)
     response = web.StreamResponse(status=reply.status, headers=headers)
     tail = b""  # the end of the stream, where a final usage chunk sits
-    observed = record_of(http_request)
     broke_off = ""
     wid = attempt.worker_id
     guard = state.guard
@@ -340,7 +328,7 @@ async def _relay_stream(
     # A usage event the backend held back from the client (it asked for it on our behalf).
     tail += getattr(reply, "withheld", b"")
     usage = stats or stats_from_usage(tail)
-    _report(http_request, reply, usage)
+    _report(observed, reply, usage)
     state.session.completed(attempt, usage, time.monotonic())
     await response.write_eof()
     return response

@@ -61,6 +61,12 @@ class UpstreamRequest:
     request_id: str = ""
     headers: Mapping[str, str] = field(default_factory=dict)
 
+    def with_headers(self, headers: Mapping[str, str]) -> UpstreamRequest:
+        """This request with ``headers`` instead of its own (``dataclasses.replace`` without
+        its per-call field introspection: once per attempt on the request path)."""
+        return UpstreamRequest(self.path, self.body, self.namespace, self.anchor,
+                               self.request_id, headers)
+
 
 class UpstreamReply(Protocol):
     status: int

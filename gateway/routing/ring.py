@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping
 
 _VNODES = 40  # virtual nodes per unit of weight
 _POINTS = struct.Struct("<4I")  # ketama: 4 points per virtual node, 4 x 32 bits of one md5
+_STARTS_KEPT = 4096  # anchors whose continuum position a ring remembers
 
 
 def ketama_points(name: str) -> tuple[int, int, int, int]:
@@ -61,6 +62,18 @@ class Ring:
         mask = (1 << shift) - 1
         self._keys = [k >> shift for k in packed]
         self._owners = [self._ids[k & mask] for k in packed]
+        # Anchor -> its position on the continuum: a decision walks from one anchor several
+        # times (candidates, picker), and recurring prefixes recur; bounded, cleared when full.
+        self._starts: dict[int, int] = {}
+
+    def _start(self, anchor: int) -> int:
+        start = self._starts.get(anchor)
+        if start is None:
+            if len(self._starts) >= _STARTS_KEPT:
+                self._starts.clear()
+            start = self._starts[anchor] = bisect.bisect(
+                self._keys, ketama_hash(f"{anchor:016x}"))
+        return start
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -73,7 +86,7 @@ class Ring:
             return
         owners = self._owners
         size = len(owners)
-        start = bisect.bisect(self._keys, ketama_hash(f"{anchor:016x}"))
+        start = self._start(anchor)
         seen: set[str] = set()
         for i in range(start, start + size):
             wid = owners[i % size]
@@ -87,5 +100,4 @@ class Ring:
         """The first worker of :meth:`walk` (``None`` on an empty ring)."""
         if not self._owners:
             return None
-        start = bisect.bisect(self._keys, ketama_hash(f"{anchor:016x}"))
-        return self._owners[start % len(self._owners)]
+        return self._owners[self._start(anchor) % len(self._owners)]
