@@ -111,7 +111,8 @@ async def prepare(
 
 
 async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamResponse:
-    state = request.app[STATE]
+    app = request.app
+    state = app[STATE]
     settings = state.settings
     raw = await _read_body(request, settings.body_timeout_s)
     body = decode_json_object(raw)
@@ -135,7 +136,7 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
                                         route_request.key, text=text,
                                         cache_salt=parsed.cache_salt,
                                         namespace=namespace), identity.tenant)
-    async with request.app[LIMITS_KEY].admitted(identity.tenant, route_request.cost_tokens):
+    async with app[LIMITS_KEY].admitted(identity.tenant, route_request.cost_tokens):
         return await dispatch(state, request, record, UpstreamRequest(
             path=path, body=forwarded_body(parsed, raw),
             # The request's cache namespace: our worker keys its cache by it, vLLM gets it as

@@ -21,9 +21,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -94,18 +93,19 @@ class Ejections:
     def __init__(self) -> None:
         self._waiters: dict[str, set[Callable[[str], None]]] = {}
 
-    @contextlib.contextmanager
-    def watch(self, wid: str, on_eject: Callable[[str], None]) -> Iterator[None]:
-        """``on_eject(reason)`` is called if ``wid`` is ejected while the block runs."""
-        self._waiters.setdefault(wid, set()).add(on_eject)
-        try:
-            yield
-        finally:
-            waiters = self._waiters.get(wid)
-            if waiters is not None:
-                waiters.discard(on_eject)
-                if not waiters:
-                    del self._waiters[wid]
+    def watch(self, wid: str, on_eject: Callable[[str], None]) -> None:
+        """``on_eject(reason)`` is called if ``wid`` is ejected before :meth:`unwatch`."""
+        waiters = self._waiters.get(wid)
+        if waiters is None:
+            waiters = self._waiters[wid] = set()
+        waiters.add(on_eject)
+
+    def unwatch(self, wid: str, on_eject: Callable[[str], None]) -> None:
+        waiters = self._waiters.get(wid)
+        if waiters is not None:
+            waiters.discard(on_eject)
+            if not waiters:
+                del self._waiters[wid]
 
     def eject(self, wid: str, reason: str) -> None:
         for on_eject in self._waiters.pop(wid, set()):
@@ -126,17 +126,19 @@ async def first_byte(opening: Awaitable[T], timeout_s: float, ejections: Ejectio
             ejected.append(reason)
             timer.reschedule(asyncio.get_running_loop().time())
 
-    with ejections.watch(wid, on_eject):
-        try:
-            async with timer:
-                return await opening
-        except TimeoutError:
-            if not timer.expired():
-                raise  # the opening's own timeout, not ours
-            if ejected:
-                raise NoFirstByte(f"found down while waiting: {ejected[0]}") from None
-            raise NoFirstByte(
-                f"nothing received within the first-byte timeout ({timeout_s:g}s)") from None
+    ejections.watch(wid, on_eject)
+    try:
+        async with timer:
+            return await opening
+    except TimeoutError:
+        if not timer.expired():
+            raise  # the opening's own timeout, not ours
+        if ejected:
+            raise NoFirstByte(f"found down while waiting: {ejected[0]}") from None
+        raise NoFirstByte(
+            f"nothing received within the first-byte timeout ({timeout_s:g}s)") from None
+    finally:
+        ejections.unwatch(wid, on_eject)
 
 
 class Liveness:

@@ -19,8 +19,7 @@ import asyncio
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -165,6 +164,16 @@ class AdmissionQueue:
     def queued(self) -> int:
         return sum(1 for w in self._waiters if not w.done())
 
+    def take_free(self) -> bool:
+        """Take a place if one is free now with nobody waiting (or there is no limit); False
+        when the caller must :meth:`acquire`."""
+        if not self._max:
+            return True
+        if self.inflight < self._max and (not self._waiters or not self.queued):
+            self.inflight += 1
+            return True
+        return False
+
     async def acquire(self) -> None:
         if not self._max:
             return
@@ -206,21 +215,39 @@ class Limits:
         self.tenants = TenantLimiter(opts, clock)
         self.queue = AdmissionQueue(opts.max_inflight, opts.max_queue, opts.queue_timeout_s)
 
-    @asynccontextmanager
-    async def admitted(self, tenant: str, tokens: int) -> AsyncIterator[None]:
-        """Hold a place for one request (raises :class:`RateLimited` if there is none)."""
-        self.tenants.admit(tenant, tokens)
+    def admitted(self, tenant: str, tokens: int) -> Admission:
+        """Hold a place for one request while the ``async with`` block runs (entering raises
+        :class:`RateLimited` if there is none)."""
+        return Admission(self, tenant, tokens)
+
+
+class Admission:
+    """One request's place (:meth:`Limits.admitted`): an ``async with`` without a generator,
+    as it wraps every request."""
+
+    __slots__ = ("_limits", "_tenant", "_tokens")
+
+    def __init__(self, limits: Limits, tenant: str, tokens: int) -> None:
+        self._limits = limits
+        self._tenant = tenant
+        self._tokens = tokens
+
+    async def __aenter__(self) -> None:
+        limits, tenant = self._limits, self._tenant
+        limits.tenants.admit(tenant, self._tokens)
+        queue = limits.queue
+        if queue.take_free():
+            return
         try:
-            await self.queue.acquire()
+            await queue.acquire()
         except BaseException:
-            self.tenants.release(tenant)
-            self.tenants.refund(tenant, tokens)
+            limits.tenants.release(tenant)
+            limits.tenants.refund(tenant, self._tokens)
             raise
-        try:
-            yield
-        finally:
-            self.queue.release()
-            self.tenants.release(tenant)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._limits.queue.release()
+        self._limits.tenants.release(self._tenant)
 
 
 LIMITS_KEY = web.AppKey("limits", Limits)

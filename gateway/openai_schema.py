@@ -119,37 +119,48 @@ def _expect(cond: bool, message: str, param: str) -> None:
         raise InvalidRequest(message, param=param, code="invalid_type")
 
 
+def _invalid(message: str, param: str) -> InvalidRequest:
+    """An invalid field; callers build the message only once a check failed."""
+    return InvalidRequest(message, param=param, code="invalid_type")
+
+
 def _choices(body: Mapping[str, Any]) -> int:
     n = body.get("n")
     return n if isinstance(n, int) and n >= 1 else 1
 
 
+_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+_NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+
+
 def _common(body: Mapping[str, Any]) -> tuple[str, bool, int | None, str]:
-    model = body.get("model")
+    get = body.get
+    model = get("model")
     if model is None:
         raise InvalidRequest("missing required parameter 'model'", param="model",
                              code="missing_required_parameter")
     _expect(isinstance(model, str) and model != "", "'model' must be a non-empty string", "model")
-    stream = body.get("stream", False)
+    stream = get("stream", False)
     _expect(stream is None or isinstance(stream, bool), "'stream' must be a boolean", "stream")
     max_tokens: Any = None
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
+    for name in _TOKEN_FIELDS:
+        value = get(name)
         if value is not None:
-            _expect(isinstance(value, int) and not isinstance(value, bool)
-                    and 1 <= value <= MAX_TOKENS_LIMIT,
-                    f"'{name}' must be an integer from 1 to {MAX_TOKENS_LIMIT}", name)
+            if not (isinstance(value, int) and not isinstance(value, bool)
+                    and 1 <= value <= MAX_TOKENS_LIMIT):
+                raise _invalid(f"'{name}' must be an integer from 1 to {MAX_TOKENS_LIMIT}", name)
             max_tokens = value
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        value = body.get(name)
-        _expect(value is None or (isinstance(value, int | float) and not isinstance(value, bool)),
-                f"'{name}' must be a number", name)
-    n = body.get("n")
-    _expect(n is None or (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N),
-            f"'n' must be an integer from 1 to {MAX_N}", "n")
-    salt = body.get("cache_salt", "")
+    for name in _NUMBER_FIELDS:
+        value = get(name)
+        if not (value is None or (isinstance(value, int | float)
+                                  and not isinstance(value, bool))):
+            raise _invalid(f"'{name}' must be a number", name)
+    n = get("n")
+    if not (n is None or (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N)):
+        raise _invalid(f"'n' must be an integer from 1 to {MAX_N}", "n")
+    salt = get("cache_salt", "")
     _expect(salt is None or isinstance(salt, str), "'cache_salt' must be a string", "cache_salt")
-    options = body.get("stream_options")
+    options = get("stream_options")
     _expect(options is None or isinstance(options, dict), "'stream_options' must be an object",
             "stream_options")
     return str(model), bool(stream), max_tokens, salt or ""
@@ -194,31 +205,35 @@ def parse_completion(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequ
                          sequences=count * _choices(body))
 
 
+_ROLE_LIST = ", ".join(sorted(CHAT_ROLES))
+
+
 def _check_message(i: int, message: Any) -> None:
-    param = f"messages[{i}]"
-    _expect(isinstance(message, dict), f"'{param}' must be an object", param)
+    if not isinstance(message, dict):
+        raise _invalid(f"'messages[{i}]' must be an object", f"messages[{i}]")
     role = message.get("role")
-    _expect(isinstance(role, str) and role in CHAT_ROLES,
-            f"'{param}.role' must be one of {', '.join(sorted(CHAT_ROLES))}", f"{param}.role")
+    if not (isinstance(role, str) and role in CHAT_ROLES):
+        raise _invalid(f"'messages[{i}].role' must be one of {_ROLE_LIST}", f"messages[{i}].role")
     content = message.get("content")
-    if content is None:
-        _expect(role == "assistant" and bool(message.get("tool_calls")),
-                f"'{param}.content' is required", f"{param}.content")
+    if isinstance(content, str):
+        pass
+    elif content is None:
+        if not (role == "assistant" and message.get("tool_calls")):
+            raise _invalid(f"'messages[{i}].content' is required", f"messages[{i}].content")
     elif isinstance(content, list):
         for j, part in enumerate(content):
-            _expect(isinstance(part, dict) and isinstance(part.get("type"), str),
-                    f"'{param}.content[{j}]' must be an object with a 'type'",
-                    f"{param}.content[{j}]")
-            if part["type"] == "text":
-                _expect(isinstance(part.get("text"), str),
-                        f"'{param}.content[{j}].text' must be a string",
-                        f"{param}.content[{j}].text")
+            if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
+                param = f"messages[{i}].content[{j}]"
+                raise _invalid(f"'{param}' must be an object with a 'type'", param)
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                param = f"messages[{i}].content[{j}].text"
+                raise _invalid(f"'{param}' must be a string", param)
     else:
-        _expect(isinstance(content, str), f"'{param}.content' must be a string or a list of parts",
-                f"{param}.content")
+        raise _invalid(f"'messages[{i}].content' must be a string or a list of parts",
+                       f"messages[{i}].content")
     name = message.get("name")
-    _expect(name is None or isinstance(name, str), f"'{param}.name' must be a string",
-            f"{param}.name")
+    if not (name is None or isinstance(name, str)):
+        raise _invalid(f"'messages[{i}].name' must be a string", f"messages[{i}].name")
 
 
 def parse_chat(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequest:

@@ -10,15 +10,13 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable, Iterator
 from importlib import metadata
-from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.pool import WorkerPool
-
-M = TypeVar("M", Counter, Histogram)
+from gateway.telemetry.counters import LabelledCounter, LabelledHistogram
 
 # Seconds: from a few milliseconds (cache hits on a small model) to minutes (long generations).
 LATENCY_BUCKETS = (
@@ -82,73 +80,60 @@ class _StateCollector(Collector):
         yield from (up, outages, info)
 
 
-class Labelled(Generic[M]):
-    """A labelled metric whose children are looked up once per label values: the client
-    library's ``labels()`` converts, validates and takes a lock on every call, which the
-    request path would pay several times per request."""
-
-    def __init__(self, metric: M) -> None:
-        self.metric: M = metric
-        self._children: dict[tuple[str, ...], M] = {}
-
-    def labels(self, *values: str) -> M:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self.metric.labels(*values)
-        return child
-
-
 class GatewayMetrics:
     def __init__(self, pool: WorkerPool) -> None:
         self._store_up: Callable[[], bool] = lambda: True
         self._store_outages: Callable[[], int] = lambda: 0
         self.registry = CollectorRegistry()
-        self.requests = Labelled(Counter(
+        registry = self.registry
+        # The request path's metrics (gateway.telemetry.counters: no lock or validation per
+        # update; the same samples as the client library's).
+        self.requests = LabelledCounter(
             "gateway_requests", "requests routed, by policy and outcome",
-            ["policy", "outcome"], registry=self.registry,
-        ))
-        self.decisions = Labelled(Counter(
-            "gateway_route_decisions", "routing decisions by kind of reason",
-            ["policy", "reason"], registry=self.registry,
-        ))
-        self.retries = Labelled(Counter(
-            "gateway_retries", "requests re-routed after a worker failed before replying",
-            ["worker"], registry=self.registry,
-        ))
-        self.decision_seconds = Histogram(
-            "gateway_route_decision_seconds", "time to fingerprint and route one request",
-            registry=self.registry,
-            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
+            ["policy", "outcome"], registry=registry,
         )
-        self.request_seconds = Labelled(Histogram(
+        self.decisions = LabelledCounter(
+            "gateway_route_decisions", "routing decisions by kind of reason",
+            ["policy", "reason"], registry=registry,
+        )
+        self.retries = LabelledCounter(
+            "gateway_retries", "requests re-routed after a worker failed before replying",
+            ["worker"], registry=registry,
+        )
+        self.decision_seconds = LabelledHistogram(
+            "gateway_route_decision_seconds", "time to fingerprint and route one request",
+            registry=registry,
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
+        ).labels()
+        self.request_seconds = LabelledHistogram(
             "gateway_request_duration_seconds",
             "end-to-end latency of completion requests, arrival to last byte sent",
-            ["policy", "worker"], registry=self.registry, buckets=LATENCY_BUCKETS,
-        ))
-        self.ttft_seconds = Labelled(Histogram(
+            ["policy", "worker"], registry=registry, buckets=LATENCY_BUCKETS,
+        )
+        self.ttft_seconds = LabelledHistogram(
             "gateway_time_to_first_token_seconds",
             "streamed requests: arrival to the first byte of the answer relayed to the client",
-            ["policy", "worker"], registry=self.registry, buckets=LATENCY_BUCKETS,
-        ))
-        self.upstream_seconds = Labelled(Histogram(
+            ["policy", "worker"], registry=registry, buckets=LATENCY_BUCKETS,
+        )
+        self.upstream_seconds = LabelledHistogram(
             "gateway_upstream_duration_seconds",
             "one attempt at a worker: request sent to last byte received (or failure)",
-            ["policy", "worker"], registry=self.registry, buckets=LATENCY_BUCKETS,
-        ))
-        self.errors = Labelled(Counter(
+            ["policy", "worker"], registry=registry, buckets=LATENCY_BUCKETS,
+        )
+        self.errors = LabelledCounter(
             "gateway_errors", "error responses the gateway itself produced, by status and code",
-            ["status", "code"], registry=self.registry,
-        ))
-        self.predicted_tokens = Labelled(Counter(
+            ["status", "code"], registry=registry,
+        )
+        self.predicted_tokens = LabelledCounter(
             "gateway_predicted_cached_tokens",
             "prompt tokens the prefix index predicted the chosen worker to hold",
-            ["worker"], registry=self.registry,
-        ))
-        self.misses = Labelled(Counter(
+            ["worker"], registry=registry,
+        )
+        self.misses = LabelledCounter(
             "gateway_cache_misses",
             "requests that reused less of the cache than was possible, by diagnosed cause",
-            ["worker", "cause"], registry=self.registry,
-        ))
+            ["worker", "cause"], registry=registry,
+        )
         self.registry.register(_PoolCollector(pool))
         self.registry.register(
             _StateCollector(lambda: self._store_up(), lambda: self._store_outages()))
