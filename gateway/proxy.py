@@ -96,16 +96,17 @@ async def dispatch(
     backoff_s = 0.0
     guard = state.guard
     busy = 0  # attempts that found no free connection to their worker
+    uses_index = session.router.uses_prefix_index
+    started = 0.0  # when the current attempt's decision began
+
+    def observe(decision: Decision, index: PrefixMatcher) -> None:
+        observed.decided(decision, route_request, index if uses_index else None, started)
+
     for _ in range(settings.max_attempts):
         if backoff_s:
             # The last worker was busy (429/503): give the pool a moment before the next one.
             await asyncio.sleep(backoff_s * (0.5 + random.random()))
         started = time.perf_counter()
-
-        def observe(decision: Decision, index: PrefixMatcher, started: float = started) -> None:
-            uses_index = session.router.uses_prefix_index
-            observed.decided(decision, route_request, index if uses_index else None, started)
-
         try:
             now = time.monotonic()
             blocked = frozenset(excluded) | guard.blocked(state.pool, now)
@@ -114,7 +115,7 @@ async def dispatch(
             break
         decision = attempt.decision
         wid = decision.worker_id
-        if session.router.uses_prefix_index:  # a hot prefix near its holder's bound
+        if uses_index:  # a hot prefix near its holder's bound
             state.prewarmer.after_route(decision, route_request, upstream, tenant, now)
         state.metrics.decision_seconds.observe(time.perf_counter() - started)
         state.metrics.decisions.labels(decision.policy, decision.label).inc()
@@ -130,7 +131,8 @@ async def dispatch(
                 )
                 guard.liveness.heard(wid, time.monotonic())
                 opened = None
-                if reply.status < 400 and _is_stream(reply):
+                stream = _is_stream(reply)
+                if reply.status < 400 and stream:
                     # Engines send a stream's headers at once: nothing reached the client until
                     # the first chunk, so a worker silent until then loses the request too.
                     opened = await _first_chunk(reply, wid, guard)
@@ -154,7 +156,7 @@ async def dispatch(
             else:
                 if reply.status != 429 and reply.status < 500:
                     guard.breakers.success(wid)
-                    if _is_stream(reply):
+                    if stream:
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
                         return await _relay_stream(state, http_request, observed, reply, attempt,
                                                    opened)

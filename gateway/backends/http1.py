@@ -330,8 +330,12 @@ class Http1Reply:
 
     async def read(self) -> bytes:
         parts = []
-        while (chunk := await self._next()) is not None:
-            parts.append(chunk)
+        conn = self._conn
+        while conn is not None and conn.chunks:  # what is there already, without awaiting
+            parts.append(conn.take())
+        if conn is None or not conn.done:
+            while (chunk := await self._next()) is not None:
+                parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
@@ -357,7 +361,7 @@ class Http1Client:
         self.idle_timeout_s = idle_timeout_s
         self._max_idle = max_idle_per_origin
         self._idle: dict[_Origin, deque[tuple[float, _Connection]]] = {}
-        self._heads: dict[tuple[str, str], tuple[_Origin, bytes]] = {}
+        self._heads: dict[URL, tuple[_Origin, bytes]] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
@@ -406,8 +410,7 @@ class Http1Client:
 
     def _request_start(self, url: URL) -> tuple[_Origin, bytes]:
         """The origin and the request line + Host header of ``url`` (cached per URL)."""
-        key = (str(url.origin()), url.raw_path_qs)
-        cached = self._heads.get(key)
+        cached = self._heads.get(url)
         if cached is None:
             if url.scheme not in ("http", "https") or not url.host:
                 raise ValueError(f"not an http(s) URL: {url}")
@@ -419,7 +422,7 @@ class Http1Client:
             start = f"POST {url.raw_path_qs or '/'} HTTP/1.1\r\nHost: {authority}\r\n"
             if len(self._heads) >= 4096:
                 self._heads.clear()
-            cached = self._heads[key] = ((url.scheme, url.host, port), start.encode("ascii"))
+            cached = self._heads[url] = ((url.scheme, url.host, port), start.encode("ascii"))
         return cached
 
     async def _connection(self, origin: _Origin, reuse: bool = True) -> tuple[_Connection, bool]:

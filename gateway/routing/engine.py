@@ -102,10 +102,6 @@ def _weight(by_id: Mapping[str, WorkerView] | None, wid: str) -> float:
     return view.worker.weight if view is not None else 1.0
 
 
-def _clamp(x: float) -> float:
-    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
-
-
 class RoutingEngine:
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
@@ -150,7 +146,8 @@ class RoutingEngine:
         totals: dict[str, float] = {w.id: 0.0 for w in candidates}
         for scorer, weight in profile.scorers:
             for wid, s in scorer.score(ctx, candidates).items():
-                totals[wid] += weight * _clamp(s)
+                # Each score clamped to [0, 1] (inline: once per candidate and scorer).
+                totals[wid] += weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
         chosen, how = profile.picker.pick(ctx, candidates, totals)
         return self._decision(ctx, chosen, how, dropped, totals)
 

@@ -466,7 +466,7 @@ class PrefixIndex:
         """Seconds since the least recently used block of ``worker_id`` was last used, once its
         modelled cache is full (the next block recorded evicts it); ``inf`` while it has room."""
         cache = self._caches.get(worker_id)
-        if cache is None or cache.held < self.capacity(worker_id):
+        if cache is None or cache.held < self._capacity.get(worker_id, self._default_capacity):
             return math.inf
         oldest = self._oldest_leaf(cache, worker_id)
         return math.inf if oldest is None else max(0.0, now - oldest[1].at)
