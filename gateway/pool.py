@@ -47,6 +47,9 @@ class WorkerState:
     matched_tokens: int = 0
     models: frozenset[str] = field(default_factory=frozenset)
     engine_metrics: Mapping[str, float] = field(default_factory=dict)  # scraped from /metrics
+    # Requests its engine runs at once, learned from a scrape that showed requests waiting for
+    # admission (the running count then is the engine's limit); 0 = not seen full yet.
+    slots: int = 0
     events: EventEndpoints | None = None  # where its engine publishes KV events
     predictions: int = 0  # responses whose cached tokens the gateway had predicted
     predicted_exactly: int = 0  # ... and got exactly right
@@ -57,6 +60,16 @@ class WorkerState:
     held_out: bool = False
     ramp: float = 1.0
     versions: dict[str, str] = field(default_factory=dict)  # model -> version it reported
+
+    def waiting_requests(self) -> int:
+        """Requests waiting for admission in its engine. Once the engine has been seen full,
+        the requests this gateway has in flight there beyond its ``slots``: current at every
+        decision, where a scrape is seconds old (routing on a stale count sends every request
+        of those seconds to the worker that looked idle). Before that, the engine's own count
+        at the last scrape."""
+        if self.slots:
+            return max(0, self.inflight_requests - self.slots)
+        return int(self.engine_metrics.get(WAITING, 0.0)) if self.engine_metrics else 0
 
     def view(self) -> WorkerView:
         """The router's view: what gateways have in flight there, or what the engine itself
@@ -75,7 +88,8 @@ class WorkerState:
         if self.ramp != 1.0:
             worker = dataclasses.replace(worker, weight=worker.weight * self.ramp)
         return WorkerView(worker, self.healthy and not self.held_out, requests, tokens,
-                          self.inflight_prefill, tuple(self.inflight_prompts.values()))
+                          self.inflight_prefill, tuple(self.inflight_prompts.values()),
+                          self.waiting_requests())
 
 
 class WorkerPool:
@@ -227,6 +241,8 @@ class WorkerPool:
         self._catalog = None
         if metrics is not None:
             state.engine_metrics = dict(metrics)
+            if metrics.get(WAITING, 0.0) > 0 and metrics.get(RUNNING, 0.0) >= 1:
+                state.slots = int(metrics[RUNNING])
         if not state.healthy:
             log.info("worker %s is up (models: %s)", wid, ", ".join(sorted(models)) or "?")
         state.healthy = True

@@ -1,13 +1,14 @@
 """Predictive pre-warming: place a hot prefix on its next holder before a request must wait.
 
 The routing policy moves a prefix off its holder when waiting there costs more than the
-prefill a move adds (``cache_cost``: the holder's queued prefill above the pool's mean, against
+prefill a move adds (``cache_cost``: the holder's wait above the pool's mean, against
 the prompt tokens the holder would have skipped, weighed by the prefill queued in the pool), and,
 with the request-count rule on, spreads a hot prefix whose holder is over its load bound. Either
 way the next request goes to another worker, which prefills the whole prefix on the critical
 path. The pre-warmer watches the same quantities right after each decision: when the chosen
 worker held the prefix, has at least ``min_holder_requests`` in flight, and either its excess
-queued prefill has reached ``fraction`` of what a move would add, or the prefix is hot and the
+wait (queued prefill, and the requests its engine has waiting) has reached ``fraction`` of what
+a move would add, or the prefix is hot and the
 holder's load with this request has reached ``fraction`` of its bound, the spread is imminent;
 it then
 replays this request as a prefill-only request (``max_tokens`` 1, the same body and namespace)
@@ -98,17 +99,23 @@ class PreWarmer:
         task.add_done_callback(self._tasks.discard)
 
     def _waiting_outgrows_prefill(self, decision: Decision, request: RouteRequest) -> bool:
-        """The cost rule's spread is near: the holder's queued prefill above the pool's mean
-        has reached ``fraction`` of the prefill a move would add (in the policy's terms)."""
-        queued = {s.worker.id: s.inflight_prefill for s in self.pool.states() if s.healthy}
-        holder = queued.get(decision.worker.id)
+        """The cost rule's spread is near: the holder's wait (its queued prefill above the
+        pool's mean, and one prefill of this prompt per request its engine has waiting beyond
+        the least-waiting worker's) has reached ``fraction`` of the prefill a move would add
+        (in the policy's terms)."""
         blocks = request.key.total_blocks
-        if holder is None or not blocks:
-            return False
         prompt = max(request.prompt_tokens, 1)
+        states = [s for s in self.pool.states() if s.healthy]
+        if not blocks or decision.worker.id not in {s.worker.id for s in states}:
+            return False
+        holder = self.pool.get(decision.worker.id)
+        queued = sum(s.inflight_prefill for s in states)
+        least_waiting = min(s.waiting_requests() for s in states)
         saved = prompt * min(decision.match_blocks, blocks) / blocks
-        behind = 1.0 + sum(queued.values()) / prompt
-        excess = self.options.wait_weight * max(0.0, holder - sum(queued.values()) / len(queued))
+        behind = 1.0 + queued / prompt
+        excess = self.options.wait_weight * (
+            max(0.0, holder.inflight_prefill - queued / len(states))
+            + prompt * (holder.waiting_requests() - least_waiting))
         return saved > 0 and excess >= self.options.fraction * saved * behind
 
     def _hot_near_bound(

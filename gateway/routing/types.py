@@ -39,6 +39,10 @@ class WorkerView:
     # The requests this gateway has in flight there: each one's checkpoint hashes
     # (``PrefixKey.blocks``) and the prompt tokens it was predicted to find cached.
     inflight_prompts: tuple[tuple[Sequence[int], int], ...] = ()
+    # Requests the engine itself reports waiting for admission (vLLM's
+    # ``num_requests_waiting`` at the last scrape): queueing that prefill tokens do not show,
+    # e.g. an engine whose running slots are all taken by cached requests decoding.
+    waiting_requests: int = 0
     id: str = field(init=False)  # = worker.id; a plain attribute, read on every decision
 
     def __post_init__(self) -> None:

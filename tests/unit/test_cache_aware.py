@@ -31,14 +31,17 @@ def _route(
     prompt_tokens: int,
     opts: PolicyOptions | None = None,
     inflight: Mapping[str, tuple[tuple[tuple[int, ...], int], ...]] | None = None,
+    waiting: Mapping[str, int] | None = None,
 ) -> tuple[str, str]:
     index = PrefixIndex()
     for wid, depth in held.items():
         index.record(BLOCKS[:depth], wid, 0.0)
     inflight = inflight or {}
+    waiting = waiting or {}
     views = tuple(
         WorkerView(Worker(wid, f"http://{wid}"), True, 1 if loads.get(wid) else 0,
-                   loads.get(wid, 0), inflight_prompts=inflight.get(wid, ()))
+                   loads.get(wid, 0), inflight_prompts=inflight.get(wid, ()),
+                   waiting_requests=waiting.get(wid, 0))
         for wid in IDS
     )
     request = RouteRequest(PrefixKey(BLOCKS, ANCHOR, 640), "m", prompt_tokens + 10, prompt_tokens)
@@ -342,3 +345,20 @@ def test_a_trunk_holder_over_its_share_gets_no_credit_for_the_trunk(
                              loads={"w2": 1000})
     assert decision.kind is DecisionKind.PREFIX_HIT
     assert decision.worker_id == expected
+
+
+@pytest.mark.parametrize(("waiting", "expected"), [
+    pytest.param({}, "w2", id="nobody-waits"),
+    pytest.param({"w2": 3}, "w0", id="holder-engine-full-spreads"),
+    pytest.param({"w0": 3, "w1": 3, "w2": 3, "w3": 3}, "w2", id="everyone-waits-alike"),
+    pytest.param({"w2": 3, "w0": 3}, "w1", id="spreads-where-nobody-waits"),
+])
+def test_requests_waiting_in_the_holders_engine_move_its_prefix(
+    waiting: Mapping[str, int], expected: str
+) -> None:
+    """The holder's engine has every slot taken by cached requests: no prefill is queued
+    anywhere, but requests wait for admission there. Three waiting cost more than the whole
+    prefill elsewhere, so the request goes to a worker where none wait (the ring's order
+    among equals); when every worker has as many waiting, the holder keeps it."""
+    chosen, _ = _route({wid: 100 for wid in IDS}, {"w2": 10}, 400, waiting=waiting)
+    assert chosen == expected

@@ -38,6 +38,30 @@ def test_engine_metrics_reveal_load_no_replica_shared() -> None:
     assert _view_load(pool) == (5, 1400)  # gateways' own count is larger now: it wins
 
 
+def test_waiting_requests_follow_the_gateways_count_once_the_engine_was_seen_full() -> None:
+    pool = WorkerPool([URL], PrefixIndex())
+
+    def waiting() -> int:
+        return pool.snapshot(0.0).workers[0].waiting_requests
+
+    pool.mark_up(WID, frozenset({"m"}), {"vllm:num_requests_running": 1.0,
+                                         "vllm:num_requests_waiting": 0.0})
+    assert waiting() == 0
+    for _ in range(4):
+        pool.acquire(WID, 100)
+    assert waiting() == 0  # the engine was never seen full: its limit is unknown
+    pool.mark_up(WID, frozenset({"m"}), {"vllm:num_requests_running": 2.0,
+                                         "vllm:num_requests_waiting": 2.0})
+    assert waiting() == 2  # it runs 2 at once: of the 4 sent, 2 wait
+    pool.acquire(WID, 100)
+    assert waiting() == 3  # counted at once, not at the next scrape
+    for _ in range(4):
+        pool.release(WID, 100)
+    assert waiting() == 0
+    # The stale scrape still says 2 waiting; the gateway's own count is current.
+    assert pool.get(WID).engine_metrics["vllm:num_requests_waiting"] == 2.0
+
+
 def test_ring_is_rebuilt_once_per_burst_of_changes() -> None:
     pool = WorkerPool([], PrefixIndex())
     for i in range(5):

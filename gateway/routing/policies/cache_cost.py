@@ -4,12 +4,13 @@ For a request of ``P`` prompt tokens whose first ``d`` of ``n`` blocks a worker 
 
     prefill = P * (1 - d / n) * (1 + evict_weight if its modelled cache is full)
     cost    = prefill_weight * prefill * (1 + Q_all / P)
-              + wait_weight * max(0, Q - mean Q)
+              + wait_weight * (max(0, Q - mean Q) + P * (R - min R))
               + queue_weight * T
 
 ``Q`` is the worker's queued prefill (prompt tokens of its requests in flight predicted not to
-be cached, until their first token comes back), ``Q_all`` the candidates' total and ``T`` its
-tokens in flight. The score is ``1 - cost / max cost`` over the candidates.
+be cached, until their first token comes back), ``Q_all`` the candidates' total, ``R`` the
+requests its engine reports waiting for admission and ``T`` its tokens in flight. The score is
+``1 - cost / max cost`` over the candidates.
 
 This is "spread when it beats waiting", in prefill tokens on both sides:
 
@@ -19,7 +20,12 @@ This is "spread when it beats waiting", in prefill tokens on both sides:
 * extra prefill is work every request queued in the pool waits for in turn, so on a busy pool
   it counts once per prompt of this size queued (``1 + Q_all / P``; 1 on an idle pool);
 * waiting is only saved where the holder's queue is longer than the others' (queues every
-  worker has are waited for wherever the request goes).
+  worker has are waited for wherever the request goes);
+* an engine can queue without any prefill to do: when every running slot is taken (cached
+  requests decoding), requests wait for admission, and the engine says how many
+  (``num_requests_waiting``). Each one ahead is priced as one prefill of this prompt (a slot
+  frees only when a request has been prefilled and decoded), against the candidate with the
+  fewest waiting: a request sent there waits for none of the difference.
 
 So a shared prompt stays on one holder while nobody queues (zero service time, tight caches:
 copying it only evicts others), and moves to a second holder when its holder's queue outgrows
@@ -70,6 +76,7 @@ class CacheCostScorer:
         index = ctx.snapshot.index
         queued = sum(w.inflight_prefill for w in candidates)
         mean_wait = queued / len(candidates)
+        least_waiting = min(w.waiting_requests for w in candidates)
         behind = 1.0 + queued / prompt
         costs: dict[str, float] = {}
         evict = self.evict_weight
@@ -78,7 +85,9 @@ class CacheCostScorer:
             if prefill > 0.0 and evict and not math.isinf(index.tail_age(w.id)):
                 prefill *= 1.0 + evict  # its cache is full: this evicts as much
             costs[w.id] = (self.prefill_weight * prefill * behind
-                           + self.wait_weight * max(0.0, w.inflight_prefill - mean_wait)
+                           + self.wait_weight * (
+                               max(0.0, w.inflight_prefill - mean_wait)
+                               + prompt * (w.waiting_requests - least_waiting))
                            + self.queue_weight * w.inflight_tokens)
         worst = max(costs.values())
         if worst <= 0.0:
