@@ -8,7 +8,9 @@ real redis-server, ``--workers`` reference workers (simulated engine, its defaul
 per uncached prompt token, 5 us per cached one) that register in it, and a gateway on that
 store that samples prompts for warm-up (``--warmup-sample '*'``; ``cold`` runs it with
 ``--no-warmup``; ``noprewarm`` warms joining workers but runs without predictive pre-warming
-(``--no-prewarm``), to tell the two apart; ``control`` adds no workers at all, so it shows how
+(``--no-prewarm``), to tell the two apart; ``peers`` samples nothing and warms a joining
+worker only from the prompts the serving workers export (workers with an admin token, the
+gateway with ``--worker-admin-token``); ``control`` adds no workers at all, so it shows how
 the hit rate of the load itself drifts over the same minutes). An open-loop chat +
 shared-system-prompt load (:func:`loadtest.workloads.chat_requests`, streaming) arrives at
 ``--rate`` requests per second; after ``--before-s`` seconds ``--add`` more workers join
@@ -207,8 +209,8 @@ def _new_workers(result: ModeResult, config: ScaleConfig) -> set[str]:
     return {s.worker for s in result.samples if s.t >= 0 and s.worker not in before}
 
 
-async def _one(http: aiohttp.ClientSession, gateway: str, body: dict[str, Any], t0: float,
-               out: list[Sample]) -> None:
+async def stream_one(http: aiohttp.ClientSession, gateway: str, body: dict[str, Any],
+                     t0: float, out: list[Sample]) -> None:
     sent = time.monotonic()
     first: float | None = None
     ok, inp, matched, worker, error = False, 0, 0, "", ""
@@ -265,21 +267,30 @@ async def start_server(cmd: Sequence[str], url: str, log_path: Path,
     await wait_healthy(url, timeout_s=180.0)
 
 
-def _worker_cmd(port: int, redis: str, config: ScaleConfig) -> list[str]:
+def _worker_cmd(port: int, redis: str, config: ScaleConfig, mode: str) -> list[str]:
     """A worker that registers itself (``redis``), or not (empty: the bench registers it)."""
     url = f"http://{HOST}:{port}"
     store = ["--store", redis, "--public-url", url, "--heartbeat-s", "0.5",
              "--registry-ttl-s", "3"] if redis else []
     return [sys.executable, "-m", "worker", "--host", HOST, "--port", str(port), *store,
-            "--cache-blocks", str(config.cache_blocks), *config.worker_args]
+            "--cache-blocks", str(config.cache_blocks), *mode_worker_args(mode),
+            *config.worker_args]
 
 
-MODES = ("warmup", "cold", "noprewarm", "control")
+MODES = ("warmup", "cold", "noprewarm", "peers", "control")
+PEERS_TOKEN = "bench-scale-admin"  # the workers' admin token in the peers mode (loopback only)
 
 
 def mode_gateway_args(mode: str) -> tuple[str, ...]:
-    """The gateway flags of a mode, on top of warm-up sampling (which every mode has)."""
-    return {"cold": ("--no-warmup",), "noprewarm": ("--no-prewarm",)}.get(mode, ())
+    """The gateway flags of a mode: every mode but ``peers`` samples prompts for warm-up."""
+    sample = ("--warmup-sample", "*")
+    return {"cold": (*sample, "--no-warmup"), "noprewarm": (*sample, "--no-prewarm"),
+            "peers": ("--worker-admin-token", PEERS_TOKEN)}.get(mode, sample)
+
+
+def mode_worker_args(mode: str) -> tuple[str, ...]:
+    """The worker flags of a mode: in ``peers`` the workers export their hottest prompts."""
+    return ("--admin-token", PEERS_TOKEN) if mode == "peers" else ()
 
 
 async def run_mode(mode: str, config: ScaleConfig, base: int, logs: Path) -> ModeResult:
@@ -293,14 +304,15 @@ async def run_mode(mode: str, config: ScaleConfig, base: int, logs: Path) -> Mod
         # The workers that join later start now, unregistered: their Python start-up must not
         # fall into the transition window of a busy machine. They join by registering.
         await asyncio.gather(*(
-            start_server(_worker_cmd(base + i, redis.url if i < config.workers else "", config),
+            start_server(_worker_cmd(base + i, redis.url if i < config.workers else "", config,
+                                     mode),
                          f"http://{HOST}:{base + i}", logs / f"{mode}-worker{i}.log", procs)
             for i in range(config.workers + config.add)))
         gport = base + config.workers + config.add
         gateway = f"http://{HOST}:{gport}"
         gcmd = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(gport),
-                "--store", redis.url, "--health-interval-s", "1", "--warmup-sample", "*",
-                *mode_gateway_args(mode), *config.gateway_args]
+                "--store", redis.url, "--health-interval-s", "1", *mode_gateway_args(mode),
+                *config.gateway_args]
         await start_server(gcmd, gateway, logs / f"{mode}-gateway.log", procs)
         connector = aiohttp.TCPConnector(limit=512)
         async with aiohttp.ClientSession(connector=connector) as http:
@@ -347,7 +359,7 @@ async def _load(http: aiohttp.ClientSession, gateway: str, config: ScaleConfig,
             await asyncio.sleep(delay)
         if scaled is None and config.add and time.monotonic() >= t0:
             scaled = asyncio.create_task(_scale(config, procs, redis, base, logs, result.mode))
-        tasks.append(asyncio.create_task(_one(http, gateway, body, t0, result.samples)))
+        tasks.append(asyncio.create_task(stream_one(http, gateway, body, t0, result.samples)))
     await asyncio.gather(*tasks)
     if scaled is not None:
         scaled.cancel()
@@ -543,13 +555,13 @@ async def run(config: ScaleConfig, logs: Path) -> list[ModeResult]:
     for b in range(21000, 32000, 32):
         if len(bases) == len(config.modes):
             break
-        if _free(range(b, b + size)):
+        if ports_free(range(b, b + size)):
             bases.append(b)
     pairs = zip(config.modes, bases, strict=True)
     return list(await asyncio.gather(*(run_mode(m, config, b, logs) for m, b in pairs)))
 
 
-def _free(ports: range) -> bool:
+def ports_free(ports: range) -> bool:
     try:
         free_port_block(len(ports), ports.start)
     except RuntimeError:

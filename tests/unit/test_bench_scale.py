@@ -5,10 +5,12 @@ from __future__ import annotations
 from loadtest.bench_scale import (
     MEDIAN_FIELDS,
     MODES,
+    PEERS_TOKEN,
     ModeResult,
     Sample,
     median_summaries,
     mode_gateway_args,
+    mode_worker_args,
     recovery_s,
     recovery_vs_s,
 )
@@ -40,10 +42,15 @@ def test_no_dip_is_zero_and_a_dip_to_the_end_is_never() -> None:
 
 
 def test_each_mode_starts_its_gateway_with_its_own_flags() -> None:
-    assert mode_gateway_args("cold") == ("--no-warmup",)
-    assert mode_gateway_args("noprewarm") == ("--no-prewarm",)
-    assert mode_gateway_args("warmup") == mode_gateway_args("control") == ()
-    assert set(MODES) == {"warmup", "cold", "noprewarm", "control"}
+    sample = ("--warmup-sample", "*")
+    assert mode_gateway_args("cold") == (*sample, "--no-warmup")
+    assert mode_gateway_args("noprewarm") == (*sample, "--no-prewarm")
+    assert mode_gateway_args("warmup") == mode_gateway_args("control") == sample
+    # peers: nothing sampled; the gateway holds the token the workers' exports answer to
+    assert mode_gateway_args("peers") == ("--worker-admin-token", PEERS_TOKEN)
+    assert mode_worker_args("peers") == ("--admin-token", PEERS_TOKEN)
+    assert mode_worker_args("warmup") == mode_worker_args("cold") == ()
+    assert set(MODES) == {"warmup", "cold", "noprewarm", "peers", "control"}
 
 
 def test_repeats_give_each_modes_medians_and_every_failure() -> None:
