@@ -90,14 +90,20 @@ def fields(record: RequestRecord, latency_s: float, sent_bytes: int) -> dict[str
         "bytes": sent_bytes,
     }
     if record.model:
-        out.update(tenant=record.tenant[:16], model=record.model, stream=record.stream)
+        out["tenant"] = record.tenant[:16]
+        out["model"] = record.model
+        out["stream"] = record.stream
     if record.worker:
-        out.update(policy=record.policy, decision=record.kind, worker=record.worker,
-                   attempts=record.attempts, predicted_blocks=record.match_blocks)
+        out["policy"] = record.policy
+        out["decision"] = record.kind
+        out["worker"] = record.worker
+        out["attempts"] = record.attempts
+        out["predicted_blocks"] = record.match_blocks
     elif record.attempts:
         out["attempts"] = record.attempts
     if record.input_tokens is not None:
-        out.update(input_tokens=record.input_tokens, cached_tokens=record.cached_tokens)
+        out["input_tokens"] = record.input_tokens
+        out["cached_tokens"] = record.cached_tokens
     if record.ttft_s is not None:
         out["ttft_ms"] = round(record.ttft_s * 1000, 3)
     if record.miss_cause:

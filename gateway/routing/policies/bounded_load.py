@@ -79,8 +79,11 @@ class BoundedLoadFilter:
         if ctx.pool_load is not None:  # the engine narrowed the candidates: use the whole pool
             total, weight_sum = ctx.pool_load
         else:
-            total = sum(w.inflight_tokens for w in candidates)
-            weight_sum = sum(w.worker.weight for w in candidates)
+            # One pass, summed in order (as sum() would): once per decision.
+            total, weight_sum = 0, 0
+            for w in candidates:
+                total += w.inflight_tokens
+                weight_sum += w.worker.weight
         weight_sum = weight_sum or 1.0
         cost = ctx.request.cost_tokens
         c = self.hot_c if ctx.hot and self.hot_c is not None else self.c
@@ -88,9 +91,11 @@ class BoundedLoadFilter:
         credit = (ctx.request.prompt_tokens / blocks if self.match_credit and blocks
                   and not ctx.hot and ctx.branch_anchor is None else 0.0)
         matches = ctx.matches
+        floor = self.floor_requests * cost
         kept: list[WorkerView] = []
         for w in candidates:
-            bound = load_bound(c, total, cost, w.worker.weight / weight_sum, self.floor_requests)
+            # load_bound(c, total, cost, share, floor_requests), inline: once per candidate.
+            bound = max(c * (w.worker.weight / weight_sum) * (total + cost), floor)
             if credit and (held := matches.get(w.id, 0)):
                 bound += credit * held + _cached_elsewhere(ctx.request.key, held, w)
             ctx.load_bounds[w.id] = bound
