@@ -20,4 +20,5 @@ class ModelFilter:
 
     def apply(self, ctx: Context, candidates: Sequence[WorkerView]) -> list[WorkerView]:
         model = ctx.request.model
-        return [w for w in candidates if w.worker.serves(model)]
+        # Worker.serves, inline: once per candidate and decision.
+        return [w for w in candidates if not w.worker.models or model in w.worker.models]
