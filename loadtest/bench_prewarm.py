@@ -1,16 +1,19 @@
 """Benchmark: predictive pre-warming under a surge of one shared prompt.
 
 ``python -m loadtest.bench_prewarm [--workers 3] [--base-rate 4] [--surge-from 2]
-[--surge-to 40] [--ramp-s 30] [--hold-s 20] [--system-chars 24000] [--repeats 1] [--out DIR]``
+[--surge-to 40] [--ramp-s 30] [--hold-s 20] [--system-chars 24000] [--repeats 1]
+[--gateway-from LABEL=DIR] [--out DIR]``
 
-Two clusters at once, each on its own ports (so they share the machine's noise): ``--workers``
+Every mode at once, each on its own ports (so they share the machine's noise): ``--workers``
 reference workers (simulated engine, its default costs: 200 us per uncached prompt token, 5 us
 per cached one) and a gateway over them on its embedded store. ``prewarm`` runs the gateway as
-it ships; ``noprewarm`` adds ``--no-prewarm``. The same seeded open-loop load goes to both: chat
-over a few tenants' system prompts at ``--base-rate`` requests per second, plus one long shared
-prompt (``--system-chars``) whose own rate climbs from ``--surge-from`` to ``--surge-to`` over
-``--ramp-s`` seconds, after ``--before-s`` seconds of the base load alone, and holds for
-``--hold-s``. Every surge request is that prompt and a question of its own.
+it ships; ``noprewarm`` adds ``--no-prewarm``; each ``--gateway-from LABEL=DIR`` adds a mode
+LABEL whose gateway (as it ships) runs from the checkout in DIR, for an A/B of a change. The
+same seeded open-loop load goes to every mode: chat over a few tenants' system prompts at
+``--base-rate`` requests per second, plus one long shared prompt (``--system-chars``) whose own
+rate climbs from ``--surge-from`` to ``--surge-to`` over ``--ramp-s`` seconds, after
+``--before-s`` seconds of the base load alone, and holds for ``--hold-s``. Every surge request
+is that prompt and a question of its own.
 
 One worker cannot serve the whole surge, so the routing policy spreads the prompt to more
 workers as its holder's queue grows. Without pre-warming, the first request on each new holder
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -67,6 +71,7 @@ class SurgeConfig:
     modes: tuple[str, ...] = MODES
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
+    sources: tuple[tuple[str, str], ...] = ()  # (mode label, checkout its gateway runs from)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +167,10 @@ async def run_mode(mode: str, config: SurgeConfig, base: int, logs: Path,
         gcmd = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(gport),
                 "--health-interval-s", "1", *(a for u in urls for a in ("--worker", u)),
                 *(("--no-prewarm",) if mode == "noprewarm" else ()), *config.gateway_args]
+        source = dict(config.sources).get(mode)
+        if source:
+            path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
+            gcmd = ["env", "-C", source, f"PYTHONPATH={path}", *gcmd]
         await start_server(gcmd, gateway, logs / f"{mode}-gateway.log", procs)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024)) as http:
             await _replay(http, gateway, load, result)
@@ -255,11 +264,18 @@ def parse_args(argv: Sequence[str]) -> tuple[SurgeConfig, Path]:
     p.add_argument("--modes", default=",".join(d.modes), help=f"{', '.join(MODES)}")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag")
+    p.add_argument("--gateway-from", action="append", default=[], metavar="LABEL=DIR",
+                   help="one more mode: the gateway from the checkout in DIR")
     p.add_argument("--out", type=Path, default=Path("loadtest/out/prewarm"))
     a = p.parse_args(argv)
+    sources = tuple((label, path) for label, _, path in
+                    (v.partition("=") for v in a.gateway_from))
+    if any(not label or not path or label in MODES for label, path in sources):
+        p.error("--gateway-from takes LABEL=DIR, LABEL not one of the modes")
     modes = tuple(m for m in a.modes.split(",") if m)
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes {', '.join(MODES)}")
+    modes += tuple(label for label, _ in sources)
     if a.repeats < 1 or a.workers < 2:
         p.error("--repeats must be >= 1 and --workers >= 2")
     config = SurgeConfig(
@@ -267,7 +283,7 @@ def parse_args(argv: Sequence[str]) -> tuple[SurgeConfig, Path]:
         surge_to=a.surge_to, before_s=a.before_s, ramp_s=a.ramp_s, hold_s=a.hold_s,
         system_chars=a.system_chars, max_tokens=a.max_tokens, tenants=a.tenants, seed=a.seed,
         repeats=a.repeats, modes=modes, worker_args=tuple(a.worker_arg),
-        gateway_args=tuple(a.gateway_arg))
+        gateway_args=tuple(a.gateway_arg), sources=sources)
     return config, a.out
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtest.bench_prewarm import SurgeConfig, arrivals, medians, surge_rate
+from loadtest.bench_prewarm import SurgeConfig, arrivals, medians, parse_args, surge_rate
 
 CONFIG = SurgeConfig(base_rate=4.0, surge_from=2.0, surge_to=20.0, before_s=10.0, ramp_s=20.0,
                      hold_s=10.0, system_chars=3000, seed=3)
@@ -47,3 +47,9 @@ def test_medians_per_mode_sum_failures_and_skip_empty_kinds() -> None:
     assert merged["surge_ttft_p99_ms"] == 200.0
     assert merged["surge_cold_ttft_p50_ms"] == 60.0  # the repeat without a cold request is left out
     assert (merged["failed"], merged["surge_requests"]) == (3, 30)
+
+
+def test_a_gateway_from_another_checkout_is_one_more_mode() -> None:
+    config, _ = parse_args(["--modes", "prewarm", "--gateway-from", "before=/src/old"])
+    assert config.modes == ("prewarm", "before")
+    assert config.sources == (("before", "/src/old"),)
