@@ -65,11 +65,11 @@ async def _read_body(request: web.Request, timeout_s: float) -> bytes:
 
 
 async def prepare(
-    request: web.Request, body: dict[str, Any], parse: Parser, path: str, identity: Identity
+    app: web.Application, body: dict[str, Any], parse: Parser, path: str, identity: Identity
 ) -> tuple[ParsedRequest, RouteRequest, str]:
-    """Validate a completion request of ``identity`` and build what routing needs, and the
-    request's cache namespace (raises 4xx errors)."""
-    state = request.app[STATE]
+    """Validate a completion request of ``identity`` to ``app`` and build what routing needs,
+    and the request's cache namespace (raises 4xx errors)."""
+    state = app[STATE]
     settings = state.settings
     parsed = parse(body, settings.normalize_options())
     models = state.pool.models()
@@ -83,7 +83,7 @@ async def prepare(
         )
     tenant = identity.tenant_id  # a keyed hash: what Redis and the fingerprints see
     # The cache namespace the workers see: the tenant's, split further by the client's salt.
-    namespace = request.app[AUTH_KEY].hasher.namespace(tenant, parsed.cache_salt)
+    namespace = app[AUTH_KEY].hasher.namespace(tenant, parsed.cache_salt)
     tokenized = None
     if state.exact.tokenizer is not None:
         tokenized = await state.exact.key(
@@ -117,7 +117,7 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
     raw = await _read_body(request, settings.body_timeout_s)
     body = decode_json_object(raw)
     identity = request.get(IDENTITY_KEY) or ANONYMOUS
-    parsed, route_request, namespace = await prepare(request, body, parse, path, identity)
+    parsed, route_request, namespace = await prepare(app, body, parse, path, identity)
     tenant = identity.tenant_id
     record = record_of(request)
     record.parsed(

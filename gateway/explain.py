@@ -39,7 +39,7 @@ async def explain(request: web.Request) -> web.Response:
     identity = ANONYMOUS
     with contextlib.suppress(Unauthorized):
         identity = request.app[AUTH_KEY].identify(request)
-    parsed, route_request, _ = await prepare(request, body, parse, path, identity)
+    parsed, route_request, _ = await prepare(request.app, body, parse, path, identity)
     router = state.session.router
     snapshot = state.pool.snapshot(time.monotonic())
     key = route_request.key

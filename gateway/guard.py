@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -47,42 +48,78 @@ class NoFirstByte(Exception):
 Release = Callable[[], None]
 
 
+class _Gate:
+    """A counting semaphore for the event loop's thread, first come first served: a free place
+    is taken with a plain call (no coroutine, no timer), a busy one waits in line."""
+
+    __slots__ = ("_waiters", "free")
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def try_take(self) -> bool:
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def wait(self, timeout_s: float, scope: str) -> None:
+        """Wait in line for a place, at most ``timeout_s`` (then :class:`SlotTimeout`)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self.give()  # the place came just as we gave up: pass it on
+            else:
+                waiter.cancel()
+                self._waiters.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise SlotTimeout(scope, timeout_s) from None
+            raise
+
+    def give(self) -> None:
+        """A place is free again: it goes straight to the first in line, if any."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.free += 1
+
+
 class ConnectionSlots:
     def __init__(self, total: int, per_worker: int, queue_timeout_s: float) -> None:
-        self._total = asyncio.Semaphore(total)
+        self._total = _Gate(total)
         self._per_worker_limit = per_worker
-        self._per_worker: dict[str, asyncio.Semaphore] = {}
+        self._per_worker: dict[str, _Gate] = {}
         self.queue_timeout_s = queue_timeout_s
-
-    async def _take(self, sem: asyncio.Semaphore, scope: str) -> None:
-        if not sem.locked():  # free now: no wait, no timer
-            await sem.acquire()
-            return
-        try:
-            async with asyncio.timeout(self.queue_timeout_s):
-                await sem.acquire()
-        except TimeoutError:
-            raise SlotTimeout(scope, self.queue_timeout_s) from None
 
     async def take(self, wid: str) -> Release:
         """One connection to ``wid``; call the returned function once it is no longer used."""
-        sem = self._per_worker.get(wid)
-        if sem is None:
-            sem = self._per_worker[wid] = asyncio.Semaphore(self._per_worker_limit)
-        await self._take(self._total, "the workers")
-        try:
-            await self._take(sem, wid)
-        except BaseException:
-            self._total.release()
-            raise
+        gate = self._per_worker.get(wid)
+        if gate is None:
+            gate = self._per_worker[wid] = _Gate(self._per_worker_limit)
+        total = self._total
+        if not total.try_take():
+            await total.wait(self.queue_timeout_s, "the workers")
+        if not gate.try_take():
+            try:
+                await gate.wait(self.queue_timeout_s, wid)
+            except BaseException:
+                total.give()
+                raise
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                sem.release()
-                self._total.release()
+                gate.give()
+                total.give()
 
         return release
 

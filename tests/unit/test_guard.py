@@ -79,3 +79,28 @@ async def test_slots_queue_then_time_out_and_release_once() -> None:
     with pytest.raises(SlotTimeout):
         await slots.take("w1")
     again()
+
+
+async def test_slots_go_to_waiters_first_come_first_served() -> None:
+    slots = ConnectionSlots(total=1, per_worker=1, queue_timeout_s=5.0)
+    release = await slots.take("w1")
+    order: list[str] = []
+
+    async def wait_for(name: str, wid: str) -> None:
+        done = await slots.take(wid)
+        order.append(name)
+        done()
+
+    first = asyncio.create_task(wait_for("first", "w1"))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(wait_for("second", "w2"))  # in line for the total behind it
+    await asyncio.sleep(0)
+    cancelled = asyncio.create_task(wait_for("cancelled", "w1"))
+    await asyncio.sleep(0)
+    cancelled.cancel()  # leaving the line hands nothing away and takes nothing
+    release()
+    await asyncio.gather(first, second)
+    assert order == ["first", "second"]
+    assert cancelled.cancelled()
+    again = await slots.take("w1")  # every place came back
+    again()
