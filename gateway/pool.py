@@ -62,14 +62,16 @@ class WorkerState:
     versions: dict[str, str] = field(default_factory=dict)  # model -> version it reported
 
     def waiting_requests(self) -> int:
-        """Requests waiting for admission in its engine. Once the engine has been seen full,
-        the requests this gateway has in flight there beyond its ``slots``: current at every
-        decision, where a scrape is seconds old (routing on a stale count sends every request
-        of those seconds to the worker that looked idle). Before that, the engine's own count
-        at the last scrape."""
+        """Requests waiting for admission in its engine: what the engine reported at the last
+        scrape, or, once the engine has been seen full, the requests this gateway has in
+        flight there beyond its ``slots`` when that is more. The gateway's own count is current
+        at every decision, where a scrape is seconds old (routing on a stale count alone sends
+        every request of those seconds to the worker that looked idle); the scrape counts what
+        other gateways and clients sent."""
+        scraped = int(self.engine_metrics.get(WAITING, 0.0)) if self.engine_metrics else 0
         if self.slots:
-            return max(0, self.inflight_requests - self.slots)
-        return int(self.engine_metrics.get(WAITING, 0.0)) if self.engine_metrics else 0
+            return max(scraped, self.inflight_requests - self.slots)
+        return scraped
 
     def view(self) -> WorkerView:
         """The router's view: what gateways have in flight there, or what the engine itself
