@@ -43,7 +43,7 @@ Why these choices:
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -109,15 +109,18 @@ class PrefixKey:
     anchor: int
     text_chars: int
     depths: tuple[int, ...] = ()
+    # Blocks in the whole fingerprinted prompt (the depth of its last checkpoint): a plain
+    # attribute, read several times per decision.
+    total_blocks: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_blocks",
+                           self.depths[-1] if self.depths else len(self.blocks))
 
     @property
     def anchor_hex(self) -> str:
         return f"{self.anchor:016x}"
 
-    @property
-    def total_blocks(self) -> int:
-        """Blocks in the whole fingerprinted prompt (the depth of its last checkpoint)."""
-        return self.depths[-1] if self.depths else len(self.blocks)
 
     def depth_at(self, i: int) -> int:
         """Depth in blocks of checkpoint ``i``."""

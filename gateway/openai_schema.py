@@ -114,13 +114,8 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def _expect(cond: bool, message: str, param: str) -> None:
-    if not cond:
-        raise InvalidRequest(message, param=param, code="invalid_type")
-
-
 def _invalid(message: str, param: str) -> InvalidRequest:
-    """An invalid field; callers build the message only once a check failed."""
+    """An invalid field (checked inline by the callers: once per field and request)."""
     return InvalidRequest(message, param=param, code="invalid_type")
 
 
@@ -139,9 +134,11 @@ def _common(body: Mapping[str, Any]) -> tuple[str, bool, int | None, str]:
     if model is None:
         raise InvalidRequest("missing required parameter 'model'", param="model",
                              code="missing_required_parameter")
-    _expect(isinstance(model, str) and model != "", "'model' must be a non-empty string", "model")
+    if not (isinstance(model, str) and model != ""):
+        raise _invalid("'model' must be a non-empty string", "model")
     stream = get("stream", False)
-    _expect(stream is None or isinstance(stream, bool), "'stream' must be a boolean", "stream")
+    if not (stream is None or isinstance(stream, bool)):
+        raise _invalid("'stream' must be a boolean", "stream")
     max_tokens: Any = None
     for name in _TOKEN_FIELDS:
         value = get(name)
@@ -159,10 +156,11 @@ def _common(body: Mapping[str, Any]) -> tuple[str, bool, int | None, str]:
     if not (n is None or (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N)):
         raise _invalid(f"'n' must be an integer from 1 to {MAX_N}", "n")
     salt = get("cache_salt", "")
-    _expect(salt is None or isinstance(salt, str), "'cache_salt' must be a string", "cache_salt")
+    if not (salt is None or isinstance(salt, str)):
+        raise _invalid("'cache_salt' must be a string", "cache_salt")
     options = get("stream_options")
-    _expect(options is None or isinstance(options, dict), "'stream_options' must be an object",
-            "stream_options")
+    if not (options is None or isinstance(options, dict)):
+        raise _invalid("'stream_options' must be an object", "stream_options")
     return str(model), bool(stream), max_tokens, salt or ""
 
 
@@ -243,12 +241,13 @@ def parse_chat(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequest:
     if messages is None:
         raise InvalidRequest("missing required parameter 'messages'", param="messages",
                              code="missing_required_parameter")
-    _expect(isinstance(messages, list) and len(messages) > 0,
-            "'messages' must be a non-empty list", "messages")
+    if not (isinstance(messages, list) and len(messages) > 0):
+        raise _invalid("'messages' must be a non-empty list", "messages")
     for i, message in enumerate(messages):
         _check_message(i, message)
     tools = body.get("tools")
-    _expect(tools is None or isinstance(tools, list), "'tools' must be a list", "tools")
+    if not (tools is None or isinstance(tools, list)):
+        raise _invalid("'tools' must be a list", "tools")
     normalized = normalize_messages(messages, opts)
     unchanged = normalized == messages
     if unchanged:

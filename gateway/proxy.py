@@ -71,13 +71,6 @@ def route_headers(decision: Decision, request: RouteRequest) -> dict[str, str]:
     }
 
 
-def _int_header(reply: UpstreamReply, name: str) -> int:
-    try:
-        return int(reply.headers.get(name, "0"))
-    except ValueError:
-        return 0
-
-
 async def dispatch(
     state: GatewayState,
     http_request: web.Request,
@@ -202,10 +195,18 @@ async def dispatch(
 
 def stats_from_headers(reply: UpstreamReply) -> CacheUsage | None:
     """What our worker reused, from its ``x-cache-*`` headers."""
-    input_tokens = _int_header(reply, INPUT_TOKENS_HEADER)
+    headers = reply.headers
+    try:
+        input_tokens = int(headers.get(INPUT_TOKENS_HEADER, "0"))
+    except ValueError:
+        return None
     if not input_tokens:
         return None
-    return CacheUsage(input_tokens, _int_header(reply, MATCHED_TOKENS_HEADER))
+    try:
+        matched = int(headers.get(MATCHED_TOKENS_HEADER, "0"))
+    except ValueError:
+        matched = 0
+    return CacheUsage(input_tokens, matched)
 
 
 def stats_from_usage(payload: bytes) -> CacheUsage | None:

@@ -105,15 +105,9 @@ def _weight(by_id: Mapping[str, WorkerView] | None, wid: str) -> float:
 class RoutingEngine:
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
-
-    @property
-    def name(self) -> str:
-        return self.profile.name
-
-    @property
-    def uses_prefix_index(self) -> bool:
-        """Whether each decision must be recorded in the prefix index."""
-        return self.profile.uses_prefix_index
+        self.name = profile.name
+        # Whether each decision must be recorded in the prefix index.
+        self.uses_prefix_index = profile.uses_prefix_index
 
     def route(
         self, request: RouteRequest, snapshot: Snapshot, exclude: frozenset[str] = frozenset()

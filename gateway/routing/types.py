@@ -154,17 +154,19 @@ class Decision:
     scores: Mapping[str, float] = field(default_factory=dict)
     # The chosen worker's load bound in tokens (before this request), when the policy has one.
     load_bound: float | None = None
+    worker_id: str = field(init=False, compare=False, repr=False)  # = worker.id, read often
 
-    @property
-    def worker_id(self) -> str:
-        return self.worker.id
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "worker_id", self.worker.id)
 
     @property
     def label(self) -> str:
         """A low-cardinality label: the kind, or the picker for index-less policies."""
+        # str() of a StrEnum member is its value, as a plain str, without the enum's
+        # ``value`` descriptor (read several times per request).
         if self.kind is DecisionKind.PLACED:
-            return self.picker or self.kind.value
-        return self.kind.value
+            return self.picker or str(self.kind)
+        return str(self.kind)
 
     @property
     def reason(self) -> str:
