@@ -1,19 +1,18 @@
 """Predictive pre-warming: place a hot prefix on its next holder before a request must wait.
 
 The routing policy moves a prefix off its holder when waiting there costs more than the
-prefill a move adds (``cache_cost``: the holder's wait above the pool's mean, against
-the prompt tokens the holder would have skipped, weighed by the prefill queued in the pool), and,
-with the request-count rule on, spreads a hot prefix whose holder is over its load bound. Either
-way the next request goes to another worker, which prefills the whole prefix on the critical
-path. The pre-warmer watches the same quantities right after each decision: when the chosen
-worker held the prefix, has at least ``min_holder_requests`` in flight, and either its excess
-wait (queued prefill, and the requests its engine has waiting) has reached ``fraction`` of what
-a move would add, or the prefix is hot and the
-holder's load with this request has reached ``fraction`` of its bound, the spread is imminent;
-it then
-replays this request as a prefill-only request (``max_tokens`` 1, the same body and namespace)
-on the first worker of the ring walk that does not hold the prefix, and records it there. When
-the spread happens, the new holder answers from its cache.
+prefill a move adds (``cache_cost``: the holder's queued prefill above the pool's mean and the
+requests waiting in its engine beyond the least-waiting worker's, against the prompt tokens the
+holder would have skipped, weighed by the prefill queued in the pool), and, with the
+request-count rule on, spreads a hot prefix whose holder is over its load bound. Either way the
+next request goes to another worker, which prefills the whole prefix on the critical path. The
+pre-warmer watches the same quantities right after each decision: when the chosen worker held
+the prefix, has at least ``min_holder_requests`` in flight, and either its excess wait has
+reached ``fraction`` of what a move would add, or the prefix is hot and the holder's load with
+this request has reached ``fraction`` of its bound, the spread is imminent; it then replays this
+request as a prefill-only request (``max_tokens`` 1, the same body and namespace) on the first
+worker of the ring walk that does not hold the prefix, and records it there. When the spread
+happens, the new holder answers from its cache.
 
 At most one pre-warm per prefix at a time and per ``cooldown_s``, and ``max_inflight`` in all;
 the request body is used while the replay is in flight and then dropped (nothing is stored).
