@@ -48,7 +48,8 @@ class WorkerState:
     models: frozenset[str] = field(default_factory=frozenset)
     engine_metrics: Mapping[str, float] = field(default_factory=dict)  # scraped from /metrics
     # Requests its engine runs at once, learned from a scrape that showed requests waiting for
-    # admission (the running count then is the engine's limit); 0 = not seen full yet.
+    # admission (the running count then is the engine's limit; vLLM's depends on what fits in
+    # its KV cache, so a later scrape running more raises it); 0 = not seen full yet.
     slots: int = 0
     events: EventEndpoints | None = None  # where its engine publishes KV events
     predictions: int = 0  # responses whose cached tokens the gateway had predicted
@@ -243,8 +244,11 @@ class WorkerPool:
         self._catalog = None
         if metrics is not None:
             state.engine_metrics = dict(metrics)
-            if metrics.get(WAITING, 0.0) > 0 and metrics.get(RUNNING, 0.0) >= 1:
-                state.slots = int(metrics[RUNNING])
+            running = int(metrics.get(RUNNING, 0.0))
+            if metrics.get(WAITING, 0.0) > 0 and running >= 1:
+                state.slots = running  # full: what it runs now is its limit now
+            elif state.slots and running > state.slots:
+                state.slots = running  # it runs more at once than it did when last full
         if not state.healthy:
             log.info("worker %s is up (models: %s)", wid, ", ".join(sorted(models)) or "?")
         state.healthy = True

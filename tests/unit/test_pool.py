@@ -61,6 +61,12 @@ def test_waiting_requests_follow_the_gateways_count_once_the_engine_was_seen_ful
     pool.mark_up(WID, frozenset({"m"}), {"vllm:num_requests_running": 1.0,
                                          "vllm:num_requests_waiting": 0.0})
     assert waiting() == 0
+    # Shorter prompts: the engine now runs 4 at once with none waiting; the limit follows.
+    pool.mark_up(WID, frozenset({"m"}), {"vllm:num_requests_running": 4.0,
+                                         "vllm:num_requests_waiting": 0.0})
+    for _ in range(5):
+        pool.acquire(WID, 100)
+    assert waiting() == 2  # 6 in flight (one was still there), 4 run
 
 
 def test_ring_is_rebuilt_once_per_burst_of_changes() -> None:
