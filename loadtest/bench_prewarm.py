@@ -48,7 +48,14 @@ import aiohttp
 
 from infra.local import stop_processes
 from loadtest.bench_gateway import percentile
-from loadtest.bench_scale import HOST, Sample, ports_free, start_server, stream_one
+from loadtest.bench_scale import (
+    HOST,
+    Sample,
+    collector_paused,
+    ports_free,
+    start_server,
+    stream_one,
+)
 from loadtest.workloads import WorkloadSpec, chat_requests, question, system_prompt
 
 MODES = ("prewarm", "noprewarm")
@@ -295,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     samples: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-prewarm-") as logs:
         for _ in range(config.repeats):
-            results = asyncio.run(run(config, Path(logs)))
+            with collector_paused():
+                results = asyncio.run(run(config, Path(logs)))
             runs.append([summarize(r) for r in results])
             samples.append({r.mode: {"surge": [asdict(s) for s in r.surge],
                                      "base": [asdict(s) for s in r.base]} for r in results})

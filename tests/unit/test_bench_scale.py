@@ -1,6 +1,8 @@
-"""The scale benchmark's recovery measures, on made-up samples."""
+"""The scale benchmark: recovery and medians on made-up samples, its modes, its client."""
 
 from __future__ import annotations
+
+import gc
 
 from loadtest.bench_scale import (
     MEDIAN_FIELDS,
@@ -8,6 +10,7 @@ from loadtest.bench_scale import (
     PEERS_TOKEN,
     ModeResult,
     Sample,
+    collector_paused,
     median_summaries,
     mode_gateway_args,
     mode_worker_args,
@@ -67,3 +70,12 @@ def test_repeats_give_each_modes_medians_and_every_failure() -> None:
     assert control["p99_ratio"] == 2.4
     assert warm["p99_ratios"] == [1.3, 1.1, 1.2]
     assert (warm["failed"], warm["requests"], control["failed"]) == (3, 300, 0)
+
+
+def test_the_client_collects_no_garbage_while_the_load_runs() -> None:
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        assert gc.get_freeze_count() > 0  # what was built before the load is never walked
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
