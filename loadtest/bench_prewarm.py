@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -301,9 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[list[dict[str, Any]]] = []
     samples: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-prewarm-") as logs:
-        for _ in range(config.repeats):
-            with collector_paused():
-                results = asyncio.run(run(config, Path(logs)))
+        for i in range(config.repeats):
+            with collector_paused():  # repeat i's load comes from seed + i
+                results = asyncio.run(run(dataclasses.replace(config, seed=config.seed + i),
+                                          Path(logs)))
             runs.append([summarize(r) for r in results])
             samples.append({r.mode: {"surge": [asdict(s) for s in r.surge],
                                      "base": [asdict(s) for s in r.base]} for r in results})

@@ -109,7 +109,7 @@ class ScaleConfig:
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     logs: Path | None = None  # keep the servers' logs there (default: deleted after the run)
-    repeats: int = 1  # whole side-by-side runs, one after another; the report gives medians
+    repeats: int = 1  # whole side-by-side runs, each with its own seed; the report gives medians
 
 
 @dataclass(slots=True)
@@ -563,6 +563,13 @@ async def run(config: ScaleConfig, logs: Path) -> list[ModeResult]:
     return list(await asyncio.gather(*(run_mode(m, config, b, logs) for m, b in pairs)))
 
 
+def repeat_config(config: ScaleConfig, index: int) -> ScaleConfig:
+    """Repeat ``index`` (from 0) draws its load from seed + index: every mode of a repeat gets
+    the same load, each repeat another one (a seed's bursts of arrivals would otherwise fall
+    at the same instants in every repeat)."""
+    return dataclasses.replace(config, seed=config.seed + index)
+
+
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """No cyclic garbage collection in this (the client's) process while the load runs: one
@@ -616,10 +623,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[list[dict[str, Any]]] = []
     try:
         for i in range(config.repeats):
+            this = repeat_config(config, i)
             with collector_paused():
-                results = asyncio.run(run(config, logs))
+                results = asyncio.run(run(this, logs))
             where = out / f"repeat{i + 1}" if config.repeats > 1 else out
-            runs.append(write_report(results, config, where, command))
+            runs.append(write_report(results, this, where, command))
             print((where / "report.md").read_text())
     finally:
         if not keep:

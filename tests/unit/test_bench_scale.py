@@ -10,12 +10,14 @@ from loadtest.bench_scale import (
     PEERS_TOKEN,
     ModeResult,
     Sample,
+    ScaleConfig,
     collector_paused,
     median_summaries,
     mode_gateway_args,
     mode_worker_args,
     recovery_s,
     recovery_vs_s,
+    repeat_config,
 )
 
 
@@ -79,3 +81,9 @@ def test_the_client_collects_no_garbage_while_the_load_runs() -> None:
         assert gc.get_freeze_count() > 0  # what was built before the load is never walked
     assert gc.isenabled()
     assert gc.get_freeze_count() == 0
+
+
+def test_each_repeat_draws_another_load_and_every_mode_of_it_the_same() -> None:
+    config = ScaleConfig(seed=7, repeats=3)
+    assert [repeat_config(config, i).seed for i in range(3)] == [7, 8, 9]
+    assert repeat_config(config, 0) == config
