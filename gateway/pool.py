@@ -12,13 +12,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.backends.registry import kind_of_url
-from gateway.contracts.engine_metrics import RUNNING, WAITING
+from gateway.contracts.engine_metrics import QUEUE_TIME_COUNT, QUEUE_TIME_SUM, RUNNING, WAITING
 from gateway.kvevents.endpoints import EventEndpoints, split_url
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.ring import Ring
 from gateway.routing.types import PrefixMatcher, Snapshot, Worker, WorkerView
 
 log = logging.getLogger(__name__)
+
+# Below this mean admission wait, requests waiting in an engine do not count as waiting.
+QUEUE_FLOOR_S = 0.02
 
 _COST_EWMA = 0.05  # weight of the newest request in a worker's mean request cost
 
@@ -51,6 +54,10 @@ class WorkerState:
     # admission (the running count then is the engine's limit; vLLM's depends on what fits in
     # its KV cache, so a later scrape running more raises it); 0 = not seen full yet.
     slots: int = 0
+    # Mean seconds the requests its engine admitted since the scrape before waited for
+    # admission (vLLM's request_queue_time histogram); None: the engine does not say.
+    queue_s: float | None = None
+    queue_seen: tuple[float, float] = (0.0, 0.0)  # that histogram's sum and count, last scrape
     events: EventEndpoints | None = None  # where its engine publishes KV events
     predictions: int = 0  # responses whose cached tokens the gateway had predicted
     predicted_exactly: int = 0  # ... and got exactly right
@@ -68,7 +75,11 @@ class WorkerState:
         flight there beyond its ``slots`` when that is more. The gateway's own count is current
         at every decision, where a scrape is seconds old (routing on a stale count alone sends
         every request of those seconds to the worker that looked idle); the scrape counts what
-        other gateways and clients sent."""
+        other gateways and clients sent. 0 while the engine's recent requests waited less
+        than ``QUEUE_FLOOR_S`` on average for admission: an engine that turns its queue over
+        in milliseconds makes nobody wait as long as a prefill elsewhere would take."""
+        if self.queue_s is not None and self.queue_s < QUEUE_FLOOR_S:
+            return 0
         scraped = int(self.engine_metrics.get(WAITING, 0.0)) if self.engine_metrics else 0
         if self.slots:
             return max(scraped, self.inflight_requests - self.slots)
@@ -93,6 +104,22 @@ class WorkerState:
         return WorkerView(worker, self.healthy and not self.held_out, requests, tokens,
                           self.inflight_prefill, tuple(self.inflight_prompts.values()),
                           self.waiting_requests())
+
+
+def _note_queue_time(state: WorkerState, metrics: Mapping[str, float]) -> None:
+    """The mean admission wait of the requests the engine admitted since the last scrape;
+    with none admitted, 0 if none waits either, else unchanged."""
+    total, count = metrics.get(QUEUE_TIME_SUM), metrics.get(QUEUE_TIME_COUNT)
+    if total is None or count is None:
+        return
+    seen_total, seen_count = state.queue_seen
+    state.queue_seen = (total, count)
+    if count > seen_count and total >= seen_total:
+        state.queue_s = (total - seen_total) / (count - seen_count)
+    elif count < seen_count or total < seen_total:  # the engine restarted: counters reset
+        state.queue_s = None
+    elif not metrics.get(WAITING, 0.0):
+        state.queue_s = 0.0
 
 
 class WorkerPool:
@@ -244,6 +271,7 @@ class WorkerPool:
         self._catalog = None
         if metrics is not None:
             state.engine_metrics = dict(metrics)
+            _note_queue_time(state, metrics)
             running = int(metrics.get(RUNNING, 0.0))
             if metrics.get(WAITING, 0.0) > 0 and running >= 1:
                 state.slots = running  # full: what it runs now is its limit now

@@ -50,6 +50,8 @@ ENGINE_METRICS = (
     metric.KV_CACHE_USAGE,
     metric.total(metric.PREFIX_CACHE_QUERIES),
     metric.total(metric.PREFIX_CACHE_HITS),
+    metric.QUEUE_TIME_SUM,
+    metric.QUEUE_TIME_COUNT,
 )
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
 _CACHE_INFO = re.compile(rf"^{re.escape(metric.CACHE_CONFIG_INFO)}\{{(?P<labels>[^}}]*)\}}",

@@ -7,6 +7,10 @@ KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"  # counter, in tokens
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"  # counter, in tokens
 CACHE_CONFIG_INFO = "vllm:cache_config_info"  # labels block_size, num_gpu_blocks
+# Histogram: seconds each request waited for admission (its ``_sum`` and ``_count`` samples).
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+QUEUE_TIME_SUM = QUEUE_TIME + "_sum"
+QUEUE_TIME_COUNT = QUEUE_TIME + "_count"
 
 
 def total(counter: str) -> str:

@@ -107,3 +107,22 @@ def test_snapshot_totals_follow_every_change() -> None:
         assert snap.pool_load == expected()
         assert snap.by_id is not None
         assert set(snap.by_id) == {v.id for v in snap.workers}
+
+
+def test_an_engine_that_turns_its_queue_over_in_milliseconds_has_nobody_waiting() -> None:
+    pool = WorkerPool([URL], PrefixIndex())
+
+    def scrape(waiting: float, queue_sum: float, queue_count: float) -> int:
+        pool.mark_up(WID, frozenset({"m"}), {
+            "vllm:num_requests_running": 8.0, "vllm:num_requests_waiting": waiting,
+            "vllm:request_queue_time_seconds_sum": queue_sum,
+            "vllm:request_queue_time_seconds_count": queue_count})
+        return pool.snapshot(0.0).workers[0].waiting_requests
+
+    assert scrape(3.0, 0.0, 0.0) == 3  # nothing admitted yet: what the engine reports
+    assert scrape(3.0, 0.2, 200.0) == 0  # 200 admitted after 1 ms each: no real queue
+    assert scrape(5.0, 60.2, 300.0) == 5  # the next 100 waited 0.6 s each
+    assert scrape(5.0, 60.2, 300.0) == 5  # none admitted since, still waiting: unchanged
+    assert scrape(0.0, 60.2, 300.0) == 0
+    assert scrape(4.0, 60.2, 300.0) == 0  # the queue emptied in between: 0 until admissions
+    assert scrape(4.0, 0.9, 3.0) == 4  # counters went back: a restart, no mean known yet
