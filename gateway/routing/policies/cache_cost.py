@@ -25,7 +25,8 @@ This is "spread when it beats waiting", in prefill tokens on both sides:
   requests decoding), requests wait for admission, and the engine says how many
   (``num_requests_waiting``). Each one ahead is priced as one prefill of this prompt (a slot
   frees only when a request has been prefilled and decoded), against the candidate with the
-  fewest waiting: a request sent there waits for none of the difference.
+  fewest waiting: a request sent there waits for none of the difference. The pool counts them
+  only while the engine's recent admissions really waited (``gateway.pool.QUEUE_FLOOR_S``).
 
 So a shared prompt stays on one holder while nobody queues (zero service time, tight caches:
 copying it only evicts others), and moves to a second holder when its holder's queue outgrows
