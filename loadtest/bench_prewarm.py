@@ -107,7 +107,7 @@ def arrivals(config: SurgeConfig) -> list[Arrival]:
     base = chat_requests(spec, int(config.base_rate * total_s * 2) + 16)
     out: list[Arrival] = []
     t = 0.0
-    while True:
+    while config.base_rate > 0:
         t += rng.expovariate(config.base_rate)
         if t >= total_s:
             break
@@ -286,6 +286,8 @@ def parse_args(argv: Sequence[str]) -> tuple[SurgeConfig, Path]:
     modes += tuple(label for label, _ in sources)
     if a.repeats < 1 or a.workers < 2:
         p.error("--repeats must be >= 1 and --workers >= 2")
+    if min(a.base_rate, a.surge_from, a.surge_to, a.before_s, a.ramp_s, a.hold_s) < 0:
+        p.error("rates and durations must be >= 0")
     config = SurgeConfig(
         workers=a.workers, base_rate=a.base_rate, surge_from=a.surge_from,
         surge_to=a.surge_to, before_s=a.before_s, ramp_s=a.ramp_s, hold_s=a.hold_s,

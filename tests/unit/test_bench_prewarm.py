@@ -53,3 +53,10 @@ def test_a_gateway_from_another_checkout_is_one_more_mode() -> None:
     config, _ = parse_args(["--modes", "prewarm", "--gateway-from", "before=/src/old"])
     assert config.modes == ("prewarm", "before")
     assert config.sources == (("before", "/src/old"),)
+
+
+def test_the_surge_alone_without_a_base_load() -> None:
+    load = arrivals(SurgeConfig(base_rate=0.0, surge_to=10.0, before_s=1.0, ramp_s=2.0,
+                                hold_s=2.0, system_chars=500))
+    assert load
+    assert all(a.surge for a in load)
