@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from gateway.backends.base import UpstreamRequest
 from gateway.pool import WorkerPool
+from gateway.routing.policies.cache_cost import excess_wait
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Decision, RouteRequest
 from gateway.warmup_sources import WarmPrompt
@@ -105,16 +106,15 @@ class PreWarmer:
         blocks = request.key.total_blocks
         prompt = max(request.prompt_tokens, 1)
         states = [s for s in self.pool.states() if s.healthy]
-        if not blocks or decision.worker.id not in {s.worker.id for s in states}:
+        holder = next((s for s in states if s.worker.id == decision.worker.id), None)
+        if holder is None or not blocks:
             return False
-        holder = self.pool.get(decision.worker.id)
         queued = sum(s.inflight_prefill for s in states)
-        least_waiting = min(s.waiting_requests() for s in states)
         saved = prompt * min(decision.match_blocks, blocks) / blocks
         behind = 1.0 + queued / prompt
-        excess = self.options.wait_weight * (
-            max(0.0, holder.inflight_prefill - queued / len(states))
-            + prompt * (holder.waiting_requests() - least_waiting))
+        excess = self.options.wait_weight * excess_wait(
+            holder.inflight_prefill, holder.waiting_requests(), queued / len(states),
+            min(s.waiting_requests() for s in states), prompt)
         return saved > 0 and excess >= self.options.fraction * saved * behind
 
     def _hot_near_bound(

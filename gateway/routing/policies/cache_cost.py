@@ -50,6 +50,14 @@ from gateway.routing.engine import Context
 from gateway.routing.types import WorkerView
 
 
+def excess_wait(inflight_prefill: float, waiting: int, mean_prefill: float,
+                least_waiting: int, prompt: float) -> float:
+    """What waiting on a worker costs beyond the other candidates, in prefill tokens: its
+    queued prefill above their mean, and one prefill of the ``prompt`` per request its engine
+    has waiting beyond the least-waiting candidate's."""
+    return max(0.0, inflight_prefill - mean_prefill) + prompt * (waiting - least_waiting)
+
+
 class CacheCostScorer:
     name = "cache_cost"
 
@@ -86,9 +94,9 @@ class CacheCostScorer:
             if prefill > 0.0 and evict and not math.isinf(index.tail_age(w.id)):
                 prefill *= 1.0 + evict  # its cache is full: this evicts as much
             costs[w.id] = (self.prefill_weight * prefill * behind
-                           + self.wait_weight * (
-                               max(0.0, w.inflight_prefill - mean_wait)
-                               + prompt * (w.waiting_requests - least_waiting))
+                           + self.wait_weight * excess_wait(
+                               w.inflight_prefill, w.waiting_requests, mean_wait,
+                               least_waiting, prompt)
                            + self.queue_weight * w.inflight_tokens)
         worst = max(costs.values())
         if worst <= 0.0:
