@@ -72,7 +72,7 @@ class GatewaySettings:
     )
     evict_weight: float = field(
         default=_POLICY.evict_weight,
-        metadata=_help("cache_aware: prefill into a full cache costs 1 + this (what it evicts)"),
+        metadata=_help("cache_aware: prefill into a cache costs 1 + this x its fill (evictions)"),
     )
     cache_aware_load_factor: float = field(
         default=_POLICY.cache_aware_load_factor,

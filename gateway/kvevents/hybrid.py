@@ -299,6 +299,9 @@ class ModelledSignals:
     def tail_age(self, worker_id: str) -> float:
         return self.base.tail_age(worker_id)
 
+    def fill(self, worker_id: str) -> float:
+        return self.base.fill(worker_id)
+
 
 @dataclass(frozen=True, slots=True)
 class HybridMatcher(ModelledSignals):

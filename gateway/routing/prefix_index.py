@@ -137,6 +137,13 @@ class PrefixIndex:
         cache = self._caches.get(worker_id)
         return cache.held if cache is not None else 0
 
+    def fill(self, worker_id: str) -> float:
+        """Share of ``worker_id``'s modelled cache in use: 0 when empty, 1 once full."""
+        cache = self._caches.get(worker_id)
+        if cache is None:
+            return 0.0
+        return min(1.0, cache.held / self._capacity.get(worker_id, self._default_capacity))
+
     # -- lookups ------------------------------------------------------------------------------
 
     def holds(self, worker_id: str, block: int) -> bool:
@@ -502,3 +509,6 @@ class IndexView:
 
     def tail_age(self, worker_id: str) -> float:
         return self.index.tail_age(worker_id, self.now)
+
+    def fill(self, worker_id: str) -> float:
+        return self.index.fill(worker_id)

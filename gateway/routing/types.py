@@ -100,6 +100,10 @@ class PrefixMatcher(Protocol):
         """Age of the worker's least recently used block once its cache is full, else inf."""
         ...
 
+    def fill(self, worker_id: str) -> float:
+        """Share of the worker's cache in use: 0 when empty, 1 once full."""
+        ...
+
 
 class RingOrder(Protocol):
     """Consistent-hash ring: worker ids in ring order starting at ``anchor``."""

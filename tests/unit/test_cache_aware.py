@@ -137,7 +137,7 @@ def _spread(prefill: Mapping[str, int], held: Mapping[str, int], prompt: int,
 
 
 # Queued prefill Q per worker (tokens); w2 holds all 10 blocks of the prompt.
-# cost = prefill * (1 + evict if full) * (1 + sum Q / P) + max(0, Q - mean Q)   (T = 0 here)
+# cost = prefill * (1 + evict x fill) * (1 + sum Q / P) + max(0, Q - mean Q)   (T = 0 here)
 SPREAD_CASES = [
     # Nobody queues: the holder wins, however many requests shared the prefix before.
     pytest.param({}, 400, "w2", id="idle-pool-stays-on-holder"),
@@ -177,6 +177,34 @@ def test_a_full_cache_makes_a_move_dearer() -> None:
     # Full caches: w2 500 x 2 x 6 + 3750 = 9750 < 1000 x 2 x 6 = 12000: stays.
     assert _spread({"w2": 5000}, {"w2": 5}, 1000)[0] != "w2"
     assert _spread({"w2": 5000}, {"w2": 5}, 1000, full=True)[0] == "w2"
+
+
+def _with_fills(held: int, fills: Mapping[str, int]) -> tuple[str, str]:
+    """Nobody queues; w2 holds ``held`` of the prompt's 10 blocks in a full cache of 10; every
+    other worker's cache of 10 holds ``fills[w]`` blocks of other prefixes."""
+    index = PrefixIndex()
+    for i, wid in enumerate(IDS):
+        index.set_capacity(wid, 10)
+        used = 10 - held if wid == "w2" else fills[wid]
+        if used:
+            index.record(tuple(range(1000 * (i + 1), 1000 * (i + 1) + used)), wid, 0.0)
+    index.record(BLOCKS[:held], "w2", 1.0)
+    assert index.fill("w2") == 1.0
+    views = tuple(WorkerView(Worker(w, f"http://{w}"), True, 0, 0) for w in IDS)
+    request = RouteRequest(PrefixKey(BLOCKS, ANCHOR, 640), "m", 1010, 1000)
+    decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(1.0), RING))
+    return decision.worker_id, decision.reason
+
+
+def test_room_in_a_filling_cache_is_priced_by_its_fill() -> None:
+    # w2 holds 4 of 10 blocks in a full cache: 600 x 2 = 1,200. Workers whose caches are
+    # 8 / 10 full: 1,000 x 1.8 = 1,800. The holder keeps it: that room only defers an eviction.
+    nearly_full = {"w0": 8, "w1": 8, "w3": 8}
+    assert _with_fills(4, nearly_full) == ("w2", "prefix_hit depth=4")
+    # An empty cache (a worker just added): 1,000 x 1 = 1,000 < 1,200: it is free room.
+    chosen, why = _with_fills(4, {"w0": 8, "w1": 0, "w3": 8})
+    assert chosen == "w1"
+    assert why.startswith("spread: w2 outscored (depth=4)")
 
 
 def test_the_policy_weights_are_validated() -> None:

@@ -313,3 +313,15 @@ def test_branches_grow_sees_an_extension_through_sparse_checkpoints(
         blocks, depths = key(text)
         idx.record(blocks, "w1", 0.0, depths)
     assert idx.branches_grow(P("S" * 8)[-1]) is expected
+
+
+def test_fill_is_the_share_of_the_modelled_cache_in_use() -> None:
+    index = PrefixIndex()
+    index.set_capacity("w1", 8)
+    assert index.fill("w1") == 0.0
+    index.record((1, 2, 3, 4), "w1", 0.0)
+    assert index.fill("w1") == 0.5
+    index.record((5, 6, 7, 8, 9, 10), "w1", 1.0)  # 10 blocks into 8: full, the LRU evicted
+    assert index.fill("w1") == 1.0
+    assert index.at(1.0).fill("w1") == 1.0
+    assert index.fill("unknown") == 0.0

@@ -19,10 +19,11 @@ none, to the ring, and the new worker becomes a second holder of the prefix.
 ``cache_aware`` (the default) replaces the longest-match switch with one cost per worker,
 the prefill it would have to compute against the queue it has (see ``cache_cost``): a holder
 keeps its prefix until waiting on it costs more than the prefill a move adds, counted with what
-that prefill evicts from a full cache and the pool's queue it delays. A request count never
-spreads a prefix by itself: with zero service time or tight caches a copy only duplicates the
-prefix and evicts others. A cold prefix (no worker holds ``min_match_blocks`` of it) goes to one
-of the first ``ring_choices`` workers on the ring from its anchor, the one where it costs least
+that prefill evicts (as much as the worker's cache is full) and the pool's queue it delays. A
+request count never spreads a prefix by itself: with zero service time or tight caches a copy
+only duplicates the prefix and evicts others. A cold prefix (no worker holds
+``min_match_blocks`` of it) goes to one of the first ``ring_choices`` workers on the ring from
+its anchor, the one where it costs least
 (``spread_picker``): fewest recent requests for a short prompt, slowest cache turnover for a
 long one, skipping any with far more in flight. Placement stays tied to the anchor, so
 replicas mostly agree, and both the request counts and the caches' eviction even out. The hard
@@ -84,7 +85,7 @@ class PolicyOptions:
     prefill_weight: float = 1.0
     queue_weight: float = 0.01
     wait_weight: float = 1.0  # cache_aware: prefill queued on a worker, against prefill saved
-    evict_weight: float = 1.0  # cache_aware: prefill that evicts from a full cache costs 1 + w
+    evict_weight: float = 1.0  # cache_aware: prefill costs 1 + w x the cache's fill (evictions)
     min_match_blocks: int = 2
     ring_choices: int = 4
     spread_guard: float = 1.5  # cache_aware: skip choices over 1.5 x their mean in flight

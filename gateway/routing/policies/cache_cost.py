@@ -2,21 +2,26 @@
 
 For a request of ``P`` prompt tokens whose first ``d`` of ``n`` blocks a worker is known to hold::
 
-    prefill = P * (1 - d / n) * (1 + evict_weight if its modelled cache is full)
+    prefill = P * (1 - d / n) * (1 + evict_weight * F)
     cost    = prefill_weight * prefill * (1 + Q_all / P)
               + wait_weight * (max(0, Q - mean Q) + P * (R - min R))
               + queue_weight * T
 
-``Q`` is the worker's queued prefill (prompt tokens of its requests in flight predicted not to
-be cached, until their first token comes back), ``Q_all`` the candidates' total, ``R`` the
-requests its engine reports waiting for admission and ``T`` its tokens in flight. The score is
-``1 - cost / max cost`` over the candidates.
+``F`` is the share of the worker's modelled cache in use (1 once full), ``Q`` its queued
+prefill (prompt tokens of its requests in flight predicted not to be cached, until their first
+token comes back), ``Q_all`` the candidates' total, ``R`` the requests its engine reports
+waiting for admission and ``T`` its tokens in flight. The score is ``1 - cost / max cost``
+over the candidates.
 
 This is "spread when it beats waiting", in prefill tokens on both sides:
 
 * a request sent away from the holder of its prefix must redo the prefill the holder would
   have skipped, and in a full cache that evicts as much that someone else will miss
-  (``evict_weight = 1``: what LRU evicts is on average worth what it stores);
+  (``evict_weight = 1``: what LRU evicts is on average worth what it stores). A cache with
+  room only defers that eviction, the less the fuller it is, so the charge grows with the
+  fill: a cache nearly full is priced almost as a full one (priced as empty, a few blocks of
+  room would pull a conversation off the full cache that holds half of it while the fleet
+  warms up), and an empty cache, a worker just added, as free room;
 * extra prefill is work every request queued in the pool waits for in turn, so on a busy pool
   it counts once per prompt of this size queued (``1 + Q_all / P``; 1 on an idle pool);
 * waiting is only saved where the holder's queue is longer than the others' (queues every
@@ -43,7 +48,6 @@ nothing about where the rest of the prompt lives.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from gateway.routing.engine import Context
@@ -91,8 +95,8 @@ class CacheCostScorer:
         evict = self.evict_weight
         for w in candidates:
             prefill = prompt * (1.0 - matches.get(w.id, 0) / blocks)
-            if prefill > 0.0 and evict and not math.isinf(index.tail_age(w.id)):
-                prefill *= 1.0 + evict  # its cache is full: this evicts as much
+            if prefill > 0.0 and evict:
+                prefill *= 1.0 + evict * index.fill(w.id)  # what it evicts, now or soon
             costs[w.id] = (self.prefill_weight * prefill * behind
                            + self.wait_weight * excess_wait(
                                w.inflight_prefill, w.waiting_requests, mean_wait,
