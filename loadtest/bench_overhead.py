@@ -84,6 +84,7 @@ class OverheadConfig:
     # ``long_requests`` each; the router's CPU per request is reported per size.
     long_chars: tuple[int, ...] = ()
     long_requests: int = 20
+    long_reps: int = 1  # rounds over every size, targets in rotating order; medians reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,11 @@ class TargetResult:
     # > 0); -1 for routers that do not say. With --procs N: do the processes share the index?
     index_hits: float = -1.0
     long_cpu_ms: dict[int, float] = field(default_factory=dict)  # prompt chars -> CPU ms/req
+    long_cpu_runs: dict[int, list[float]] = field(default_factory=dict)  # each round's
+    # Our gateway: mean routing decision time per long request, in microseconds (its
+    # gateway_route_decision_seconds histogram, read before and after each size's round).
+    long_decision_us: dict[int, float] = field(default_factory=dict)
+    long_decision_runs: dict[int, list[float]] = field(default_factory=dict)
 
     def median(self, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in self.reps) if self.reps else 0.0
@@ -447,15 +453,47 @@ async def run_bench(config: OverheadConfig, command: str, profile: Path | None) 
             results[name].index_hits = pairs[-1, "index hit"] / seen if seen else -1.0
             results[name].worker_share = dict(sorted(share.items()))
             results[name].affinity = prefix_affinity(pairs)
-        for chars in config.long_chars:
-            bodies = long_bodies(config, chars)
-            for t in targets:
-                if t.pid:
-                    print(f"[bench] long prompts, {chars} chars: {t.name} ...", file=sys.stderr,
-                          flush=True)
-                    one = await throughput(session, t, bodies, 1, Counter())
-                    results[t.name].long_cpu_ms[chars] = one.cpu_s_per_1k
+        await long_prompts(session, config, [t for t in targets if t.pid], results)
     return OverheadResult(command, config, list(results.values()), skipped)
+
+
+async def decision_totals(session: aiohttp.ClientSession, target: Target) -> tuple[float, int]:
+    """Our gateway's routing decisions so far: (seconds summed, count), from its /metrics."""
+    async with session.get(target.url + "/metrics") as resp:
+        text = await resp.text()
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        if line.startswith("gateway_route_decision_seconds_sum"):
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("gateway_route_decision_seconds_count"):
+            count = int(float(line.rsplit(" ", 1)[1]))
+    return total, count
+
+
+async def long_prompts(session: aiohttp.ClientSession, config: OverheadConfig,
+                       targets: Sequence[Target], results: dict[str, TargetResult]) -> None:
+    """Each long size, ``long_reps`` rounds, targets in rotating order: every router's CPU ms
+    per request and our gateways' decision time; medians over the rounds."""
+    sizes = {chars: long_bodies(config, chars) for chars in config.long_chars}
+    for rep in range(config.long_reps):
+        for chars, bodies in sizes.items():
+            for t in _rotated(targets, rep):
+                print(f"[bench] long prompts, {chars} chars, round {rep + 1}: {t.name} ...",
+                      file=sys.stderr, flush=True)
+                ours = t.name.startswith("ours")
+                before = await decision_totals(session, t) if ours else (0.0, 0)
+                one = await throughput(session, t, bodies, 1, Counter())
+                result = results[t.name]
+                result.long_cpu_runs.setdefault(chars, []).append(one.cpu_s_per_1k)
+                if ours:
+                    after = await decision_totals(session, t)
+                    if after[1] > before[1]:
+                        result.long_decision_runs.setdefault(chars, []).append(
+                            (after[0] - before[0]) / (after[1] - before[1]) * 1e6)
+    for result in results.values():
+        result.long_cpu_ms = {c: statistics.median(v) for c, v in result.long_cpu_runs.items()}
+        result.long_decision_us = {c: statistics.median(v)
+                                   for c, v in result.long_decision_runs.items()}
 
 
 # -- output --------------------------------------------------------------------------------
@@ -463,6 +501,34 @@ async def run_bench(config: OverheadConfig, command: str, profile: Path | None) 
 
 def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "-"
+
+
+def long_table(result: OverheadResult) -> list[str]:
+    """Router CPU ms per long request by prompt size (median of the rounds, each round in
+    brackets), the largest over the smallest, and our gateways' decision time."""
+    c = result.config
+    sizes = sorted({s for t in result.targets for s in t.long_cpu_ms})
+    if not sizes:
+        return []
+    lines = ["", f"Long prompts: {c.long_requests} sequential chat requests sharing one "
+             f"system prompt of the given size, {c.long_reps} round(s); router CPU ms per "
+             "request, median (each round):", "",
+             "| target | " + " | ".join(f"{s:,} chars" for s in sizes)
+             + f" | {sizes[-1]:,} / {sizes[0]:,} |", "|---|" + "---:|" * (len(sizes) + 1)]
+    for t in result.targets:
+        if t.long_cpu_ms:
+            cells = [f"{t.long_cpu_ms.get(s, 0.0):.2f} ("
+                     + ", ".join(f"{v:.2f}" for v in t.long_cpu_runs.get(s, [])) + ")"
+                     for s in sizes]
+            lines.append(f"| {t.name} | " + " | ".join(cells) + " | "
+                         + _ratio(t.long_cpu_ms.get(sizes[-1], 0.0),
+                                  t.long_cpu_ms.get(sizes[0], 0.0)) + " |")
+    for t in result.targets:
+        if t.long_decision_us:
+            lines.append(f"- {t.name}: routing decision " + ", ".join(
+                f"{t.long_decision_us[s]:.0f} us at {s:,} chars"
+                for s in sizes if s in t.long_decision_us))
+    return lines
 
 
 def to_markdown(result: OverheadResult) -> str:
@@ -519,16 +585,7 @@ def to_markdown(result: OverheadResult) -> str:
     for t in result.targets:
         reps = "; ".join(f"{r.rps:,.0f}, {r.p99_ms:.1f}, {r.cpu_s_per_1k:.3f}" for r in t.reps)
         lines.append(f"- {t.name}: {reps}")
-    sizes = sorted({c for t in result.targets for c in t.long_cpu_ms})
-    if sizes:
-        lines += ["", f"Long prompts: {c.long_requests} sequential chat requests sharing one "
-                  "system prompt of the given size; router CPU ms per request:", "",
-                  "| target | " + " | ".join(f"{s:,} chars" for s in sizes) + " |",
-                  "|---|" + "---:|" * len(sizes)]
-        for t in result.targets:
-            if t.long_cpu_ms:
-                lines.append(f"| {t.name} | " + " | ".join(
-                    f"{t.long_cpu_ms.get(s, 0.0):.2f}" for s in sizes) + " |")
+    lines += long_table(result)
     for name, why in result.skipped.items():
         lines.append(f"- {name}: not run ({why})")
     if result.profile_top:
@@ -562,12 +619,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--long", default="", metavar="CHARS,...",
                    help="also send long prompts of these sizes in characters, sequentially")
     p.add_argument("--long-requests", type=int, default=20, help="requests per long size")
+    p.add_argument("--long-reps", type=int, default=1,
+                   help="rounds over the long sizes (targets rotated); medians reported")
     p.add_argument("--profile", type=Path, help="py-spy our gateway; collapsed stacks to FILE")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path, help="also write the markdown to this file")
     args = p.parse_args(argv)
     if min(args.workers, args.prefixes, args.requests, args.concurrency, args.reps,
-           args.sequential, args.procs) < 1:
+           args.sequential, args.procs, args.long_reps) < 1:
         p.error("counts must be >= 1")
     unknown = set(args.routers.split(",")) - set(ROUTERS)
     if unknown:
@@ -584,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         routers=tuple(r for r in args.routers.split(",") if r), procs=args.procs,
         gateway_args=tuple(args.gateway_arg),
         long_chars=tuple(int(c) for c in args.long.split(",") if c.strip()),
-        long_requests=args.long_requests,
+        long_requests=args.long_requests, long_reps=args.long_reps,
         variants=tuple(
             (label, tuple(shlex.split(extra)))
             for label, _, extra in (v.partition("=") for v in args.variant)

@@ -40,3 +40,15 @@ def test_cpu_is_paired_by_repetition_against_ours() -> None:
     text = to_markdown(result)
     assert "- ours[before]: 1.250x ours" in text
     assert "- direct:" not in text.split("paired by repetition")[1].split("Per repetition")[0]
+
+
+def test_long_prompts_report_medians_the_ratio_and_decision_time() -> None:
+    ours = TargetResult("ours", long_cpu_runs={1000: [2.0, 9.0, 3.0], 64000: [6.0, 5.0, 30.0]},
+                        long_cpu_ms={1000: 3.0, 64000: 6.0}, long_decision_us={1000: 40.0,
+                                                                               64000: 55.0})
+    peer = TargetResult("sglang-router", long_cpu_runs={1000: [1.0], 64000: [4.0]},
+                        long_cpu_ms={1000: 1.0, 64000: 4.0})
+    text = to_markdown(OverheadResult("cmd", OverheadConfig(long_reps=3), [ours, peer], {}))
+    assert "| ours | 3.00 (2.00, 9.00, 3.00) | 6.00 (6.00, 5.00, 30.00) | 2.00x |" in text
+    assert "| sglang-router | 1.00 (1.00) | 4.00 (4.00) | 4.00x |" in text
+    assert "- ours: routing decision 40 us at 1,000 chars, 55 us at 64,000 chars" in text
