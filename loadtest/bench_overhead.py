@@ -459,7 +459,8 @@ async def run_bench(config: OverheadConfig, command: str, profile: Path | None) 
 
 async def decision_totals(session: aiohttp.ClientSession, target: Target) -> tuple[float, int]:
     """Our gateway's routing decisions so far: (seconds summed, count), from its /metrics."""
-    async with session.get(target.url + "/metrics") as resp:
+    base = target.url.rsplit("/v1/", 1)[0]  # target.url is the chat completions URL
+    async with session.get(base + "/metrics") as resp:
         text = await resp.text()
     total, count = 0.0, 0
     for line in text.splitlines():
