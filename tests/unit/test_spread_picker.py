@@ -63,15 +63,36 @@ def test_fresh_index_goes_by_load_then_ring_order() -> None:
 def test_recent_requests_balance_the_placement() -> None:
     index = PrefixIndex()
     _fill(index, "w0", 0, 2, [1.0, 2.0, 3.0])  # three recent requests on w0
-    _fill(index, "w1", 1000, 2, [3.0])  # one on w1; no cache is full, so no pressure term
+    _fill(index, "w1", 1000, 2, [3.0])  # one on w1, whose cache is also the emptier
     assert _route(index, 4) == "w1"
 
 
 def test_old_requests_weigh_less_than_new_ones() -> None:
     index = PrefixIndex(heat_half_life_s=10.0)
     _fill(index, "w0", 0, 2, [0.0, 0.0, 0.0])  # three, long ago
-    _fill(index, "w1", 1000, 2, [99.0])  # one, just now
+    _fill(index, "w1", 1000, 6, [99.0])  # one, just now (and as many blocks: equal fill)
     assert _route(index, 4, now=100.0) == "w0"
+
+
+def _filling() -> PrefixIndex:
+    """No cache full: w0 took one long prompt (40 of 200 blocks), w1 two short ones (4)."""
+    index = PrefixIndex(heat_half_life_s=1000.0)
+    for wid in IDS:
+        index.set_capacity(wid, 200)
+    _fill(index, "w0", 0, 40, [1.0])
+    _fill(index, "w1", 1000, 2, [1.0, 2.0])
+    return index
+
+
+@pytest.mark.parametrize(("blocks", "expected"), [(1, "w0"), (100, "w1")])
+def test_while_caches_fill_a_long_prompt_goes_to_the_emptier_cache(
+    blocks: int, expected: str
+) -> None:
+    # No cache evicts yet, so the pressure is the fill: 0.2 against 0.02 (1.82 / 0.18 of the
+    # mean). Requests 1 against 2 (0.67 / 1.33); mean size 44 / 3 blocks.
+    # 1 block:   w0 0.67 + 4 * 0.068 * 1.82 = 1.16,  w1 1.33 + 4 * 0.068 * 0.18 = 1.38 -> w0
+    # 100 blocks: w0 0.67 + 4 * 6.8 * 1.82 = 50,     w1 1.33 + 4 * 6.8 * 0.18 = 6.3  -> w1
+    assert _route(_filling(), blocks) == expected
 
 
 def _two_kinds_of_load() -> PrefixIndex:

@@ -23,10 +23,10 @@ that prefill evicts (as much as the worker's cache is full) and the pool's queue
 request count never spreads a prefix by itself: with zero service time or tight caches a copy
 only duplicates the prefix and evicts others. A cold prefix (no worker holds
 ``min_match_blocks`` of it) goes to one of the first ``ring_choices`` workers on the ring from
-its anchor, the one where it costs least
-(``spread_picker``): fewest recent requests for a short prompt, slowest cache turnover for a
-long one, skipping any with far more in flight. Placement stays tied to the anchor, so
-replicas mostly agree, and both the request counts and the caches' eviction even out. The hard
+its anchor, the one where it costs least (``spread_picker``): fewest recent requests for a short
+prompt, slowest cache turnover (while none is full, the emptiest cache) for a long one,
+skipping any with far more in flight. Placement stays tied to the anchor, so replicas mostly
+agree, and both the request counts and the caches' eviction even out. The hard
 bound is a loose guard, ``cache_aware_load_factor`` (3 x mean): an instantaneous token bound of
 1.25 x mean sends away a quarter of the hits on real traffic, while the cost and the ring
 choices already keep the cumulative load within 1.1 x mean (BENCHMARKS.md).

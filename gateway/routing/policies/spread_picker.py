@@ -21,7 +21,12 @@ the choices::
 ``recent_requests`` is the decayed count of requests the index recorded for ``w`` (its own
 gateway's and, through the metadata store, the other replicas'); ``pressure = 1 / tail_age``
 is how fast ``w``'s modelled cache turns over (0 while it has room); ``n_w`` is the blocks this
-request would add to ``w`` and ``n_mean`` what a request adds on average. The size factor is
+request would add to ``w`` and ``n_mean`` what a request adds on average. While no choice's
+cache is full (a fleet warming up), the pressure is each one's fill, the share of its modelled
+cache in use: the fullest is the first that will evict, and placing long prompts by fill makes
+the caches fill evenly, so that they start evicting together and at the same pace. Balancing
+request counts alone there let the caches that happened to take the long prompts fill first
+and evict from then on faster than the rest. The size factor is
 what makes one key serve both goals: a short prompt goes where requests are fewest, a long one
 where eviction is cheapest (the greedy step for the sum of squares of both loads).
 
@@ -67,6 +72,8 @@ class SpreadPicker(RingPicker):
         index = ctx.snapshot.index
         recent = {v.id: index.recent_requests(v.id) / weight[v.id] for _, v in eligible}
         pressure = {v.id: _pressure(index.tail_age(v.id)) for _, v in eligible}
+        if not any(pressure.values()):  # nobody evicts yet: the fullest will be first
+            pressure = {v.id: index.fill(v.id) for _, v in eligible}
         mean_recent = sum(recent.values()) / len(eligible) or 1.0
         mean_pressure = sum(pressure.values()) / len(eligible) or 1.0
         blocks = ctx.request.key.total_blocks
