@@ -87,15 +87,19 @@ def read_result(path: Path) -> dict[str, float]:
     }
 
 
-async def worker_hits(urls: Sequence[str]) -> tuple[int, int]:
+async def worker_hits(urls: Sequence[str]) -> tuple[int, int, list[int]]:
+    """The workers' prompt tokens looked up and found cached, summed, and each worker's
+    finished requests (from ``/stats``)."""
     queries = hits = 0
+    finished: list[int] = []
     async with aiohttp.ClientSession() as session:
         for url in urls:
             async with session.get(url + "/stats") as response:
-                cache = (await response.json())["cache"]
-            queries += int(cache["queries_tokens"])
-            hits += int(cache["hit_tokens"])
-    return queries, hits
+                stats = await response.json()
+            queries += int(stats["cache"]["queries_tokens"])
+            hits += int(stats["cache"]["hit_tokens"])
+            finished.append(int(stats["requests_finished"]))
+    return queries, hits, finished
 
 
 async def run_guidellm(binary: str, target: str, tokenizer_dir: Path, requests: int,
@@ -138,7 +142,9 @@ async def bench(binary: str, requests: int, routers: Sequence[str]) -> list[dict
                 after = await worker_hits(fleet.urls)
                 queries = after[0] - before[0]
                 hit = (after[1] - before[1]) / queries if queries else 0.0
-                rows.append({"router": router, **row, "token_hit_rate": hit})
+                served = [a - b for a, b in zip(after[2], before[2], strict=True)]
+                rows.append({"router": router, **row, "token_hit_rate": hit,
+                             "worker_requests": served})
                 print(f"[guidellm] {router}: {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(logs, ignore_errors=True)
@@ -151,11 +157,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--guidellm", required=True, help="the guidellm executable (its own venv)")
     p.add_argument("--requests", type=int, default=400, help="requests per router")
     p.add_argument("--no-peers", action="store_true", help="only the gateway")
+    p.add_argument("--routers", default="",
+                   help="comma list instead of the default set (ours:POLICY, sglang-router, smg)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(args_list)
     routers = [f"ours:{GatewaySettings().policy}", "ours:round_robin"]
     if not args.no_peers:
         routers += list(PEERS)
+    if args.routers:
+        routers = [r for r in args.routers.split(",") if r]
     try:
         rows = asyncio.run(bench(args.guidellm, args.requests, routers))
     except (RuntimeError, OSError, PeerUnavailableError, aiohttp.ClientError) as exc:
@@ -166,11 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"command": command, "rows": rows}, indent=2))
         return 0
     print(f"```\n{command}\n```\n")
-    print("| router | TTFT p50 ms | TTFT p95 ms | requests/s | token hit rate | errored |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| router | TTFT p50 ms | TTFT p95 ms | requests/s | token hit rate | errored | "
+          "requests per worker |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['router']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p95_ms']:.1f} | "
-              f"{r['requests_per_s']:.1f} | {r['token_hit_rate']:.3f} | {r['errored']:.0f} |")
+              f"{r['requests_per_s']:.1f} | {r['token_hit_rate']:.3f} | {r['errored']:.0f} | "
+              f"{', '.join(map(str, r['worker_requests']))} |")
     return 0
 
 
