@@ -87,10 +87,12 @@ def read_result(path: Path) -> dict[str, float]:
     }
 
 
-async def worker_hits(urls: Sequence[str]) -> tuple[int, int, list[int]]:
-    """The workers' prompt tokens looked up and found cached, summed, and each worker's
-    finished requests (from ``/stats``)."""
-    queries = hits = 0
+async def worker_hits(urls: Sequence[str]) -> tuple[int, int, list[int], float, int]:
+    """The workers' prompt tokens looked up and found cached, summed; each worker's finished
+    requests (from ``/stats``); and their time to first token, summed over requests, with the
+    count (``vllm:time_to_first_token_seconds`` from ``/metrics``)."""
+    queries = hits = ttft_count = 0
+    ttft_sum = 0.0
     finished: list[int] = []
     async with aiohttp.ClientSession() as session:
         for url in urls:
@@ -99,7 +101,14 @@ async def worker_hits(urls: Sequence[str]) -> tuple[int, int, list[int]]:
             queries += int(stats["cache"]["queries_tokens"])
             hits += int(stats["cache"]["hit_tokens"])
             finished.append(int(stats["requests_finished"]))
-    return queries, hits, finished
+            async with session.get(url + "/metrics") as response:
+                for line in (await response.text()).splitlines():
+                    name, _, value = line.partition(" ")
+                    if name.startswith("vllm:time_to_first_token_seconds_sum"):
+                        ttft_sum += float(value)
+                    elif name.startswith("vllm:time_to_first_token_seconds_count"):
+                        ttft_count += int(float(value))
+    return queries, hits, finished, ttft_sum, ttft_count
 
 
 async def run_guidellm(binary: str, target: str, tokenizer_dir: Path, requests: int,
@@ -143,8 +152,10 @@ async def bench(binary: str, requests: int, routers: Sequence[str]) -> list[dict
                 queries = after[0] - before[0]
                 hit = (after[1] - before[1]) / queries if queries else 0.0
                 served = [a - b for a, b in zip(after[2], before[2], strict=True)]
+                counted = after[4] - before[4]
+                worker_ttft = (after[3] - before[3]) / counted * 1e3 if counted else 0.0
                 rows.append({"router": router, **row, "token_hit_rate": hit,
-                             "worker_requests": served})
+                             "worker_requests": served, "worker_ttft_mean_ms": worker_ttft})
                 print(f"[guidellm] {router}: {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(logs, ignore_errors=True)
@@ -177,12 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print(f"```\n{command}\n```\n")
     print("| router | TTFT p50 ms | TTFT p95 ms | requests/s | token hit rate | errored | "
-          "requests per worker |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+          "workers' mean TTFT ms | requests per worker |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['router']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p95_ms']:.1f} | "
               f"{r['requests_per_s']:.1f} | {r['token_hit_rate']:.3f} | {r['errored']:.0f} | "
-              f"{', '.join(map(str, r['worker_requests']))} |")
+              f"{r['worker_ttft_mean_ms']:.1f} | {', '.join(map(str, r['worker_requests']))} |")
     return 0
 
 
