@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "request (default 0)")
     p.add_argument("--ring-seeds", type=int, nargs="+", default=[0], metavar="S",
                    help="run once per ring seed (worker names) and summarise (default 0)")
+    p.add_argument("--loss-breakdown", action="store_true",
+                   help="per request, where the blocks one pooled LRU would reuse went: routed "
+                   "to a worker holding less than another, or evicted fleet-wide")
     p.add_argument("--jobs", type=int, default=1, help="with --policy all: parallel processes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -133,7 +136,7 @@ def config_from_args(args: argparse.Namespace, policy: str) -> SimConfig:
         concurrency=concurrency, speedup=args.speedup or 1.0, max_running=args.max_running,
         costs=costs, serial_prefill=not args.parallel_prefill,
         route_delay_s=args.route_delay_ms / 1e3, relay_delay_s=args.relay_delay_ms / 1e3,
-        streaming=args.streaming,
+        streaming=args.streaming, loss_breakdown=args.loss_breakdown,
     )
     if args.rebalance_interval_s is not None:
         config = dataclasses.replace(config, rebalance_interval_s=args.rebalance_interval_s)

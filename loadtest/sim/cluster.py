@@ -141,6 +141,9 @@ class SimConfig:
     # The gateway's rebalancer, every this many simulated seconds (0: off).
     rebalance_interval_s: float = field(
         default_factory=lambda: _gateway_default("rebalance_interval_s"))
+    # Per request, where the blocks the pooled LRU would reuse went (SimResult.losses); costs
+    # a lookup in every worker's cache per request.
+    loss_breakdown: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.cache_blocks < 1 or self.max_running < 1:
@@ -229,6 +232,10 @@ class SimResult:
     ring_seed: int = 0
     # The rebalancer's actions by kind (shrink_capacity, grow_capacity, shed).
     rebalance: Mapping[str, int] = field(default_factory=dict)
+    # With SimConfig.loss_breakdown, in blocks: "routed_elsewhere" (another worker held more
+    # than the chosen one reused), "evicted_fleet_wide" (one pooled LRU of the fleet's size
+    # would still hold what no worker did), "kept_longer" (the other way round).
+    losses: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -239,6 +246,8 @@ class _Job:
     attempt: Attempt
     delay_factor: float = 1.0
     matched_blocks: int = 0
+    pooled_blocks: int = 0  # with loss_breakdown: what one pooled LRU would reuse
+    best_blocks: int = 0  # ... and the most any worker held when it was routed
 
 
 class _Telemetry:
@@ -311,6 +320,9 @@ class ClusterSim:
         self._rejected = 0
         self._assignments: list[str] = []
         self._reasons: Counter[str] = Counter()
+        self._pooled = (PrefixCache(config.cache_blocks * len(ids), 1)
+                        if config.loss_breakdown else None)
+        self._losses: Counter[str] = Counter()
 
     @property
     def router(self) -> Router:
@@ -344,6 +356,11 @@ class ClusterSim:
             key=key, model=MODEL, cost_tokens=req.cost_tokens, prompt_tokens=req.input_tokens
         )
         per_block = per_block or 1
+        pooled = best = 0
+        if self._pooled is not None:  # diagnostic, untimed: before this request is placed
+            best = max(w.cache.lookup(req.blocks) for w in self.workers.values())
+            pooled = self._pooled.allocate("r", req.blocks).matched_blocks
+            self._pooled.release("r")
         if self.router.uses_prefix_index:
             # Diagnostic, untimed: the deepest prefix any worker was known to hold.
             held = max(self.index.match(key.blocks, now).values(), default=0)
@@ -357,7 +374,8 @@ class ClusterSim:
         w = self.workers[decision.worker_id]
         self._assignments.append(w.worker.id)
         w.routed += 1
-        w.queue.append(_Job(req, str(req.index), issued, attempt, factor))
+        w.queue.append(_Job(req, str(req.index), issued, attempt, factor,
+                            pooled_blocks=pooled, best_blocks=best))
         w.max_queue = max(w.max_queue, len(w.queue))
         self._pump(w, now)
 
@@ -389,6 +407,8 @@ class ClusterSim:
             w.blocks += len(req.blocks)
             w.matched_blocks += alloc.matched_blocks
             job.matched_blocks = alloc.matched_blocks
+            if self._pooled is not None:
+                self._count_losses(job)
             cached = min(alloc.matched_blocks * BLOCK_TOKENS, req.input_tokens)
             prefill = costs.prefill_seconds(req.input_tokens - cached, cached)
             start = max(now, w.prefill_free_at) if self.config.serial_prefill else now
@@ -400,6 +420,12 @@ class ClusterSim:
                 self._at(first_token, functools.partial(self._first_token, job.attempt))
             done = first_token + costs.decode_seconds(req.output_tokens)
             self._at(done, functools.partial(self._complete, w, job))
+
+    def _count_losses(self, job: _Job) -> None:
+        best, pooled = job.best_blocks, job.pooled_blocks
+        self._losses["routed_elsewhere"] += max(0, best - job.matched_blocks)
+        self._losses["evicted_fleet_wide"] += max(0, pooled - best)
+        self._losses["kept_longer"] += max(0, best - pooled)
 
     def _first_token(self, attempt: Attempt, now: float) -> None:
         self.session.first_token(attempt)
@@ -460,6 +486,7 @@ class ClusterSim:
             wall_seconds=time.perf_counter() - started, per_worker=per_worker,
             assignments=tuple(self._assignments), reasons=dict(self._reasons),
             ring_seed=cfg.ring_seed, rebalance=dict(self._rebalance_actions),
+            losses=dict(self._losses) if self._pooled is not None else {},
         )
 
 

@@ -69,6 +69,10 @@ def metrics(result: SimResult, pooled: float) -> Metrics:
         "decision_us_p50": percentile(result.decision_us, 50),
         "decision_us_p99": percentile(result.decision_us, 99),
         "reasons": dict(sorted(result.reasons.items())),
+        # Shares of all blocks (SimConfig.loss_breakdown): the hit rate is the pooled LRU's
+        # minus routed_elsewhere and evicted_fleet_wide, plus kept_longer.
+        **({"losses": {k: round(v / result.blocks, 4) for k, v in sorted(result.losses.items())}}
+           if result.losses and result.blocks else {}),
         "sim_seconds": result.sim_seconds,
         "wall_seconds": result.wall_seconds,
         "per_worker": {

@@ -79,6 +79,24 @@ def test_one_worker_known_lru_evictions(policy: str) -> None:
     assert result.per_worker[0].uncached_blocks == 11
 
 
+def test_loss_breakdown_splits_the_gap_to_the_pooled_lru() -> None:
+    # Round robin, two workers with room for everything: [1,2,3] on w0, [1,2,3,4] on w1 (w0
+    # held 3 of it: routed elsewhere), [1,2,3,4,5] on w0 (w1 held 4, w0 reuses 3: 1 more).
+    reqs = trace([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 5])
+    result = simulate(reqs, config(2, 100, "round_robin", loss_breakdown=True))
+    assert result.losses == {"routed_elsewhere": 3 + 1, "evicted_fleet_wide": 0, "kept_longer": 0}
+    pooled = pooled_bound(reqs, 200)
+    m = metrics(result, pooled)
+    losses = m["losses"]
+    assert isinstance(losses, dict)
+    # The pooled LRU's hit rate, less what was routed elsewhere, is what the fleet reused.
+    assert pooled - losses["routed_elsewhere"] == pytest.approx(num(m, "block_hit_rate"), abs=1e-4)
+    # One worker is its own pooled LRU: nothing is lost, whatever it evicts.
+    one = simulate(trace(*LRU_SEQUENCE), config(1, 4, "round_robin", loss_breakdown=True))
+    assert one.losses == {"routed_elsewhere": 0, "evicted_fleet_wide": 0, "kept_longer": 0}
+    assert simulate(reqs, config(2, 100, "round_robin")).losses == {}
+
+
 def test_pooled_bound_is_one_lru_of_all_capacity() -> None:
     reqs = trace(*LRU_SEQUENCE)
     assert pooled_bound(reqs, 4) == pytest.approx(LRU_HITS)
