@@ -55,7 +55,14 @@ from typing import Any
 import aiohttp
 
 from infra.procs import free_port_block, start_server, stop_processes
-from loadtest.harness import HOST, MODEL, ZERO_COST_WORKER_ARGS, emit, percentile
+from loadtest.harness import (
+    HOST,
+    MODEL,
+    ZERO_COST_WORKER_ARGS,
+    emit,
+    histogram_totals,
+    percentile,
+)
 from loadtest.peers import PEERS, PeerUnavailableError, peer_launcher, running_peer
 from loadtest.workloads import system_prompt, words
 
@@ -461,14 +468,7 @@ async def decision_totals(session: aiohttp.ClientSession, target: Target) -> tup
     """Our gateway's routing decisions so far: (seconds summed, count), from its /metrics."""
     base = target.url.rsplit("/v1/", 1)[0]  # target.url is the chat completions URL
     async with session.get(base + "/metrics") as resp:
-        text = await resp.text()
-    total, count = 0.0, 0
-    for line in text.splitlines():
-        if line.startswith("gateway_route_decision_seconds_sum"):
-            total = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("gateway_route_decision_seconds_count"):
-            count = int(float(line.rsplit(" ", 1)[1]))
-    return total, count
+        return histogram_totals(await resp.text(), "gateway_route_decision_seconds")
 
 
 async def long_prompts(session: aiohttp.ClientSession, config: OverheadConfig,

@@ -35,7 +35,7 @@ import aiohttp
 
 from gateway.settings import GatewaySettings
 from infra.procs import free_port_block
-from loadtest.harness import MODEL
+from loadtest.harness import MODEL, histogram_totals
 from loadtest.peers import PEERS, PeerUnavailableError, running_peer
 from loadtest.replay import Fleet, ReplayConfig, gateway_running
 from loadtest.workloads import VOCABULARY
@@ -102,12 +102,10 @@ async def worker_hits(urls: Sequence[str]) -> tuple[int, int, list[int], float, 
             hits += int(stats["cache"]["hit_tokens"])
             finished.append(int(stats["requests_finished"]))
             async with session.get(url + "/metrics") as response:
-                for line in (await response.text()).splitlines():
-                    name, _, value = line.partition(" ")
-                    if name.startswith("vllm:time_to_first_token_seconds_sum"):
-                        ttft_sum += float(value)
-                    elif name.startswith("vllm:time_to_first_token_seconds_count"):
-                        ttft_count += int(float(value))
+                seconds, count = histogram_totals(await response.text(),
+                                                  "vllm:time_to_first_token_seconds")
+            ttft_sum += seconds
+            ttft_count += count
     return queries, hits, finished, ttft_sum, ttft_count
 
 

@@ -100,6 +100,20 @@ async def replay(
     await asyncio.gather(*(sender() for _ in range(concurrency)))
     return [r for r in replies if r is not None]
 
+def histogram_totals(text: str, name: str) -> tuple[float, int]:
+    """A histogram's observations so far in a Prometheus text page: (sum, count) of ``name``,
+    added up over its label sets."""
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        metric = sample.split("{", 1)[0]
+        if metric == name + "_sum":
+            total += float(value)
+        elif metric == name + "_count":
+            count += int(float(value))
+    return total, count
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (``q`` in (0, 100])."""
     ordered = sorted(values)

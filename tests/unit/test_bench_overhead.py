@@ -11,6 +11,7 @@ from loadtest.bench_overhead import (
     to_markdown,
     top_functions,
 )
+from loadtest.harness import histogram_totals
 
 
 def test_top_functions_counts_own_and_inclusive_samples() -> None:
@@ -52,3 +53,20 @@ def test_long_prompts_report_medians_the_ratio_and_decision_time() -> None:
     assert "| ours | 3.00 (2.00, 9.00, 3.00) | 6.00 (6.00, 5.00, 30.00) | 2.00x |" in text
     assert "| sglang-router | 1.00 (1.00) | 4.00 (4.00) | 4.00x |" in text
     assert "- ours: routing decision 40 us at 1,000 chars, 55 us at 64,000 chars" in text
+
+
+def test_histogram_totals_add_up_label_sets_and_skip_buckets() -> None:
+    page = (
+        "# HELP vllm:time_to_first_token_seconds Time to first token\n"
+        'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3.0\n'
+        'vllm:time_to_first_token_seconds_sum{model_name="m"} 0.25\n'
+        'vllm:time_to_first_token_seconds_count{model_name="m"} 3.0\n'
+        'vllm:time_to_first_token_seconds_sum{model_name="n"} 0.5\n'
+        'vllm:time_to_first_token_seconds_count{model_name="n"} 2.0\n'
+        "vllm:time_to_first_token_seconds_sum_other 9.0\n"
+        "gateway_route_decision_seconds_sum 0.004\n"
+        "gateway_route_decision_seconds_count 8.0\n"
+    )
+    assert histogram_totals(page, "vllm:time_to_first_token_seconds") == (0.75, 5)
+    assert histogram_totals(page, "gateway_route_decision_seconds") == (0.004, 8)
+    assert histogram_totals(page, "absent_seconds") == (0.0, 0)
