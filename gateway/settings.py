@@ -120,6 +120,13 @@ class GatewaySettings:
                        "requests gets no credit for it; with none left the request is placed "
                        "as a cold prefix from the ring position past the trunk (0: never)"),
     )
+    volume_guard: float = field(
+        default=_POLICY.volume_guard,
+        metadata=_help("cache_aware: a holder whose recent routed prompt blocks (cached or "
+                       "not) exceed this x its share of the pool's by more than twice the "
+                       "request gets no credit for a session's next turn (a request that "
+                       "extends a prompt it holds) (0: never)"),
+    )
     store: str = field(
         default="memory://",
         metadata=_help("metadata store: memory:// (embedded, one process) or redis://host:port/db"),

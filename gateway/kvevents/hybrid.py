@@ -287,11 +287,20 @@ class ModelledSignals:
     def branches_grow(self, block: int) -> bool:
         return self.base.branches_grow(block)
 
+    def extends(self, block: int, depth: int) -> bool:
+        return self.base.extends(block, depth)
+
     def recent_requests(self, worker_id: str) -> float:
         return self.base.recent_requests(worker_id)
 
     def pool_recent_requests(self) -> float:
         return self.base.pool_recent_requests()
+
+    def recent_blocks(self, worker_id: str) -> float:
+        return self.base.recent_blocks(worker_id)
+
+    def pool_recent_blocks(self) -> float:
+        return self.base.pool_recent_blocks()
 
     def mean_new_blocks(self) -> float:
         return self.base.mean_new_blocks()

@@ -23,6 +23,10 @@ from gateway.routing.types import (
     WorkerView,
 )
 
+# The volume guard's hysteresis, in multiples of the request's blocks
+# (:meth:`RoutingEngine._volume`).
+VOLUME_SLACK = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class Context:
@@ -95,6 +99,10 @@ class Profile:
     # past the trunk (:meth:`RoutingEngine._branch`). Only for a trunk whose branches grow
     # (``PrefixMatcher.branches_grow``). 0: never.
     branch_guard: float = 0.0
+    # A holder whose recent routed prompt blocks are over ``volume_guard`` times its share by
+    # more than ``VOLUME_SLACK`` times the request's blocks gets no credit for what it holds
+    # (:meth:`RoutingEngine._volume`). 0: never.
+    volume_guard: float = 0.0
 
 
 def _weight(by_id: Mapping[str, WorkerView] | None, wid: str) -> float:
@@ -120,6 +128,11 @@ class RoutingEngine:
         branch = None
         if matches and profile.branch_guard > 0:
             branch, matches = self._branch(request, snapshot, matches, deepest)
+        over: Mapping[str, int] = {}
+        if (matches and branch is None and profile.volume_guard > 0
+                and deepest < len(request.key.blocks) and snapshot.index.extends(
+                    request.key.blocks[deepest - 1], request.key.depth_at(deepest))):
+            matches, over = self._volume(request, snapshot, matches)
         anchor = request.key.anchor if branch is None else branch
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
         limit = profile.candidate_limit
@@ -143,7 +156,7 @@ class RoutingEngine:
                 # Each score clamped to [0, 1] (inline: once per candidate and scorer).
                 totals[wid] += weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
         chosen, how = profile.picker.pick(ctx, candidates, totals)
-        return self._decision(ctx, chosen, how, dropped, totals)
+        return self._decision(ctx, chosen, how, dropped, totals, over)
 
     def _matches(self, request: RouteRequest, snapshot: Snapshot) -> tuple[dict[str, int], int]:
         """Known holders of at least ``min_match_blocks`` of the prefix (worker -> depth in
@@ -209,6 +222,47 @@ class RoutingEngine:
                        or index.recent_requests(wid) <= fair * _weight(by_id, wid)}
         return None, matches
 
+    def _volume(
+        self, request: RouteRequest, snapshot: Snapshot, matches: dict[str, int]
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """The matches that keep their credit under the volume guard, and those that lose it.
+
+        Sessions stick to the worker that holds their history, so a worker's load over a
+        minute is the sessions it was given, and one long-context session can be most of a
+        worker's load: on long agent sessions a few workers each take twice the mean prompt
+        volume while others idle, although the requests in flight at any instant look even
+        (a session has one request in flight at a time). Bounded loads on the *recent* routed
+        volume (prompt blocks recorded for the worker, cached or not, halved every
+        ``heat_half_life_s``) with a hysteresis: a holder keeps its credit while its recent
+        blocks plus this request's are within ``volume_guard`` times its share of the pool's
+        (this request's included) plus ``VOLUME_SLACK`` times this request's blocks. A move
+        redoes the held part of them elsewhere, so it is made only for an excess of more than
+        that; the slack also lets the worker a session moves to take it and its next turns
+        before its own bound trips, so a moved session does not bounce back, and it keeps the
+        bound from tripping while the pool has recorded only a few requests. A holder
+        without credit is treated as not holding the prefix: another holder or a cold
+        placement (the ring choices, where requests and cache turnover are lowest) takes the
+        request, and reports it ``DIVERTED`` by ``volume_guard``. Only for a request that
+        extends the prompt its deepest known prefix ends (``PrefixMatcher.extends``: a
+        session's next turn): requests sharing a system prompt or a document from inside are
+        not a session, a copy of what they share moves no load, and they spread only when
+        waiting on the holder costs more than the prefill (``cache_cost``)."""
+        index = snapshot.index
+        weights = (snapshot.pool_load[1] if snapshot.pool_load is not None
+                   else sum(w.worker.weight for w in snapshot.workers)) or 1.0
+        size = request.key.total_blocks
+        fair = self.profile.volume_guard * (index.pool_recent_blocks() + size) / weights
+        by_id = snapshot.by_id
+        slack = VOLUME_SLACK * size
+        kept: dict[str, int] = {}
+        over: dict[str, int] = {}
+        for wid, depth in matches.items():
+            if index.recent_blocks(wid) + size <= fair * _weight(by_id, wid) + slack:
+                kept[wid] = depth
+            else:
+                over[wid] = depth
+        return kept, over
+
     @staticmethod
     def _narrow(
         anchor: int,
@@ -272,6 +326,7 @@ class RoutingEngine:
         how: str,
         dropped: Mapping[str, str],
         totals: Mapping[str, float],
+        over_volume: Mapping[str, int],
     ) -> Decision:
         profile = self.profile
         depth = ctx.matches.get(chosen.id, 0)
@@ -282,6 +337,10 @@ class RoutingEngine:
             holder_blocks = ctx.matches[holder]
         elif depth > 0:
             kind = DecisionKind.PREFIX_HIT
+        elif not ctx.matches and over_volume:  # every holder lost its credit to the volume
+            kind = DecisionKind.DIVERTED
+            holder = max(over_volume, key=lambda wid: over_volume[wid])
+            holder_blocks, why = over_volume[holder], "volume_guard"
         elif not ctx.matches:
             kind = DecisionKind.COLD if profile.uses_prefix_index else DecisionKind.PLACED
         else:

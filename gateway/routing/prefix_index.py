@@ -52,6 +52,7 @@ class Churn:
 
     requests: float = 0.0
     new_blocks: float = 0.0
+    routed_blocks: float = 0.0  # whole prompts, cached part included
     at: float = 0.0
 
 
@@ -217,6 +218,14 @@ class PrefixIndex:
         node = self._nodes.get(block)
         return node is not None and any(hold.children for hold in node.holders.values())
 
+    def extends(self, block: int, depth: int) -> bool:
+        """Whether a prompt that goes on past the prefix ``block`` names to its next checkpoint
+        at ``depth`` blocks *extends* the prompt that recorded that prefix (goes on from its
+        end, as a session's next turn does) rather than sharing it from inside (as another
+        question on a shared document or system prompt does)."""
+        node = self._nodes.get(block)
+        return node is not None and depth > node.end
+
     def branches_grow(self, block: int) -> bool:
         """Whether the prompts that went on from the fork ``block`` names grow: later prompts
         extended them (went on from the end of one, as a session's next turn does) at least
@@ -281,8 +290,8 @@ class PrefixIndex:
         if last.holders[worker_id].children == 0:
             heapq.heappush(cache.leaves, (seq, blocks[n - 1]))
         self._trim(worker_id, self.capacity(worker_id))
-        self._count(cache.churn, new_blocks, now)
-        self._count(self._pool_churn, new_blocks, now)
+        self._count(cache.churn, new_blocks, total, now)
+        self._count(self._pool_churn, new_blocks, total, now)
 
     def _went_on(self, known: _Node, block: int, after: int, now: float) -> int | None:
         """A prompt went on past ``known`` (its deepest known prefix, named ``block``) to its
@@ -440,10 +449,11 @@ class PrefixIndex:
 
     # -- churn --------------------------------------------------------------------------------
 
-    def _count(self, churn: Churn, new_blocks: int, now: float) -> None:
+    def _count(self, churn: Churn, new_blocks: int, routed: int, now: float) -> None:
         keep = self._decay_factor(churn.at, now)
         churn.requests = churn.requests * keep + 1.0
         churn.new_blocks = churn.new_blocks * keep + new_blocks
+        churn.routed_blocks = churn.routed_blocks * keep + routed
         churn.at = now
 
     def _decay_factor(self, at: float, now: float) -> float:
@@ -462,6 +472,20 @@ class PrefixIndex:
         """Requests recorded for all workers, halved every ``heat_half_life_s``."""
         churn = self._pool_churn
         return churn.requests * self._decay_factor(churn.at, now)
+
+    def recent_blocks(self, worker_id: str, now: float) -> float:
+        """Prompt blocks (cached or not) of the requests recorded for ``worker_id``, halved
+        every ``heat_half_life_s``."""
+        cache = self._caches.get(worker_id)
+        if cache is None:
+            return 0.0
+        return cache.churn.routed_blocks * self._decay_factor(cache.churn.at, now)
+
+    def pool_recent_blocks(self, now: float) -> float:
+        """Prompt blocks of the requests recorded for all workers, halved every
+        ``heat_half_life_s``."""
+        churn = self._pool_churn
+        return churn.routed_blocks * self._decay_factor(churn.at, now)
 
     def mean_new_blocks(self) -> float:
         """Blocks a recorded request added to its worker's cache, on average over all workers
@@ -498,11 +522,20 @@ class IndexView:
     def branches_grow(self, block: int) -> bool:
         return self.index.branches_grow(block)
 
+    def extends(self, block: int, depth: int) -> bool:
+        return self.index.extends(block, depth)
+
     def recent_requests(self, worker_id: str) -> float:
         return self.index.recent_requests(worker_id, self.now)
 
     def pool_recent_requests(self) -> float:
         return self.index.pool_recent_requests(self.now)
+
+    def recent_blocks(self, worker_id: str) -> float:
+        return self.index.recent_blocks(worker_id, self.now)
+
+    def pool_recent_blocks(self) -> float:
+        return self.index.pool_recent_blocks(self.now)
 
     def mean_new_blocks(self) -> float:
         return self.index.mean_new_blocks()

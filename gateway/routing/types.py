@@ -84,12 +84,27 @@ class PrefixMatcher(Protocol):
         names at least as often as they reused them (true until either is seen)."""
         ...
 
+    def extends(self, block: int, depth: int) -> bool:
+        """Whether a prompt going on past the prefix ``block`` names to its next checkpoint at
+        ``depth`` blocks extends the prompt that recorded it (a session's next turn), rather
+        than sharing it from inside."""
+        ...
+
     def recent_requests(self, worker_id: str) -> float:
         """Recent requests (decayed) recorded for ``worker_id``."""
         ...
 
     def pool_recent_requests(self) -> float:
         """Recent requests (decayed) recorded for all workers together."""
+        ...
+
+    def recent_blocks(self, worker_id: str) -> float:
+        """Prompt blocks (cached or not) of the recent requests recorded for ``worker_id``,
+        decayed as ``recent_requests``."""
+        ...
+
+    def pool_recent_blocks(self) -> float:
+        """Prompt blocks of the recent requests recorded for all workers together."""
         ...
 
     def mean_new_blocks(self) -> float:

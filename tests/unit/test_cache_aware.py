@@ -390,3 +390,68 @@ def test_requests_waiting_in_the_holders_engine_move_its_prefix(
     among equals); when every worker has as many waiting, the holder keeps it."""
     chosen, _ = _route({wid: 100 for wid in IDS}, {"w2": 10}, 400, waiting=waiting)
     assert chosen == expected
+
+
+# -- the volume guard: one long session cannot make a worker's load ------------------------------
+LONG = tuple(range(2000, 2100))  # a long session's history: 100 blocks
+
+
+def _volume_route(heavy_turns: int, opts: PolicyOptions | None = None) -> Decision:
+    """w1 holds the long session, recorded ``heavy_turns`` times; w0, w2 and w3 took one
+    20-block prompt each. The request is the session's next turn (it extends the recorded
+    prompt by 4 blocks)."""
+    index = PrefixIndex()
+    for _ in range(heavy_turns):
+        index.record(LONG, "w1", 0.0)
+    for i, wid in enumerate(("w0", "w2", "w3")):
+        index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
+    prompt = (*LONG, 5000, 5001, 5002, 5003)
+    request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
+                           16 * len(prompt) + 10, 16 * len(prompt))
+    engine = build_engine("cache_aware", opts or PolicyOptions())
+    return engine.route(request, Snapshot(views, index.at(0.0), RING))
+
+
+@pytest.mark.parametrize(("turns", "opts", "moved"), [
+    # 2 turns: w1 has 200 of the pool's 260 recent blocks. Its bound: 1.25 x (260 + 104) / 4
+    # = 113.75, plus twice the request (208) = 321.75 >= 200 + 104: it keeps the session.
+    pytest.param(2, None, False, id="within-the-slack-the-holder-keeps-it"),
+    # 3 turns: 300 of 360; bound 1.25 x 464 / 4 + 208 = 353 < 404: the session moves.
+    pytest.param(3, None, True, id="over-its-share-by-more-than-the-slack-moves"),
+    pytest.param(6, PolicyOptions(volume_guard=0.0), False, id="volume-guard-0-never-moves"),
+])
+def test_a_holder_over_its_share_of_the_recent_volume_loses_the_session(
+    turns: int, opts: PolicyOptions | None, moved: bool
+) -> None:
+    decision = _volume_route(turns, opts)
+    if moved:
+        assert decision.worker_id != "w1"
+        assert decision.kind is DecisionKind.DIVERTED
+        assert (decision.holder, decision.holder_blocks) == ("w1", 100)
+        assert decision.diverted_by == "volume_guard"
+        assert decision.reason.startswith("diverted: w1 volume_guard")
+    else:
+        assert decision.worker_id == "w1"
+        assert decision.kind is DecisionKind.PREFIX_HIT
+
+
+def test_the_volume_guard_must_be_off_or_at_least_1() -> None:
+    with pytest.raises(ValueError, match="volume_guard"):
+        PolicyOptions(volume_guard=0.5)
+
+
+def test_the_volume_guard_leaves_a_shared_prompt_with_its_holder() -> None:
+    """Requests that share a prompt from inside (a system prompt, a document) are not a
+    session: copying the prompt does not move any load, so the guard does not apply. w1 took
+    every recent request, each the shared 100 blocks and a question of its own."""
+    index = PrefixIndex()
+    for q in range(6):
+        index.record((*LONG, 6000 + q), "w1", 0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
+    prompt = (*LONG, 7000)
+    request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
+                           16 * len(prompt) + 10, 16 * len(prompt))
+    decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(0.0), RING))
+    assert decision.worker_id == "w1"
+    assert decision.kind is DecisionKind.PREFIX_HIT

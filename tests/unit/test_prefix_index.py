@@ -214,6 +214,35 @@ def test_churn_counts_requests_and_new_blocks_and_halves_with_time() -> None:
     assert index.recent_requests("w1", now) == 0.0
 
 
+def test_recent_blocks_count_whole_prompts_cached_part_included_and_halve() -> None:
+    index = PrefixIndex(heat_half_life_s=10.0)
+    now = 100.0
+    index.record([1, 2, 3, 4], "w1", now)
+    index.record([1, 2, 3, 4, 5, 6], "w1", now)  # 2 new blocks, but a 6-block prompt routed
+    index.record([7, 8], "w2", now, depths=(16, 32))  # sparse checkpoints: 32 blocks deep
+    assert index.recent_blocks("w1", now) == pytest.approx(10.0)
+    assert index.recent_blocks("w2", now) == pytest.approx(32.0)
+    assert index.recent_blocks("w9", now) == 0.0
+    assert index.pool_recent_blocks(now) == pytest.approx(42.0)
+    view = index.at(now + 10.0)  # one half-life later
+    assert view.recent_blocks("w1") == pytest.approx(5.0)
+    assert view.pool_recent_blocks() == pytest.approx(21.0)
+    index.forget_worker("w1")
+    assert index.recent_blocks("w1", now) == 0.0
+
+
+def test_extends_tells_a_sessions_next_turn_from_a_prompt_shared_from_inside() -> None:
+    index = PrefixIndex()
+    index.record([1, 2, 3, 4], "w1", 0.0)  # a prompt of 4 blocks
+    assert index.extends(4, 5)  # going on from its end: the next turn
+    assert not index.extends(2, 3)  # going on from inside it: sharing its first 2 blocks
+    assert not index.extends(99, 100)  # unknown
+    index.record([11, 12], "w1", 0.0, depths=(16, 32))  # sparse: its end is at depth 32
+    assert index.extends(12, 48)
+    assert not index.extends(11, 32)
+    assert index.at(0.0).extends(4, 6)
+
+
 def test_tail_age_is_infinite_until_the_modelled_cache_is_full() -> None:
     index = PrefixIndex()
     index.set_capacity("w1", 4)
