@@ -335,12 +335,13 @@ class RoutingEngine:
             kind = DecisionKind.BRANCH
             holder = max(ctx.matches, key=lambda wid: ctx.matches[wid])
             holder_blocks = ctx.matches[holder]
-        elif depth > 0:
-            kind = DecisionKind.PREFIX_HIT
-        elif not ctx.matches and over_volume:  # every holder lost its credit to the volume
+        elif over_volume and max(over_volume.values()) > depth:
+            # A holder of more lost its credit to the volume guard: the session moved.
             kind = DecisionKind.DIVERTED
             holder = max(over_volume, key=lambda wid: over_volume[wid])
             holder_blocks, why = over_volume[holder], "volume_guard"
+        elif depth > 0:
+            kind = DecisionKind.PREFIX_HIT
         elif not ctx.matches:
             kind = DecisionKind.COLD if profile.uses_prefix_index else DecisionKind.PLACED
         else:

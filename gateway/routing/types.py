@@ -145,7 +145,9 @@ class DecisionKind(StrEnum):
 
     PREFIX_HIT = "prefix_hit"  # it holds the deepest usable known prefix of the request
     COLD = "cold"  # no worker is known to hold the prefix: placed from the anchor's ring walk
-    DIVERTED = "diverted"  # a holder exists but was filtered out (its load bound, a failure)
+    # A holder exists but was filtered out (its load bound, a failure) or lost its credit (the
+    # volume guard).
+    DIVERTED = "diverted"
     SPREAD = "spread"  # a prefix given to one more holder: waiting cost more than the prefill
     # The known prefix is a shared trunk and most of the prompt is new: placed as a cold
     # prefix from the ring position past the trunk.

@@ -397,13 +397,14 @@ LONG = tuple(range(2000, 2100))  # a long session's history: 100 blocks
 
 
 def _volume_route(heavy_turns: int, opts: PolicyOptions | None = None) -> Decision:
-    """w1 holds the long session, recorded ``heavy_turns`` times; w0, w2 and w3 took one
-    20-block prompt each. The request is the session's next turn (it extends the recorded
-    prompt by 4 blocks)."""
+    """w1 holds the long session, recorded ``heavy_turns`` times; w0 took the session's first
+    20 blocks once, w2 and w3 one 20-block prompt each. The request is the session's next turn
+    (it extends the recorded prompt by 4 blocks)."""
     index = PrefixIndex()
     for _ in range(heavy_turns):
         index.record(LONG, "w1", 0.0)
-    for i, wid in enumerate(("w0", "w2", "w3")):
+    index.record(LONG[:20], "w0", 0.0)
+    for i, wid in enumerate(("w2", "w3")):
         index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
     views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
     prompt = (*LONG, 5000, 5001, 5002, 5003)
@@ -425,7 +426,7 @@ def test_a_holder_over_its_share_of_the_recent_volume_loses_the_session(
     turns: int, opts: PolicyOptions | None, moved: bool
 ) -> None:
     decision = _volume_route(turns, opts)
-    if moved:
+    if moved:  # to w0, which holds 20 blocks of it, or to a cold placement: diverted either way
         assert decision.worker_id != "w1"
         assert decision.kind is DecisionKind.DIVERTED
         assert (decision.holder, decision.holder_blocks) == ("w1", 100)
