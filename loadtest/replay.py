@@ -27,7 +27,9 @@ shape and with that run's timing (:mod:`loadtest.replay_sim`), ``--sim-draws`` t
 decision instants jittered (the mean is reported: on 1,000 requests one draw of routed
 max/mean moves by ~0.07), and reports the median over the live runs per policy
 (``simulated`` in the JSON, each run under ``runs``). ``--resimulate REPORT`` re-runs only the
-simulator against the live runs of a saved ``--json`` report.
+simulator against the live runs of a saved ``--json`` report. For the trace itself,
+``sticky_balance`` (:mod:`loadtest.sessions`): how many sessions it has and the routed max/mean
+that no router keeping each session on one worker can beat.
 
 Experiments for the telemetry-driven correction of the gateway's index: ``--restart-worker I@T``
 restarts worker I T seconds into every gateway run (its cache empties), ``--flush-worker I@T``
@@ -73,6 +75,7 @@ from loadtest.bench_gateway import (
 )
 from loadtest.peers import PEERS, PeerUnavailableError, process_cpu_seconds, running_peer
 from loadtest.replay_sim import simulate_runs
+from loadtest.sessions import sticky_balance
 from loadtest.sim.cluster import pooled_bound
 from loadtest.sim.report import max_over_mean
 from loadtest.simulate import DEFAULT_TRACE
@@ -728,12 +731,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = medians(results)
     sims = simulate_runs(requests, config, results, args.sim_draws) if args.simulate else []
     command = shlex.join(["python", "-m", "loadtest", "replay", *args_list])
+    sticky = sticky_balance(requests, config.workers)
     if args.json:
         print(json.dumps({"command": command, "trace": source, "requests": len(requests),
-                          "config": asdict(config), "medians": rows, "simulated": sims,
+                          "config": asdict(config), "sticky_balance": asdict(sticky),
+                          "medians": rows, "simulated": sims,
                           "runs": [asdict(r) for r in results]}, indent=2))
     else:
         print(f"```\n{command}\n```\n\n{source}: {len(requests)} requests, {config.workers} "
-              f"workers x {config.cache_blocks} blocks, concurrency {config.concurrency}\n")
+              f"workers x {config.cache_blocks} blocks, concurrency {config.concurrency}; "
+              f"{sticky.sessions} sessions, routed max/mean with each on one worker at least "
+              f"{sticky.largest_over_mean:.2f} ({sticky.packed_over_mean:.2f} packed in "
+              f"advance)\n")
         print(markdown(rows, sims), end="")
     return 0 if all(r.errors == 0 for r in results) else 1

@@ -1,0 +1,49 @@
+"""Sessions of a trace and the balance bound of session-sticky routing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest import sessions
+from loadtest.traces import TraceRequest, prefix_key
+
+
+def _req(index: int, ids: list[int]) -> TraceRequest:
+    return TraceRequest(index, float(index), 16 * len(ids), 1, prefix_key(ids, 16 * len(ids)))
+
+
+def test_a_session_is_a_chain_of_prompts_extending_each_other() -> None:
+    system = [1, 2, 3]
+    trace = [
+        _req(0, [*system, 10, 11]),  # session A, turn 1
+        _req(1, [*system, 20]),  # a question on the system prompt: its own session
+        _req(2, [*system, 10, 11, 12, 13]),  # A, turn 2 (extends turn 1)
+        _req(3, [*system, 21]),  # another question: shares only the system prompt
+        _req(4, [*system, 10, 11, 12, 13, 14]),  # A, turn 3
+        _req(5, [*system, 20]),  # the first question again: the same session
+    ]
+    assert sessions.session_volumes(trace) == [5 + 7 + 8, 4 + 4, 4]
+
+
+def test_the_bounds_are_the_largest_session_and_a_largest_first_packing() -> None:
+    # Sessions of 12, 3, 3, 3, 3 blocks over 2 workers: mean 12; the largest alone is 1.0,
+    # and packing puts 12 on one worker and 3 x 4 on the other.
+    trace = [_req(0, list(range(100, 112)))]
+    trace += [_req(i, list(range(1000 * i, 1000 * i + 3))) for i in range(1, 5)]
+    result = sessions.sticky_balance(trace, 2)
+    assert (result.sessions, result.largest_over_mean, result.packed_over_mean) == (5, 1.0, 1.0)
+    three = sessions.sticky_balance(trace, 3)  # mean 8: 12 alone is 1.5 x the mean
+    assert three.largest_over_mean == pytest.approx(1.5)
+    assert three.packed_over_mean == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="workers"):
+        sessions.sticky_balance(trace, 0)
+
+
+def test_the_command_reads_a_trace_as_the_replay_does(capsys: pytest.CaptureFixture[str]) -> None:
+    assert sessions.main(["--workload", "chat", "--requests", "200", "--workers", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 200
+    assert 1 <= out["sessions"] < 200  # conversations of several turns each
+    assert out["packed_over_mean"] >= out["largest_over_mean"] > 0
