@@ -125,7 +125,8 @@ class GatewaySettings:
         metadata=_help("cache_aware: a holder whose recent routed prompt blocks (cached or "
                        "not) exceed this x its share of the pool's by more than twice the "
                        "request gets no credit for a session's next turn (a request that "
-                       "extends a prompt it holds) (0: never)"),
+                       "extends a prompt it holds) when the session routed at least half a "
+                       "worker's share recently (0: never)"),
     )
     store: str = field(
         default="memory://",

@@ -302,6 +302,9 @@ class ModelledSignals:
     def pool_recent_blocks(self) -> float:
         return self.base.pool_recent_blocks()
 
+    def session_blocks(self, block: int) -> float:
+        return self.base.session_blocks(block)
+
     def mean_new_blocks(self) -> float:
         return self.base.mean_new_blocks()
 

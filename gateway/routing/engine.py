@@ -23,9 +23,11 @@ from gateway.routing.types import (
     WorkerView,
 )
 
-# The volume guard's hysteresis, in multiples of the request's blocks
-# (:meth:`RoutingEngine._volume`).
+# The volume guard (:meth:`RoutingEngine._volume`): its hysteresis, in multiples of the
+# request's blocks, and the share of a worker's fair volume a session must have routed
+# recently to be moved.
 VOLUME_SLACK = 2.0
+VOLUME_SESSION_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +102,9 @@ class Profile:
     # (``PrefixMatcher.branches_grow``). 0: never.
     branch_guard: float = 0.0
     # A holder whose recent routed prompt blocks are over ``volume_guard`` times its share by
-    # more than ``VOLUME_SLACK`` times the request's blocks gets no credit for what it holds
-    # (:meth:`RoutingEngine._volume`). 0: never.
+    # more than ``VOLUME_SLACK`` times the request's blocks gets no credit for what it holds,
+    # for a session's next turn when the session is heavy (:meth:`RoutingEngine._volume`).
+    # 0: never.
     volume_guard: float = 0.0
 
 
@@ -132,7 +135,7 @@ class RoutingEngine:
         if (matches and branch is None and profile.volume_guard > 0
                 and deepest < len(request.key.blocks) and snapshot.index.extends(
                     request.key.blocks[deepest - 1], request.key.depth_at(deepest))):
-            matches, over = self._volume(request, snapshot, matches)
+            matches, over = self._volume(request, snapshot, matches, deepest)
         anchor = request.key.anchor if branch is None else branch
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
         limit = profile.candidate_limit
@@ -223,7 +226,7 @@ class RoutingEngine:
         return None, matches
 
     def _volume(
-        self, request: RouteRequest, snapshot: Snapshot, matches: dict[str, int]
+        self, request: RouteRequest, snapshot: Snapshot, matches: dict[str, int], deepest: int
     ) -> tuple[dict[str, int], dict[str, int]]:
         """The matches that keep their credit under the volume guard, and those that lose it.
 
@@ -231,33 +234,42 @@ class RoutingEngine:
         minute is the sessions it was given, and one long-context session can be most of a
         worker's load: on long agent sessions a few workers each take twice the mean prompt
         volume while others idle, although the requests in flight at any instant look even
-        (a session has one request in flight at a time). Bounded loads on the *recent* routed
-        volume (prompt blocks recorded for the worker, cached or not, halved every
+        (a session has one request in flight at a time). Bounded loads on the *recent*
+        routed volume (prompt blocks recorded for the worker, cached or not, halved every
         ``heat_half_life_s``) with a hysteresis: a holder keeps its credit while its recent
         blocks plus this request's are within ``volume_guard`` times its share of the pool's
         (this request's included) plus ``VOLUME_SLACK`` times this request's blocks. A move
-        redoes the held part of them elsewhere, so it is made only for an excess of more than
-        that; the slack also lets the worker a session moves to take it and its next turns
-        before its own bound trips, so a moved session does not bounce back, and it keeps the
-        bound from tripping while the pool has recorded only a few requests. A holder
-        without credit is treated as not holding the prefix: another holder or a cold
+        redoes the held part of them elsewhere, so it is made only for an excess of more
+        than that; the slack also lets the worker a session moves to take it and its next
+        turns before its own bound trips, so a moved session does not bounce back, and it
+        keeps the bound from tripping while the pool has recorded only a few requests. A
+        holder without credit is treated as not holding the prefix: another holder or a cold
         placement (the ring choices, where requests and cache turnover are lowest) takes the
-        request, and reports it ``DIVERTED`` by ``volume_guard``. Only for a request that
-        extends the prompt its deepest known prefix ends (``PrefixMatcher.extends``: a
-        session's next turn): requests sharing a system prompt or a document from inside are
-        not a session, a copy of what they share moves no load, and they spread only when
-        waiting on the holder costs more than the prefill (``cache_cost``)."""
+        request, and reports it ``DIVERTED`` by ``volume_guard``. Only a session that has
+        routed at least ``VOLUME_SESSION_SHARE`` (half) of a worker's fair share recently,
+        this request included (``PrefixMatcher.session_blocks``), is moved: lighter sessions
+        are balanced by where new sessions are placed, and moving one costs a prefill for
+        little of the excess (on multi-turn chat, moving them cost 2 points of hit rate for
+        balance no target asked for). Only for a request that extends the prompt its deepest
+        known prefix ends (``PrefixMatcher.extends``: a session's next turn): requests
+        sharing a system prompt or a document from inside are not a session, a copy of what
+        they share moves no load, and they spread only when waiting on the holder costs more
+        than the prefill (``cache_cost``)."""
         index = snapshot.index
         weights = (snapshot.pool_load[1] if snapshot.pool_load is not None
                    else sum(w.worker.weight for w in snapshot.workers)) or 1.0
         size = request.key.total_blocks
-        fair = self.profile.volume_guard * (index.pool_recent_blocks() + size) / weights
-        by_id = snapshot.by_id
+        share = (index.pool_recent_blocks() + size) / weights  # per unit of weight
+        session = index.session_blocks(request.key.blocks[deepest - 1]) + size
         slack = VOLUME_SLACK * size
+        guard = self.profile.volume_guard
+        by_id = snapshot.by_id
         kept: dict[str, int] = {}
         over: dict[str, int] = {}
         for wid, depth in matches.items():
-            if index.recent_blocks(wid) + size <= fair * _weight(by_id, wid) + slack:
+            fair = share * _weight(by_id, wid)
+            if (index.recent_blocks(wid) + size <= guard * fair + slack
+                    or session < VOLUME_SESSION_SHARE * fair):
                 kept[wid] = depth
             else:
                 over[wid] = depth

@@ -31,6 +31,10 @@ on from its end), a question on a shared document *reuses* it (goes on from insi
 :meth:`PrefixIndex.branches_grow` tells the routing policy which of the two a fork's branches
 are (O(1) per record: the deepest known checkpoint is already found).
 
+Prompts that extend each other (each a session's next turn) form a *session*; the index keeps
+each session's recently routed blocks, so that the routing policy can tell a worker loaded by
+one long session from one loaded by many small ones (:meth:`PrefixIndex.session_blocks`).
+
 It also keeps each worker's recent *churn*, which the cold-placement picker balances
 (:mod:`gateway.routing.policies.spread_picker`): requests recorded for it and blocks they added
 (decayed with the same half-life as the heat), and the age of its least recently used block
@@ -78,6 +82,7 @@ class _Node:
     # prompt's fork; None for the first prompt on its path and the prompts extending it).
     end: int = 0
     fork: int | None = None
+    session: int = 0  # the chain of prompts extending each other that added it
 
 
 @dataclass(slots=True)
@@ -118,6 +123,9 @@ class PrefixIndex:
         self._pool_forks = _Fork()
         self._seq = 0
         self._swept_at = -math.inf
+        # Session -> its recent requests and routed blocks, in order of last use.
+        self._sessions: dict[int, Churn] = {}
+        self._next_session = 0
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -258,12 +266,20 @@ class PrefixIndex:
         shared = max(held, self._known_count(blocks, n, {}))
         total = depths[n - 1] if depths else n
         fork: int | None = None
+        session = -1  # a prompt that extends the one that added ``known`` continues its session
         if shared:
             known = nodes[blocks[shared - 1]]
             self._heat_up(known, now)
             if shared < n:
                 after = depths[shared] if depths else shared + 1
+                if after > known.end:
+                    session = known.session
                 fork = self._went_on(known, blocks[shared - 1], after, now)
+            else:
+                session = known.session
+        if session < 0:
+            session = self._next_session
+            self._next_session += 1
         parent = blocks[held - 1] if held else None
         if parent is not None and held < n:
             nodes[parent].holders[worker_id].children += 1
@@ -273,7 +289,7 @@ class PrefixIndex:
             node = nodes.get(h)
             if node is None:
                 depth = depths[i] if depths else i + 1
-                node = nodes[h] = _Node(parent, depth, end=total, fork=fork)
+                node = nodes[h] = _Node(parent, depth, end=total, fork=fork, session=session)
             node.holders[worker_id] = _Hold(seq, now, 1 if i < n - 1 else 0)
             cache.nodes.add(h)
             parent = h
@@ -292,6 +308,9 @@ class PrefixIndex:
         self._trim(worker_id, self.capacity(worker_id))
         self._count(cache.churn, new_blocks, total, now)
         self._count(self._pool_churn, new_blocks, total, now)
+        churn = self._sessions.pop(session, None) or Churn(at=now)
+        self._sessions[session] = churn  # re-inserted: the dict stays in order of last use
+        self._count(churn, new_blocks, total, now)
 
     def _went_on(self, known: _Node, block: int, after: int, now: float) -> int | None:
         """A prompt went on past ``known`` (its deepest known prefix, named ``block``) to its
@@ -443,6 +462,12 @@ class PrefixIndex:
             return
         self._swept_at = now
         cutoff = now - self._ttl_s
+        sessions = self._sessions
+        while sessions:
+            session, churn = next(iter(sessions.items()))
+            if churn.at >= cutoff:
+                break
+            del sessions[session]
         for wid, cache in self._caches.items():
             while (oldest := self._oldest_leaf(cache, wid)) is not None and oldest[1].at < cutoff:
                 self._evict(wid, oldest[0])
@@ -480,6 +505,13 @@ class PrefixIndex:
         if cache is None:
             return 0.0
         return cache.churn.routed_blocks * self._decay_factor(cache.churn.at, now)
+
+    def session_blocks(self, block: int, now: float) -> float:
+        """Prompt blocks routed recently (halved every ``heat_half_life_s``) for the session
+        that recorded the prefix ``block`` names: the chain of prompts extending each other."""
+        node = self._nodes.get(block)
+        churn = self._sessions.get(node.session) if node is not None else None
+        return churn.routed_blocks * self._decay_factor(churn.at, now) if churn else 0.0
 
     def pool_recent_blocks(self, now: float) -> float:
         """Prompt blocks of the requests recorded for all workers, halved every
@@ -536,6 +568,9 @@ class IndexView:
 
     def pool_recent_blocks(self) -> float:
         return self.index.pool_recent_blocks(self.now)
+
+    def session_blocks(self, block: int) -> float:
+        return self.index.session_blocks(block, self.now)
 
     def mean_new_blocks(self) -> float:
         return self.index.mean_new_blocks()

@@ -107,6 +107,11 @@ class PrefixMatcher(Protocol):
         """Prompt blocks of the recent requests recorded for all workers together."""
         ...
 
+    def session_blocks(self, block: int) -> float:
+        """Prompt blocks of the recent requests of the session (prompts extending each other)
+        that recorded the prefix ``block`` names, decayed as ``recent_requests``."""
+        ...
+
     def mean_new_blocks(self) -> float:
         """Blocks a recent request added to its worker's cache, on average."""
         ...

@@ -415,10 +415,11 @@ def _volume_route(heavy_turns: int, opts: PolicyOptions | None = None) -> Decisi
 
 
 @pytest.mark.parametrize(("turns", "opts", "moved"), [
-    # 2 turns: w1 has 200 of the pool's 260 recent blocks. Its bound: 1.25 x (260 + 104) / 4
-    # = 113.75, plus twice the request (208) = 321.75 >= 200 + 104: it keeps the session.
+    # 2 turns: w1 has 200 of the pool's 260 recent blocks. Its bound: 1.2 x (260 + 104) / 4
+    # = 109.2, plus twice the request (208) = 317.2 >= 200 + 104: it keeps the session.
     pytest.param(2, None, False, id="within-the-slack-the-holder-keeps-it"),
-    # 3 turns: 300 of 360; bound 1.25 x 464 / 4 + 208 = 353 < 404: the session moves.
+    # 3 turns: 300 of 360; bound 1.2 x 464 / 4 + 208 = 347.2 < 404, and the session routed
+    # 424 blocks (w0's 20 and this request included), over half a worker's share (58): it moves.
     pytest.param(3, None, True, id="over-its-share-by-more-than-the-slack-moves"),
     pytest.param(6, PolicyOptions(volume_guard=0.0), False, id="volume-guard-0-never-moves"),
 ])
@@ -453,6 +454,28 @@ def test_the_volume_guard_leaves_a_shared_prompt_with_its_holder() -> None:
     prompt = (*LONG, 7000)
     request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
                            16 * len(prompt) + 10, 16 * len(prompt))
+    decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(0.0), RING))
+    assert decision.worker_id == "w1"
+    assert decision.kind is DecisionKind.PREFIX_HIT
+
+
+def test_the_volume_guard_leaves_a_light_session_with_its_holder() -> None:
+    """w1 is over its bound because of eight other sessions, not this one: a 10-block session
+    routed once. Moving it would cost its prefill for a tenth of the excess; placing new
+    sessions elsewhere balances such load, so it stays."""
+    index = PrefixIndex()
+    session = tuple(range(9000, 9010))
+    index.record(session, "w1", 0.0)
+    for i in range(8):
+        index.record(tuple(range(8000 + 100 * i, 8030 + 100 * i)), "w1", 0.0)
+    for i, wid in enumerate(("w0", "w2", "w3")):
+        index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
+    prompt = (*session, 9100, 9101)
+    request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
+                           16 * len(prompt) + 10, 16 * len(prompt))
+    # w1: 250 + 12 recent blocks against 1.2 x 322 / 4 + 24 = 120.6: over; but the session
+    # routed 10 + 12 blocks, under half a worker's share (40.25).
     decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(0.0), RING))
     assert decision.worker_id == "w1"
     assert decision.kind is DecisionKind.PREFIX_HIT

@@ -243,6 +243,20 @@ def test_extends_tells_a_sessions_next_turn_from_a_prompt_shared_from_inside() -
     assert index.at(0.0).extends(4, 6)
 
 
+def test_session_blocks_count_a_chain_of_prompts_extending_each_other() -> None:
+    index = PrefixIndex(heat_half_life_s=10.0)
+    index.record([1, 2, 3], "w1", 0.0)  # a session's first turn
+    index.record([1, 2, 3, 4, 5], "w1", 0.0)  # its next turn: extends it
+    index.record([1, 2, 9], "w2", 0.0)  # shares [1, 2] from inside: a session of its own
+    assert index.session_blocks(5, 0.0) == pytest.approx(3 + 5)
+    assert index.session_blocks(3, 0.0) == pytest.approx(3 + 5)  # any prefix it recorded
+    assert index.session_blocks(9, 0.0) == pytest.approx(3)
+    assert index.at(10.0).session_blocks(5) == pytest.approx(4.0)  # one half-life later
+    index.record([1, 2, 3, 4, 5, 6], "w2", 10.0)  # the session goes on, on another worker
+    assert index.session_blocks(6, 10.0) == pytest.approx(4.0 + 6)
+    assert index.session_blocks(99, 10.0) == 0.0
+
+
 def test_tail_age_is_infinite_until_the_modelled_cache_is_full() -> None:
     index = PrefixIndex()
     index.set_capacity("w1", 4)

@@ -42,17 +42,18 @@ often as they reused it from inside, as questions on a shared document do); the 
 trunk they reuse stay with the trunk. *Volume*: sessions stick to their worker, so a worker's
 load over a minute is the sessions it was given, and one long-context session can be twice a
 worker's mean prompt volume while its requests in flight look like anyone's. A holder whose
-recent routed prompt blocks (cached or not, halved every 30 s) are over ``volume_guard`` (1.25)
+recent routed prompt blocks (cached or not, halved every 30 s) are over ``volume_guard`` (1.2)
 times its share of the pool's, by more than twice the request, gets no credit for a request that
 extends a prompt it holds (a session's next turn; not for prompts shared from inside, whose
-copies move no load): the session moves to another holder or is placed like a cold prefix
-(``DecisionKind.DIVERTED`` by ``volume_guard``), paying one prefill of its history. The guard
-credits a holder with the prefill a move would redo (its bound grows by the prompt tokens it
-holds for the request): a conversation is not moved off its worker because its own earlier turns
-are in flight there. Its bound also grows by the cached context of the other prompts it has in
-flight (not of those that share the part it holds of this one): other sessions' long histories
-served from its cache do not send a session away from its own, while a hot prompt piling up
-there still spreads.
+copies move no load), when the session itself routed at least half a worker's share recently
+(lighter sessions are balanced by where new ones are placed): the session moves to another
+holder or is placed like a cold prefix (``DecisionKind.DIVERTED`` by ``volume_guard``), paying
+one prefill of its history. The guard credits a holder with the prefill a move would redo (its
+bound grows by the prompt tokens it holds for the request): a conversation is not moved off its
+worker because its own earlier turns are in flight there. Its bound also grows by the cached
+context of the other prompts it has in flight (not of those that share the part it holds of this
+one): other sessions' long histories served from its cache do not send a session away from its
+own, while a hot prompt piling up there still spreads.
 ``hot_threshold`` > 0 brings back the older rule (a prefix that many recent requests share gets
 the tight ``hot_load_factor`` bound, so its holder overflows to a second holder); it is off by
 default. Defaults live in :class:`PolicyOptions`; every field is a gateway setting of the same
@@ -109,10 +110,10 @@ class PolicyOptions:
     # past the trunk. The bounded-load factor's 1.25; 0: never.
     branch_guard: float = 1.25
     # cache_aware: a holder whose recent routed prompt blocks (cached or not) are over this x
-    # its share of the pool's, by more than twice the request's blocks, gets no credit for the
-    # prefix it holds: one long session cannot make a worker's load. The bounded-load factor's
-    # 1.25; 0: never.
-    volume_guard: float = 1.25
+    # its share of the pool's, by more than twice the request's blocks, gets no credit for a
+    # session's next turn, when the session routed at least half a worker's share: one long
+    # session cannot make a worker's load. 0: never.
+    volume_guard: float = 1.2
 
     def __post_init__(self) -> None:
         if min(self.load_floor_requests, self.hot_threshold, self.candidate_limit,
