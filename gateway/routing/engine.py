@@ -108,6 +108,12 @@ class Profile:
     volume_guard: float = 0.0
 
 
+def _pool_weight(snapshot: Snapshot) -> float:
+    """The ring weight of the whole pool (1 for an empty one)."""
+    return (snapshot.pool_load[1] if snapshot.pool_load is not None
+            else sum(w.worker.weight for w in snapshot.workers)) or 1.0
+
+
 def _weight(by_id: Mapping[str, WorkerView] | None, wid: str) -> float:
     view = by_id.get(wid) if by_id is not None else None
     return view.worker.weight if view is not None else 1.0
@@ -132,9 +138,7 @@ class RoutingEngine:
         if matches and profile.branch_guard > 0:
             branch, matches = self._branch(request, snapshot, matches, deepest)
         over: Mapping[str, int] = {}
-        if (matches and branch is None and profile.volume_guard > 0
-                and deepest < len(request.key.blocks) and snapshot.index.extends(
-                    request.key.blocks[deepest - 1], request.key.depth_at(deepest))):
+        if matches and branch is None and profile.volume_guard > 0:
             matches, over = self._volume(request, snapshot, matches, deepest)
         anchor = request.key.anchor if branch is None else branch
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
@@ -208,9 +212,7 @@ class RoutingEngine:
         if (2 * depth >= key.total_blocks or not index.branched(trunk)
                 or not index.branches_grow(trunk)):
             return None, matches
-        weights = (snapshot.pool_load[1] if snapshot.pool_load is not None
-                   else sum(w.worker.weight for w in snapshot.workers)) or 1.0
-        fair = self.profile.branch_guard * index.pool_recent_requests() / weights
+        fair = self.profile.branch_guard * index.pool_recent_requests() / _pool_weight(snapshot)
         by_id = snapshot.by_id
         holders = busy = 0
         for wid, d in matches.items():
@@ -256,11 +258,13 @@ class RoutingEngine:
         they share moves no load, and they spread only when waiting on the holder costs more
         than the prefill (``cache_cost``)."""
         index = snapshot.index
-        weights = (snapshot.pool_load[1] if snapshot.pool_load is not None
-                   else sum(w.worker.weight for w in snapshot.workers)) or 1.0
-        size = request.key.total_blocks
-        share = (index.pool_recent_blocks() + size) / weights  # per unit of weight
-        session = index.session_blocks(request.key.blocks[deepest - 1]) + size
+        key = request.key
+        if deepest >= len(key.blocks) or not index.extends(key.blocks[deepest - 1],
+                                                            key.depth_at(deepest)):
+            return matches, {}  # not a session's next turn
+        size = key.total_blocks
+        share = (index.pool_recent_blocks() + size) / _pool_weight(snapshot)  # per unit
+        session = index.session_blocks(key.blocks[deepest - 1]) + size
         slack = VOLUME_SLACK * size
         guard = self.profile.volume_guard
         by_id = snapshot.by_id
