@@ -1,6 +1,14 @@
 """Health probes: every worker's health, models, versions and cache size, once at start-up and
 then every ``health_interval_s``; a worker that fails its probe leaves the routing until it
-passes one again."""
+passes one again.
+
+A probe that only timed out takes a healthy worker out only when the probe before it timed
+out too: one stall of the gateway's own event loop (a long garbage collection, a host starved
+of CPU) makes every probe of a round time out together, and must not empty the pool while the
+workers are fine. A hung worker is so taken out one round later
+(requests waiting on it are covered by the first-byte timeout and the circuit breaker
+meanwhile); a refused connection or an error answer takes a worker out at once, and a worker
+that keeps answering requests while its probe timed out is kept."""
 
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ class HealthChecker:
         self._state = state
         self._lifecycle = lifecycle
         self._misses = misses
+        self._timed_out: set[str] = set()  # workers whose last probe timed out
 
     async def _probe(self, worker: Worker) -> WorkerProbe:
         try:
@@ -41,7 +50,14 @@ class HealthChecker:
         # stream chunks while it was waited for.
         alive_since = time.monotonic()
         probes = await asyncio.gather(*(self._probe(s.worker) for s in workers))
+        self._timed_out &= {s.worker.id for s in workers}  # forget workers that left
         for s, probe in zip(workers, probes, strict=True):
+            wid = s.worker.id
+            timed_out_before = wid in self._timed_out
+            if probe.timed_out:
+                self._timed_out.add(wid)
+            else:
+                self._timed_out.discard(wid)
             queries = probe.metrics.get(metric.total(metric.PREFIX_CACHE_QUERIES))
             if self._misses.probed(s.worker.id, queries):
                 log.warning("worker %s restarted (its cache counters went back); its cache is "
@@ -58,6 +74,9 @@ class HealthChecker:
             elif probe.timed_out and state.guard.liveness.heard_since(s.worker.id, alive_since):
                 log.info("worker %s: health probe timed out, but it keeps answering requests; "
                          "kept in the pool", s.worker.id)
+            elif probe.timed_out and not timed_out_before and s.healthy:
+                log.info("worker %s: health probe timed out once; out if the next one does too",
+                         s.worker.id)
             else:
                 state.pool.mark_down(s.worker.id, probe.error)
                 # Requests waiting on it for a first byte go elsewhere now.

@@ -18,6 +18,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from gateway.api import STATE
+from gateway.app import create_app as create_gateway
+from gateway.resources import HEALTH_KEY
 from gateway.settings import GatewaySettings
 from tests.conftest import (
     MODEL,
@@ -201,3 +204,30 @@ async def test_a_stream_with_headers_but_no_first_chunk_is_rerouted(
     finally:
         release.set()
         await silent.cleanup()
+
+
+async def test_one_timed_out_probe_keeps_a_worker_and_two_in_a_row_take_it_out(
+    two_workers: list[tuple[str, asyncio.subprocess.Process]],
+) -> None:
+    """One stall (here: the worker's, as the gateway sees any stall) is not a hang: the worker
+    stays in the pool after one timed-out probe, leaves after the second in a row, and comes
+    back with its first answered probe."""
+    (hung_url, hung), (ok_url, _) = two_workers
+    hung_id, ok_id = hung_url.removeprefix("http://"), ok_url.removeprefix("http://")
+    port = free_port()
+    # Probe rounds are driven by hand: the background round waits an hour.
+    app = create_gateway(GatewaySettings(port=port, worker=(hung_url, ok_url),
+                                         health_interval_s=3600.0))
+    runner = await serve(app, port)
+    try:
+        pool, health = app[STATE].pool, app[HEALTH_KEY]
+        assert pool.healthy_ids() == {hung_id, ok_id}  # the start-up round
+        async with _stopped(hung):
+            await health.probe_all()
+            assert pool.healthy_ids() == {hung_id, ok_id}
+            await health.probe_all()
+            assert pool.healthy_ids() == {ok_id}
+        await health.probe_all()
+        assert pool.healthy_ids() == {hung_id, ok_id}
+    finally:
+        await runner.cleanup()
