@@ -2,13 +2,13 @@
 then every ``health_interval_s``; a worker that fails its probe leaves the routing until it
 passes one again.
 
-A probe that only timed out takes a healthy worker out only when the probe before it timed
-out too: one stall of the gateway's own event loop (a long garbage collection, a host starved
-of CPU) makes every probe of a round time out together, and must not empty the pool while the
-workers are fine. A hung worker is so taken out one round later
-(requests waiting on it are covered by the first-byte timeout and the circuit breaker
-meanwhile); a refused connection or an error answer takes a worker out at once, and a worker
-that keeps answering requests while its probe timed out is kept."""
+A probe that timed out takes a healthy worker out at once when another probe of the same
+round was answered in time. When every probe of a round timed out, it takes a worker out only
+if its probe before timed out too: one stall of the gateway's own event loop (a long garbage
+collection, a host starved of CPU) makes every probe of a round time out together, and must not
+empty the pool while the workers are fine. A refused connection or an error answer takes a
+worker out at once, and a worker that keeps answering requests while its probe timed out is
+kept."""
 
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ class HealthChecker:
         alive_since = time.monotonic()
         probes = await asyncio.gather(*(self._probe(s.worker) for s in workers))
         self._timed_out &= {s.worker.id for s in workers}  # forget workers that left
+        # Some probe came back in time: the gateway's loop ran, a timeout is the worker's.
+        loop_ran = not all(probe.timed_out for probe in probes)
         for s, probe in zip(workers, probes, strict=True):
             wid = s.worker.id
             timed_out_before = wid in self._timed_out
@@ -74,9 +76,9 @@ class HealthChecker:
             elif probe.timed_out and state.guard.liveness.heard_since(s.worker.id, alive_since):
                 log.info("worker %s: health probe timed out, but it keeps answering requests; "
                          "kept in the pool", s.worker.id)
-            elif probe.timed_out and not timed_out_before and s.healthy:
-                log.info("worker %s: health probe timed out once; out if the next one does too",
-                         s.worker.id)
+            elif probe.timed_out and not timed_out_before and s.healthy and not loop_ran:
+                log.info("worker %s: every probe of the round timed out (the gateway stalled?); "
+                         "out if its next one does too", s.worker.id)
             else:
                 state.pool.mark_down(s.worker.id, probe.error)
                 # Requests waiting on it for a first byte go elsewhere now.

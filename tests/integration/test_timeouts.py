@@ -206,28 +206,32 @@ async def test_a_stream_with_headers_but_no_first_chunk_is_rerouted(
         await silent.cleanup()
 
 
-async def test_one_timed_out_probe_keeps_a_worker_and_two_in_a_row_take_it_out(
+async def test_a_round_of_timed_out_probes_keeps_the_pool_and_two_in_a_row_empty_it(
     two_workers: list[tuple[str, asyncio.subprocess.Process]],
 ) -> None:
-    """One stall (here: the worker's, as the gateway sees any stall) is not a hang: the worker
-    stays in the pool after one timed-out probe, leaves after the second in a row, and comes
-    back with its first answered probe."""
-    (hung_url, hung), (ok_url, _) = two_workers
-    hung_id, ok_id = hung_url.removeprefix("http://"), ok_url.removeprefix("http://")
+    """When every probe of a round times out, the gateway may be what stalled: the workers stay
+    after one such round, leave after the second in a row, and come back with their first
+    answered probe. A worker whose probe times out while another's is answered leaves at
+    once."""
+    (a_url, a), (b_url, b) = two_workers
+    a_id, b_id = a_url.removeprefix("http://"), b_url.removeprefix("http://")
     port = free_port()
     # Probe rounds are driven by hand: the background round waits an hour.
-    app = create_gateway(GatewaySettings(port=port, worker=(hung_url, ok_url),
+    app = create_gateway(GatewaySettings(port=port, worker=(a_url, b_url),
                                          health_interval_s=3600.0))
     runner = await serve(app, port)
     try:
         pool, health = app[STATE].pool, app[HEALTH_KEY]
-        assert pool.healthy_ids() == {hung_id, ok_id}  # the start-up round
-        async with _stopped(hung):
+        assert pool.healthy_ids() == {a_id, b_id}  # the start-up round
+        async with _stopped(a), _stopped(b):
             await health.probe_all()
-            assert pool.healthy_ids() == {hung_id, ok_id}
+            assert pool.healthy_ids() == {a_id, b_id}
             await health.probe_all()
-            assert pool.healthy_ids() == {ok_id}
+            assert pool.healthy_ids() == set()
         await health.probe_all()
-        assert pool.healthy_ids() == {hung_id, ok_id}
+        assert pool.healthy_ids() == {a_id, b_id}
+        async with _stopped(a):
+            await health.probe_all()
+            assert pool.healthy_ids() == {b_id}
     finally:
         await runner.cleanup()
