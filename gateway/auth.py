@@ -32,6 +32,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.errors import GatewayError
+from gateway.values import value
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Forbidden(GatewayError):
     code = "forbidden"
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Identity:
     """Who sent a request: the tenant (as configured), its keyed id, admin rights."""
 

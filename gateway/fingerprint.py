@@ -47,10 +47,12 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from gateway.values import value
+
 _FIELD_SEP = "\x1f"
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Namespace:
     """What separates caches: requests in different namespaces never share a prefix."""
 
@@ -97,7 +99,7 @@ def checkpoint_depths(blocks: int, opts: FingerprintOptions = FingerprintOptions
     return depths
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class PrefixKey:
     """The chained hashes of one prompt at its checkpoints, plus its ring anchor.
 

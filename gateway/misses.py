@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 
 import xxhash
 
+from gateway.values import value
+
 CAUSES = (
     "worker_restarted",
     "diverted_by_load",
@@ -58,7 +60,7 @@ def prompt_head_hash(text: str, chars: int) -> int:
     return xxhash.xxh3_64_intdigest(text[:chars].encode("utf-8")) or 1
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Outcome:
     """What routing predicted and what the worker reported, for one request."""
 

@@ -9,7 +9,6 @@ gateway does not interpret are forwarded untouched, so worker-specific extension
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -17,13 +16,14 @@ import orjson
 from gateway.contracts.chat import ROLES
 from gateway.errors import InvalidRequest
 from gateway.normalize import NormalizeOptions, normalize_messages, normalize_text, render_chat
+from gateway.values import value
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # larger values are no budget any server can honour
 MAX_N = 128
 CHAT_ROLES = ROLES  # what the reference worker renders (gateway.contracts.chat)
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class ParsedRequest:
     model: str
     body: dict[str, Any]

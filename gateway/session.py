@@ -27,6 +27,7 @@ from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Decision, PrefixMatcher, RouteRequest, Snapshot
 from gateway.store.base import CacheReport
+from gateway.values import value
 
 
 class Router(Protocol):
@@ -77,7 +78,7 @@ class NoSink:
         return None
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class CacheUsage:
     """What a worker said it reused: prompt tokens, and how many came from its prefix cache."""
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.routing.types import Worker
+from gateway.values import value
 
 
 class BackendUnavailable(Exception):
@@ -44,7 +45,7 @@ class WorkerProbe:
     timed_out: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class UpstreamRequest:
     """One request for a worker, as the gateway hands it to a backend.
 

@@ -11,7 +11,7 @@ Pure and synchronous: no awaits, no network, no clocks. The cluster simulator ru
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Protocol
 
 from gateway.routing.types import (
@@ -22,6 +22,7 @@ from gateway.routing.types import (
     Snapshot,
     WorkerView,
 )
+from gateway.values import value
 
 # The volume guard (:meth:`RoutingEngine._volume`): its hysteresis, in multiples of the
 # request's blocks, and the share of a worker's fair volume a session must have routed
@@ -30,7 +31,7 @@ VOLUME_SLACK = 2.0
 VOLUME_SESSION_SHARE = 0.5
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Context:
     """One decision's inputs, with the prefix-index lookup done once for all plugins."""
 
@@ -79,7 +80,7 @@ class Picker(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Profile:
     name: str
     filters: tuple[Filter, ...]

@@ -49,6 +49,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.values import value
+
 
 @dataclass(slots=True)
 class Churn:
@@ -535,7 +537,7 @@ class PrefixIndex:
         return math.inf if oldest is None else max(0.0, now - oldest[1].at)
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class IndexView:
     """A :class:`PrefixIndex` read at one instant: the ``PrefixMatcher`` routing policies see."""
 

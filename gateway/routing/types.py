@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from gateway.fingerprint import PrefixKey
+from gateway.values import value
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,7 @@ class Worker:
         return not self.models or model in self.models
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class WorkerView:
     """A worker as the router sees it at one instant: health and load."""
 
@@ -49,7 +50,7 @@ class WorkerView:
         object.__setattr__(self, "id", self.worker.id)
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class RouteRequest:
     """What routing needs to know about one request; never the prompt text itself."""
 
@@ -131,7 +132,7 @@ class RingOrder(Protocol):
     def walk(self, anchor: int) -> Iterator[str]: ...
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Snapshot:
     """Everything a policy may look at for one decision."""
 
@@ -160,7 +161,7 @@ class DecisionKind(StrEnum):
     PLACED = "placed"  # a policy without a prefix index (ring, round robin, least load)
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Decision:
     """The outcome of routing one request, in structured fields; :attr:`reason` renders them
     for a human (``x-route-reason``) and nothing parses it back."""

@@ -19,9 +19,10 @@ from typing import Protocol
 # interface; their home is the contracts package, which the worker shares.
 from gateway.contracts.registry import StoreUnavailable as StoreUnavailable
 from gateway.contracts.worker_record import WorkerRecord as WorkerRecord
+from gateway.values import value
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Assignment:
     """A prefix (its checkpoint hashes, ``PrefixKey.blocks``) sent to a worker by one gateway
     replica; ``depths`` as in ``PrefixKey`` (empty: every block a checkpoint)."""
