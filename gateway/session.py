@@ -102,6 +102,9 @@ class Attempt:
     ticket: int = 0  # its entry among the worker's requests in flight (WorkerPool.acquire)
     prefilled: bool = False  # its first token came back: the prefill no longer queues
     at: float = 0.0  # when it was routed
+    # When the chosen worker had last used the deepest prefix it was predicted to hold
+    # (PrefixIndex.last_use, before this attempt was recorded); 0: none.
+    held_use: int = 0
 
     @property
     def worker_id(self) -> str:
@@ -168,7 +171,12 @@ class RoutingSession:
         key = request.key
         blocks = key.blocks
         predicted = predicted_tokens(snapshot, request, decision)
+        held_use = 0
         if self.router.uses_prefix_index:
+            if decision.match_blocks and self.learn_capacity:
+                deepest = (bisect.bisect_right(key.depths, decision.match_blocks)
+                           if key.depths else decision.match_blocks)
+                held_use = self.index.last_use(wid, blocks[deepest - 1]) if deepest else 0
             self.index.record(blocks, wid, now, key.depths)
             self.sink.assigned(key, wid)
             if self.exact is not None:
@@ -178,7 +186,7 @@ class RoutingSession:
         prefill = max(0, request.prompt_tokens - cached)
         ticket = self.pool.acquire(wid, request.cost_tokens, prefill, (blocks, cached))
         return Attempt(request, decision, tenant, predicted, index=snapshot.index,
-                       prefill_tokens=prefill, ticket=ticket, at=now)
+                       prefill_tokens=prefill, ticket=ticket, at=now, held_use=held_use)
 
     def first_token(self, attempt: Attempt) -> None:
         """The worker sent the first token (a streamed reply): its prefill is done, so it no
@@ -230,7 +238,7 @@ class RoutingSession:
                                     usage.matched_tokens)
             if self.learn_capacity and blocks and usage.input_tokens > 0:
                 share = min(usage.matched_tokens / usage.input_tokens, 1.0)
-                self._learn(wid, blocks, depth, round(blocks * share))
+                self._learn(wid, blocks, depth, round(blocks * share), attempt.held_use)
             self.sink.reported(CacheReport(
                 worker_id=wid,
                 tenant=attempt.tenant,
@@ -241,22 +249,33 @@ class RoutingSession:
         self.pool.release(wid, attempt.request.cost_tokens, attempt.queued_prefill,
                           attempt.ticket)
 
-    def _learn(self, wid: str, blocks: int, predicted: int, matched: int) -> None:
+    def _learn(
+        self, wid: str, blocks: int, predicted: int, matched: int, held_use: int = 0
+    ) -> None:
         """Fit the modelled cache of a worker that does not report its size to what it reused
         (``predicted`` and ``matched`` leading blocks of a ``blocks``-block prompt).
 
-        It reused less than the index said it held: its LRU already evicted that part, so its
-        cache is smaller than modelled; the model shrinks to 90 % of what it holds for the
-        worker (never below this prompt). It reused more while the model was full: the model
-        evicted too early; it grows by the surprise. Small differences (a checkpoint's
-        granularity, 2 % of the prompt) say nothing. Workers that report their size keep it
-        (the rebalancer corrects those from the shared hit telemetry)."""
+        It reused less than the index said it held: its LRU already evicted that part, and
+        with it everything it had used less recently than that prefix (last used at
+        ``held_use``, :meth:`PrefixIndex.last_use`). The index drops those, and the model
+        shrinks to what is left, less the part found evicted: at most what the worker can
+        hold, since it had to evict the prefix to make room for the rest. Never in one step
+        below half of what it held (one miss may have another cause), nor below this prompt;
+        with no use known, to 90 % of what it held. It reused more while the model was full:
+        the model evicted too early; it grows by the surprise. Small differences (a
+        checkpoint's granularity, 2 % of the prompt) say nothing. Workers that report their
+        size keep it (the rebalancer corrects those from the shared hit telemetry)."""
         if wid not in self.pool or self.pool.get(wid).capacity_blocks > 0:
             return
         slack = max(1, blocks // 50)
         index = self.index
         if matched + slack < predicted:
             held = index.held_blocks(wid)
-            index.set_capacity(wid, max(blocks, min(index.capacity(wid), held * 9 // 10)))
+            if held_use:
+                left = index.evict_used_before(wid, held_use, floor=held // 2)
+                fits = max(held // 2, min(left, held - (predicted - matched)))
+            else:
+                fits = held * 9 // 10
+            index.set_capacity(wid, max(blocks, min(index.capacity(wid), fits)))
         elif matched > predicted + slack and index.capacity(wid) <= index.held_blocks(wid):
             index.set_capacity(wid, index.capacity(wid) + matched - predicted)

@@ -351,6 +351,28 @@ class PrefixIndex:
             node.heat = node.heat * self._decay_factor(node.heat_at, now) + 1.0
             node.heat_at = now
 
+    def last_use(self, worker_id: str, block: int) -> int:
+        """When ``worker_id`` last used the prefix ``block`` names, as a sequence number of
+        the index's records (0: not held). Exact for the end of a recorded prompt (a leaf); for
+        a prefix others went on past, the use that made it a leaf (earlier, never later)."""
+        node = self._nodes.get(block)
+        hold = node.holders.get(worker_id) if node is not None else None
+        return hold.seq if hold is not None else 0
+
+    def evict_used_before(self, worker_id: str, seq: int, floor: int = 0) -> int:
+        """``worker_id`` evicted a prefix it last used at ``seq``: an LRU cache evicts what it
+        used less recently first, so drop those, least recently used first, as far as
+        ``floor`` blocks left. Returns the blocks it is modelled to hold then."""
+        cache = self._caches.get(worker_id)
+        if cache is None:
+            return 0
+        while cache.held > floor:
+            oldest = self._oldest_leaf(cache, worker_id)
+            if oldest is None or oldest[1].seq > seq:
+                break
+            self._evict(worker_id, oldest[0])
+        return cache.held
+
     def forget(self, worker_id: str, blocks: Sequence[int], keep: int = 0) -> None:
         """``worker_id`` does not hold ``blocks[keep:]`` (a prediction that did not happen):
         its holds on them go, deepest first, as far as nothing below them is held."""

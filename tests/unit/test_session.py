@@ -196,9 +196,9 @@ class LearnCase:
 LEARN = [
     # It reused everything predicted: nothing to learn (the index's default size stays).
     LearnCase("confirmed", 0, 800, 1_000_000),
-    # It reused nothing of 8 predicted blocks: it evicted them, its cache is smaller than the
-    # 16 blocks the index holds for it -> 90% of 16 = 14 (never below this prompt, 8).
-    LearnCase("evicted-shrinks", 0, 0, 14),
+    # It reused nothing of 8 predicted blocks: it evicted them, and with them the other prompt
+    # it had used before them; what is left is this prompt, recorded again: 8 blocks.
+    LearnCase("evicted-shrinks", 0, 0, 8),
     # One block short is within the slack: nothing to learn.
     LearnCase("near-miss-ignored", 0, 700, 1_000_000),
     # A worker that reports its size keeps it (the rebalancer corrects those).
@@ -218,6 +218,28 @@ def test_capacity_is_learned_from_what_workers_reuse(case: LearnCase) -> None:
     assert (again.worker_id, again.decision.match_blocks) == (wid, 8)
     session.completed(again, CacheUsage(800, case.matched_tokens))
     assert session.index.capacity(wid) == case.expected_capacity
+
+
+def test_a_miss_drops_what_the_worker_used_before_the_missed_prefix() -> None:
+    index = PrefixIndex()
+    pool = WorkerPool((), index)
+    pool.add("http://a:1", wid="a:1")
+    pool.mark_up("a:1", frozenset())
+    session = RoutingSession(build_engine("cache_aware"), index, pool)
+    prompts = [tuple(range(base, base + 8)) for base in (100, 200, 300, 400)]  # A, B, C, D
+    for t, prompt in enumerate(prompts):
+        session.completed(session.route(_request(prompt), now=float(t)))
+    assert index.held_blocks("a:1") == 32
+    again = session.route(_request(prompts[2]), now=4.0)  # C, predicted held
+    assert again.decision.match_blocks == 8
+    session.completed(again, CacheUsage(800, 0))  # ...but the worker had evicted it
+    # An LRU evicts what it used less recently first: A and B went before C; D, used after
+    # C, may still be there, and C is there again. The worker holds at most those 16 blocks.
+    assert index.match(prompts[0], 5.0) == {}
+    assert index.match(prompts[1], 5.0) == {}
+    assert index.match(prompts[2], 5.0) == {"a:1": 8}
+    assert index.match(prompts[3], 5.0) == {"a:1": 8}
+    assert index.capacity("a:1") == 16
 
 
 def test_a_learned_capacity_grows_back_when_the_worker_holds_more() -> None:
