@@ -128,6 +128,10 @@ class PrefixKey:
         """Depth in blocks of checkpoint ``i``."""
         return self.depths[i] if self.depths else i + 1
 
+    def checkpoints_within(self, depth: int) -> int:
+        """How many leading checkpoints lie within the first ``depth`` blocks."""
+        return bisect.bisect_right(self.depths, depth) if self.depths else depth
+
     def anchor_past(self, depth: int) -> int:
         """The ring anchor of the rest of the prompt after its first ``depth`` blocks: the
         deepest checkpoint as far past ``depth`` as :attr:`anchor` is past the start (the

@@ -21,7 +21,6 @@ the request body is used while the replay is in flight and then dropped (nothing
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -75,7 +74,7 @@ class PreWarmer:
         if len(self._tasks) >= opts.max_inflight:
             return
         key = request.key
-        held = bisect.bisect_right(key.depths, depth) if key.depths else depth  # checkpoints
+        held = key.checkpoints_within(depth)
         if held < 1 or decision.worker.inflight_requests < opts.min_holder_requests:
             return
         if not (self._waiting_outgrows_prefill(decision, request)

@@ -15,7 +15,6 @@ buffers it for its background loops).
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -174,8 +173,7 @@ class RoutingSession:
         held_use = 0
         if self.router.uses_prefix_index:
             if decision.match_blocks and self.learn_capacity:
-                deepest = (bisect.bisect_right(key.depths, decision.match_blocks)
-                           if key.depths else decision.match_blocks)
+                deepest = key.checkpoints_within(decision.match_blocks)
                 held_use = self.index.last_use(wid, blocks[deepest - 1]) if deepest else 0
             self.index.record(blocks, wid, now, key.depths)
             self.sink.assigned(key, wid)
@@ -204,7 +202,7 @@ class RoutingSession:
         attempt.settled = True
         key = attempt.request.key
         depth = attempt.decision.match_blocks
-        keep = bisect.bisect_right(key.depths, depth) if key.depths else depth
+        keep = key.checkpoints_within(depth)
         self.index.forget(attempt.worker_id, key.blocks, keep)
         if self.exact is not None and self.router.uses_prefix_index:
             self.exact.done(attempt.worker_id, key.blocks, attempt.at if now is None else now)
