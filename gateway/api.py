@@ -232,7 +232,9 @@ async def admin_workers(request: web.Request) -> web.Response:
     return web.json_response(
         {"policy": state.session.router.name, "index_blocks": len(state.index),
          "workers": workers, "tokenizer": state.exact.tokenizer_stats(),
-         "warming": sorted(state.warmup.warming()), "prewarm": state.prewarmer.stats()}
+         "warming": sorted(state.warmup.warming()), "prewarm": state.prewarmer.stats(),
+         # The model and version each served model's prompts are fingerprinted under.
+         "namespaces": {m: state.pool.model_identity(m) for m in sorted(state.pool.models())}}
     )
 
 

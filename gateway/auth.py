@@ -37,7 +37,7 @@ from gateway.values import value
 log = logging.getLogger(__name__)
 
 HASH_SCHEME = "sha256"
-ROUTE_HEADER_PREFIXES = ("x-route-", "x-prefix-", "x-cache-")
+ROUTE_HEADER_PREFIXES = ("x-route-", "x-prefix-", "x-cache-", "server-timing")
 ADMIN_TOKEN_HEADER = "x-admin-token"
 _OPEN_MODE_SECRET = b"affinity-gateway/open-mode"
 _VERIFIED_CACHE = 4096

@@ -67,35 +67,43 @@ class PreWarmer:
                     tenant: str, now: float) -> None:
         """Called once per decision, at time ``now`` (no I/O here; the replay runs as a
         task). ``upstream`` is the request as it goes to the chosen worker."""
+        target = self.target(decision, request, now, len(self._tasks))
+        if target is None:
+            return
+        prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, request.key,
+                            namespace=upstream.namespace)
+        task = asyncio.get_running_loop().create_task(self._place(target, prompt))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def target(self, decision: Decision, request: RouteRequest, now: float,
+               inflight: int) -> str | None:
+        """Where to pre-warm ``request``'s prefix after ``decision`` at time ``now``, with
+        ``inflight`` pre-warms still under way (None: nowhere). Counts it as sent and starts
+        its cooldown. Pure bookkeeping, no I/O: the simulator decides with it too."""
         opts = self.options
         depth = decision.match_blocks  # in blocks
-        if not opts.enabled or depth < 1:
-            return
-        if len(self._tasks) >= opts.max_inflight:
-            return
+        if not opts.enabled or depth < 1 or inflight >= opts.max_inflight:
+            return None
         key = request.key
         held = key.checkpoints_within(depth)
         if held < 1 or decision.worker.inflight_requests < opts.min_holder_requests:
-            return
+            return None
         if not (self._waiting_outgrows_prefill(decision, request)
                 or self._hot_near_bound(decision, request, key.blocks[held - 1], now)):
-            return
+            return None
         anchor = key.anchor
         if now - self._recent.get(anchor, -opts.cooldown_s) < opts.cooldown_s:
-            return
+            return None
         target = self._next_holder(request, held, now)
         if target is None:
-            return
+            return None
         self._recent[anchor] = now
         if len(self._recent) > 4096:  # bounded: forget the oldest half
             for old in sorted(self._recent, key=self._recent.__getitem__)[:2048]:
                 del self._recent[old]
-        prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, key,
-                            namespace=upstream.namespace)
         self.sent += 1
-        task = asyncio.get_running_loop().create_task(self._place(target, prompt))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return target
 
     def _waiting_outgrows_prefill(self, decision: Decision, request: RouteRequest) -> bool:
         """The cost rule's spread is near: the holder's wait (its queued prefill above the

@@ -248,8 +248,16 @@ async def _read_whole(reply: UpstreamReply) -> bytes | None:
         reply.release()
 
 
-def _client_headers(attempt: Attempt, reply: UpstreamReply) -> dict[str, str]:
+def _client_headers(
+    observed: RequestRecord, attempt: Attempt, reply: UpstreamReply
+) -> dict[str, str]:
     headers = route_headers(attempt.decision, attempt.request)
+    # Where the gateway's time went (W3C Server-Timing, milliseconds): from the request's
+    # arrival to the decision that answered it, then to the worker's reply (its whole body;
+    # a stream's first chunk).
+    upstream = time.monotonic() - attempt.at
+    wait = max(0.0, time.perf_counter() - observed.started - upstream)
+    headers["Server-Timing"] = f"wait;dur={wait * 1e3:.2f}, upstream;dur={upstream * 1e3:.2f}"
     for name in _RELAYED_HEADERS:
         value = reply.headers.get(name)
         if value is not None:
@@ -269,7 +277,8 @@ def _respond_whole(
         stats = stats_from_usage(payload)
     _report(observed, reply, stats)
     state.session.completed(attempt, stats, time.monotonic())
-    return web.Response(body=payload, status=reply.status, headers=_client_headers(attempt, reply))
+    return web.Response(body=payload, status=reply.status,
+                        headers=_client_headers(observed, attempt, reply))
 
 
 async def _first_chunk(
@@ -303,7 +312,7 @@ async def _relay_stream(
     reply: UpstreamReply, attempt: Attempt,
     opened: tuple[bytes | None, AsyncIterator[bytes]] | None = None,
 ) -> web.StreamResponse:
-    headers = _client_headers(attempt, reply)
+    headers = _client_headers(observed, attempt, reply)
     stats = stats_from_headers(reply)
     response = web.StreamResponse(status=reply.status, headers=headers)
     tail = b""  # the end of the stream, where a final usage chunk sits

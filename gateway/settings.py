@@ -374,9 +374,9 @@ class GatewaySettings:
     )
     route_headers: str = field(
         default="",
-        metadata=_help("who sees the x-route-*, x-prefix-* and x-cache-* headers: all, admin "
-                       "(requests with the admin token) or none; default: none when API keys "
-                       "are configured, else all"),
+        metadata=_help("who sees the x-route-*, x-prefix-*, x-cache-* and Server-Timing "
+                       "headers: all, admin (requests with the admin token) or none; default: "
+                       "none when API keys are configured, else all"),
     )
     tenant_secret: str = field(
         default="", repr=False,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,10 @@ class Reply:
     reason: str = ""  # x-route-reason
     index_blocks: int = 0  # x-prefix-match-blocks: what the gateway's index expected
     sent_at: float = 0.0  # perf_counter() when the request was sent
+    # The gateway's Server-Timing: from its receipt of the request to the decision, and from
+    # the decision to the worker's reply (0 where it did not say).
+    wait_ms: float = 0.0
+    upstream_ms: float = 0.0
 
 def reason_kind(reason: str) -> str:
     """``prefix_hit depth=37`` -> ``prefix_hit``; ``diverted: w1 ...`` -> ``diverted``."""
@@ -60,11 +65,29 @@ def _int(headers: Any, name: str) -> int:
     except ValueError:
         return 0
 
+def server_timing(header: str) -> dict[str, float]:
+    """``wait;dur=0.4, upstream;dur=7.2`` -> ``{"wait": 0.4, "upstream": 7.2}`` (durations in
+    milliseconds; entries without a readable ``dur`` are left out)."""
+    out: dict[str, float] = {}
+    for entry in header.split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "dur" and name:
+                try:
+                    dur = float(value.strip().strip('"'))
+                except ValueError:
+                    continue
+                if math.isfinite(dur) and dur >= 0:
+                    out[name] = dur
+    return out
+
 async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Reply:
     started = time.perf_counter()
     try:
         async with session.post(url, json=body) as response:
             await response.read()
+            timing = server_timing(response.headers.get("Server-Timing", ""))
             return Reply(
                 status=response.status,
                 # Behind another router only the worker's own header names the worker.
@@ -77,6 +100,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
                 reason=response.headers.get("x-route-reason", ""),
                 index_blocks=_int(response.headers, "x-prefix-match-blocks"),
                 sent_at=started,
+                wait_ms=timing.get("wait", 0.0), upstream_ms=timing.get("upstream", 0.0),
             )
     except (aiohttp.ClientError, TimeoutError):
         return Reply(0, "", 0, 0, time.perf_counter() - started, sent_at=started)

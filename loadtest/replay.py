@@ -22,12 +22,13 @@ workers' blocks, the same sequence), ``hit_over_bound``, ``routed_max_over_mean`
 per worker), ``prefill_max_over_mean`` (uncached blocks per worker), latency ``p50_ms`` /
 ``p99_ms`` (whole request, client side), and ``cpu_s_per_1k``: the router process's user +
 system CPU seconds per 1,000 requests (``/proc``). ``--simulate`` also runs the simulator after
-each live run of a gateway policy, with the same fleet, costs, concurrency and fingerprint
-shape and with that run's timing (:mod:`loadtest.replay_sim`), ``--sim-draws`` times with the
-decision instants jittered (the mean is reported: on 1,000 requests one draw of routed
-max/mean moves by ~0.07), and reports the median over the live runs per policy
-(``simulated`` in the JSON, each run under ``runs``). ``--resimulate REPORT`` re-runs only the
-simulator against the live runs of a saved ``--json`` report. For the trace itself,
+each live run of a gateway policy, with the same fleet, costs, concurrency, keys and ring, and
+with each request's own timing from that run (:mod:`loadtest.replay_sim`; with ``--sim-draws
+N`` also N - 1 times with the timing jittered, and the mean is reported), and reports the
+median over the live runs per policy (``simulated`` in the JSON, each run under ``runs``;
+``same_worker``: the share of requests the simulator sent to the worker the gateway chose).
+``--resimulate REPORT`` re-runs only the simulator against the live runs of a saved ``--json``
+report. For the trace itself,
 ``sticky_balance`` (:mod:`loadtest.sessions`): how many sessions it has and the routed max/mean
 that no router keeping each session on one worker can beat.
 
@@ -166,6 +167,16 @@ class RunResult:
     mean_latency_ms: float = 0.0
     gateway_inflight: float | None = None
     latencies_ms: list[float] = field(default_factory=list)  # per request, in trace order
+    # Per request, in trace order, from the gateway's Server-Timing (empty for peers): from
+    # its receipt of the request to the decision, and from the decision to the worker's reply.
+    wait_ms: list[float] = field(default_factory=list)
+    upstream_ms: list[float] = field(default_factory=list)
+    routed_to: list[str] = field(default_factory=list)  # per request: the worker that answered
+    route_reasons: list[str] = field(default_factory=list)  # per request: x-route-reason
+    # The model@version our gateway fingerprinted prompts under (/admin/workers namespaces):
+    # what the simulator needs to route on the gateway's own keys.
+    namespace_model: str = ""
+    prewarms: int = 0  # pre-warms our gateway sent (/admin/workers prewarm)
     # Decisions by kind, from x-route-reason (ours only).
     reasons: dict[str, int] = field(default_factory=dict)
     worker_ids: list[str] = field(default_factory=list)  # the fleet, in order
@@ -275,6 +286,12 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
         cpu_s_per_1k=None if cpu_s is None else cpu_s / max(1, len(replies)) * 1000.0,
         seconds=seconds, mean_latency_ms=statistics.fmean(ms), reasons=dict(reasons),
         latencies_ms=[round(r.seconds * 1e3, 1) for r in replies],
+        wait_ms=([round(r.wait_ms, 2) for r in replies] if any(r.upstream_ms for r in replies)
+                 else []),
+        upstream_ms=([round(r.upstream_ms, 2) for r in replies]
+                     if any(r.upstream_ms for r in replies) else []),
+        routed_to=[r.worker for r in replies],
+        route_reasons=[r.reason for r in replies] if any(r.reason for r in replies) else [],
         worker_ids=list(worker_ids), per_worker=dict(sorted(per_worker.items())),
     )
 
@@ -286,6 +303,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
     connector = aiohttp.TCPConnector(limit=max(64, 2 * config.concurrency))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await open_connections(session, url, config.concurrency)
         cpu0 = process_cpu_seconds(pid) if pid else None
         started, wall = time.perf_counter(), time.time()
         restarter = None
@@ -319,12 +337,26 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
         ours = router.startswith("ours")
         actions = await rebalance_actions(session, url, wall) if ours else []
         exact = await exact_predictions(session, url) if ours else None
+        namespace, prewarms = await gateway_view(session, url) if ours else ("", 0)
     result = summarize(router, repeat, replies, seconds, pooled, cpu_s, worker_ids, config)
     result.exact_predictions = exact
+    result.namespace_model, result.prewarms = namespace, prewarms
     result.gateway_inflight = statistics.fmean(samples) if samples else None
     result.timeline = timeline(replies, started, config.bucket_s, config.block_tokens)
     result.rebalance = actions
     return result
+
+
+async def open_connections(session: aiohttp.ClientSession, url: str, count: int) -> None:
+    """Open the client's ``count`` connections to ``url`` before the run (``GET /health`` on
+    each, kept alive): otherwise the first requests of a run race their connections' setup
+    and reach the router in another order than they were sent."""
+    async def probe() -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(url + "/health") as response:
+                await response.read()
+
+    await asyncio.gather(*(probe() for _ in range(count)))
 
 
 INFLIGHT_SAMPLE_S = 0.2
@@ -339,6 +371,20 @@ async def sample_inflight(session: aiohttp.ClientSession, url: str, out: list[in
             async with session.get(url + "/admin/workers") as response:
                 data = await response.json()
             out.append(sum(int(w["inflight_requests"]) for w in data["workers"]))
+
+
+async def gateway_view(session: aiohttp.ClientSession, url: str) -> tuple[str, int]:
+    """From the gateway's ``/admin/workers``: the model@version it keys the replay's model
+    under ("" if it does not say), and the pre-warms it sent."""
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, TypeError,
+                             AttributeError):
+        async with session.get(url + "/admin/workers") as response:
+            data = await response.json()
+        model = data.get("namespaces", {}).get(MODEL, "")
+        sent = data.get("prewarm", {}).get("sent", 0)
+        return (model if isinstance(model, str) else "",
+                sent if isinstance(sent, int) else 0)
+    return "", 0
 
 
 async def rebalance_actions(session: aiohttp.ClientSession, url: str,
@@ -531,7 +577,9 @@ def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> 
                      f"{r['prefill_max_over_mean']:.2f} | {r['p50_ms']:.1f} | "
                      f"{r['p99_ms']:.1f} | {cpu} | {r['errors']} |")
     for s in sims:
-        lines.append(f"| {s['router']} (simulated) | {s['repeats']} | "
+        same = s.get("same_worker")
+        note = "" if same is None else f", {same:.0%} of requests on the live worker"
+        lines.append(f"| {s['router']} (simulated{note}) | {s['repeats']} | "
                      f"{s['block_hit_rate']:.3f} | {s['hit_over_bound']:.3f} | "
                      f"{s['routed_max_over_mean']:.2f} | {s['prefill_max_over_mean']:.2f} | "
                      "- | - | - | 0 |")
@@ -576,9 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, default=32, help="worker admission limit")
     p.add_argument("--simulate", action="store_true",
                    help="also run the simulator on the same fleet for each gateway policy")
-    p.add_argument("--sim-draws", type=int, default=5,
-                   help="simulator runs per live run, the decision instants jittered; their "
-                   "mean is reported (default 5)")
+    p.add_argument("--sim-draws", type=int, default=1,
+                   help="simulator runs per live run: the first on the run's own timing, the "
+                   "others with it jittered; their mean is reported (default 1)")
     p.add_argument("--resimulate", type=Path, metavar="REPORT",
                    help="only re-run the simulator against the live runs of a saved --json "
                    "report of this command")

@@ -2,9 +2,13 @@
 
 :func:`simulate_runs` runs :mod:`loadtest.sim` once per live run of a gateway policy
 (:mod:`loadtest.replay`), on the live fleet's worker ids (hence its ring), the gateway's
-fingerprint shape, the run's costs and concurrency, and the run's own timing: each request
-takes as long as it did live (:func:`delay_factors`), split into the wait before the decision
-and the gateway's hold by the gateway's sampled count in flight (:func:`live_timing`).
+fingerprint shape, the run's costs and concurrency, and the run's own timing
+(:func:`request_delays`): each request is decided as long after its send as it was live, in
+the order it was sent and no sooner after the decision before it than the gateway's CPU time
+per request (:func:`decision_gap`), and counts in flight on its worker for as long as the
+gateway held it there. It routes on the keys the gateway computed (:func:`gateway_keys`), so
+cold prefixes land where they did live, and reports the share of requests it sent to the
+worker the gateway chose (``same_worker``).
 """
 
 from __future__ import annotations
@@ -15,13 +19,35 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gateway.fingerprint import PrefixKey
+from gateway.fingerprint import Namespace, PrefixKey, fingerprint
+from gateway.openai_schema import parse_completion
+from gateway.settings import GatewaySettings
 from loadtest.sim.cluster import SimConfig, pooled_bound, simulate
 from loadtest.sim.report import max_over_mean, metrics
 from loadtest.traces import TraceRequest
 
 if TYPE_CHECKING:
     from loadtest.replay import ReplayConfig, RunResult
+
+
+def gateway_keys(requests: Sequence[TraceRequest], config: ReplayConfig,
+                 model: str) -> tuple[PrefixKey, ...]:
+    """The keys a live gateway with the default settings computes for the replay's bodies of
+    ``requests`` (:func:`loadtest.replay.request_bodies`) when it fingerprints them under
+    ``model`` (its ``model@version``, ``/admin/workers`` ``namespaces``) for a request no
+    key identified: the same ring anchors and checkpoints, so the simulator places cold
+    prefixes where the gateway did."""
+    from loadtest.replay import request_bodies  # the replay imports this module
+
+    settings = GatewaySettings()
+    normalize, opts = settings.normalize_options(), settings.fingerprint_options()
+    keys = []
+    for body in request_bodies(requests, config.block_chars, config.max_tokens,
+                               invisible_edits=config.invisible_edits):
+        parsed = parse_completion(body, normalize)
+        keys.append(fingerprint(parsed.fingerprint_text,
+                                Namespace(model=model, cache_salt=parsed.cache_salt), opts))
+    return tuple(keys)
 
 
 def live_units(requests: Sequence[TraceRequest], config: ReplayConfig) -> list[TraceRequest]:
@@ -37,11 +63,28 @@ def live_units(requests: Sequence[TraceRequest], config: ReplayConfig) -> list[T
 
 
 def delay_factors(run: RunResult) -> tuple[float, ...]:
-    """Each request's live latency over the run's mean: the simulator's per-request factor on
-    its delays, so that every request takes as long as it did live (order of completions
-    included)."""
+    """Each request's live latency over the run's mean."""
     mean = statistics.fmean(run.latencies_ms) if run.latencies_ms else 0.0
     return tuple(ms / mean for ms in run.latencies_ms) if mean > 0 else ()
+
+
+def request_delays(run: RunResult, config: ReplayConfig) -> tuple[tuple[float, float], ...]:
+    """Per request, in trace order: (seconds from the client's send to the gateway's
+    decision, seconds the gateway held it from the decision to the worker's reply), the
+    simulator's ``SimConfig.request_delays``.
+
+    Measured where the gateway said (its ``Server-Timing`` ``upstream``, in
+    ``run.upstream_ms``): the hold, and the rest of the client's latency before it (which
+    puts the reply's way back to the client, 1.5-2 ms on average on one machine, before the
+    decision too). A report without it (from before the header) gets the run's mean split
+    (:func:`live_timing`) scaled by each request's latency over the mean: a guess that moves
+    the decision instants of slow requests as much as their holds."""
+    held = run.upstream_ms
+    if held and len(held) == len(run.latencies_ms):
+        return tuple((max(0.0, total - hold) / 1e3, hold / 1e3)
+                     for total, hold in zip(run.latencies_ms, held, strict=True))
+    route, relay = live_timing(run, config)
+    return tuple((route * f, relay * f) for f in delay_factors(run))
 
 
 def live_timing(run: RunResult, config: ReplayConfig) -> tuple[float, float]:
@@ -65,17 +108,24 @@ SIM_KEYS = ("block_hit_rate", "hit_over_bound", "routed_max_over_mean",
 
 def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: str,
               pooled: float, timing: tuple[float, float] = (0.0, 0.0),
-              worker_ids: Sequence[str] = (), factors: Sequence[float] = ()) -> dict[str, Any]:
+              worker_ids: Sequence[str] = (),
+              delays: Sequence[tuple[float, float]] = (),
+              keys: Sequence[PrefixKey] = (),
+              routed_to: Sequence[str] = (), decision_gap_s: float = 0.0) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
-    concurrency, keys and ``timing`` (:func:`live_timing`, per request scaled by ``factors``:
-    :func:`delay_factors`)."""
+    concurrency, keys (the gateway's own, :func:`gateway_keys`, else the trace's in the
+    gateway's shape) and timing: each request's own ``delays`` (:func:`request_delays`), or
+    the same ``timing`` for all (:func:`live_timing`), decisions at least
+    ``decision_gap_s`` apart (:func:`decision_gap`). With the live run's workers per
+    request (``routed_to``), ``same_worker`` is the share of requests the simulator sent
+    where the gateway did."""
     sim = SimConfig(
         workers=config.workers, cache_blocks=config.cache_blocks, policy=policy,
         mode="sequential", concurrency=config.concurrency, max_running=config.max_running,
         costs=config.sim_costs(), index_knows_capacity=config.report_cache_size,
         key_blocks_per_block=config.block_chars // 64,
         route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
-        delay_factors=tuple(factors),
+        request_delays=tuple(delays), route_keys=tuple(keys), decision_gap_s=decision_gap_s,
     )
     result = simulate(live_units(requests, config), sim)
     m = metrics(result, pooled)
@@ -83,33 +133,55 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     # requests); requests as requests_max_over_mean.
     m["routed_max_over_mean"] = max_over_mean([w.blocks for w in result.per_worker])
     m["requests_max_over_mean"] = max_over_mean([w.routed for w in result.per_worker])
+    same = (sum(a == b for a, b in zip(result.assignments, routed_to, strict=True))
+            / len(routed_to) if routed_to and len(routed_to) == len(result.assignments)
+            else None)
     return {"router": f"ours:{policy}", "pooled_bound": pooled,
             **{k: m[k] for k in SIM_KEYS},
+            "same_worker": same,
             "route_delay_ms": timing[0] * 1e3, "relay_delay_ms": timing[1] * 1e3,
             "sim_seconds": result.sim_seconds, "reasons": dict(result.reasons),
+            "prewarms": result.prewarms,
             "rebalance": dict(result.rebalance)}
+
+
+def decision_gap(run: RunResult) -> float:
+    """Seconds between two of the gateway's decisions at least: its CPU time per request
+    (one event loop works on one request at a time), 0 where it was not measured.
+
+    Without it, requests that reach the gateway together are decided at one instant in the
+    simulator, and among holders in the same state the tie goes to ring order every time;
+    live, decisions are a fraction of a millisecond apart, and the index's decayed request
+    counts break such ties toward the holder used least recently (on RAG documents the
+    simulator's balance was 0.12 worse than live's without it)."""
+    return run.cpu_s_per_1k / 1000.0 if run.cpu_s_per_1k else 0.0
 
 
 # Spread of the decision instants between simulator draws: each request's delays times
 # exp(N(0, SIM_JITTER)). On 1,000-request runs routed max/mean moves by ~0.07 (one standard
-# deviation) under such jitter, in the simulator as live, so one draw is one sample of it.
+# deviation) under such jitter. With each request's timing measured, the unjittered draw is
+# the faithful one (jittered draws made RAG's balance 0.05 worse than live's), so the replay
+# runs one draw unless asked for more.
 SIM_JITTER = 0.1
 
 
 def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: RunResult,
-                   pooled: float, draws: int = 1) -> dict[str, Any]:
-    """The simulator on one live run's fleet and timing: the mean of ``draws`` runs, the first
-    with each request's live latency, the others with it jittered (:data:`SIM_JITTER`)."""
+                   pooled: float, draws: int = 1,
+                   keys: Sequence[PrefixKey] = ()) -> dict[str, Any]:
+    """The simulator on one live run's fleet, ``keys`` and timing: the mean of ``draws``
+    runs, the first with each request's live timing, the others with it jittered
+    (:data:`SIM_JITTER`); ``same_worker`` is the first one's."""
     policy = run.router.partition(":")[2]
     timing = live_timing(run, config)
-    factors = delay_factors(run)
+    delays = request_delays(run, config)
     samples = []
     for draw in range(max(1, draws)):
         rng = random.Random(f"{run.repeat}:{draw}")
-        jittered = [f * math.exp(rng.gauss(0.0, SIM_JITTER)) for f in factors] if draw \
-            else factors
+        jittered = [(wait * math.exp(rng.gauss(0.0, SIM_JITTER)),
+                     hold * math.exp(rng.gauss(0.0, SIM_JITTER)))
+                    for wait, hold in delays] if draw else delays
         samples.append(simulated(requests, config, policy, pooled, timing, run.worker_ids,
-                                 jittered))
+                                 jittered, keys, run.routed_to, decision_gap(run)))
     out = dict(samples[0])
     for key in SIM_KEYS:
         out[key] = statistics.fmean(s[key] for s in samples)
@@ -124,16 +196,22 @@ def simulate_runs(requests: Sequence[TraceRequest], config: ReplayConfig,
     each one)."""
     pooled = pooled_bound(requests, config.workers * config.cache_blocks)
     by_policy: dict[str, list[dict[str, Any]]] = {}
+    keys: dict[str, tuple[PrefixKey, ...]] = {}  # per model@version the gateway keyed under
     for run in results:
         if run.router.startswith("ours:"):
+            model = run.namespace_model
+            if model and not config.tokenizer_file and model not in keys:
+                keys[model] = gateway_keys(requests, config, model)
             by_policy.setdefault(run.router[5:], []).append(
-                simulate_draws(requests, config, run, pooled, draws))
+                simulate_draws(requests, config, run, pooled, draws, keys.get(model, ())))
     out = []
     for policy, runs in by_policy.items():
         row: dict[str, Any] = {"router": f"ours:{policy}", "repeats": len(runs),
                                "pooled_bound": pooled}
         for key in SIM_KEYS:
             row[key] = statistics.median(r[key] for r in runs)
+        same = [r["same_worker"] for r in runs if r.get("same_worker") is not None]
+        row["same_worker"] = statistics.median(same) if len(same) == len(runs) else None
         row["runs"] = runs
         out.append(row)
     return out

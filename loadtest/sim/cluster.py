@@ -37,9 +37,16 @@ worker finished (relaying the reply, queueing again). The decision's time (``now
 advances even when the workers cost nothing, which moves everything the index decays over time
 (prefix heat, recent requests, cache turnover); and the gateway counts a request in flight from
 its decision to its settlement, while the worker holds the prompt's blocks only while it runs
-it. Both delays are 0 by default (time is the workers' cost model alone); the live replay
-(:mod:`loadtest.replay`) sets them from what it measured (Little's law: the client's
-concurrency over the throughput, split by the gateway's mean count of requests in flight).
+it. Both delays are 0 by default (time is the workers' cost model alone). The live replay
+(:mod:`loadtest.replay`) gives each request its own measured timing instead
+(``request_delays``): the wait before its decision and the gateway's hold from the decision to
+the worker's reply, so that every request is decided when it was live and counts in flight on
+its worker for as long as it did there. One event loop decides one request at a time, in the
+order they reach it: decisions keep the order requests were sent in, at least
+``decision_gap_s`` apart (the gateway's CPU time per request, in the replay). That spacing
+matters beyond timing: among holders in the same state, the index's decayed request counts
+break the tie toward the one used least recently, and decisions made at one instant would all
+fall to ring order instead.
 
 **Worker** (cost model, shape of ``SimEngine``): at most ``max_running`` admitted requests; the
 rest wait in a FIFO queue (head-of-line: a request whose blocks do not fit waits, and so do the
@@ -68,13 +75,14 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import xxhash
 
 from gateway.fingerprint import FingerprintOptions, PrefixKey, checkpoint_depths
 from gateway.pool import WorkerPool
+from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.routing.policies import PolicyOptions
 from gateway.routing.prefix_index import PrefixIndex
@@ -83,6 +91,7 @@ from gateway.session import Attempt, CacheUsage, Router, RoutingSession
 from gateway.settings import GatewaySettings
 from gateway.store.base import CacheReport, HitCounters
 from gateway.store.memory import MemoryStore
+from gateway.warmup_sources import WarmPrompt
 from loadtest.sim.routers import build_router
 from loadtest.traces import BLOCK_TOKENS, TraceRequest
 from worker.engines.sim import SimCosts
@@ -127,9 +136,18 @@ class SimConfig:
     # Live timing (module docstring): client send -> decision, worker done -> settled.
     route_delay_s: float = 0.0
     relay_delay_s: float = 0.0
-    # Per request, by position in the trace: a factor on both delays (a live run's latency of
-    # that request over its mean latency), so that each takes as long as it did live.
-    delay_factors: tuple[float, ...] = ()
+    # Per request, by position in the trace: (seconds from the client's send to the decision,
+    # seconds from the decision to settlement, the worker's own time included), as a live run
+    # measured them. Given, they replace both delays above; a request whose simulated worker
+    # takes longer than its hold settles when the worker is done.
+    request_delays: tuple[tuple[float, float], ...] = ()
+    # The gateway's time per decision: one event loop decides one request at a time, in the
+    # order they reach it, so two decisions are at least this far apart.
+    decision_gap_s: float = 0.0
+    # Per request, by position in the trace: the key the live gateway computed from the
+    # request's text (its ring anchor and checkpoints); given, routing uses it instead of the
+    # trace's key (key_blocks_per_block), and the cache still holds the trace's blocks.
+    route_keys: tuple[PrefixKey, ...] = ()
     # Fingerprint blocks per trace block: 0 routes on the trace's keys as they are (one hash per
     # trace block); n >= 1 on the key the gateway computes when each trace block is n of its
     # fingerprint blocks of text (gateway_key: checkpoints beyond the dense head), as in the
@@ -138,6 +156,8 @@ class SimConfig:
     # Streamed replies: the gateway sees each request's first token (session.first_token)
     # when its prefill ends, and stops counting that prefill as queued; otherwise at the end.
     streaming: bool = False
+    # The gateway's predictive pre-warming (gateway.prewarm), its default unless replaced.
+    prewarm: bool = field(default_factory=lambda: bool(GatewaySettings().prewarm))
     # The gateway's rebalancer, every this many simulated seconds (0: off).
     rebalance_interval_s: float = field(
         default_factory=lambda: _gateway_default("rebalance_interval_s"))
@@ -225,7 +245,7 @@ class SimResult:
     sim_seconds: float
     wall_seconds: float
     per_worker: tuple[WorkerResult, ...]
-    # The worker each dispatched request went to, in dispatch (= trace) order.
+    # The worker each request went to, in trace order ("" for one rejected).
     assignments: tuple[str, ...] = ()
     # Decisions by label (Decision.label; "diverted:<why>" split out).
     reasons: Mapping[str, int] = field(default_factory=dict)
@@ -236,6 +256,7 @@ class SimResult:
     # than the chosen one reused), "evicted_fleet_wide" (one pooled LRU of the fleet's size
     # would still hold what no worker did), "kept_longer" (the other way round).
     losses: Mapping[str, int] = field(default_factory=dict)
+    prewarms: int = 0  # pre-warms the gateway's pre-warmer sent
 
 
 @dataclass(slots=True)
@@ -243,8 +264,8 @@ class _Job:
     req: TraceRequest
     rid: str
     issued: float  # when the client sent it (TTFT counts from here)
-    attempt: Attempt
-    delay_factor: float = 1.0
+    attempt: Attempt | None  # None: a pre-warm (the gateway's own prefill-only replay)
+    settle_at: float | None = None  # with request_delays: decision + the request's hold
     matched_blocks: int = 0
     pooled_blocks: int = 0  # with loss_breakdown: what one pooled LRU would reuse
     best_blocks: int = 0  # ... and the most any worker held when it was routed
@@ -302,6 +323,12 @@ class ClusterSim:
                 # As the gateway does once a worker reports its cache size (gateway.sync).
                 self.pool.set_capacity(wid, config.cache_blocks)
         router = router or build_router(config.policy, caches, config.policy_options)
+        opts = config.policy_options
+        self.prewarmer = PreWarmer(self.pool, self.index, _no_replay, PrewarmOptions(
+            enabled=config.prewarm,
+            hot_threshold=opts.hot_threshold or PrewarmOptions().hot_threshold,
+            fraction=float(GatewaySettings().prewarm_fraction), wait_weight=opts.wait_weight))
+        self._prewarms = 0  # pre-warms under way
         self.telemetry = _Telemetry()
         self.session = RoutingSession(router, self.index, self.pool, self.telemetry)
         self.rebalancer = Rebalancer(
@@ -313,12 +340,13 @@ class ClusterSim:
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = 0
         self._inflight = 0
+        self._last_decision = -math.inf  # the gateway decides in the order requests reach it
         self._ttft: list[float] = []
         self._decision_us: list[float] = []
         self._predicted = 0
         self._best_known = 0
         self._rejected = 0
-        self._assignments: list[str] = []
+        self._assignments: dict[int, str] = {}  # trace position -> worker
         self._reasons: Counter[str] = Counter()
         self._pooled = (PrefixCache(config.cache_blocks * len(ids), 1)
                         if config.loss_breakdown else None)
@@ -339,19 +367,27 @@ class ClusterSim:
             self._rejected += 1  # can never fit in one worker's cache
             return
         self._inflight += 1
-        factors = self.config.delay_factors
-        factor = factors[pos % len(factors)] if factors else 1.0
-        delay = self.config.route_delay_s * factor
-        if delay > 0:
-            self._at(now + delay, lambda t: self._dispatch(req, t, now, factor))
+        timed = self.config.request_delays
+        delay, hold = timed[pos % len(timed)] if timed else (self.config.route_delay_s, None)
+        keys = self.config.route_keys
+        key = keys[pos] if pos < len(keys) else None
+        gap = self.config.decision_gap_s
+        if delay > 0 or gap > 0:
+            # One event loop decides in arrival order, one request at a time: a request sent
+            # later is never decided before one sent earlier, however their waits differ.
+            at = max(now + delay, self._last_decision + gap)
+            self._last_decision = at
+            self._at(at, lambda t: self._dispatch(req, t, now, hold, key, pos))
         else:
-            self._dispatch(req, now, now, factor)
+            self._dispatch(req, now, now, hold, key, pos)
 
     # -- gateway side ---------------------------------------------------------------------------
 
-    def _dispatch(self, req: TraceRequest, now: float, issued: float, factor: float) -> None:
+    def _dispatch(self, req: TraceRequest, now: float, issued: float,
+                  hold: float | None, key: PrefixKey | None, pos: int) -> None:
         per_block = self.config.key_blocks_per_block
-        key = gateway_key(req.key, per_block) if per_block else req.key
+        if key is None:
+            key = gateway_key(req.key, per_block) if per_block else req.key
         route_request = RouteRequest(
             key=key, model=MODEL, cost_tokens=req.cost_tokens, prompt_tokens=req.input_tokens
         )
@@ -372,15 +408,34 @@ class ClusterSim:
         self._predicted += decision.match_blocks // per_block
         self._reasons[_reason_label(decision)] += 1
         w = self.workers[decision.worker_id]
-        self._assignments.append(w.worker.id)
+        self._assignments[pos] = w.worker.id
         w.routed += 1
-        w.queue.append(_Job(req, str(req.index), issued, attempt, factor,
+        w.queue.append(_Job(req, str(req.index), issued, attempt,
+                            None if hold is None else now + hold,
                             pooled_blocks=pooled, best_blocks=best))
         w.max_queue = max(w.max_queue, len(w.queue))
+        if self.router.uses_prefix_index:  # as the gateway does after each decision
+            target = self.prewarmer.target(decision, route_request, now, self._prewarms)
+            if target is not None:
+                self._prewarm(target, req, key, now, hold)
+        self._pump(w, now)
+
+    def _prewarm(self, wid: str, req: TraceRequest, key: PrefixKey, now: float,
+                 hold: float | None) -> None:
+        """The gateway's pre-warm of ``req``'s prompt on ``wid``: recorded in the index as it
+        is sent, replayed there prefill-only (it takes cache blocks as any request does, and
+        counts in no client figure), one of the pre-warmer's slots held for as long as the
+        request that caused it was."""
+        self.index.record(key.blocks, wid, now, key.depths)
+        self._prewarms += 1
+        w = self.workers[wid]
+        w.queue.append(_Job(replace(req, output_tokens=1), f"prewarm-{self.prewarmer.sent}",
+                            now, None, None if hold is None else now + hold))
         self._pump(w, now)
 
     def _settle(self, job: _Job) -> None:
         # What the worker reports, in blocks (one trace block = one cache block).
+        assert job.attempt is not None
         self.session.completed(job.attempt, CacheUsage(len(job.req.blocks), job.matched_blocks))
         self._inflight -= 1
 
@@ -404,19 +459,21 @@ class ClusterSim:
             w.queue.popleft()
             w.running += 1
             req = job.req
-            w.blocks += len(req.blocks)
-            w.matched_blocks += alloc.matched_blocks
             job.matched_blocks = alloc.matched_blocks
-            if self._pooled is not None:
-                self._count_losses(job)
+            if job.attempt is not None:  # a client's request, not a pre-warm
+                w.blocks += len(req.blocks)
+                w.matched_blocks += alloc.matched_blocks
+                if self._pooled is not None:
+                    self._count_losses(job)
             cached = min(alloc.matched_blocks * BLOCK_TOKENS, req.input_tokens)
             prefill = costs.prefill_seconds(req.input_tokens - cached, cached)
             start = max(now, w.prefill_free_at) if self.config.serial_prefill else now
             first_token = start + prefill
             if self.config.serial_prefill:
                 w.prefill_free_at = first_token
-            self._ttft.append(first_token - job.issued)
-            if self.config.streaming:
+            if job.attempt is not None:
+                self._ttft.append(first_token - job.issued)
+            if self.config.streaming and job.attempt is not None:
                 self._at(first_token, functools.partial(self._first_token, job.attempt))
             done = first_token + costs.decode_seconds(req.output_tokens)
             self._at(done, functools.partial(self._complete, w, job))
@@ -433,12 +490,17 @@ class ClusterSim:
     def _complete(self, w: _SimWorker, job: _Job, now: float) -> None:
         w.cache.release(job.rid)
         w.running -= 1
-        delay = self.config.relay_delay_s * job.delay_factor
-        if delay > 0:
-            self._at(now + delay, lambda _t: self._settle(job))
+        at = (now + self.config.relay_delay_s if job.settle_at is None
+              else max(now, job.settle_at))
+        settle = self._settle if job.attempt is not None else self._prewarmed
+        if at > now:
+            self._at(at, lambda _t: settle(job))
         else:
-            self._settle(job)
+            settle(job)
         self._pump(w, now)
+
+    def _prewarmed(self, job: _Job) -> None:
+        self._prewarms -= 1
 
     # -- the event loop -------------------------------------------------------------------------
 
@@ -484,10 +546,17 @@ class ClusterSim:
             ttft_s=tuple(self._ttft), decision_us=tuple(self._decision_us),
             sim_seconds=now,
             wall_seconds=time.perf_counter() - started, per_worker=per_worker,
-            assignments=tuple(self._assignments), reasons=dict(self._reasons),
+            assignments=tuple(self._assignments.get(i, "") for i in range(n)),
+            reasons=dict(self._reasons),
             ring_seed=cfg.ring_seed, rebalance=dict(self._rebalance_actions),
             losses=dict(self._losses) if self._pooled is not None else {},
+            prewarms=self.prewarmer.sent,
         )
+
+
+async def _no_replay(wid: str, prompt: WarmPrompt) -> bool:
+    """The simulator replays pre-warms itself (:meth:`ClusterSim._prewarm`)."""
+    return False
 
 
 def _reason_label(decision: Decision) -> str:

@@ -57,8 +57,9 @@ async def test_keys_are_required_and_name_the_tenant(start_cluster: StartCluster
         raw = await acme.completions.with_raw_response.create(
             model=MODEL, prompt="hi", max_tokens=2)
         assert raw.parse().choices[0].text
-        # Keys configured: routing and cache headers are hidden by default.
-        assert not [h for h in raw.headers if h.startswith(("x-route-", "x-prefix-", "x-cache-"))]
+        # Keys configured: routing, cache and timing headers are hidden by default.
+        assert not [h for h in raw.headers if h.startswith(("x-route-", "x-prefix-", "x-cache-",
+                                                            "server-timing"))]
         assert [m.id for m in (await acme.models.list()).data] == [MODEL]
 
 
@@ -72,11 +73,13 @@ async def test_route_headers_modes(start_cluster: StartCluster) -> None:
             assert r.status == 200
             assert "x-route-worker" not in r.headers
             assert "x-cache-matched-tokens" not in r.headers
+            assert "Server-Timing" not in r.headers
         async with http.post(cluster.base_url + "/completions", json={**body, "stream": True},
                              headers={**auth, "x-admin-token": ADMIN}) as r:
             assert r.status == 200
             assert "x-route-worker" in r.headers
             assert "x-prefix-anchor" in r.headers
+            assert "upstream;dur=" in r.headers["Server-Timing"]
             await r.read()
         async with http.post(cluster.base_url + "/completions", json={**body, "stream": True},
                              headers={**auth, "x-admin-token": "guess"}) as r:

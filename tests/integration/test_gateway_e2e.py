@@ -9,6 +9,7 @@ import aiohttp
 import openai
 import pytest
 
+from loadtest.harness import server_timing
 from tests.conftest import MODEL, StartCluster
 
 SHARED_PREFIX = (
@@ -44,6 +45,10 @@ async def test_chat_completions_and_models_through_openai_client(
     assert headers["x-route-reason"].startswith("cold")
     assert len(headers["x-prefix-anchor"]) == 16
     assert headers["x-prefix-match-blocks"] == "0"
+    # Where the gateway's time went: arrival to decision, decision to the worker's reply.
+    timing = server_timing(headers["Server-Timing"])
+    assert set(timing) == {"wait", "upstream"}
+    assert all(ms >= 0.0 for ms in timing.values())
     for name in ("x-cache-input-tokens", "x-cache-matched-tokens", "x-cache-matched-blocks",
                  "x-cache-hit-ratio"):
         assert name in headers

@@ -42,6 +42,11 @@ async def test_new_model_version_drops_index_and_cache_so_nothing_routes_on_stal
         holder = next(u for u in cluster.worker_urls if u.endswith(seen["x-route-worker"]))
         models = await get(holder + "/v1/models")
         assert models["data"][0]["revision"] == "sim"
+        # Prompts are fingerprinted under the model and the version its workers report.
+        view = await get(cluster.gateway_url + "/admin/workers")
+        (version,) = {w["versions"][MODEL] for w in view["workers"]}
+        assert version.startswith("sim")
+        assert view["namespaces"] == {MODEL: f"{MODEL}@{version}"}
 
         async with aiohttp.ClientSession() as http, http.post(
                 holder + "/admin/model", json={"revision": "v2"}) as r:

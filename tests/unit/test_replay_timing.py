@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from loadtest.harness import server_timing
 from loadtest.replay import ReplayConfig, RunResult
-from loadtest.replay_sim import delay_factors, live_timing, simulated
+from loadtest.replay_sim import (
+    decision_gap,
+    delay_factors,
+    gateway_keys,
+    live_timing,
+    request_delays,
+    simulated,
+)
 from loadtest.traces import TraceRequest, prefix_key
 
 
@@ -19,6 +29,10 @@ def run(requests: int, seconds: float, latency_ms: float, inflight: float | None
     )
 
 
+def flat(pairs: tuple[tuple[float, float], ...]) -> tuple[float, ...]:
+    return tuple(x for pair in pairs for x in pair)
+
+
 def test_the_gateway_holds_its_share_of_the_latency() -> None:
     config = ReplayConfig(workers=4, cache_blocks=100, concurrency=32)
     # 100 requests/s at 320 ms: 32 in flight at the client, 24 of them decided by the gateway.
@@ -30,10 +44,25 @@ def test_the_gateway_holds_its_share_of_the_latency() -> None:
 
 
 def test_each_request_keeps_its_live_latency() -> None:
+    config = ReplayConfig(workers=4, cache_blocks=100, concurrency=32)
     measured = run(3, 1.0, 200.0, None)
     measured.latencies_ms = [100.0, 200.0, 300.0]
     assert delay_factors(measured) == pytest.approx((0.5, 1.0, 1.5))
     assert delay_factors(run(3, 1.0, 200.0, None)) == ()
+    # Without the gateway's timing: the run's mean split, scaled per request (no sample: the
+    # gateway held it all).
+    assert flat(request_delays(measured, config)) == pytest.approx((0.0, 0.1, 0.0, 0.2, 0.0, 0.3))
+    # With it: each request's own hold, and the rest of its latency before the decision.
+    measured.upstream_ms = [40.0, 150.0, 300.0]
+    assert flat(request_delays(measured, config)) == pytest.approx(
+        (0.06, 0.04, 0.05, 0.15, 0.0, 0.3))
+
+
+def test_server_timing_reads_the_durations_it_understands() -> None:
+    assert server_timing("wait;dur=0.41, upstream;dur=7.25") == {"wait": 0.41, "upstream": 7.25}
+    assert server_timing('db;desc="x";dur="3", cache;desc=hit') == {"db": 3.0}
+    assert server_timing("") == {}
+    assert server_timing("a;dur=nan, b;dur=-1, c;dur=x, ;dur=2") == {}
 
 
 def test_simulated_balance_counts_blocks_as_the_live_run_does() -> None:
@@ -44,3 +73,62 @@ def test_simulated_balance_counts_blocks_as_the_live_run_does() -> None:
                     "round_robin", pooled=1.0)
     assert sim["routed_max_over_mean"] == pytest.approx(20 / 11)
     assert sim["requests_max_over_mean"] == 1.0
+    assert sim["same_worker"] is None  # no live assignments to compare with
+    # Round-robin goes a, b, a, b: three of the four live choices below agree.
+    compared = simulated(reqs, ReplayConfig(workers=2, cache_blocks=50, concurrency=1),
+                         "round_robin", pooled=1.0, worker_ids=("a", "b"),
+                         routed_to=("a", "b", "b", "b"))
+    assert compared["same_worker"] == pytest.approx(0.75)
+
+
+def test_the_gap_between_decisions_is_the_gateways_cpu_per_request() -> None:
+    measured = run(1000, 1.0, 20.0, None)
+    assert decision_gap(measured) == 0.0  # not measured
+    measured.cpu_s_per_1k = 1.5
+    assert decision_gap(measured) == pytest.approx(0.0015)
+
+
+def test_the_simulator_routes_on_the_keys_the_gateway_computes() -> None:
+    from gateway.fingerprint import Namespace, fingerprint
+    from gateway.openai_schema import parse_completion
+    from gateway.settings import GatewaySettings
+    from loadtest.replay import request_bodies
+
+    config = ReplayConfig(workers=2, cache_blocks=100)
+    requests = [TraceRequest(i, 0.0, 64, 1, prefix_key(blocks, 64))
+                for i, blocks in enumerate([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [7, 8]])]
+    keys = gateway_keys(requests, config, "m@v1")
+    settings = GatewaySettings()
+    body = request_bodies(requests, config.block_chars, config.max_tokens)[1]
+    text = parse_completion(body, settings.normalize_options()).fingerprint_text
+    assert keys[1] == fingerprint(text, Namespace(model="m@v1"), settings.fingerprint_options())
+    assert keys[0].blocks[:4] == keys[1].blocks[:4] != keys[2].blocks[:4]
+    assert keys[0].anchor == keys[1].anchor
+    # Another model version is another namespace: no prefix in common.
+    assert not set(gateway_keys(requests, config, "m@v2")[0].blocks) & set(keys[0].blocks)
+
+
+def test_the_simulator_pre_warms_as_the_gateway_does() -> None:
+    # RAG documents under load: the gateway's pre-warmer copies hot documents to their next
+    # holder (recorded as sent), and the simulator runs that very pre-warmer; switched off,
+    # none are sent and the hot documents keep fewer holders.
+    from loadtest.replay_sim import live_units
+    from loadtest.sim import ClusterSim, SimConfig
+    from loadtest.trace_workloads import workload_trace
+
+    config = ReplayConfig(workers=8, cache_blocks=150, concurrency=32)
+    requests = live_units(workload_trace("rag", 200, 0), config)
+    base = SimConfig(workers=8, cache_blocks=150, policy="cache_aware", concurrency=32,
+                     costs=config.sim_costs(), key_blocks_per_block=1,
+                     request_delays=((0.01, 0.007),), decision_gap_s=0.0003)
+    holders = {}
+    for prewarm in (True, False):
+        sim = ClusterSim(dataclasses.replace(base, prewarm=prewarm))
+        result = sim.run(requests)
+        assert (result.prewarms > 0) is prewarm
+        assert sim.prewarmer.sent == result.prewarms
+        served: dict[int, set[str]] = {}
+        for request, worker in zip(requests, result.assignments, strict=True):
+            served.setdefault(request.key.blocks[3], set()).add(worker)
+        holders[prewarm] = sum(len(workers) for workers in served.values())
+    assert holders[True] > holders[False]

@@ -256,11 +256,49 @@ def test_live_timing_advances_the_clock_when_workers_cost_nothing() -> None:
     assert timed.ttft_s == pytest.approx((0.1,) * 6)  # nobody waited for blocks
     untimed = simulate(reqs, config(1, 2, "round_robin", concurrency=2))
     assert untimed.sim_seconds == 0.0
-    # Per request, a factor on both delays (cycled): the third request takes 3 x 0.4 s.
-    slow = simulate(reqs[:3], config(1, 2, "round_robin", concurrency=2, route_delay_s=0.1,
-                                     relay_delay_s=0.3, delay_factors=(1.0, 1.0, 3.0)))
+    # Each request's own (wait, hold), cycled, replace both delays: the third request is
+    # decided 0.3 s after its send and settles 0.9 s after that.
+    slow = simulate(reqs[:3], config(1, 2, "round_robin", concurrency=2, route_delay_s=5.0,
+                                     relay_delay_s=5.0,
+                                     request_delays=((0.1, 0.3), (0.1, 0.3), (0.3, 0.9))))
     assert slow.sim_seconds == pytest.approx(0.4 + 1.2)
     assert slow.ttft_s == pytest.approx((0.1, 0.1, 0.3))
+
+
+def test_the_gateway_decides_in_the_order_requests_reach_it() -> None:
+    # Request 1 waits less than request 0, but one event loop decides them in order: with
+    # both on prompt [1, 2], request 0 is the cold placement and request 1 finds it.
+    reqs = trace([1, 2], [1, 2])
+    result = simulate(reqs, config(2, 4, "cache_aware", concurrency=2,
+                                   request_delays=((0.3, 0.1), (0.1, 0.1))))
+    assert result.assignments[0] == result.assignments[1]
+    assert result.reasons == {"cold": 1, "prefix_hit": 1}
+    assert result.ttft_s == pytest.approx((0.3, 0.3))
+
+
+def test_decisions_are_at_least_the_gateway_gap_apart() -> None:
+    # Three requests sent at once: decided 0.01 s apart, in order, when the gap is set.
+    reqs = trace([1], [2], [3])
+    spaced = simulate(reqs, config(3, 4, "round_robin", concurrency=3, decision_gap_s=0.01,
+                                   request_delays=((0.0, 0.5),)))
+    assert spaced.ttft_s == pytest.approx((0.0, 0.01, 0.02))
+    bunched = simulate(reqs, config(3, 4, "round_robin", concurrency=3,
+                                    request_delays=((0.0, 0.5),)))
+    assert bunched.ttft_s == pytest.approx((0.0, 0.0, 0.0))
+
+
+def test_a_request_holds_its_worker_for_its_live_hold_or_its_simulated_time() -> None:
+    # The hold counts from the decision and includes the worker's own time: a worker that
+    # takes 0.2 s settles a request held 0.5 s at 0.1 + 0.5, one held 0.05 s when it is done.
+    reqs = trace([1], output=2)  # one decode step after the first token: 0.2 s
+    costs = SimCosts(prefill_us_per_token=0.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=200.0)
+    long_hold = simulate(reqs[:1], config(1, 4, "round_robin", concurrency=1, costs=costs,
+                                          request_delays=((0.1, 0.5),)))
+    assert long_hold.sim_seconds == pytest.approx(0.6)
+    short_hold = simulate(reqs[:1], config(1, 4, "round_robin", concurrency=1, costs=costs,
+                                           request_delays=((0.1, 0.05),)))
+    assert short_hold.sim_seconds == pytest.approx(0.3)
 
 
 def test_rebalancer_shrinks_an_unknown_cache_that_mispredicts() -> None:
