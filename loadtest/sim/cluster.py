@@ -28,7 +28,10 @@ With ``streaming`` the gateway also sees each first token (``session.first_token
 request's prefill no longer counts as queued), as it does on a streamed reply. Its cache reports
 feed the gateway's own :class:`~gateway.rebalance.Rebalancer`, which decides
 and applies its actions every ``rebalance_interval_s`` of simulated time, as the live gateway's
-background loop does (0: never).
+background loop does (0: never). After each decision the gateway's own
+:class:`~gateway.prewarm.PreWarmer` chooses whether to pre-warm the prompt on another worker
+(``PreWarmer.target``); a pre-warm is recorded in the index as it is sent and replayed on that
+worker prefill-only, taking its cache blocks as the live one does (``prewarm``).
 
 **Where a live request spends its time.** A live gateway is a process with a clock: a request
 waits ``route_delay_s`` from the client's send to the routing decision (reading, parsing and
