@@ -48,9 +48,8 @@ class Reply:
     reason: str = ""  # x-route-reason
     index_blocks: int = 0  # x-prefix-match-blocks: what the gateway's index expected
     sent_at: float = 0.0  # perf_counter() when the request was sent
-    # The gateway's Server-Timing: from its receipt of the request to the decision, and from
-    # the decision to the worker's reply (0 where it did not say).
-    wait_ms: float = 0.0
+    # The gateway's Server-Timing: from its decision to the worker's reply (0 where it did
+    # not say).
     upstream_ms: float = 0.0
 
 def reason_kind(reason: str) -> str:
@@ -100,7 +99,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
                 reason=response.headers.get("x-route-reason", ""),
                 index_blocks=_int(response.headers, "x-prefix-match-blocks"),
                 sent_at=started,
-                wait_ms=timing.get("wait", 0.0), upstream_ms=timing.get("upstream", 0.0),
+                upstream_ms=timing.get("upstream", 0.0),
             )
     except (aiohttp.ClientError, TimeoutError):
         return Reply(0, "", 0, 0, time.perf_counter() - started, sent_at=started)

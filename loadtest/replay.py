@@ -168,8 +168,7 @@ class RunResult:
     gateway_inflight: float | None = None
     latencies_ms: list[float] = field(default_factory=list)  # per request, in trace order
     # Per request, in trace order, from the gateway's Server-Timing (empty for peers): from
-    # its receipt of the request to the decision, and from the decision to the worker's reply.
-    wait_ms: list[float] = field(default_factory=list)
+    # the decision to the worker's reply.
     upstream_ms: list[float] = field(default_factory=list)
     routed_to: list[str] = field(default_factory=list)  # per request: the worker that answered
     route_reasons: list[str] = field(default_factory=list)  # per request: x-route-reason
@@ -286,8 +285,6 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
         cpu_s_per_1k=None if cpu_s is None else cpu_s / max(1, len(replies)) * 1000.0,
         seconds=seconds, mean_latency_ms=statistics.fmean(ms), reasons=dict(reasons),
         latencies_ms=[round(r.seconds * 1e3, 1) for r in replies],
-        wait_ms=([round(r.wait_ms, 2) for r in replies] if any(r.upstream_ms for r in replies)
-                 else []),
         upstream_ms=([round(r.upstream_ms, 2) for r in replies]
                      if any(r.upstream_ms for r in replies) else []),
         routed_to=[r.worker for r in replies],
@@ -336,11 +333,10 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
             await restarter
         ours = router.startswith("ours")
         actions = await rebalance_actions(session, url, wall) if ours else []
-        exact = await exact_predictions(session, url) if ours else None
-        namespace, prewarms = await gateway_view(session, url) if ours else ("", 0)
+        view = await gateway_view(session, url) if ours else GatewayView()
     result = summarize(router, repeat, replies, seconds, pooled, cpu_s, worker_ids, config)
-    result.exact_predictions = exact
-    result.namespace_model, result.prewarms = namespace, prewarms
+    result.exact_predictions = view.exact_predictions
+    result.namespace_model, result.prewarms = view.namespace_model, view.prewarms
     result.gateway_inflight = statistics.fmean(samples) if samples else None
     result.timeline = timeline(replies, started, config.bucket_s, config.block_tokens)
     result.rebalance = actions
@@ -373,18 +369,30 @@ async def sample_inflight(session: aiohttp.ClientSession, url: str, out: list[in
             out.append(sum(int(w["inflight_requests"]) for w in data["workers"]))
 
 
-async def gateway_view(session: aiohttp.ClientSession, url: str) -> tuple[str, int]:
-    """From the gateway's ``/admin/workers``: the model@version it keys the replay's model
-    under ("" if it does not say), and the pre-warms it sent."""
+@dataclass(frozen=True, slots=True)
+class GatewayView:
+    """What our gateway's ``/admin/workers`` says after a run."""
+
+    # The share of responses whose cached tokens it predicted exactly (None: no responses).
+    exact_predictions: float | None = None
+    namespace_model: str = ""  # the model@version it keys the replay's model under
+    prewarms: int = 0  # pre-warms it sent
+
+
+async def gateway_view(session: aiohttp.ClientSession, url: str) -> GatewayView:
+    """One read of the gateway's ``/admin/workers`` (an empty view if it cannot be read)."""
     with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, TypeError,
                              AttributeError):
         async with session.get(url + "/admin/workers") as response:
             data = await response.json()
+        rows = [w.get("predictions") or {} for w in data.get("workers", [])]
+        responses = sum(int(r.get("responses", 0)) for r in rows)
         model = data.get("namespaces", {}).get(MODEL, "")
         sent = data.get("prewarm", {}).get("sent", 0)
-        return (model if isinstance(model, str) else "",
-                sent if isinstance(sent, int) else 0)
-    return "", 0
+        return GatewayView(
+            sum(int(r.get("exact", 0)) for r in rows) / responses if responses else None,
+            model if isinstance(model, str) else "", sent if isinstance(sent, int) else 0)
+    return GatewayView()
 
 
 async def rebalance_actions(session: aiohttp.ClientSession, url: str,
@@ -398,17 +406,6 @@ async def rebalance_actions(session: aiohttp.ClientSession, url: str,
             a["t"] = round(float(a.get("at", wall_start)) - wall_start, 2)
         return sorted(actions, key=lambda a: float(a["t"]))
     return []
-
-
-async def exact_predictions(session: aiohttp.ClientSession, url: str) -> float | None:
-    """The share of responses whose cached tokens the gateway predicted exactly."""
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-        async with session.get(url + "/admin/workers") as response:
-            data = await response.json()
-        rows = [w.get("predictions") or {} for w in data.get("workers", [])]
-        responses = sum(int(r.get("responses", 0)) for r in rows)
-        return sum(int(r.get("exact", 0)) for r in rows) / responses if responses else None
-    return None
 
 
 def gateway_command(fleet: Fleet, policy: str, events: bool = False,
