@@ -4,7 +4,6 @@ owns (each opened and closed by its own cleanup context: :mod:`gateway.resources
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -326,7 +325,7 @@ def create_app(
         ),
         warmup=warmup,
         prewarmer=PreWarmer(
-            pool, index, functools.partial(warmup.replay, early=True), PrewarmOptions(
+            pool, index, warmup.prewarm, PrewarmOptions(
                 enabled=settings.prewarm, hot_threshold=hot,
                 fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
             )),

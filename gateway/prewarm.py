@@ -32,6 +32,8 @@ from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Decision, RouteRequest
 from gateway.warmup_sources import WarmPrompt
 
+# Called at the decision that chose the pre-warm (it may record it then); the awaitable it
+# returns sends it (WarmupManager.prewarm).
 Replay = Callable[[str, WarmPrompt], Awaitable[bool]]
 
 log = logging.getLogger(__name__)
@@ -56,12 +58,12 @@ class PreWarmer:
                  options: PrewarmOptions) -> None:
         self.pool = pool
         self.index = index
-        self._replay = replay  # sends one prefill-only request, records it (WarmupManager)
+        self._replay = replay  # records one prefill-only request, then sends it (WarmupManager)
         self.options = options
         self.sent = 0  # pre-warms started
         self.placed = 0  # pre-warms that succeeded
         self._recent: dict[int, float] = {}  # anchor -> when its last pre-warm started
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[bool]] = set()
 
     def after_route(self, decision: Decision, request: RouteRequest, upstream: UpstreamRequest,
                     tenant: str, now: float) -> None:
@@ -72,9 +74,10 @@ class PreWarmer:
             return
         prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, request.key,
                             namespace=upstream.namespace)
-        task = asyncio.get_running_loop().create_task(self._place(target, prompt))
+        # Recorded now, at the decision that chose it; sent by the task.
+        task = asyncio.ensure_future(self._replay(target, prompt))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._settled)
 
     def target(self, decision: Decision, request: RouteRequest, now: float,
                inflight: int) -> str | None:
@@ -145,10 +148,14 @@ class PreWarmer:
                 return wid
         return None
 
-    async def _place(self, wid: str, prompt: WarmPrompt) -> None:
-        if await self._replay(wid, prompt):
+    def _settled(self, task: asyncio.Future[bool]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        if (exc := task.exception()) is not None:
+            log.warning("a pre-warm failed: %r", exc)
+        elif task.result():
             self.placed += 1
-            log.debug("pre-warmed a hot prefix on %s", wid)
 
     def stats(self) -> dict[str, int | bool]:
         """Counts since start, for ``/admin/workers``: pre-warms started, placed (the worker

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -374,37 +374,46 @@ class WarmupManager:
         if queue:
             status.error = status.error or "time budget spent"
 
-    async def replay(self, wid: str, prompt: WarmPrompt, *, early: bool = False) -> bool:
+    async def replay(self, wid: str, prompt: WarmPrompt) -> bool:
         """Send one prefill-only request to ``wid``; on success the index records that the
-        worker holds the prompt's prefix (and the store tells the other replicas).
-
-        ``early``: recorded as it is sent, as a routed request is (the pre-warmer's replays
-        go to a serving worker, whose engine admits this one ahead of the requests routed
-        after it and evicts for it then; recorded at the reply, the index would meanwhile
-        predict blocks those evictions took), and forgotten again if it fails."""
+        worker holds the prompt's prefix (and the store tells the other replicas)."""
         if wid not in self.pool:
             return False
+        ok = await self._send(self.pool.get(wid).worker, prompt)
+        if ok:
+            self.index.record(prompt.key.blocks, wid, time.monotonic(), prompt.key.depths)
+            self.sync.assigned(prompt.key, wid)
+        return ok
+
+    def prewarm(self, wid: str, prompt: WarmPrompt) -> Awaitable[bool]:
+        """The pre-warmer's replay of ``prompt`` on ``wid``, recorded at once: it is called at
+        the decision that chose it, and recorded then, as a routed request is (it goes to a
+        serving worker, whose engine admits it ahead of the requests routed after it and
+        evicts for it then; recorded at the reply, the index would meanwhile predict blocks
+        those evictions took). The awaitable it returns sends it, and forgets it again if it
+        fails."""
+        if wid not in self.pool:
+            return _refused()
         worker = self.pool.get(wid).worker
         key = prompt.key
-        held = 0
-        if early:
-            now = time.monotonic()
-            held = self.index.match(key.blocks, now).get(wid, 0)
-            self.index.record(key.blocks, wid, now, key.depths)
-            if self.exact is not None:
-                self.exact.sent(wid, key.blocks, now)
+        now = time.monotonic()
+        held = self.index.match(key.blocks, now).get(wid, 0)
+        self.index.record(key.blocks, wid, now, key.depths)
+        if self.exact is not None:
+            self.exact.sent(wid, key.blocks, now)
+        return self._prewarmed(worker, prompt, held)
+
+    async def _prewarmed(self, worker: Worker, prompt: WarmPrompt, held: int) -> bool:
+        wid, blocks = worker.id, prompt.key.blocks
         ok = await self._send(worker, prompt)
-        if early:
-            if self.exact is not None:
-                self.exact.done(wid, key.blocks, time.monotonic())
-            if not ok:
-                self.index.forget(wid, key.blocks, held)
-                if self.exact is not None:
-                    self.exact.unsent(wid, key.blocks[held:])
-        elif ok:
-            self.index.record(key.blocks, wid, time.monotonic(), key.depths)
+        if self.exact is not None:
+            self.exact.done(wid, blocks, time.monotonic())
         if ok:
-            self.sync.assigned(key, wid)
+            self.sync.assigned(prompt.key, wid)
+        else:
+            self.index.forget(wid, blocks, held)
+            if self.exact is not None:
+                self.exact.unsent(wid, blocks[held:])
         return ok
 
     async def _send(self, worker: Worker, prompt: WarmPrompt) -> bool:
@@ -436,3 +445,7 @@ class WarmupManager:
             self.pool.set_ramp(wid, factor)
             if i < len(steps) - 1:
                 await asyncio.sleep(pause)
+
+
+async def _refused() -> bool:
+    return False

@@ -1,5 +1,6 @@
-"""A pre-warm replay counts in the prefix index from the moment it is sent, as a routed request
-does (the engine admits it ahead of the requests routed after it), and is forgotten if it fails.
+"""A pre-warm counts in the prefix index from the decision that chose it, as a routed request
+does (the engine admits it ahead of the requests routed after it), and is forgotten if it fails;
+a joining worker's warm-up replay counts once answered.
 
 A reference worker over real HTTP on 127.0.0.1; the gateway's own backends send the replay.
 """
@@ -88,10 +89,10 @@ def held(index: PrefixIndex, wid: str, p: WarmPrompt) -> int:
     return index.match(p.key.blocks, 0.0).get(wid, 0)
 
 
-async def test_an_early_replay_counts_while_in_flight(setup: Setup) -> None:
+async def test_a_prewarm_counts_from_its_decision(setup: Setup) -> None:
     p = prompt()
-    task = asyncio.create_task(setup.manager.replay(setup.live, p, early=True))
-    await asyncio.sleep(0)  # the replay is on its way; no answer can have come back yet
+    task = asyncio.ensure_future(setup.manager.prewarm(setup.live, p))
+    # Recorded by the call itself, before the request is even written.
     assert held(setup.index, setup.live, p) == len(p.key.blocks)
     assert setup.sent.log == [("sent", setup.live, len(p.key.blocks))]
     assert await task
@@ -108,8 +109,8 @@ async def test_a_late_replay_counts_once_answered(setup: Setup) -> None:
     assert held(setup.index, setup.live, p) == len(p.key.blocks)
 
 
-async def test_a_failed_early_replay_is_forgotten(setup: Setup) -> None:
+async def test_a_failed_prewarm_is_forgotten(setup: Setup) -> None:
     p = prompt()
-    assert not await setup.manager.replay(setup.dead, p, early=True)
+    assert not await setup.manager.prewarm(setup.dead, p)
     assert held(setup.index, setup.dead, p) == 0
     assert [e[0] for e in setup.sent.log] == ["sent", "done", "unsent"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 from gateway.backends.base import UpstreamRequest
 from gateway.fingerprint import Namespace, fingerprint
@@ -63,6 +64,27 @@ async def run(heat: int, inflight: int, depth: int | None = None, calls: int = 1
 
 async def test_hot_prefix_near_its_bound_goes_to_the_next_worker_on_the_ring_once() -> None:
     assert len(await run(heat=10, inflight=900, calls=3)) == 1  # then the cooldown holds
+
+
+async def test_the_prewarm_is_handed_over_at_its_decision() -> None:
+    """The replay is called inside ``after_route``, before any other request is decided (the
+    manager records the pre-warm then, as a routed request is recorded at its decision);
+    only its sending waits for the task."""
+    pool, index, request, holder = setup(10)
+    called: list[str] = []
+
+    def replay(wid: str, prompt: WarmPrompt) -> Awaitable[bool]:
+        called.append(wid)
+        return asyncio.sleep(0, True)
+
+    warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
+    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
+    warmer.after_route(decision(pool, holder, request.key.total_blocks, 900, 1000.0, 3),
+                       request, upstream, "", 0.0)
+    assert called == [next(w for w in pool.ring.walk(request.key.anchor) if w != holder)]
+    assert warmer.stats()["inflight"] == 1
+    await asyncio.sleep(0.01)
+    assert (warmer.stats()["placed"], warmer.stats()["inflight"]) == (1, 0)
 
 
 async def test_cool_prefix_or_low_load_or_a_miss_is_left_alone() -> None:
