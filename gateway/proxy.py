@@ -257,7 +257,10 @@ def _client_headers(
     # a stream's first chunk).
     upstream = time.monotonic() - attempt.at
     wait = max(0.0, time.perf_counter() - observed.started - upstream)
-    headers["Server-Timing"] = f"wait;dur={wait * 1e3:.2f}, upstream;dur={upstream * 1e3:.2f}"
+    headers["Server-Timing"] = f"wait;dur={wait * 1e3:.3f}, upstream;dur={upstream * 1e3:.3f}"
+    # The decision's instant on the gateway's monotonic clock (seconds): it orders and spaces
+    # one gateway's decisions, as a replay of them needs; it means nothing on its own.
+    headers["x-route-at"] = f"{attempt.at:.6f}"
     for name in _RELAYED_HEADERS:
         value = reply.headers.get(name)
         if value is not None:

@@ -51,6 +51,8 @@ class Reply:
     # The gateway's Server-Timing: from its decision to the worker's reply (0 where it did
     # not say).
     upstream_ms: float = 0.0
+    # The gateway's decision instant on its monotonic clock, seconds (x-route-at; 0: not said).
+    decided_at: float = 0.0
 
 def reason_kind(reason: str) -> str:
     """``prefix_hit depth=37`` -> ``prefix_hit``; ``diverted: w1 ...`` -> ``diverted``."""
@@ -63,6 +65,13 @@ def _int(headers: Any, name: str) -> int:
         return int(headers.get(name, "0"))
     except ValueError:
         return 0
+
+def _float(headers: Any, name: str) -> float:
+    try:
+        value = float(headers.get(name, "0"))
+    except ValueError:
+        return 0.0
+    return value if math.isfinite(value) and value > 0 else 0.0
 
 def server_timing(header: str) -> dict[str, float]:
     """``wait;dur=0.4, upstream;dur=7.2`` -> ``{"wait": 0.4, "upstream": 7.2}`` (durations in
@@ -100,6 +109,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
                 index_blocks=_int(response.headers, "x-prefix-match-blocks"),
                 sent_at=started,
                 upstream_ms=timing.get("upstream", 0.0),
+                decided_at=_float(response.headers, "x-route-at"),
             )
     except (aiohttp.ClientError, TimeoutError):
         return Reply(0, "", 0, 0, time.perf_counter() - started, sent_at=started)

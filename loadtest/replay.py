@@ -170,6 +170,9 @@ class RunResult:
     # Per request, in trace order, from the gateway's Server-Timing (empty for peers): from
     # the decision to the worker's reply.
     upstream_ms: list[float] = field(default_factory=list)
+    # Per request, in trace order: the gateway's decision instant (x-route-at), seconds after
+    # the run's first decision; empty where a reply did not say (peers, failures).
+    decided_s: list[float] = field(default_factory=list)
     routed_to: list[str] = field(default_factory=list)  # per request: the worker that answered
     route_reasons: list[str] = field(default_factory=list)  # per request: x-route-reason
     # The model@version our gateway fingerprinted prompts under (/admin/workers namespaces):
@@ -254,6 +257,15 @@ class Fleet:
 # -- one run -------------------------------------------------------------------------------
 
 
+def decision_instants(replies: Sequence[Reply]) -> list[float]:
+    """Each reply's decision instant (``x-route-at``) after the run's first, in seconds; empty
+    unless every reply said when it was decided."""
+    if not replies or not all(r.decided_at for r in replies):
+        return []
+    first = min(r.decided_at for r in replies)
+    return [round(r.decided_at - first, 6) for r in replies]
+
+
 def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float,
               pooled: float, cpu_s: float | None, worker_ids: Sequence[str],
               config: ReplayConfig) -> RunResult:
@@ -285,8 +297,9 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
         cpu_s_per_1k=None if cpu_s is None else cpu_s / max(1, len(replies)) * 1000.0,
         seconds=seconds, mean_latency_ms=statistics.fmean(ms), reasons=dict(reasons),
         latencies_ms=[round(r.seconds * 1e3, 1) for r in replies],
-        upstream_ms=([round(r.upstream_ms, 2) for r in replies]
+        upstream_ms=([round(r.upstream_ms, 3) for r in replies]
                      if any(r.upstream_ms for r in replies) else []),
+        decided_s=decision_instants(replies),
         routed_to=[r.worker for r in replies],
         route_reasons=[r.reason for r in replies] if any(r.reason for r in replies) else [],
         worker_ids=list(worker_ids), per_worker=dict(sorted(per_worker.items())),
@@ -580,6 +593,15 @@ def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> 
                      f"{s['block_hit_rate']:.3f} | {s['hit_over_bound']:.3f} | "
                      f"{s['routed_max_over_mean']:.2f} | {s['prefill_max_over_mean']:.2f} | "
                      "- | - | - | 0 |")
+        d = s.get("decisions")
+        if d is not None:
+            same = d.get("same_worker")
+            note = "" if same is None else f", {same:.0%} on the live worker"
+            lines.append(f"| {s['router']} (simulated at the gateway's decision "
+                         f"instants{note}) | {s['repeats']} | "
+                         f"{d['block_hit_rate']:.3f} | {d['hit_over_bound']:.3f} | "
+                         f"{d['routed_max_over_mean']:.2f} | {d['prefill_max_over_mean']:.2f} | "
+                         "- | - | - | 0 |")
     return "\n".join(lines) + "\n"
 
 

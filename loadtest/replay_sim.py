@@ -9,6 +9,14 @@ per request (:func:`decision_gap`), and counts in flight on its worker for as lo
 gateway held it there. It routes on the keys the gateway computed (:func:`gateway_keys`), so
 cold prefixes land where they did live, and reports the share of requests it sent to the
 worker the gateway chose (``same_worker``).
+
+That simulation models the client (a closed loop whose next send follows a reply). When the
+gateway said when it decided each request (``x-route-at``, in ``RunResult.decided_s``), the
+simulator also runs without that model (``decisions``): every request decided at its live
+instant, in the live order, held for its live hold, so that what remains simulated is the
+routing itself and the workers' caches. Where the two disagree with live by different amounts,
+the difference is the client model's; where the second disagrees, the routing or the cache
+model is wrong.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import math
 import random
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gateway.fingerprint import Namespace, PrefixKey, fingerprint
@@ -111,34 +120,53 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
               worker_ids: Sequence[str] = (),
               delays: Sequence[tuple[float, float]] = (),
               keys: Sequence[PrefixKey] = (),
-              routed_to: Sequence[str] = (), decision_gap_s: float = 0.0) -> dict[str, Any]:
+              routed_to: Sequence[str] = (), decision_gap_s: float = 0.0,
+              decided_s: Sequence[float] = ()) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
     concurrency, keys (the gateway's own, :func:`gateway_keys`, else the trace's in the
     gateway's shape) and timing: each request's own ``delays`` (:func:`request_delays`), or
     the same ``timing`` for all (:func:`live_timing`), decisions at least
     ``decision_gap_s`` apart (:func:`decision_gap`). With the live run's workers per
     request (``routed_to``), ``same_worker`` is the share of requests the simulator sent
-    where the gateway did."""
+    where the gateway did.
+
+    With the gateway's own decision instants (``decided_s``, per request in trace order), the
+    client is not simulated at all: each request is decided at its live instant, in the live
+    order, and held for its live hold (``delays``' second entry), so that only the routing
+    and the workers' caches are simulated (``timing`` is then ``"decisions"``)."""
+    units = live_units(requests, config)
+    order = list(range(len(units)))
+    timed = bool(decided_s) and len(decided_s) == len(units) == len(delays)
+    if timed:
+        order.sort(key=lambda i: (decided_s[i], i))
+        units = [replace(units[i], arrival_s=decided_s[i]) for i in order]
+        delays = [(0.0, delays[i][1]) for i in order]
+        keys = [keys[i] for i in order] if len(keys) == len(order) else ()
     sim = SimConfig(
         workers=config.workers, cache_blocks=config.cache_blocks, policy=policy,
-        mode="sequential", concurrency=config.concurrency, max_running=config.max_running,
+        mode="replay" if timed else "sequential",
+        concurrency=None if timed else config.concurrency, max_running=config.max_running,
         costs=config.sim_costs(), index_knows_capacity=config.report_cache_size,
         key_blocks_per_block=config.block_chars // 64,
         route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
-        request_delays=tuple(delays), route_keys=tuple(keys), decision_gap_s=decision_gap_s,
+        request_delays=tuple(delays), route_keys=tuple(keys),
+        decision_gap_s=0.0 if timed else decision_gap_s,
     )
-    result = simulate(live_units(requests, config), sim)
+    result = simulate(units, sim)
+    assignments = [""] * len(order)
+    for pos, worker in zip(order, result.assignments, strict=True):
+        assignments[pos] = worker
     m = metrics(result, pooled)
     # As the live run counts it: blocks routed per worker (the simulator's own report counts
     # requests); requests as requests_max_over_mean.
     m["routed_max_over_mean"] = max_over_mean([w.blocks for w in result.per_worker])
     m["requests_max_over_mean"] = max_over_mean([w.routed for w in result.per_worker])
-    same = (sum(a == b for a, b in zip(result.assignments, routed_to, strict=True))
-            / len(routed_to) if routed_to and len(routed_to) == len(result.assignments)
+    same = (sum(a == b for a, b in zip(assignments, routed_to, strict=True))
+            / len(routed_to) if routed_to and len(routed_to) == len(assignments)
             else None)
     return {"router": f"ours:{policy}", "pooled_bound": pooled,
             **{k: m[k] for k in SIM_KEYS},
-            "same_worker": same,
+            "same_worker": same, "timing": "decisions" if timed else "client",
             "route_delay_ms": timing[0] * 1e3, "relay_delay_ms": timing[1] * 1e3,
             "sim_seconds": result.sim_seconds, "reasons": dict(result.reasons),
             "prewarms": result.prewarms,
@@ -170,7 +198,8 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
                    keys: Sequence[PrefixKey] = ()) -> dict[str, Any]:
     """The simulator on one live run's fleet, ``keys`` and timing: the mean of ``draws``
     runs, the first with each request's live timing, the others with it jittered
-    (:data:`SIM_JITTER`); ``same_worker`` is the first one's."""
+    (:data:`SIM_JITTER`); ``same_worker`` is the first one's. With the run's decision
+    instants, ``decisions`` holds one more run at those instants (:func:`simulated`)."""
     policy = run.router.partition(":")[2]
     timing = live_timing(run, config)
     delays = request_delays(run, config)
@@ -186,6 +215,10 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
     for key in SIM_KEYS:
         out[key] = statistics.fmean(s[key] for s in samples)
     out["draws"] = len(samples)
+    if run.decided_s:
+        decided = simulated(requests, config, policy, pooled, timing, run.worker_ids, delays,
+                            keys, run.routed_to, decided_s=run.decided_s)
+        out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "prewarms")}
     return out
 
 
@@ -212,6 +245,13 @@ def simulate_runs(requests: Sequence[TraceRequest], config: ReplayConfig,
             row[key] = statistics.median(r[key] for r in runs)
         same = [r["same_worker"] for r in runs if r.get("same_worker") is not None]
         row["same_worker"] = statistics.median(same) if len(same) == len(runs) else None
+        if all("decisions" in r for r in runs):  # every run said when it decided
+            row["decisions"] = {key: statistics.median(r["decisions"][key] for r in runs)
+                                for key in SIM_KEYS}
+            same = [r["decisions"]["same_worker"] for r in runs
+                    if r["decisions"]["same_worker"] is not None]
+            row["decisions"]["same_worker"] = (statistics.median(same) if len(same) == len(runs)
+                                               else None)
         row["runs"] = runs
         out.append(row)
     return out

@@ -30,8 +30,9 @@ feed the gateway's own :class:`~gateway.rebalance.Rebalancer`, which decides
 and applies its actions every ``rebalance_interval_s`` of simulated time, as the live gateway's
 background loop does (0: never). After each decision the gateway's own
 :class:`~gateway.prewarm.PreWarmer` chooses whether to pre-warm the prompt on another worker
-(``PreWarmer.target``); a pre-warm is recorded in the index as it is sent and replayed on that
-worker prefill-only, taking its cache blocks as the live one does (``prewarm``).
+(``PreWarmer.target``); a pre-warm is recorded in the index at that decision, as the live
+gateway records it, and replayed on that worker prefill-only, taking its cache blocks as the
+live one does (``prewarm``).
 
 **Where a live request spends its time.** A live gateway is a process with a clock: a request
 waits ``route_delay_s`` from the client's send to the routing decision (reading, parsing and
@@ -44,7 +45,9 @@ it. Both delays are 0 by default (time is the workers' cost model alone). The li
 (:mod:`loadtest.replay`) gives each request its own measured timing instead
 (``request_delays``): the wait before its decision and the gateway's hold from the decision to
 the worker's reply, so that every request is decided when it was live and counts in flight on
-its worker for as long as it did there. One event loop decides one request at a time, in the
+its worker for as long as it did there; its worker finishes it no sooner than that reply came
+back, so that its blocks go back to the worker's LRU in the order they did live (the order a
+full cache evicts them in). One event loop decides one request at a time, in the
 order they reach it: decisions keep the order requests were sent in, at least
 ``decision_gap_s`` apart (the gateway's CPU time per request, in the replay). That spacing
 matters beyond timing: among holders in the same state, the index's decayed request counts
@@ -141,8 +144,8 @@ class SimConfig:
     relay_delay_s: float = 0.0
     # Per request, by position in the trace: (seconds from the client's send to the decision,
     # seconds from the decision to settlement, the worker's own time included), as a live run
-    # measured them. Given, they replace both delays above; a request whose simulated worker
-    # takes longer than its hold settles when the worker is done.
+    # measured them. Given, they replace both delays above; a request's worker runs it until
+    # its hold ends at least, and longer if its cost model says so (it settles then).
     request_delays: tuple[tuple[float, float], ...] = ()
     # The gateway's time per decision: one event loop decides one request at a time, in the
     # order they reach it, so two decisions are at least this far apart.
@@ -479,6 +482,8 @@ class ClusterSim:
             if self.config.streaming and job.attempt is not None:
                 self._at(first_token, functools.partial(self._first_token, job.attempt))
             done = first_token + costs.decode_seconds(req.output_tokens)
+            if job.attempt is not None and job.settle_at is not None:
+                done = max(done, job.settle_at)  # it ran as long as it did live
             self._at(done, functools.partial(self._complete, w, job))
 
     def _count_losses(self, job: _Job) -> None:

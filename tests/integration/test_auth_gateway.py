@@ -74,6 +74,7 @@ async def test_route_headers_modes(start_cluster: StartCluster) -> None:
             assert "x-route-worker" not in r.headers
             assert "x-cache-matched-tokens" not in r.headers
             assert "Server-Timing" not in r.headers
+            assert "x-route-at" not in r.headers
         async with http.post(cluster.base_url + "/completions", json={**body, "stream": True},
                              headers={**auth, "x-admin-token": ADMIN}) as r:
             assert r.status == 200

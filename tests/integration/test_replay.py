@@ -50,6 +50,9 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
     sims = {s["router"]: s for s in report["simulated"]}
     assert set(sims) == set(rows)
     assert all(0 <= s["block_hit_rate"] <= s["pooled_bound"] + 1e-9 for s in sims.values())
+    # At the gateway's own decision instants (x-route-at) and holds, the simulator routes
+    # every request where the gateway did: it runs the gateway's routing, not a copy of it.
+    assert all(s["decisions"]["same_worker"] == 1.0 for s in sims.values())
     # The simulator again, from the saved report alone: same live rows, fresh simulated ones.
     saved = tmp_path / "report.json"
     saved.write_text(stdout, encoding="utf-8")

@@ -81,6 +81,46 @@ def test_simulated_balance_counts_blocks_as_the_live_run_does() -> None:
     assert compared["same_worker"] == pytest.approx(0.75)
 
 
+def test_at_the_gateways_decision_instants_requests_are_decided_in_that_order() -> None:
+    """Live, request 1 was decided before request 0 (its connection was ready first): at the
+    decision instants the simulator decides them in that order, and reports each where it
+    went in trace order; without them it decides in send order."""
+    reqs = [TraceRequest(i, 0.0, 512, 1, prefix_key([10 * i], 512)) for i in range(4)]
+    config = ReplayConfig(workers=2, cache_blocks=50, concurrency=1)
+    live = ("b", "a", "a", "b")  # round-robin a, b, a, b in the order 1, 0, 2, 3
+    holds = [(0.0, 0.001)] * 4
+    timed = simulated(reqs, config, "round_robin", pooled=1.0, worker_ids=("a", "b"),
+                      delays=holds, routed_to=live, decided_s=(0.002, 0.001, 0.003, 0.004))
+    assert timed["timing"] == "decisions"
+    assert timed["same_worker"] == 1.0
+    untimed = simulated(reqs, config, "round_robin", pooled=1.0, worker_ids=("a", "b"),
+                        delays=holds, routed_to=live)
+    assert untimed["timing"] == "client"
+    assert untimed["same_worker"] == 0.5
+
+
+def test_a_worker_runs_a_request_for_as_long_as_it_did_live() -> None:
+    """Two prompts of 8 blocks on one worker of 20, A held longer than B live: B's blocks go
+    back to the LRU first, so the 8 blocks of C evict B's, and A's prompt again (D) finds all
+    of its 8 blocks. Finished in the order the cost model alone says (A, then B), C would
+    evict A's deepest 4 blocks and D would find only 4."""
+    a = prefix_key(range(8), 512 * 8)
+    reqs = [TraceRequest(0, 0.0, 512 * 8, 1, a),
+            TraceRequest(1, 0.0, 512 * 8, 1, prefix_key(range(100, 108), 512 * 8)),
+            TraceRequest(2, 0.0, 512 * 8, 1, prefix_key(range(200, 208), 512 * 8)),
+            TraceRequest(3, 0.0, 512 * 8, 1, a)]
+    config = ReplayConfig(workers=1, cache_blocks=20, concurrency=4)
+    decided = (0.0, 0.0001, 0.5, 0.6)
+    live_holds = [(0.0, 0.3), (0.0, 0.1), (0.0, 0.01), (0.0, 0.01)]
+    sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=live_holds,
+                    decided_s=decided)
+    assert sim["block_hit_rate"] == pytest.approx(8 / 32)
+    same_holds = [(0.0, 0.01)] * 4
+    sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=same_holds,
+                    decided_s=decided)
+    assert sim["block_hit_rate"] == pytest.approx(4 / 32)
+
+
 def test_the_gap_between_decisions_is_the_gateways_cpu_per_request() -> None:
     measured = run(1000, 1.0, 20.0, None)
     assert decision_gap(measured) == 0.0  # not measured
