@@ -31,6 +31,16 @@ def setup(heat: int) -> tuple[WorkerPool, PrefixIndex, RouteRequest, str]:
     return pool, index, request, holder
 
 
+def half_held(asked: int) -> tuple[WorkerPool, PrefixIndex, RouteRequest, str]:
+    """The holder holds the first half of the prompt, which ``asked`` requests ended with."""
+    pool, index, request, holder = setup(heat=0)
+    key = request.key
+    half = key.checkpoints_within(key.total_blocks // 2)
+    for _ in range(asked):
+        index.record(key.blocks[:half], holder, 0.0, key.depths[:half])
+    return pool, index, request, holder
+
+
 def decision(pool: WorkerPool, holder: str, depth: int, inflight: int, bound: float,
              requests: int) -> Decision:
     view = pool.snapshot(0.0).by_id[holder]  # type: ignore[index]
@@ -98,7 +108,7 @@ async def test_a_holder_whose_queue_outgrows_the_prefill_a_move_adds_warms_the_n
     """The cost rule (no request count): the holder of half the prompt has queued prefill
     above the pool's mean that nears what a move would add (the half it saves, weighed by the
     pool's queue), so the spread is near and the next holder is warmed."""
-    pool, index, request, holder = setup(heat=1)  # not hot: only the cost rule can fire
+    pool, index, request, holder = half_held(asked=2)  # asked for again, not hot
     placed: list[str] = []
 
     async def replay(wid: str, prompt: WarmPrompt) -> bool:
@@ -117,6 +127,26 @@ async def test_a_holder_whose_queue_outgrows_the_prefill_a_move_adds_warms_the_n
     await asyncio.sleep(0.01)
     expected = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
     assert placed == [expected]
+
+
+async def test_a_prefix_asked_for_once_is_not_warmed_however_long_the_queue() -> None:
+    """The cost rule's spread needs the prefix again while the holder is busy: a prefix
+    asked for once (a conversation's previous turn) is left where it is, since its copy
+    would only evict other prefixes from the next worker's cache."""
+    pool, index, request, holder = half_held(asked=1)
+    placed: list[str] = []
+
+    async def replay(wid: str, prompt: WarmPrompt) -> bool:
+        placed.append(wid)
+        return True
+
+    warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
+    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
+    d = decision(pool, holder, request.key.total_blocks // 2, 0, 1000.0, 3)
+    pool.acquire(holder, 3000, prefill=2500)  # the queue of the test above: warmed at heat 2
+    warmer.after_route(d, request, upstream, "", 0.0)
+    await asyncio.sleep(0.01)
+    assert placed == []
 
 
 async def test_stats_count_what_was_sent_placed_failed_and_in_flight() -> None:
