@@ -28,7 +28,9 @@ N`` also N - 1 times with the timing jittered, and the mean is reported), and re
 median over the live runs per policy (``simulated`` in the JSON, each run under ``runs``;
 ``same_worker``: the share of requests the simulator sent to the worker the gateway chose).
 ``--resimulate REPORT`` re-runs only the simulator against the live runs of a saved ``--json``
-report. For the trace itself,
+report; ``--sim-set NAME=VALUE`` simulates with a change (``prewarm=false``,
+``policy.volume_guard=1.1``): at the gateway's decision instants, what the gateway would have
+done otherwise on the same live arrivals. For the trace itself,
 ``sticky_balance`` (:mod:`loadtest.sessions`): how many sessions it has and the routed max/mean
 that no router keeping each session on one worker can beat.
 
@@ -75,7 +77,7 @@ from loadtest.bench_gateway import (
     wait_all_workers_up,
 )
 from loadtest.peers import PEERS, PeerUnavailableError, process_cpu_seconds, running_peer
-from loadtest.replay_sim import simulate_runs
+from loadtest.replay_sim import Overrides, sim_overrides, simulate_runs
 from loadtest.sessions import sticky_balance
 from loadtest.sim.cluster import pooled_bound
 from loadtest.sim.report import max_over_mean
@@ -649,6 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resimulate", type=Path, metavar="REPORT",
                    help="only re-run the simulator against the live runs of a saved --json "
                    "report of this command")
+    p.add_argument("--sim-set", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --simulate or --resimulate: simulate with this change (a "
+                   "simulator option such as prewarm=false, or policy.NAME=VALUE for a "
+                   "routing option such as policy.volume_guard=1.1); at the gateway's "
+                   "decision instants, what it would have done otherwise (repeatable)")
     p.add_argument("--restart-worker", metavar="I@T",
                    help="restart worker I T seconds into every gateway run")
     p.add_argument("--flush-worker", metavar="I@T",
@@ -742,7 +749,7 @@ def load_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
     return requests, source
 
 
-def resimulate(path: Path, draws: int, as_json: bool) -> int:
+def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | None = None) -> int:
     """Re-run the simulator against the live runs of a saved ``--json`` report (same trace and
     fleet, from its command line; each run's timing, worker ids and latencies) and print the
     report with its ``simulated`` section replaced."""
@@ -755,12 +762,13 @@ def resimulate(path: Path, draws: int, as_json: bool) -> int:
     known = {f.name for f in dataclasses.fields(RunResult)}
     results = [RunResult(**{k: v for k, v in run.items() if k in known})
                for run in report["runs"]]
-    report["simulated"] = simulate_runs(requests, config, results, draws)
+    report["simulated"] = simulate_runs(requests, config, results, draws, overrides)
     if as_json:
         print(json.dumps(report, indent=2))
     else:
+        changed = f", simulated with {overrides}" if overrides else ""
         print(f"```\n{report['command']}\n```\n\n{source}: {len(requests)} requests "
-              f"(simulator re-run with {draws} draws per live run)\n")
+              f"(simulator re-run with {draws} draws per live run{changed})\n")
         print(markdown(report["medians"], report["simulated"]), end="")
     return 0
 
@@ -771,8 +779,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     if args.sim_draws < 1:
         parser.error("--sim-draws must be >= 1")
+    try:
+        overrides = sim_overrides(args.sim_set)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if overrides and not (args.simulate or args.resimulate):
+        parser.error("--sim-set needs --simulate or --resimulate")
     if args.resimulate is not None:
-        return resimulate(args.resimulate, args.sim_draws, args.json)
+        return resimulate(args.resimulate, args.sim_draws, args.json, overrides)
     config = config_from_args(parser, args)
     try:
         policies = parse_policies(args.policy)
@@ -796,7 +810,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_timeline(res.timeline, args.timeline / f"{res.router.replace(':', '-')}"
                            f"-{res.repeat}", res.router, events)
     rows = medians(results)
-    sims = simulate_runs(requests, config, results, args.sim_draws) if args.simulate else []
+    sims = (simulate_runs(requests, config, results, args.sim_draws, overrides)
+            if args.simulate else [])
     command = shlex.join(["python", "-m", "loadtest", "replay", *args_list])
     sticky = sticky_balance(requests, config.workers)
     if args.json:

@@ -25,11 +25,12 @@ import math
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
 from gateway.fingerprint import Namespace, PrefixKey, fingerprint
 from gateway.openai_schema import parse_completion
+from gateway.routing.policies import PolicyOptions
 from gateway.settings import GatewaySettings
 from loadtest.sim.cluster import SimConfig, pooled_bound, simulate
 from loadtest.sim.report import max_over_mean, metrics
@@ -37,6 +38,63 @@ from loadtest.traces import TraceRequest
 
 if TYPE_CHECKING:
     from loadtest.replay import ReplayConfig, RunResult
+
+
+Overrides = dict[str, Any]  # SimConfig fields to change; "policy_options": its own changes
+
+
+def sim_overrides(pairs: Sequence[str]) -> Overrides:
+    """``NAME=VALUE`` pairs (``--sim-set``) as changes to the simulator's configuration: NAME
+    a plain field of :class:`SimConfig` the live run did not fix (``prewarm``,
+    ``rebalance_interval_s``, ``index_knows_capacity``...) or ``policy.NAME``, a field of
+    the routing policy's options (``policy.volume_guard``...); VALUE read as that field's
+    type (``true``/``false`` for a flag). Raises ValueError for an unknown name or an
+    unreadable value."""
+    plain = {f.name: str(f.type) for f in fields(SimConfig)
+             if str(f.type) in _KINDS and f.name not in _LIVE_RUN}
+    policy = {f.name: str(f.type) for f in fields(PolicyOptions) if str(f.type) in _KINDS}
+    out: Overrides = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        table, key = (policy, name[7:]) if name.startswith("policy.") else (plain, name)
+        if not sep or key not in table:
+            raise ValueError(f"--sim-set {pair!r}: NAME=VALUE with NAME one of "
+                             f"{', '.join(sorted(plain))} or policy.NAME with NAME one of "
+                             f"{', '.join(sorted(policy))}")
+        value = _read(table[key], text, pair)
+        if table is policy:
+            out.setdefault("policy_options", {})[key] = value
+        else:
+            out[key] = value
+    return out
+
+
+_KINDS = ("bool", "int", "float")
+# What the live run fixed (its fleet, its timing): not changed after the fact.
+_LIVE_RUN = frozenset({"workers", "cache_blocks", "max_running", "ring_seed", "speedup",
+                       "key_blocks_per_block", "decision_gap_s", "route_delay_s",
+                       "relay_delay_s", "streaming"})
+
+
+def _read(kind: str, text: str, pair: str) -> bool | int | float:
+    word = text.strip().lower()
+    if kind == "bool":
+        if word in ("true", "1", "yes", "on"):
+            return True
+        if word in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"--sim-set {pair!r}: true or false")
+    try:
+        return int(word) if kind == "int" else float(word)
+    except ValueError:
+        raise ValueError(f"--sim-set {pair!r}: not a number") from None
+
+
+def with_overrides(sim: SimConfig, overrides: Overrides) -> SimConfig:
+    """``sim`` with :func:`sim_overrides`' changes."""
+    top = {k: v for k, v in overrides.items() if k != "policy_options"}
+    policy = overrides.get("policy_options", {})
+    return replace(sim, policy_options=replace(sim.policy_options, **policy), **top)
 
 
 def gateway_keys(requests: Sequence[TraceRequest], config: ReplayConfig,
@@ -121,7 +179,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
               delays: Sequence[tuple[float, float]] = (),
               keys: Sequence[PrefixKey] = (),
               routed_to: Sequence[str] = (), decision_gap_s: float = 0.0,
-              decided_s: Sequence[float] = ()) -> dict[str, Any]:
+              decided_s: Sequence[float] = (), overrides: Overrides | None = None
+              ) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
     concurrency, keys (the gateway's own, :func:`gateway_keys`, else the trace's in the
     gateway's shape) and timing: each request's own ``delays`` (:func:`request_delays`), or
@@ -133,7 +192,11 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     With the gateway's own decision instants (``decided_s``, per request in trace order), the
     client is not simulated at all: each request is decided at its live instant, in the live
     order, and held for its live hold (``delays``' second entry), so that only the routing
-    and the workers' caches are simulated (``timing`` is then ``"decisions"``)."""
+    and the workers' caches are simulated (``timing`` is then ``"decisions"``).
+
+    ``overrides`` (:func:`sim_overrides`) changes the simulator's configuration: at the
+    decision instants, what the gateway would have done otherwise with the same arrivals
+    (later requests keep their live timing: an approximation once the routing parts)."""
     units = live_units(requests, config)
     order = list(range(len(units)))
     timed = bool(decided_s) and len(decided_s) == len(units) == len(delays)
@@ -152,7 +215,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         request_delays=tuple(delays), route_keys=tuple(keys),
         decision_gap_s=0.0 if timed else decision_gap_s,
     )
-    result = simulate(units, sim)
+    result = simulate(units, with_overrides(sim, overrides) if overrides else sim)
     assignments = [""] * len(order)
     for pos, worker in zip(order, result.assignments, strict=True):
         assignments[pos] = worker
@@ -195,7 +258,8 @@ SIM_JITTER = 0.1
 
 def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: RunResult,
                    pooled: float, draws: int = 1,
-                   keys: Sequence[PrefixKey] = ()) -> dict[str, Any]:
+                   keys: Sequence[PrefixKey] = (),
+                   overrides: Overrides | None = None) -> dict[str, Any]:
     """The simulator on one live run's fleet, ``keys`` and timing: the mean of ``draws``
     runs, the first with each request's live timing, the others with it jittered
     (:data:`SIM_JITTER`); ``same_worker`` is the first one's. With the run's decision
@@ -210,20 +274,22 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
                      hold * math.exp(rng.gauss(0.0, SIM_JITTER)))
                     for wait, hold in delays] if draw else delays
         samples.append(simulated(requests, config, policy, pooled, timing, run.worker_ids,
-                                 jittered, keys, run.routed_to, decision_gap(run)))
+                                 jittered, keys, run.routed_to, decision_gap(run),
+                                 overrides=overrides))
     out = dict(samples[0])
     for key in SIM_KEYS:
         out[key] = statistics.fmean(s[key] for s in samples)
     out["draws"] = len(samples)
     if run.decided_s:
         decided = simulated(requests, config, policy, pooled, timing, run.worker_ids, delays,
-                            keys, run.routed_to, decided_s=run.decided_s)
+                            keys, run.routed_to, decided_s=run.decided_s, overrides=overrides)
         out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "prewarms")}
     return out
 
 
 def simulate_runs(requests: Sequence[TraceRequest], config: ReplayConfig,
-                  results: Sequence[RunResult], draws: int = 1) -> list[dict[str, Any]]:
+                  results: Sequence[RunResult], draws: int = 1,
+                  overrides: Overrides | None = None) -> list[dict[str, Any]]:
     """Per gateway policy: the simulator on each live run, with that run's timing
     (:func:`simulate_draws`), and the median of each metric over the runs (``runs`` holds
     each one)."""
@@ -236,11 +302,12 @@ def simulate_runs(requests: Sequence[TraceRequest], config: ReplayConfig,
             if model and not config.tokenizer_file and model not in keys:
                 keys[model] = gateway_keys(requests, config, model)
             by_policy.setdefault(run.router[5:], []).append(
-                simulate_draws(requests, config, run, pooled, draws, keys.get(model, ())))
+                simulate_draws(requests, config, run, pooled, draws, keys.get(model, ()),
+                               overrides))
     out = []
     for policy, runs in by_policy.items():
         row: dict[str, Any] = {"router": f"ours:{policy}", "repeats": len(runs),
-                               "pooled_bound": pooled}
+                               "pooled_bound": pooled, "overrides": dict(overrides or {})}
         for key in SIM_KEYS:
             row[key] = statistics.median(r[key] for r in runs)
         same = [r["same_worker"] for r in runs if r.get("same_worker") is not None]

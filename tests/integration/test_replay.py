@@ -57,13 +57,15 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
     saved = tmp_path / "report.json"
     saved.write_text(stdout, encoding="utf-8")
     code, again, stderr = _run_loadtest(
-        ["replay", "--resimulate", str(saved), "--sim-draws", "2", "--json"], tmp_path,
-        timeout_s=120)
+        ["replay", "--resimulate", str(saved), "--sim-draws", "2", "--sim-set", "prewarm=off",
+         "--sim-set", "policy.ring_choices=1", "--json"], tmp_path, timeout_s=120)
     assert code == 0, stderr[-3000:]
     resimulated = json.loads(again)
     assert resimulated["medians"] == report["medians"]
     assert [s["router"] for s in resimulated["simulated"]] == list(sims)
     assert all(run["draws"] == 2 for s in resimulated["simulated"] for run in s["runs"])
+    assert all(s["overrides"] == {"prewarm": False, "policy_options": {"ring_choices": 1}}
+               for s in resimulated["simulated"])
     points = json.loads((tmp_path / "tl" / "ours-cache_aware-0.json").read_text())
     assert sum(p["workers"]["*"]["requests"] for p in points) == 60
 

@@ -14,7 +14,9 @@ from loadtest.replay_sim import (
     gateway_keys,
     live_timing,
     request_delays,
+    sim_overrides,
     simulated,
+    with_overrides,
 )
 from loadtest.traces import TraceRequest, prefix_key
 
@@ -119,6 +121,23 @@ def test_a_worker_runs_a_request_for_as_long_as_it_did_live() -> None:
     sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=same_holds,
                     decided_s=decided)
     assert sim["block_hit_rate"] == pytest.approx(4 / 32)
+
+
+def test_sim_set_reads_each_change_as_its_fields_type() -> None:
+    from loadtest.sim.cluster import SimConfig
+
+    changes = sim_overrides(["prewarm=false", "policy.volume_guard=1.1",
+                             "policy.ring_choices=2", "rebalance_interval_s=0"])
+    assert changes == {"prewarm": False, "rebalance_interval_s": 0.0,
+                       "policy_options": {"volume_guard": 1.1, "ring_choices": 2}}
+    sim = with_overrides(SimConfig(workers=2, cache_blocks=10, policy="cache_aware"), changes)
+    assert (sim.prewarm, sim.rebalance_interval_s) == (False, 0.0)
+    assert (sim.policy_options.volume_guard, sim.policy_options.ring_choices) == (1.1, 2)
+    assert sim.policy_options.load_factor == SimConfig(2, 10, "x").policy_options.load_factor
+    for bad in ("prewarm", "prewarm=maybe", "workers=3", "policy.nope=1",
+                "policy.ring_choices=two"):
+        with pytest.raises(ValueError, match="--sim-set"):
+            sim_overrides([bad])
 
 
 def test_the_gap_between_decisions_is_the_gateways_cpu_per_request() -> None:
