@@ -8,13 +8,13 @@ request-count rule on, spreads a hot prefix whose holder is over its load bound.
 next request goes to another worker, which prefills the whole prefix on the critical path. The
 pre-warmer watches the same quantities right after each decision: when the chosen worker held
 the prefix, has at least ``min_holder_requests`` in flight, and either its excess wait has
-reached ``fraction`` of what a move would add for a prefix asked for again (``repeat_heat``:
-a conversation's previous turn is not, and its copy would only evict other prefixes), or the
-prefix is hot and the holder's load with
-this request has reached ``fraction`` of its bound, the spread is imminent; it then replays this
-request as a prefill-only request (``max_tokens`` 1, the same body and namespace) on the first
-worker of the ring walk that does not hold the prefix, and records it there. When the spread
-happens, the new holder answers from its cache.
+reached ``fraction`` of what a move would add for a prefix asked for again (``repeat_heat``: a
+conversation's previous turn is not, and its copy would only evict other prefixes), or the
+prefix is hot and the holder's load with this request has reached ``fraction`` of its bound,
+the spread is imminent; it then replays this request as a prefill-only request (``max_tokens``
+1, the same body and namespace) on the first worker of the ring walk that does not hold the
+prefix, and records it there at once, as a routed request is recorded at its decision. When
+the spread happens, the new holder answers from its cache.
 
 At most one pre-warm per prefix at a time and per ``cooldown_s``, and ``max_inflight`` in all;
 the request body is used while the replay is in flight and then dropped (nothing is stored).

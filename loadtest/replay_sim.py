@@ -50,9 +50,9 @@ def sim_overrides(pairs: Sequence[str]) -> Overrides:
     the routing policy's options (``policy.volume_guard``...); VALUE read as that field's
     type (``true``/``false`` for a flag). Raises ValueError for an unknown name or an
     unreadable value."""
-    plain = {f.name: str(f.type) for f in fields(SimConfig)
-             if str(f.type) in _KINDS and f.name not in _LIVE_RUN}
-    policy = {f.name: str(f.type) for f in fields(PolicyOptions) if str(f.type) in _KINDS}
+    plain = {f.name: _kind(f.type) for f in fields(SimConfig)
+             if _kind(f.type) in _KINDS and f.name not in _LIVE_RUN}
+    policy = {f.name: _kind(f.type) for f in fields(PolicyOptions) if _kind(f.type) in _KINDS}
     out: Overrides = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
@@ -74,6 +74,11 @@ _KINDS = ("bool", "int", "float")
 _LIVE_RUN = frozenset({"workers", "cache_blocks", "max_running", "ring_seed", "speedup",
                        "key_blocks_per_block", "decision_gap_s", "route_delay_s",
                        "relay_delay_s", "streaming"})
+
+
+def _kind(annotation: object) -> str:
+    """A dataclass field's type by name, whether annotations are strings or types."""
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
 
 
 def _read(kind: str, text: str, pair: str) -> bool | int | float:
