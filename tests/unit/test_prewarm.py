@@ -104,11 +104,12 @@ async def test_cool_prefix_or_low_load_or_a_miss_is_left_alone() -> None:
     assert await run(heat=10, inflight=900, requests=1) == []  # one request: at the floor
 
 
-async def test_a_holder_whose_queue_outgrows_the_prefill_a_move_adds_warms_the_next() -> None:
-    """The cost rule (no request count): the holder of half the prompt has queued prefill
-    above the pool's mean that nears what a move would add (the half it saves, weighed by the
-    pool's queue), so the spread is near and the next holder is warmed."""
-    pool, index, request, holder = half_held(asked=2)  # asked for again, not hot
+async def cost_rule(asked: int) -> tuple[list[list[str]], str]:
+    """The cost rule alone (the prefix is not hot): the holder holds the first half of the
+    prompt, which ``asked`` requests ended with; a little prefill is queued on it, then much
+    more, with a decision after each. The pre-warms placed after each, and the worker next
+    on the ring."""
+    pool, index, request, holder = half_held(asked)
     placed: list[str] = []
 
     async def replay(wid: str, prompt: WarmPrompt) -> bool:
@@ -118,35 +119,29 @@ async def test_a_holder_whose_queue_outgrows_the_prefill_a_move_adds_warms_the_n
     warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
     upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
     d = decision(pool, holder, request.key.total_blocks // 2, 0, 1000.0, 3)
-    pool.acquire(holder, 300, prefill=100)  # a little queued: far from the prompt it saves
-    warmer.after_route(d, request, upstream, "", 0.0)
-    await asyncio.sleep(0.01)
-    assert placed == []
-    pool.acquire(holder, 3000, prefill=2500)  # 0.75 x 2,600 over the mean >= 0.8 x 125 x 11.4
-    warmer.after_route(d, request, upstream, "", 0.0)
-    await asyncio.sleep(0.01)
-    expected = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
-    assert placed == [expected]
+    after: list[list[str]] = []
+    for tokens, prefill in ((300, 100), (3000, 2500)):
+        pool.acquire(holder, tokens, prefill=prefill)
+        warmer.after_route(d, request, upstream, "", 0.0)
+        await asyncio.sleep(0.01)
+        after.append(list(placed))
+    return after, next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+
+
+async def test_a_holder_whose_queue_outgrows_the_prefill_a_move_adds_warms_the_next() -> None:
+    """The holder of half the prompt, asked for again: a little queued prefill is far from
+    the half it saves; then its queued prefill above the pool's mean nears what a move would
+    add (0.75 x 2,600 >= 0.8 x 125 x 11.4), so the spread is near and the next is warmed."""
+    after, expected = await cost_rule(asked=2)
+    assert after == [[], [expected]]
 
 
 async def test_a_prefix_asked_for_once_is_not_warmed_however_long_the_queue() -> None:
     """The cost rule's spread needs the prefix again while the holder is busy: a prefix
     asked for once (a conversation's previous turn) is left where it is, since its copy
     would only evict other prefixes from the next worker's cache."""
-    pool, index, request, holder = half_held(asked=1)
-    placed: list[str] = []
-
-    async def replay(wid: str, prompt: WarmPrompt) -> bool:
-        placed.append(wid)
-        return True
-
-    warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
-    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
-    d = decision(pool, holder, request.key.total_blocks // 2, 0, 1000.0, 3)
-    pool.acquire(holder, 3000, prefill=2500)  # the queue of the test above: warmed at heat 2
-    warmer.after_route(d, request, upstream, "", 0.0)
-    await asyncio.sleep(0.01)
-    assert placed == []
+    after, _ = await cost_rule(asked=1)
+    assert after == [[], []]
 
 
 async def test_stats_count_what_was_sent_placed_failed_and_in_flight() -> None:
