@@ -60,8 +60,20 @@ async def test_local_serve_runs_gateway_and_workers_until_interrupted() -> None:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{gateway_port}"
+    seen: list[bytes] = []
+
+    async def banner() -> None:
+        """Until the command says it is ready (it finds the gateway healthy on its own
+        polling, which may come after ours)."""
+        assert proc.stdout is not None
+        while b"Press Ctrl-C to stop." not in (line := await proc.stdout.readline()):
+            assert line, b"".join(seen).decode()  # it exited before saying so
+            seen.append(line)
+        seen.append(line)
+
     try:
         await wait_healthy(base, timeout_s=60)
+        await asyncio.wait_for(banner(), 60)
         async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=3) as oa:
             # The gateway may still be probing its workers right after /health answers.
             for _ in range(50):
@@ -75,7 +87,7 @@ async def test_local_serve_runs_gateway_and_workers_until_interrupted() -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
-    text = out.decode()
+    text = (b"".join(seen) + out).decode()
     assert proc.returncode == 0, text
     assert "curl" in text
     assert base in text
