@@ -23,6 +23,7 @@ the request body is used while the replay is in flight and then dropped (nothing
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ class PreWarmer:
         self.options = options
         self.sent = 0  # pre-warms started
         self.placed = 0  # pre-warms that succeeded
+        # Pre-warms a later request for their prefix was routed to (used), and the worker of
+        # each pre-warm not used yet, by anchor (the last one per prefix).
+        self.used = 0
+        self._unused: dict[int, str] = {}
         self._recent: dict[int, float] = {}  # anchor -> when its last pre-warm started
         self._tasks: set[asyncio.Future[bool]] = set()
 
@@ -88,9 +93,16 @@ class PreWarmer:
                inflight: int) -> str | None:
         """Where to pre-warm ``request``'s prefix after ``decision`` at time ``now``, with
         ``inflight`` pre-warms still under way (None: nowhere). Counts it as sent and starts
-        its cooldown. Pure bookkeeping, no I/O: the simulator decides with it too."""
+        its cooldown. Pure bookkeeping, no I/O: the simulator decides with it too.
+
+        Every decision also tells whether it used a pre-warm: routed, with a prefix match, to
+        the worker the last pre-warm of its prefix went to (``used``)."""
         opts = self.options
         depth = decision.match_blocks  # in blocks
+        anchor = request.key.anchor
+        if depth > 0 and self._unused.get(anchor) == decision.worker_id:
+            del self._unused[anchor]
+            self.used += 1
         if not opts.enabled or depth < 1 or inflight >= opts.max_inflight:
             return None
         key = request.key
@@ -101,7 +113,6 @@ class PreWarmer:
         if not (self._waiting_outgrows_prefill(decision, request, block, now)
                 or self._hot_near_bound(decision, request, block, now)):
             return None
-        anchor = key.anchor
         if now - self._recent.get(anchor, -opts.cooldown_s) < opts.cooldown_s:
             return None
         target = self._next_holder(request, held, now)
@@ -111,6 +122,11 @@ class PreWarmer:
         if len(self._recent) > 4096:  # bounded: forget the oldest half
             for old in sorted(self._recent, key=self._recent.__getitem__)[:2048]:
                 del self._recent[old]
+        self._unused.pop(anchor, None)
+        self._unused[anchor] = target  # in the order they were sent
+        if len(self._unused) > 4096:  # bounded: the oldest half is taken as never used
+            for old in list(itertools.islice(self._unused, 2048)):
+                del self._unused[old]
         self.sent += 1
         return target
 
@@ -175,10 +191,12 @@ class PreWarmer:
 
     def stats(self) -> dict[str, int | bool]:
         """Counts since start, for ``/admin/workers``: pre-warms started, placed (the worker
-        answered), failed, and still in flight."""
+        answered), failed, still in flight, and used (a later request for the prefix was
+        routed to the pre-warmed worker: the copy paid off, as far as the index knows)."""
         inflight = len(self._tasks)
         return {"enabled": self.options.enabled, "sent": self.sent, "placed": self.placed,
-                "failed": self.sent - self.placed - inflight, "inflight": inflight}
+                "failed": self.sent - self.placed - inflight, "inflight": inflight,
+                "used": self.used}
 
     async def stop(self) -> None:
         for task in list(self._tasks):

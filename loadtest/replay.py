@@ -181,6 +181,7 @@ class RunResult:
     # what the simulator needs to route on the gateway's own keys.
     namespace_model: str = ""
     prewarms: int = 0  # pre-warms our gateway sent (/admin/workers prewarm)
+    prewarms_used: int = 0  # ... that a later request for their prefix was routed to
     # Decisions by kind, from x-route-reason (ours only).
     reasons: dict[str, int] = field(default_factory=dict)
     worker_ids: list[str] = field(default_factory=list)  # the fleet, in order
@@ -352,6 +353,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
     result = summarize(router, repeat, replies, seconds, pooled, cpu_s, worker_ids, config)
     result.exact_predictions = view.exact_predictions
     result.namespace_model, result.prewarms = view.namespace_model, view.prewarms
+    result.prewarms_used = view.prewarms_used
     result.gateway_inflight = statistics.fmean(samples) if samples else None
     result.timeline = timeline(replies, started, config.bucket_s, config.block_tokens)
     result.rebalance = actions
@@ -392,6 +394,7 @@ class GatewayView:
     exact_predictions: float | None = None
     namespace_model: str = ""  # the model@version it keys the replay's model under
     prewarms: int = 0  # pre-warms it sent
+    prewarms_used: int = 0  # ... that a later request for their prefix was routed to
 
 
 async def gateway_view(session: aiohttp.ClientSession, url: str) -> GatewayView:
@@ -403,10 +406,12 @@ async def gateway_view(session: aiohttp.ClientSession, url: str) -> GatewayView:
         rows = [w.get("predictions") or {} for w in data.get("workers", [])]
         responses = sum(int(r.get("responses", 0)) for r in rows)
         model = data.get("namespaces", {}).get(MODEL, "")
-        sent = data.get("prewarm", {}).get("sent", 0)
+        prewarm = data.get("prewarm", {})
+        sent, used = prewarm.get("sent", 0), prewarm.get("used", 0)
         return GatewayView(
             sum(int(r.get("exact", 0)) for r in rows) / responses if responses else None,
-            model if isinstance(model, str) else "", sent if isinstance(sent, int) else 0)
+            model if isinstance(model, str) else "", sent if isinstance(sent, int) else 0,
+            used if isinstance(used, int) else 0)
     return GatewayView()
 
 

@@ -237,7 +237,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
             "same_worker": same, "timing": "decisions" if timed else "client",
             "route_delay_ms": timing[0] * 1e3, "relay_delay_ms": timing[1] * 1e3,
             "sim_seconds": result.sim_seconds, "reasons": dict(result.reasons),
-            "prewarms": result.prewarms,
+            "prewarms": result.prewarms, "prewarms_used": result.prewarms_used,
             "rebalance": dict(result.rebalance)}
 
 
@@ -288,7 +288,8 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
     if run.decided_s:
         decided = simulated(requests, config, policy, pooled, timing, run.worker_ids, delays,
                             keys, run.routed_to, decided_s=run.decided_s, overrides=overrides)
-        out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "prewarms")}
+        out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "prewarms",
+                                                    "prewarms_used")}
     return out
 
 

@@ -263,6 +263,7 @@ class SimResult:
     # would still hold what no worker did), "kept_longer" (the other way round).
     losses: Mapping[str, int] = field(default_factory=dict)
     prewarms: int = 0  # pre-warms the gateway's pre-warmer sent
+    prewarms_used: int = 0  # ... that a later request for their prefix was routed to
 
 
 @dataclass(slots=True)
@@ -558,7 +559,7 @@ class ClusterSim:
             reasons=dict(self._reasons),
             ring_seed=cfg.ring_seed, rebalance=dict(self._rebalance_actions),
             losses=dict(self._losses) if self._pooled is not None else {},
-            prewarms=self.prewarmer.sent,
+            prewarms=self.prewarmer.sent, prewarms_used=self.prewarmer.used,
         )
 
 

@@ -97,6 +97,31 @@ async def test_the_prewarm_is_handed_over_at_its_decision() -> None:
     assert (warmer.stats()["placed"], warmer.stats()["inflight"]) == (1, 0)
 
 
+async def test_a_prewarm_counts_used_once_a_request_is_routed_to_its_copy() -> None:
+    """A later decision that sends the prefix to the pre-warmed worker uses the pre-warm
+    (once); decisions to its holder, or without a match there, do not."""
+    pool, index, request, holder = setup(10)
+
+    def replay(wid: str, prompt: WarmPrompt) -> Awaitable[bool]:
+        index.record(prompt.key.blocks, wid, 0.0, prompt.key.depths)
+        return asyncio.sleep(0, True)
+
+    warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
+    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
+    blocks = request.key.total_blocks
+    warmer.after_route(decision(pool, holder, blocks, 900, 1000.0, 3), request, upstream, "",
+                       0.0)
+    copy = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+    assert (warmer.sent, warmer.used) == (1, 0)
+    used = []
+    for wid, depth in ((holder, blocks), (copy, 0), (copy, blocks), (copy, blocks)):
+        warmer.target(decision(pool, wid, depth, 0, 1000.0, 1), request, 1.0, 0)
+        used.append(warmer.used)
+    assert used == [0, 0, 1, 1]
+    await asyncio.sleep(0.01)
+    assert warmer.stats()["used"] == 1
+
+
 async def test_cool_prefix_or_low_load_or_a_miss_is_left_alone() -> None:
     assert await run(heat=3, inflight=900) == []
     assert await run(heat=10, inflight=100) == []
