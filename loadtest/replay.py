@@ -609,7 +609,12 @@ def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> 
                          f"{d['block_hit_rate']:.3f} | {d['hit_over_bound']:.3f} | "
                          f"{d['routed_max_over_mean']:.2f} | {d['prefill_max_over_mean']:.2f} | "
                          "- | - | - | 0 |")
-    return "\n".join(lines) + "\n"
+    notes = [f"{s['router']}, simulated minus live, the largest over {s['repeats']} runs: "
+             + "; ".join(f"{'client model' if name == 'client' else 'at the decision instants'}"
+                         f" hit/bound {a['hit']:+.3f}, balance {a['balance']:+.3f}"
+                         for name, a in s["agreement"].items())
+             for s in sims if s.get("agreement")]
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
 
 
 # -- command line --------------------------------------------------------------------------

@@ -241,6 +241,29 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
             "rebalance": dict(result.rebalance)}
 
 
+def agreement(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Simulated minus live, run by run, the largest of each (signed, as large in magnitude
+    as any): ``hit`` (hit over the pooled bound) and ``balance`` (routed max/mean), for the
+    client model (``client``) and at the decision instants (``decisions``, when every run
+    has them)."""
+    def largest(pairs: list[tuple[float, float]]) -> float:
+        return max((sim - live for sim, live in pairs), key=abs, default=0.0)
+
+    out: dict[str, dict[str, float]] = {}
+    views = ["client"]
+    if runs and all("decisions" in r for r in runs):
+        views.append("decisions")
+    for name in views:
+        sims = [r if name == "client" else r["decisions"] for r in runs]
+        out[name] = {
+            "hit": largest([(sim["hit_over_bound"], r["live"]["hit_over_bound"])
+                            for sim, r in zip(sims, runs, strict=True)]),
+            "balance": largest([(sim["routed_max_over_mean"], r["live"]["routed_max_over_mean"])
+                                for sim, r in zip(sims, runs, strict=True)]),
+        }
+    return out
+
+
 def decision_gap(run: RunResult) -> float:
     """Seconds between two of the gateway's decisions at least: its CPU time per request
     (one event loop works on one request at a time), 0 where it was not measured.
@@ -285,6 +308,8 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
     for key in SIM_KEYS:
         out[key] = statistics.fmean(s[key] for s in samples)
     out["draws"] = len(samples)
+    out["live"] = {"hit_over_bound": run.hit_over_bound,
+                   "routed_max_over_mean": run.routed_max_over_mean}
     if run.decided_s:
         decided = simulated(requests, config, policy, pooled, timing, run.worker_ids, delays,
                             keys, run.routed_to, decided_s=run.decided_s, overrides=overrides)
@@ -325,6 +350,7 @@ def simulate_runs(requests: Sequence[TraceRequest], config: ReplayConfig,
                     if r["decisions"]["same_worker"] is not None]
             row["decisions"]["same_worker"] = (statistics.median(same) if len(same) == len(runs)
                                                else None)
+        row["agreement"] = agreement(runs)
         row["runs"] = runs
         out.append(row)
     return out

@@ -53,6 +53,8 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
     # At the gateway's own decision instants (x-route-at) and holds, the simulator routes
     # every request where the gateway did: it runs the gateway's routing, not a copy of it.
     assert all(s["decisions"]["same_worker"] == 1.0 for s in sims.values())
+    # ... so each worker was routed the same blocks: the balance agrees exactly, run by run.
+    assert all(s["agreement"]["decisions"]["balance"] == 0.0 for s in sims.values())
     # The simulator again, from the saved report alone: same live rows, fresh simulated ones.
     saved = tmp_path / "report.json"
     saved.write_text(stdout, encoding="utf-8")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -121,6 +122,25 @@ def test_a_worker_runs_a_request_for_as_long_as_it_did_live() -> None:
     sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=same_holds,
                     decided_s=decided)
     assert sim["block_hit_rate"] == pytest.approx(4 / 32)
+
+
+def test_agreement_is_the_largest_difference_run_by_run() -> None:
+    from loadtest.replay_sim import agreement
+
+    def run(live: tuple[float, float], client: tuple[float, float],
+            decisions: tuple[float, float]) -> dict[str, Any]:
+        def figures(pair: tuple[float, float]) -> dict[str, float]:
+            return {"hit_over_bound": pair[0], "routed_max_over_mean": pair[1]}
+
+        return {**figures(client), "live": figures(live), "decisions": figures(decisions)}
+
+    runs = [run((0.98, 1.10), (0.99, 1.00), (0.98, 1.10)),
+            run((0.97, 1.20), (0.95, 1.25), (0.975, 1.20))]
+    found = agreement(runs)
+    assert found["client"] == pytest.approx({"hit": -0.02, "balance": -0.10})
+    assert found["decisions"] == pytest.approx({"hit": 0.005, "balance": 0.0})
+    del runs[0]["decisions"]  # a run that did not say when it decided: the client model only
+    assert set(agreement(runs)) == {"client"}
 
 
 def test_sim_set_reads_each_change_as_its_fields_type() -> None:
