@@ -24,10 +24,12 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import typing
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from gateway.contracts.config import parse_value
 from gateway.fingerprint import Namespace, PrefixKey, fingerprint
 from gateway.openai_schema import parse_completion
 from gateway.routing.policies import PolicyOptions
@@ -48,11 +50,12 @@ def sim_overrides(pairs: Sequence[str]) -> Overrides:
     a plain field of :class:`SimConfig` the live run did not fix (``prewarm``,
     ``rebalance_interval_s``, ``index_knows_capacity``...) or ``policy.NAME``, a field of
     the routing policy's options (``policy.volume_guard``...); VALUE read as that field's
-    type (``true``/``false`` for a flag). Raises ValueError for an unknown name or an
-    unreadable value."""
-    plain = {f.name: _kind(f.type) for f in fields(SimConfig)
-             if _kind(f.type) in _KINDS and f.name not in _LIVE_RUN}
-    policy = {f.name: _kind(f.type) for f in fields(PolicyOptions) if _kind(f.type) in _KINDS}
+    type, as the gateway reads its settings (:func:`gateway.contracts.config.parse_value`).
+    Raises ValueError for an unknown name or an unreadable value."""
+    plain = {name: kind for name, kind in typing.get_type_hints(SimConfig).items()
+             if kind in _KINDS and name not in _LIVE_RUN}
+    policy = {name: kind for name, kind in typing.get_type_hints(PolicyOptions).items()
+              if kind in _KINDS}
     out: Overrides = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
@@ -61,7 +64,7 @@ def sim_overrides(pairs: Sequence[str]) -> Overrides:
             raise ValueError(f"--sim-set {pair!r}: NAME=VALUE with NAME one of "
                              f"{', '.join(sorted(plain))} or policy.NAME with NAME one of "
                              f"{', '.join(sorted(policy))}")
-        value = _read(table[key], text, pair)
+        value = parse_value(text, table[key], f"--sim-set {pair!r}")
         if table is policy:
             out.setdefault("policy_options", {})[key] = value
         else:
@@ -69,30 +72,11 @@ def sim_overrides(pairs: Sequence[str]) -> Overrides:
     return out
 
 
-_KINDS = ("bool", "int", "float")
+_KINDS = (bool, int, float)
 # What the live run fixed (its fleet, its timing): not changed after the fact.
 _LIVE_RUN = frozenset({"workers", "cache_blocks", "max_running", "ring_seed", "speedup",
                        "key_blocks_per_block", "decision_gap_s", "route_delay_s",
                        "relay_delay_s", "streaming"})
-
-
-def _kind(annotation: object) -> str:
-    """A dataclass field's type by name, whether annotations are strings or types."""
-    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-
-
-def _read(kind: str, text: str, pair: str) -> bool | int | float:
-    word = text.strip().lower()
-    if kind == "bool":
-        if word in ("true", "1", "yes", "on"):
-            return True
-        if word in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(f"--sim-set {pair!r}: true or false")
-    try:
-        return int(word) if kind == "int" else float(word)
-    except ValueError:
-        raise ValueError(f"--sim-set {pair!r}: not a number") from None
 
 
 def with_overrides(sim: SimConfig, overrides: Overrides) -> SimConfig:

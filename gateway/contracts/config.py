@@ -41,7 +41,9 @@ def _parse_bool(raw: str, name: str) -> bool:
     raise SettingsError(f"{name}: expected a boolean (true/false), got {raw!r}")
 
 
-def _from_env(raw: str, kind: Any, name: str) -> Any:
+def parse_value(raw: str, kind: Any, name: str) -> Any:
+    """``raw`` (an environment variable, or any other ``NAME=VALUE`` text) as a value of the
+    supported field type ``kind``; :class:`SettingsError` names ``name`` when it cannot."""
     try:
         if kind is bool:
             return _parse_bool(raw, name)
@@ -103,7 +105,7 @@ def load_settings(
         if field.name in from_file:
             default = from_file[field.name]
         if env.get(env_name, "").strip():  # an empty variable leaves the default
-            default = _from_env(env[env_name], kind, env_name)
+            default = parse_value(env[env_name], kind, env_name)
         help_text = str(field.metadata.get("help", "")) + f" [env {env_name}]"
         if field.metadata.get("secret"):
             help_text += "%(default).0s"  # argparse prints no default (the secret) for it
