@@ -285,17 +285,24 @@ class PrefixIndex:
         parent = blocks[held - 1] if held else None
         if parent is not None and held < n:
             nodes[parent].holders[worker_id].children += 1
-        added = 0
-        for i in range(held, n):
-            h = blocks[i]
-            node = nodes.get(h)
-            if node is None:
-                depth = depths[i] if depths else i + 1
-                node = nodes[h] = _Node(parent, depth, end=total, fork=fork, session=session)
-            node.holders[worker_id] = _Hold(seq, now, 1 if i < n - 1 else 0)
-            cache.nodes.add(h)
-            parent = h
-            added += 1
+        added = n - held
+        if added:
+            # The checkpoints past what the worker holds: a chain, each the parent of the next
+            # (one loop of dict and slot writes per block; the last one is a leaf).
+            hold = None
+            for i in range(held, n):
+                h = blocks[i]
+                hold = _Hold(seq, now, 1)
+                node = nodes.get(h)
+                if node is None:
+                    nodes[h] = _Node(parent, depths[i] if depths else i + 1, {worker_id: hold},
+                                     0.0, 0.0, total, fork, session)
+                else:
+                    node.holders[worker_id] = hold
+                parent = h
+            assert hold is not None
+            hold.children = 0
+            cache.nodes.update(blocks[held:])
         last = nodes[blocks[n - 1]]
         if held == n:  # already held: this is a use of it
             hold = last.holders[worker_id]
@@ -435,13 +442,9 @@ class PrefixIndex:
             heapq.heappop(leaves)
         return None
 
-    def _evict(self, worker_id: str, h: int, chain: bool = False) -> int | None:
-        """Drop the hold of ``worker_id`` on leaf ``h``; its parent may become a leaf.
-
-        With ``chain`` (``h`` is the worker's least recently used leaf), a parent that becomes
-        a leaf no more recent than ``h`` is returned instead of queued: it is the least
-        recently used leaf now (no two leaves share a use), so the caller evicts it next
-        without a round through the heap. A prompt's tail goes block after block that way."""
+    def _evict(self, worker_id: str, h: int) -> None:
+        """Drop the hold of ``worker_id`` on leaf ``h``; its parent may become a leaf, as
+        recent as the newest use below it. (:meth:`_trim` evicts the same way, inline.)"""
         nodes = self._nodes
         node = nodes[h]
         hold = node.holders.pop(worker_id)
@@ -455,30 +458,64 @@ class PrefixIndex:
         up = parent.holders.get(worker_id) if parent is not None else None
         if up is not None and node.parent is not None:
             up.children -= 1
-            if up.children == 0:  # a leaf now, as recent as the newest use below it
-                if chain and up.seq <= hold.seq:
-                    up.seq, up.at = hold.seq, max(up.at, hold.at)
-                    return node.parent
+            if up.children == 0:  # a leaf now
                 up.seq = max(up.seq, hold.seq)
                 up.at = max(up.at, hold.at)
                 heapq.heappush(cache.leaves, (up.seq, node.parent))
-        return None
 
     def _trim(self, worker_id: str, limit: int) -> None:
+        """Evict ``worker_id``'s least recently used leaves until it holds ``limit`` blocks.
+
+        :meth:`_evict`, inlined, and chained: a parent that becomes a leaf no more recent than
+        the leaf just evicted is the least recently used leaf now (no two leaves share a use),
+        so it is evicted next without a round through the heap; a prompt's tail goes block
+        after block that way. A request that adds a long prompt evicts as many blocks, each
+        one a pass of this loop, so the loop keeps to local names."""
         cache = self._caches.get(worker_id)
-        if cache is None:
+        if cache is None or cache.held <= limit:
             return
+        nodes = self._nodes
+        forks = self._forks
+        cache_nodes = cache.nodes
+        held = cache.held
         following: int | None = None  # the next leaf to evict, known without the heap
-        while cache.held > limit:
+        while held > limit:
             if following is None:
                 oldest = self._oldest_leaf(cache, worker_id)
                 if oldest is None:
                     break
                 following = oldest[0]
-            following = self._evict(worker_id, following, chain=True)
+            h = following
+            following = None
+            node = nodes[h]
+            holders = node.holders
+            hold = holders.pop(worker_id)
+            cache_nodes.discard(h)
+            up_id = node.parent
+            parent = nodes.get(up_id) if up_id is not None else None
+            held -= node.depth - (parent.depth if parent is not None else 0)
+            if not holders:
+                del nodes[h]
+                forks.pop(h, None)
+            if parent is None or up_id is None:
+                continue
+            up = parent.holders.get(worker_id)
+            if up is None:
+                continue
+            up.children -= 1
+            if up.children == 0:  # a leaf now, as recent as the newest use below it
+                if up.seq <= hold.seq:
+                    up.seq = hold.seq
+                    if hold.at > up.at:
+                        up.at = hold.at
+                    following = up_id  # the least recently used leaf now: evicted next
+                else:
+                    if hold.at > up.at:
+                        up.at = hold.at
+                    heapq.heappush(cache.leaves, (up.seq, up_id))
+        cache.held = held
         if following is not None:  # not evicted after all: a leaf like any other
-            heapq.heappush(cache.leaves,
-                           (self._nodes[following].holders[worker_id].seq, following))
+            heapq.heappush(cache.leaves, (nodes[following].holders[worker_id].seq, following))
 
     def _expire(self, now: float) -> None:
         """Drop entries unused for ``ttl_s`` (checked every ``ttl_s / 64`` at most)."""
