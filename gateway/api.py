@@ -32,6 +32,7 @@ from gateway.routing.types import RouteRequest
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.store.base import StoreUnavailable
+from gateway.store.peers import PeerLink
 from gateway.telemetry.middleware import record_of
 from gateway.warmup import WarmupStatus
 from gateway.warmup_sources import WarmPrompt
@@ -258,6 +259,8 @@ async def admin_rebalance(request: web.Request) -> web.Response:
             "store_available": sync.health.available,
             "leader": rebalancer.leading,
             "rounds": rebalancer.rounds,
+            # The other processes of this gateway (--procs N) and the decisions exchanged.
+            "peers": _peer_stats(sync.peers),
             "actions": actions if actions is not None else [],
             "workers": {
                 s.worker.id: {
@@ -274,6 +277,13 @@ async def admin_rebalance(request: web.Request) -> web.Response:
             },
         }
     )
+
+
+def _peer_stats(link: PeerLink | None) -> dict[str, int] | None:
+    if link is None:
+        return None
+    return {"processes": len(link.peers), "sent": link.sent, "received": link.received,
+            "deferred": link.deferred, "pending": link.pending, "dropped": link.dropped}
 
 
 async def _or_none(call: Awaitable[T]) -> T | None:

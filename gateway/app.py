@@ -279,6 +279,8 @@ def create_app(
         shares_state=not isinstance(store, MemoryStore), history_s=settings.index_ttl_s,
         max_weight=settings.max_worker_weight,
         registry_secret=registry_secret,
+        # The processes of one gateway send each other their decisions as they are made.
+        peer_dir=store.directory if isinstance(store, HubStore) else "",
     )
     engine = build_engine(settings.policy, settings.policy_options())
 

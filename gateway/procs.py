@@ -7,9 +7,10 @@ checks; they keep affinity with each other the way replicas do:
 
 * with a Redis store (``--store redis://...``) through Redis, as separate gateways would;
 * with the embedded default (``memory://``) through a hub the parent serves on a Unix socket
-  (:mod:`gateway.store.hub`): the parent owns the shared state, each replica publishes the
-  prefixes it routed and its load there and reads the others', so a prefix routed by one
-  process is a prefix hit in all of them a few milliseconds later.
+  (:mod:`gateway.store.hub`): the parent owns the shared state (load, telemetry, the stream of
+  decisions a restarting replica replays), and each replica sends the others every decision
+  as it makes it (:mod:`gateway.store.peers`), so a prefix routed by one process is a prefix
+  hit in all of them from their next decision on.
 
 The parent restarts a replica that dies, forwards SIGINT/SIGTERM to all of them (each drains its
 in-flight requests) and exits when they have; a replica whose parent is gone shuts down.

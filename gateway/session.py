@@ -50,6 +50,11 @@ class AssignmentSink(Protocol):
 
     def reported(self, report: CacheReport) -> None: ...
 
+    def catch_up(self, now: float) -> None:
+        """Take in, at time ``now``, what other gateways decided and the sink can tell
+        without waiting (called right before each decision)."""
+        ...
+
 
 class SentBlocks(Protocol):
     """Told which blocks went to which worker (the engine-exact index, awaiting its events)."""
@@ -74,6 +79,9 @@ class NoSink:
         return None
 
     def reported(self, report: CacheReport) -> None:
+        return None
+
+    def catch_up(self, now: float) -> None:
         return None
 
 
@@ -162,6 +170,7 @@ class RoutingSession:
     ) -> Attempt:
         """Decide at time ``now`` and account for it; raises ``NoCandidates`` when no worker
         may take the request."""
+        self.sink.catch_up(now)
         snapshot = self.pool.snapshot(now)
         decision = self.router.route(request, snapshot, exclude)
         if observe is not None:  # sees the index as the decision did, before it is recorded

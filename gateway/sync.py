@@ -8,7 +8,10 @@ Background loops, one per concern, each tolerant of the store going away:
   capacity model follow each worker's registered cache size;
 * assignments: prefixes this replica routed are published in batches; those other replicas
   routed are read and recorded in the local index. A starting replica first replays the
-  stream's recent history, so a restart does not begin with an empty index;
+  stream's recent history, so a restart does not begin with an empty index. The processes of
+  one gateway (``--procs N``) also send each other every decision as it is made
+  (:mod:`gateway.store.peers`) and take in the others' right before each decision
+  (:meth:`StoreSync.catch_up`); the stream then only serves a restarting process's history;
 * load: this replica's in-flight tokens per worker are published; the other replicas' shares
   are read and added to the snapshot;
 * telemetry: cache reports from responses are added to the shared counters.
@@ -42,10 +45,12 @@ from gateway.store.base import (
     StoreUnavailable,
     WorkerRecord,
 )
+from gateway.store.peers import PeerLink
 
 log = logging.getLogger(__name__)
 
 _BUFFER_LIMIT = 10_000
+_PEER_RETRY_S = 0.002  # decisions a full peer queue held back are sent again this soon
 
 
 class StoreHealth:
@@ -87,6 +92,7 @@ class StoreSync:
         history_entries: int = 5000,
         max_weight: float = 4.0,
         registry_secret: bytes = b"",
+        peer_dir: str = "",
     ) -> None:
         self._max_weight = max_weight
         self._registry_secret = registry_secret
@@ -105,6 +111,10 @@ class StoreSync:
         self._reports: deque[CacheReport] = deque(maxlen=_BUFFER_LIMIT)
         self._tasks: list[asyncio.Task[None]] = []
         self._cursor = ""
+        # With the other processes of one gateway: decisions sent as they are made.
+        self._peer_dir = peer_dir if shares_state else ""
+        self.peers: PeerLink | None = None
+        self._peer_retry: asyncio.TimerHandle | None = None
 
     @property
     def shares_state(self) -> bool:
@@ -115,6 +125,33 @@ class StoreSync:
     def assigned(self, key: PrefixKey, worker_id: str) -> None:
         if self._shares_state and key.blocks:
             self._assignments.append(Assignment(self.origin, worker_id, key.blocks, key.depths))
+            if self.peers is not None:
+                self.peers.publish(worker_id, key.blocks, key.depths)
+                if self.peers.pending and self._peer_retry is None:
+                    self._peer_retry = asyncio.get_running_loop().call_later(
+                        _PEER_RETRY_S, self._retry_peers)
+
+    def catch_up(self, now: float) -> None:
+        """Record what the other processes of this gateway decided since the last call (a
+        non-blocking read; before each decision, so that it sees theirs up to this instant)."""
+        if self.peers is None:
+            return
+        pool, index = self.pool, self.index
+        for worker_id, blocks, depths in self.peers.receive():
+            if worker_id in pool:
+                index.record(blocks, worker_id, now, depths)
+
+    def _peers_sent(self) -> None:
+        self.catch_up(time.monotonic())
+
+    def _retry_peers(self) -> None:
+        self._peer_retry = None
+        if self.peers is None:
+            return
+        self.peers.flush()
+        if self.peers.pending:
+            self._peer_retry = asyncio.get_running_loop().call_later(
+                _PEER_RETRY_S, self._retry_peers)
 
     def reported(self, report: CacheReport) -> None:
         self._reports.append(report)
@@ -135,12 +172,24 @@ class StoreSync:
             loops += [
                 ("load", self._sync_load, load),
                 ("publish", self._flush_assignments, flush),
-                ("subscribe", self._read_assignments, 0.0),
             ]
+            if self._peer_dir:
+                self.peers = PeerLink(self._peer_dir)
+                # Between decisions too: what arrives while this process routes nothing.
+                asyncio.get_running_loop().add_reader(self.peers.fileno(), self._peers_sent)
+            else:
+                loops.append(("subscribe", self._read_assignments, 0.0))
         for name, fn, every in loops:
             self._tasks.append(asyncio.create_task(self._loop(fn, every), name=f"sync-{name}"))
 
     async def stop(self) -> None:
+        if self.peers is not None:
+            asyncio.get_running_loop().remove_reader(self.peers.fileno())
+            if self._peer_retry is not None:
+                self._peer_retry.cancel()
+                self._peer_retry = None
+            self.peers.close()
+            self.peers = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

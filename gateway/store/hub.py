@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import pickle
 import struct
 import time
@@ -189,6 +190,11 @@ class HubStore:
     @property
     def url(self) -> str:
         return self._url
+
+    @property
+    def directory(self) -> str:
+        """The hub's private directory (the processes' decision sockets go there too)."""
+        return os.path.dirname(self._path)
 
     async def start(self) -> None:
         with contextlib.suppress(StoreUnavailable):

@@ -290,6 +290,9 @@ class _Telemetry:
     def reported(self, report: CacheReport) -> None:
         self.workers.setdefault(report.worker_id, HitCounters()).add(report)
 
+    def catch_up(self, now: float) -> None:
+        return None  # one simulated gateway: nobody else decides
+
 
 class _SimWorker:
     __slots__ = (

@@ -52,15 +52,18 @@ async def test_processes_share_one_port_and_the_prefix_index(processes: Processe
         first = await chat(0)
         owner = first["x-route-worker"]
         learned: set[str] = set()
+        links: dict[str, dict[str, int]] = {}
 
         async def every_process_knows_the_prefix() -> bool:
             async with http.get(gateway + "/admin/rebalance") as r:
                 view = await r.json()
             if view["workers"][owner]["held_blocks"] > 0:
                 learned.add(view["replica"])
+                links[view["replica"]] = view["peers"]
             return learned == set(views)
-        # One process routed the prefix; the other learns it through the hub.
+        # One process routed the prefix; the other learns it from the decision it was sent.
         await _until(every_process_knows_the_prefix)
+        assert sorted(link["sent"] + link["received"] for link in links.values()) == [1, 1]
 
         replies = [await chat(i) for i in range(1, 13)]
     assert {h["x-route-worker"] for h in replies} == {owner}

@@ -30,6 +30,9 @@ class Sink:
     def reported(self, report: CacheReport) -> None:
         self.reports.append(report)
 
+    def catch_up(self, now: float) -> None:
+        return None
+
 
 def _session(policy: str = "cache_aware") -> tuple[RoutingSession, Sink]:
     index = PrefixIndex()

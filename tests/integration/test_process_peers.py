@@ -1,0 +1,137 @@
+"""The processes of one gateway send each other their decisions as they are made: real Unix
+datagram sockets in a private directory, and the store sync of two processes over a real hub."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from gateway.fingerprint import Namespace, fingerprint
+from gateway.pool import WorkerPool
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.store.hub import HubServer, HubStore
+from gateway.store.peers import PeerLink
+from gateway.sync import StoreSync
+
+URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+
+
+def _decision(i: int, blocks: int = 3) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    return (f"w{i % 2}", tuple(range(i * 1000, i * 1000 + blocks)), ())
+
+
+def test_a_decision_is_there_at_the_other_process_at_once(tmp_path: Path) -> None:
+    a, b = PeerLink(str(tmp_path)), PeerLink(str(tmp_path))
+    try:
+        assert b.receive() == []
+        a.publish("w0", (1, 2, 3), (1, 2, 5))
+        assert b.receive() == [("w0", (1, 2, 3), (1, 2, 5))]  # no event loop in between
+        assert a.receive() == []  # nothing echoed to the sender
+        assert (a.sent, b.received) == (1, 1)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_full_queue_holds_decisions_for_the_next_datagrams(tmp_path: Path) -> None:
+    """Far more than any socket buffer holds, sent without the peer reading: nothing is
+    lost or reordered, the rest waits for the next datagrams."""
+    a, b = PeerLink(str(tmp_path)), PeerLink(str(tmp_path))
+    try:
+        sent = [_decision(i, blocks=400) for i in range(3000)]  # ~10 MB
+        for wid, blocks, depths in sent:
+            a.publish(wid, blocks, depths)
+        assert a.deferred > 0
+        assert a.pending > 0
+        got = b.receive()
+        for _ in range(1000):
+            if not a.pending:
+                break
+            a.flush()
+            got += b.receive()
+        got += b.receive()
+        assert got == sent
+        assert a.dropped == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_process_that_left_is_forgotten_and_one_that_came_is_found(tmp_path: Path) -> None:
+    a = PeerLink(str(tmp_path), refresh_s=0.0)
+    b = PeerLink(str(tmp_path), refresh_s=0.0)
+    try:
+        a.publish(*_decision(1))
+        assert a.peers == [b.path]
+        b.close()
+        a.publish(*_decision(2))
+        assert a.peers == []
+        c = PeerLink(str(tmp_path), refresh_s=0.0)
+        try:
+            a.publish(*_decision(3))
+            assert c.receive() == [_decision(3)]
+        finally:
+            c.close()
+    finally:
+        a.close()
+
+
+def test_a_malformed_datagram_is_ignored(tmp_path: Path) -> None:
+    b = PeerLink(str(tmp_path))
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+            raw.sendto(b"\xc1 not msgpack", b.path)
+            raw.sendto(b"\x91\x92\xa1x\x01", b.path)  # a list of the wrong shape
+        a = PeerLink(str(tmp_path))
+        try:
+            a.publish(*_decision(4))
+            assert b.receive() == [_decision(4)]
+        finally:
+            a.close()
+    finally:
+        b.close()
+
+
+@pytest.fixture
+async def hub(tmp_path: Path) -> AsyncIterator[HubServer]:
+    server = HubServer(str(tmp_path / "store.sock"))
+    await server.start()
+    yield server
+    await server.close()
+
+
+async def test_a_process_decides_with_the_others_decisions_up_to_that_instant(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """What one process routed is in the other's index at its next decision, without that
+    process's event loop running in between (its stream reads wait on the loop)."""
+    syncs, indexes = [], []
+    for origin in ("p1", "p2"):
+        index = PrefixIndex()
+        store = HubStore(hub.url)
+        await store.start()
+        assert store.directory == str(tmp_path)
+        sync = StoreSync(store, WorkerPool(URLS, index), index, origin=origin,
+                         tokens_per_block=16.0, peer_dir=store.directory)
+        await sync.start()
+        syncs.append(sync)
+        indexes.append(index)
+    try:
+        wid = next(iter(syncs[0].pool.states())).worker.id
+        key = fingerprint("the tariff of the rail company " * 30, Namespace(model="m"))
+        syncs[0].assigned(key, wid)
+        now = time.monotonic()
+        syncs[1].catch_up(now)  # synchronous: no await since the decision
+        assert indexes[1].match(key.blocks, now) == {wid: len(key.blocks)}
+        syncs[0].catch_up(now)
+        assert indexes[0].match(key.blocks, now) == {}  # its own decision is not echoed
+        assert syncs[0].peers is not None
+        assert syncs[0].peers.sent == 1
+    finally:
+        for sync in syncs:
+            await sync.stop()
+            await sync.store.close()
