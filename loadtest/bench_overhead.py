@@ -63,13 +63,18 @@ from loadtest.harness import (
     histogram_totals,
     percentile,
 )
-from loadtest.peers import PEERS, PeerUnavailableError, peer_launcher, running_peer
+from loadtest.peers import (
+    PEERS,
+    PeerUnavailableError,
+    peer_launcher,
+    proc_tree_cpu_s,
+    running_peer,
+)
 from loadtest.workloads import system_prompt, words
 
 FLOOR = "floor"  # loadtest.floor_proxy: a bare aiohttp relay, the floor for a Python router
 ROUTERS = ("ours", FLOOR, *PEERS)
 DIRECT = "direct"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,31 +143,6 @@ class OverheadResult:
 
 
 # -- processes -----------------------------------------------------------------------------
-
-
-def proc_tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and all its live descendants (all threads)."""
-    children: dict[int, list[int]] = {}
-    stats: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        # Fields after the command name, which is in parentheses and may contain spaces.
-        rest = raw[raw.rindex(b")") + 2 :].split()
-        ppid, utime, stime = int(rest[1]), int(rest[11]), int(rest[12])
-        stats[int(entry)] = (utime + stime) / CLOCK_TICKS
-        children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += stats.get(p, 0.0)
-        todo.extend(children.get(p, ()))
-    return total
 
 
 def gateway_command(port: int, worker_urls: Sequence[str], config: OverheadConfig,

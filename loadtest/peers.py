@@ -10,8 +10,8 @@ URL and process id, and stops it afterwards. The reference worker answers the pr
 Everything else is the peers' own defaults, as a user would run them: retries, circuit breaker,
 balance thresholds (64 in flight and 1.5x), cache threshold 0.3, tree eviction.
 
-:func:`process_cpu_seconds` reads a process's user + system CPU time from ``/proc``, so a benchmark
-can charge each router its own CPU per request.
+:func:`proc_tree_cpu_s` reads a router's user + system CPU time from ``/proc`` (its process and
+descendants), so a benchmark can charge each router its own CPU per request.
 """
 
 from __future__ import annotations
@@ -91,13 +91,29 @@ def peer_command(launcher: str | Sequence[str], host: str, port: int, metrics_po
     ]
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc/PID/stat``)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-        stat = fh.read()
-    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
-    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return ticks / os.sysconf("SC_CLK_TCK")
+def proc_tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and all its live descendants (all threads)."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        # Fields after the command name, which is in parentheses and may contain spaces.
+        rest = raw[raw.rindex(b")") + 2 :].split()
+        ppid, utime, stime = int(rest[1]), int(rest[11]), int(rest[12])
+        stats[int(entry)] = (utime + stime) / os.sysconf("SC_CLK_TCK")
+        children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, 0.0)
+        todo.extend(children.get(p, ()))
+    return total
 
 
 def _free_port(host: str) -> int:

@@ -20,8 +20,9 @@ Per router, from what the workers report in every reply (``x-cache-*``), as
 :mod:`loadtest.simulate` reports it: ``block_hit_rate``, ``pooled_bound`` (one LRU cache of all
 workers' blocks, the same sequence), ``hit_over_bound``, ``routed_max_over_mean`` (blocks routed
 per worker), ``prefill_max_over_mean`` (uncached blocks per worker), latency ``p50_ms`` /
-``p99_ms`` (whole request, client side), and ``cpu_s_per_1k``: the router process's user +
-system CPU seconds per 1,000 requests (``/proc``). ``--simulate`` also runs the simulator after
+``p99_ms`` (whole request, client side), and ``cpu_s_per_1k``: the router's user + system
+CPU seconds per 1,000 requests (``/proc``; its process and descendants, so ``--procs N``
+counts all of them). ``--simulate`` also runs the simulator after
 each live run of a gateway policy, with the same fleet, costs, concurrency, keys and ring, and
 with each request's own timing from that run (:mod:`loadtest.replay_sim`; with ``--sim-draws
 N`` also N - 1 times with the timing jittered, and the mean is reported), and reports the
@@ -76,7 +77,7 @@ from loadtest.bench_gateway import (
     start_server,
     wait_all_workers_up,
 )
-from loadtest.peers import PEERS, PeerUnavailableError, process_cpu_seconds, running_peer
+from loadtest.peers import PEERS, PeerUnavailableError, proc_tree_cpu_s, running_peer
 from loadtest.replay_sim import Overrides, sim_overrides, simulate_runs
 from loadtest.sessions import sticky_balance
 from loadtest.sim.cluster import pooled_bound
@@ -317,7 +318,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
     connector = aiohttp.TCPConnector(limit=max(64, 2 * config.concurrency))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await open_connections(session, url, config.concurrency)
-        cpu0 = process_cpu_seconds(pid) if pid else None
+        cpu0 = proc_tree_cpu_s(pid) if pid else None
         started, wall = time.perf_counter(), time.time()
         restarter = None
         disrupt = config.restart_worker or config.flush_worker
@@ -340,7 +341,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
             if router.startswith("ours") else None
         replies = await replay(session, url + COMPLETIONS_PATH, bodies, config.concurrency)
         seconds = time.perf_counter() - started
-        cpu_s = process_cpu_seconds(pid) - cpu0 if pid and cpu0 is not None else None
+        cpu_s = proc_tree_cpu_s(pid) - cpu0 if pid and cpu0 is not None else None
         if sampler is not None:
             sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from gateway.contracts.httpserver import JsonErrorRunner
-from loadtest.peers import PEERS, peer_binary, process_cpu_seconds, running_peer
+from loadtest.peers import PEERS, peer_binary, proc_tree_cpu_s, running_peer
 from worker.server import create_app
 from worker.settings import WorkerSettings
 
@@ -48,9 +48,9 @@ async def workers() -> AsyncIterator[list[str]]:
 def test_unknown_peer_and_cpu_seconds() -> None:
     with pytest.raises(ValueError, match="unknown peer"):
         peer_binary("nginx")
-    before = process_cpu_seconds(os.getpid())
+    before = proc_tree_cpu_s(os.getpid())
     sum(i * i for i in range(200_000))
-    assert process_cpu_seconds(os.getpid()) >= before > 0
+    assert proc_tree_cpu_s(os.getpid()) >= before > 0
 
 
 async def test_peer_routes_repeated_prompt_to_its_holder(
@@ -64,7 +64,7 @@ async def test_peer_routes_repeated_prompt_to_its_holder(
     name = installed[-1]
     served, matched = [], []
     async with running_peer(name, workers, tmp_path) as peer, aiohttp.ClientSession() as session:
-        assert process_cpu_seconds(peer.pid) >= 0
+        assert proc_tree_cpu_s(peer.pid) >= 0
         for suffix in ("first question", "second question", "third question"):
             body = {"model": "sim-model", "prompt": PROMPT + suffix, "max_tokens": 1}
             async with session.post(peer.url + "/v1/completions", json=body) as resp:

@@ -7,11 +7,11 @@ from loadtest.bench_overhead import (
     OverheadResult,
     Rep,
     TargetResult,
-    proc_tree_cpu_s,
     to_markdown,
     top_functions,
 )
 from loadtest.harness import histogram_totals
+from loadtest.peers import proc_tree_cpu_s
 
 
 def test_top_functions_counts_own_and_inclusive_samples() -> None:
