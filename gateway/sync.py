@@ -174,7 +174,12 @@ class StoreSync:
                 ("publish", self._flush_assignments, flush),
             ]
             if self._peer_dir:
-                self.peers = PeerLink(self._peer_dir)
+                try:
+                    self.peers = PeerLink(self._peer_dir)
+                except OSError as exc:  # e.g. a socket path over the system's length limit
+                    log.warning("decisions go to the other processes through the hub's "
+                                "stream only (no socket in %s: %s)", self._peer_dir, exc)
+            if self.peers is not None:
                 # Between decisions too: what arrives while this process routes nothing.
                 asyncio.get_running_loop().add_reader(self.peers.fileno(), self._peers_sent)
             else:

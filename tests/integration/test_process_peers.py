@@ -3,6 +3,7 @@ datagram sockets in a private directory, and the store sync of two processes ove
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -131,6 +132,39 @@ async def test_a_process_decides_with_the_others_decisions_up_to_that_instant(
         assert indexes[0].match(key.blocks, now) == {}  # its own decision is not echoed
         assert syncs[0].peers is not None
         assert syncs[0].peers.sent == 1
+    finally:
+        for sync in syncs:
+            await sync.stop()
+            await sync.store.close()
+
+
+async def test_without_a_socket_decisions_still_reach_the_other_process(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """Processes that cannot bind their sockets (here: the directory is gone; in practice a
+    socket path over the system's length limit, which all of them share) fall back to the
+    hub's stream, and still learn each other's decisions."""
+    syncs, indexes = [], []
+    for origin in ("p1", "p2"):
+        directory = str(tmp_path / "missing")
+        index = PrefixIndex()
+        store = HubStore(hub.url)
+        await store.start()
+        sync = StoreSync(store, WorkerPool(URLS, index), index, origin=origin,
+                         tokens_per_block=16.0, peer_dir=directory)
+        await sync.start()
+        syncs.append(sync)
+        indexes.append(index)
+    try:
+        assert syncs[0].peers is None
+        assert syncs[1].peers is None
+        wid = next(iter(syncs[0].pool.states())).worker.id
+        key = fingerprint("the timetable of the ferry company " * 30, Namespace(model="m"))
+        syncs[0].assigned(key, wid)
+        deadline = time.monotonic() + 5.0
+        while not indexes[1].holds(wid, key.blocks[-1]):
+            assert time.monotonic() < deadline, "not learnt through the stream within 5 s"
+            await asyncio.sleep(0.01)
     finally:
         for sync in syncs:
             await sync.stop()
