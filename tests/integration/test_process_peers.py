@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,147 +25,135 @@ def _decision(i: int, blocks: int = 3) -> tuple[str, tuple[int, ...], tuple[int,
     return (f"w{i % 2}", tuple(range(i * 1000, i * 1000 + blocks)), ())
 
 
-def test_a_decision_is_there_at_the_other_process_at_once(tmp_path: Path) -> None:
-    a, b = PeerLink(str(tmp_path)), PeerLink(str(tmp_path))
-    try:
-        assert b.receive() == []
-        a.publish("w0", (1, 2, 3), (1, 2, 5))
-        assert b.receive() == [("w0", (1, 2, 3), (1, 2, 5))]  # no event loop in between
-        assert a.receive() == []  # nothing echoed to the sender
-        assert (a.sent, b.received) == (1, 1)
-    finally:
-        a.close()
-        b.close()
+@pytest.fixture
+def link(tmp_path: Path) -> Iterator[Callable[..., PeerLink]]:
+    """Makes processes' links in ``tmp_path`` (as if each were another process) and closes
+    them all at the end."""
+    made: list[PeerLink] = []
+
+    def make(refresh_s: float = 0.25) -> PeerLink:
+        made.append(PeerLink(str(tmp_path), refresh_s=refresh_s))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
 
 
-def test_a_full_queue_holds_decisions_for_the_next_datagrams(tmp_path: Path) -> None:
+def test_a_decision_is_there_at_the_other_process_at_once(link: Callable[..., PeerLink]) -> None:
+    a, b = link(), link()
+    assert b.receive() == []
+    a.publish("w0", (1, 2, 3), (1, 2, 5))
+    assert b.receive() == [("w0", (1, 2, 3), (1, 2, 5))]  # no event loop in between
+    assert a.receive() == []  # nothing echoed to the sender
+    assert (a.sent, b.received) == (1, 1)
+
+
+def test_a_full_queue_holds_decisions_for_the_next_datagrams(
+    link: Callable[..., PeerLink],
+) -> None:
     """Far more than any socket buffer holds, sent without the peer reading: nothing is
     lost or reordered, the rest waits for the next datagrams."""
-    a, b = PeerLink(str(tmp_path)), PeerLink(str(tmp_path))
-    try:
-        sent = [_decision(i, blocks=400) for i in range(3000)]  # ~10 MB
-        for wid, blocks, depths in sent:
-            a.publish(wid, blocks, depths)
-        assert a.deferred > 0
-        assert a.pending > 0
-        got = b.receive()
-        for _ in range(1000):
-            if not a.pending:
-                break
-            a.flush()
-            got += b.receive()
+    a, b = link(), link()
+    sent = [_decision(i, blocks=400) for i in range(3000)]  # ~10 MB
+    for wid, blocks, depths in sent:
+        a.publish(wid, blocks, depths)
+    assert a.deferred > 0
+    assert a.pending > 0
+    got = b.receive()
+    for _ in range(1000):
+        if not a.pending:
+            break
+        a.flush()
         got += b.receive()
-        assert got == sent
-        assert a.dropped == 0
-    finally:
-        a.close()
-        b.close()
+    got += b.receive()
+    assert got == sent
+    assert a.dropped == 0
 
 
-def test_a_process_that_left_is_forgotten_and_one_that_came_is_found(tmp_path: Path) -> None:
-    a = PeerLink(str(tmp_path), refresh_s=0.0)
-    b = PeerLink(str(tmp_path), refresh_s=0.0)
-    try:
-        a.publish(*_decision(1))
-        assert a.peers == [b.path]
-        b.close()
-        a.publish(*_decision(2))
-        assert a.peers == []
-        c = PeerLink(str(tmp_path), refresh_s=0.0)
-        try:
-            a.publish(*_decision(3))
-            assert c.receive() == [_decision(3)]
-        finally:
-            c.close()
-    finally:
-        a.close()
+def test_a_process_that_left_is_forgotten_and_one_that_came_is_found(
+    link: Callable[..., PeerLink],
+) -> None:
+    a, b = link(refresh_s=0.0), link(refresh_s=0.0)
+    a.publish(*_decision(1))
+    assert a.peers == [b.path]
+    b.close()
+    a.publish(*_decision(2))
+    assert a.peers == []
+    c = link(refresh_s=0.0)
+    a.publish(*_decision(3))
+    assert c.receive() == [_decision(3)]
 
 
-def test_a_malformed_datagram_is_ignored(tmp_path: Path) -> None:
-    b = PeerLink(str(tmp_path))
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
-            raw.sendto(b"\xc1 not msgpack", b.path)
-            raw.sendto(b"\x91\x92\xa1x\x01", b.path)  # a list of the wrong shape
-        a = PeerLink(str(tmp_path))
-        try:
-            a.publish(*_decision(4))
-            assert b.receive() == [_decision(4)]
-        finally:
-            a.close()
-    finally:
-        b.close()
+def test_a_malformed_datagram_is_ignored(link: Callable[..., PeerLink]) -> None:
+    b = link()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+        raw.sendto(b"\xc1 not msgpack", b.path)
+        raw.sendto(b"\x91\x92\xa1x\x01", b.path)  # a list of the wrong shape
+    a = link()
+    a.publish(*_decision(4))
+    assert b.receive() == [_decision(4)]
 
 
 @pytest.fixture
-async def hub(tmp_path: Path) -> AsyncIterator[HubServer]:
-    server = HubServer(str(tmp_path / "store.sock"))
-    await server.start()
-    yield server
-    await server.close()
+async def processes(tmp_path: Path) -> AsyncIterator[Callable[[str], Awaitable[list[StoreSync]]]]:
+    """Two processes' store syncs over one real hub in ``tmp_path``; the argument is where
+    they put their decision sockets."""
+    hub = HubServer(str(tmp_path / "store.sock"))
+    await hub.start()
+    syncs: list[StoreSync] = []
+
+    async def start(directory: str) -> list[StoreSync]:
+        for origin in ("p1", "p2"):
+            index = PrefixIndex()
+            store = HubStore(hub.url)
+            await store.start()
+            sync = StoreSync(store, WorkerPool(URLS, index), index, origin=origin,
+                             tokens_per_block=16.0, peer_dir=directory)
+            await sync.start()
+            syncs.append(sync)
+        return syncs
+
+    yield start
+    for sync in syncs:
+        await sync.stop()
+        await sync.store.close()
+    await hub.close()
 
 
 async def test_a_process_decides_with_the_others_decisions_up_to_that_instant(
-    hub: HubServer, tmp_path: Path
+    processes: Callable[[str], Awaitable[list[StoreSync]]], tmp_path: Path
 ) -> None:
     """What one process routed is in the other's index at its next decision, without that
     process's event loop running in between (its stream reads wait on the loop)."""
-    syncs, indexes = [], []
-    for origin in ("p1", "p2"):
-        index = PrefixIndex()
-        store = HubStore(hub.url)
-        await store.start()
-        assert store.directory == str(tmp_path)
-        sync = StoreSync(store, WorkerPool(URLS, index), index, origin=origin,
-                         tokens_per_block=16.0, peer_dir=store.directory)
-        await sync.start()
-        syncs.append(sync)
-        indexes.append(index)
-    try:
-        wid = next(iter(syncs[0].pool.states())).worker.id
-        key = fingerprint("the tariff of the rail company " * 30, Namespace(model="m"))
-        syncs[0].assigned(key, wid)
-        now = time.monotonic()
-        syncs[1].catch_up(now)  # synchronous: no await since the decision
-        assert indexes[1].match(key.blocks, now) == {wid: len(key.blocks)}
-        syncs[0].catch_up(now)
-        assert indexes[0].match(key.blocks, now) == {}  # its own decision is not echoed
-        assert syncs[0].peers is not None
-        assert syncs[0].peers.sent == 1
-    finally:
-        for sync in syncs:
-            await sync.stop()
-            await sync.store.close()
+    a, b = await processes(str(tmp_path))
+    assert isinstance(a.store, HubStore)
+    assert a.store.directory == str(tmp_path)
+    wid = next(iter(a.pool.states())).worker.id
+    key = fingerprint("the tariff of the rail company " * 30, Namespace(model="m"))
+    a.assigned(key, wid)
+    now = time.monotonic()
+    b.catch_up(now)  # synchronous: no await since the decision
+    assert b.index.match(key.blocks, now) == {wid: len(key.blocks)}
+    a.catch_up(now)
+    assert a.index.match(key.blocks, now) == {}  # its own decision is not echoed
+    assert a.peers is not None
+    assert a.peers.sent == 1
 
 
 async def test_without_a_socket_decisions_still_reach_the_other_process(
-    hub: HubServer, tmp_path: Path
+    processes: Callable[[str], Awaitable[list[StoreSync]]], tmp_path: Path
 ) -> None:
     """Processes that cannot bind their sockets (here: the directory is gone; in practice a
     socket path over the system's length limit, which all of them share) fall back to the
     hub's stream, and still learn each other's decisions."""
-    syncs, indexes = [], []
-    for origin in ("p1", "p2"):
-        directory = str(tmp_path / "missing")
-        index = PrefixIndex()
-        store = HubStore(hub.url)
-        await store.start()
-        sync = StoreSync(store, WorkerPool(URLS, index), index, origin=origin,
-                         tokens_per_block=16.0, peer_dir=directory)
-        await sync.start()
-        syncs.append(sync)
-        indexes.append(index)
-    try:
-        assert syncs[0].peers is None
-        assert syncs[1].peers is None
-        wid = next(iter(syncs[0].pool.states())).worker.id
-        key = fingerprint("the timetable of the ferry company " * 30, Namespace(model="m"))
-        syncs[0].assigned(key, wid)
-        deadline = time.monotonic() + 5.0
-        while not indexes[1].holds(wid, key.blocks[-1]):
-            assert time.monotonic() < deadline, "not learnt through the stream within 5 s"
-            await asyncio.sleep(0.01)
-    finally:
-        for sync in syncs:
-            await sync.stop()
-            await sync.store.close()
+    a, b = await processes(str(tmp_path / "missing"))
+    assert a.peers is None
+    assert b.peers is None
+    wid = next(iter(a.pool.states())).worker.id
+    key = fingerprint("the timetable of the ferry company " * 30, Namespace(model="m"))
+    a.assigned(key, wid)
+    deadline = time.monotonic() + 5.0
+    while not b.index.holds(wid, key.blocks[-1]):
+        assert time.monotonic() < deadline, "not learnt through the stream within 5 s"
+        await asyncio.sleep(0.01)
