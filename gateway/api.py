@@ -259,7 +259,8 @@ async def admin_rebalance(request: web.Request) -> web.Response:
             "store_available": sync.health.available,
             "leader": rebalancer.leading,
             "rounds": rebalancer.rounds,
-            # The other processes of this gateway (--procs N) and the decisions exchanged.
+            # The other processes of this gateway (--procs N) and the decisions exchanged
+            # (sent: once per other process).
             "peers": _peer_stats(sync.peers),
             "actions": actions if actions is not None else [],
             "workers": {

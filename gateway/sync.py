@@ -138,7 +138,9 @@ class StoreSync:
             return
         pool, index = self.pool, self.index
         for worker_id, blocks, depths in self.peers.receive():
-            if worker_id in pool:
+            # Depths, when given, name one checkpoint each (PrefixKey); anything else is not
+            # a decision of ours and must not reach the index (or fail a request).
+            if worker_id in pool and (not depths or len(depths) == len(blocks)):
                 index.record(blocks, worker_id, now, depths)
 
     def _peers_sent(self) -> None:

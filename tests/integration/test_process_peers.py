@@ -138,7 +138,10 @@ async def test_a_process_decides_with_the_others_decisions_up_to_that_instant(
     a.catch_up(now)
     assert a.index.match(key.blocks, now) == {}  # its own decision is not echoed
     assert a.peers is not None
-    assert a.peers.sent == 1
+    a.peers.publish(wid, (7, 8, 9), (1, 2))  # depths that do not fit its checkpoints
+    b.catch_up(now)
+    assert b.index.match((7, 8, 9), now) == {}
+    assert a.peers.sent == 2
 
 
 async def test_without_a_socket_decisions_still_reach_the_other_process(
