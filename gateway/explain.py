@@ -20,6 +20,7 @@ from gateway.api import STATE, Parser, prepare
 from gateway.auth import ANONYMOUS, AUTH_KEY, Unauthorized
 from gateway.errors import InvalidRequest
 from gateway.openai_schema import decode_json_object, parse_chat, parse_completion
+from gateway.resources import SYNC_KEY
 from gateway.routing.types import NoCandidates
 from gateway.telemetry.middleware import TELEMETRY_KEY
 
@@ -82,6 +83,8 @@ async def explain(request: web.Request) -> web.Response:
         })
     return web.json_response({
         "dry_run": True,
+        # Which gateway answered: a replica, or one of the processes of --procs N.
+        "replica": request.app[SYNC_KEY].origin,
         "fingerprint": {
             "kind": kind,
             "model": parsed.model,

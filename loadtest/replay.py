@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import random
 import shlex
@@ -121,6 +122,8 @@ class ReplayConfig:
     kv_events: bool = False
     # Share of requests whose prompt carries one invisible edit (the block bound ignores it).
     invisible_edits: float = 0.0
+    # Sample whether two processes of our gateway (--procs N) would route a request alike.
+    agreement: bool = False
 
     @property
     def block_tokens(self) -> int:
@@ -164,6 +167,11 @@ class RunResult:
     seconds: float
     # Share of responses whose cached tokens the gateway predicted exactly (/admin/workers).
     exact_predictions: float | None = None
+    # With --agreement: how often two dry runs of one request, one right after the other,
+    # saw the same match on every worker ("view") and chose one worker (by the first's
+    # kind): on two processes, and (the baseline) on one.
+    process_agreement: dict[str, float | None] | None = None
+    agreement_pairs: int = 0
     # Where a request spent its time (Little's law over the run): mean client-side latency, and
     # the gateway's mean count of requests in flight (decided, not yet settled), sampled from
     # /admin/workers; None for peers.
@@ -337,15 +345,18 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
                     await fleet.flush(session, [fleet.urls[index]])
             restarter = asyncio.create_task(later())
         samples: list[int] = []
-        sampler = asyncio.create_task(sample_inflight(session, url, samples)) \
-            if router.startswith("ours") else None
+        agreed: list[DryRunPair] = []
+        side = [asyncio.create_task(sample_inflight(session, url, samples))] \
+            if router.startswith("ours") else []
+        if config.agreement and router.startswith("ours"):
+            side.append(asyncio.create_task(sample_agreement(url, bodies, agreed)))
         replies = await replay(session, url + COMPLETIONS_PATH, bodies, config.concurrency)
         seconds = time.perf_counter() - started
         cpu_s = proc_tree_cpu_s(pid) - cpu0 if pid and cpu0 is not None else None
-        if sampler is not None:
-            sampler.cancel()
+        for task in side:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await sampler
+                await task
         if restarter is not None:
             await restarter
         ours = router.startswith("ours")
@@ -356,6 +367,12 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
     result.namespace_model, result.prewarms = view.namespace_model, view.prewarms
     result.prewarms_used = view.prewarms_used
     result.gateway_inflight = statistics.fmean(samples) if samples else None
+    result.agreement_pairs = sum(p.across for p in agreed)
+    if agreed:
+        result.process_agreement = {
+            f"{'across' if across else 'within'}{'' if not kind else ':' + kind}":
+                agreement(agreed, across, kind)
+            for across in (True, False) for kind in ("view", "", "prefix_hit", "cold")}
     result.timeline = timeline(replies, started, config.bucket_s, config.block_tokens)
     result.rebalance = actions
     return result
@@ -374,6 +391,7 @@ async def open_connections(session: aiohttp.ClientSession, url: str, count: int)
 
 
 INFLIGHT_SAMPLE_S = 0.2
+AGREEMENT_SAMPLE_S = 0.05  # a dry run on two processes (--agreement)
 
 
 async def sample_inflight(session: aiohttp.ClientSession, url: str, out: list[int]) -> None:
@@ -385,6 +403,72 @@ async def sample_inflight(session: aiohttp.ClientSession, url: str, out: list[in
             async with session.get(url + "/admin/workers") as response:
                 data = await response.json()
             out.append(sum(int(w["inflight_requests"]) for w in data["workers"]))
+
+
+@dataclass(frozen=True, slots=True)
+class DryRunPair:
+    """Two dry runs of one request, one right after the other: on two processes of the
+    gateway or on one; whether they chose one worker; the first's decision kind."""
+
+    across: bool
+    agreed: bool
+    kind: str
+    same_view: bool  # every worker's match (in blocks) was the same in both
+
+
+def _matches(data: dict[str, Any]) -> dict[str, int]:
+    return {c["worker"]: int(c["match_blocks"]) for c in data["candidates"]}
+
+
+async def agreement_sample(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                           tries: int = 8) -> list[DryRunPair]:
+    """Dry runs (``/admin/explain``) of ``body`` on new connections, which the kernel spreads
+    over the gateway's processes, until two processes answered (at most ``tries``): each
+    answer is paired with the one before it, across processes or within one. Comparing
+    within one process gives the baseline: a decision that follows the load (a cold prefix's
+    placement) can change between two dry runs milliseconds apart on the same process."""
+    pairs: list[DryRunPair] = []
+    seen: set[str] = set()
+    last: tuple[str, Any] | None = None
+    for _ in range(tries):
+        async with session.post(url + "/admin/explain?kind=completion", json=body) as response:
+            data = await response.json()
+        replica, decision = data["replica"], data["decision"]
+        if last is not None:
+            before = last[1]["decision"]
+            pairs.append(DryRunPair(across=replica != last[0],
+                                    agreed=decision["worker"] == before["worker"],
+                                    kind=str(before.get("kind", "")),
+                                    same_view=_matches(data) == _matches(last[1])))
+        last = (replica, data)
+        seen.add(replica)
+        if len(seen) == 2:
+            break
+    return pairs
+
+
+def agreement(pairs: Sequence[DryRunPair], across: bool, kind: str = "") -> float | None:
+    """The share of ``pairs`` (across processes, or within one) that chose one worker, of
+    those whose first dry run was of decision kind ``kind`` (any with ""); ``kind`` "view":
+    the share that saw the same match on every worker."""
+    chosen = [p.same_view if kind == "view" else p.agreed for p in pairs
+              if p.across == across and (kind in ("", "view") or p.kind == kind)]
+    return sum(chosen) / len(chosen) if chosen else None
+
+
+async def sample_agreement(url: str, bodies: Sequence[dict[str, Any]],
+                           out: list[DryRunPair]) -> None:
+    """Every ``AGREEMENT_SAMPLE_S``, one request of the replay (in a seeded order) dry-run on
+    two processes of the gateway (see :func:`agreement_sample`)."""
+    order = random.Random("agreement").sample(range(len(bodies)), len(bodies))
+    connector = aiohttp.TCPConnector(force_close=True)  # a new connection per dry run
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for i in itertools.cycle(order):
+            await asyncio.sleep(AGREEMENT_SAMPLE_S)
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError,
+                                     TypeError):
+                out.extend(await agreement_sample(session, url, bodies[i]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -551,10 +635,14 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                     async with running_peer(router, fleet.urls, logs) as peer:
                         res = await measure(router, r, peer.url, peer.pid, fleet, bodies,
                                             pooled, config, ids)
+                agree = ("" if res.process_agreement is None else
+                         ", dry runs agree " + ", ".join(
+                             f"{k} {v:.2f}" for k, v in res.process_agreement.items()
+                             if v is not None) + f" ({res.agreement_pairs} pairs across)")
                 print(f"[replay] {router}: hit {res.block_hit_rate:.3f} "
                       f"({res.hit_over_bound:.3f} of bound), routed max/mean "
                       f"{res.routed_max_over_mean:.2f}, p50 {res.p50_ms:.0f} ms, "
-                      f"{res.seconds:.0f}s, errors {res.errors}", file=sys.stderr,
+                      f"{res.seconds:.0f}s, errors {res.errors}{agree}", file=sys.stderr,
                       flush=True)
                 results.append(res)
     finally:
@@ -689,6 +777,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--invisible-edits", type=float, default=0.0, metavar="SHARE",
                    help="share of requests with one invisible edit in their prompt (a "
                    "zero-width or no-break space, a soft hyphen, trailing spaces)")
+    p.add_argument("--agreement", action="store_true",
+                   help="with a gateway of several processes (GATEWAY_PROCS=N): every "
+                   f"{AGREEMENT_SAMPLE_S:g} s, dry-run one of the requests on two of them "
+                   "(/admin/explain) and report how often they chose the same worker")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -740,7 +832,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         report_cache_size=args.report_cache_size, misreport_worker=args.misreport_worker,
         restart_worker=restart, flush_worker=flush, bucket_s=args.bucket,
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
-        invisible_edits=args.invisible_edits,
+        invisible_edits=args.invisible_edits, agreement=args.agreement,
     )
 
 

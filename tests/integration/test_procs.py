@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtest.replay import agreement, agreement_sample
 from tests.conftest import MODEL, Processes
 
 PREFIX = "You answer questions about the rail tariff, and only from it. " * 20
@@ -66,8 +67,14 @@ async def test_processes_share_one_port_and_the_prefix_index(processes: Processe
         assert sorted(link["sent"] + link["received"] for link in links.values()) == [1, 1]
 
         replies = [await chat(i) for i in range(1, 13)]
+        # Dry runs of one more request on both processes: the same view, the same worker.
+        body = {"model": MODEL, "max_tokens": 1, "prompt": PREFIX + "question 13"}
+        pairs = await agreement_sample(http, gateway, body, tries=24)
     assert {h["x-route-worker"] for h in replies} == {owner}
     assert all(int(h["x-prefix-match-blocks"]) > 0 for h in replies)
+    assert any(p.across for p in pairs)
+    assert all(p.same_view and p.agreed for p in pairs)
+    assert agreement(pairs, across=True) == 1.0
 
     await processes.stop_all()
     pids = [int(replica.rsplit(":", 1)[1]) for replica in views]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from loadtest.harness import server_timing
-from loadtest.replay import ReplayConfig, RunResult
+from loadtest.replay import DryRunPair, ReplayConfig, RunResult, agreement
 from loadtest.replay_sim import (
     decision_gap,
     delay_factors,
@@ -211,3 +211,18 @@ def test_the_simulator_pre_warms_as_the_gateway_does() -> None:
             served.setdefault(request.key.blocks[3], set()).add(worker)
         holders[prewarm] = sum(len(workers) for workers in served.values())
     assert holders[True] > holders[False]
+
+
+def test_dry_run_agreement_counts_each_side_and_kind_apart() -> None:
+    pairs = [
+        DryRunPair(across=True, agreed=True, kind="prefix_hit", same_view=True),
+        DryRunPair(across=True, agreed=False, kind="cold", same_view=True),
+        DryRunPair(across=True, agreed=False, kind="cold", same_view=False),
+        DryRunPair(across=False, agreed=True, kind="cold", same_view=True),
+    ]
+    assert agreement(pairs, across=True) == 1 / 3
+    assert agreement(pairs, across=True, kind="cold") == 0.0
+    assert agreement(pairs, across=True, kind="prefix_hit") == 1.0
+    assert agreement(pairs, across=True, kind="view") == 2 / 3
+    assert agreement(pairs, across=False) == 1.0
+    assert agreement(pairs, across=False, kind="prefix_hit") is None
