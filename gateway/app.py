@@ -38,6 +38,7 @@ from gateway.lifecycle import CacheLifecycle
 from gateway.limits import LIMITS_KEY, Limits
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
+from gateway.procs import peer_dir
 from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.resources import (
     BACKENDS_KEY,
@@ -279,8 +280,9 @@ def create_app(
         shares_state=not isinstance(store, MemoryStore), history_s=settings.index_ttl_s,
         max_weight=settings.max_worker_weight,
         registry_secret=registry_secret,
-        # The processes of one gateway send each other their decisions as they are made.
-        peer_dir=store.directory if isinstance(store, HubStore) else "",
+        # The processes of one gateway send each other their decisions as they are made; with
+        # the hub they are all that share it, with Redis other gateways may too.
+        peer_dir=peer_dir(), peers_only=isinstance(store, HubStore),
     )
     engine = build_engine(settings.policy, settings.policy_options())
 

@@ -8,9 +8,11 @@ checks; they keep affinity with each other the way replicas do:
 * with a Redis store (``--store redis://...``) through Redis, as separate gateways would;
 * with the embedded default (``memory://``) through a hub the parent serves on a Unix socket
   (:mod:`gateway.store.hub`): the parent owns the shared state (load, telemetry, the stream of
-  decisions a restarting replica replays), and each replica sends the others every decision
-  as it makes it (:mod:`gateway.store.peers`), so a prefix routed by one process is a prefix
-  hit in all of them from their next decision on.
+  decisions a restarting replica replays).
+
+With either store, each replica also sends the others every decision as it makes it, through
+the parent's private directory (:mod:`gateway.store.peers`), so a prefix routed by one process
+is a prefix hit in all of them from their next decision on.
 
 The parent restarts a replica that dies, forwards SIGINT/SIGTERM to all of them (each drains its
 in-flight requests) and exits when they have; a replica whose parent is gone shuts down.
@@ -33,6 +35,8 @@ from gateway.store.hub import HubServer
 log = logging.getLogger(__name__)
 
 PARENT_ENV = "GATEWAY_PARENT_PID"
+# The parent's private directory: the replicas' decision sockets (gateway.store.peers).
+PEER_DIR_ENV = "GATEWAY_PEER_DIR"
 _RESTART_DELAY_S = 1.0
 
 
@@ -48,12 +52,14 @@ class Supervisor:
         self.argv = list(argv)
         self._stopping = asyncio.Event()
         self._children: dict[int, asyncio.subprocess.Process] = {}
+        self._private = ""  # the private directory, while it exists
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stopping.set)
         with tempfile.TemporaryDirectory(prefix="gateway-hub-") as private:  # mode 0700
+            self._private = private
             hub: HubServer | None = None
             store = self.settings.store
             if store.startswith("memory://"):
@@ -75,7 +81,7 @@ class Supervisor:
 
     async def _keep(self, slot: int, store: str) -> None:
         """Run replica ``slot``; start it again if it dies while the gateway is up."""
-        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        env = {**os.environ, PARENT_ENV: str(os.getpid()), PEER_DIR_ENV: self._private}
         while not self._stopping.is_set():
             proc = await asyncio.create_subprocess_exec(
                 *replica_command(self.argv, store), stdin=asyncio.subprocess.DEVNULL, env=env)
@@ -105,6 +111,12 @@ def run_supervisor(settings: GatewaySettings, argv: Sequence[str]) -> int:
     print(f"gateway: {settings.procs} processes on http://{settings.host}:{settings.port} "
           f"(SO_REUSEPORT), store {settings.store}", flush=True)
     return asyncio.run(Supervisor(settings, argv).run())
+
+
+def peer_dir() -> str:
+    """In a replica started by :class:`Supervisor`: the directory where the replicas send
+    each other their decisions (:mod:`gateway.store.peers`); "" elsewhere."""
+    return os.environ.get(PEER_DIR_ENV, "") if os.environ.get(PARENT_ENV) else ""
 
 
 def watch_parent(loop: asyncio.AbstractEventLoop, interval_s: float = 1.0) -> None:

@@ -11,7 +11,9 @@ Background loops, one per concern, each tolerant of the store going away:
   stream's recent history, so a restart does not begin with an empty index. The processes of
   one gateway (``--procs N``) also send each other every decision as it is made
   (:mod:`gateway.store.peers`) and take in the others' right before each decision
-  (:meth:`StoreSync.catch_up`); the stream then only serves a restarting process's history;
+  (:meth:`StoreSync.catch_up`). From the stream a process then takes only the decisions of
+  gateways it does not hear that way (other hosts' replicas sharing Redis); with the hub,
+  which only the processes share, it serves a restarting process's history alone;
 * load: this replica's in-flight tokens per worker are published; the other replicas' shares
   are read and added to the snapshot;
 * telemetry: cache reports from responses are added to the shared counters.
@@ -93,6 +95,7 @@ class StoreSync:
         max_weight: float = 4.0,
         registry_secret: bytes = b"",
         peer_dir: str = "",
+        peers_only: bool = True,
     ) -> None:
         self._max_weight = max_weight
         self._registry_secret = registry_secret
@@ -111,10 +114,13 @@ class StoreSync:
         self._reports: deque[CacheReport] = deque(maxlen=_BUFFER_LIMIT)
         self._tasks: list[asyncio.Task[None]] = []
         self._cursor = ""
-        # With the other processes of one gateway: decisions sent as they are made.
+        # With the other processes of one gateway: decisions sent as they are made. With
+        # ``peers_only`` nobody else shares the store, so its stream is left unread then.
         self._peer_dir = peer_dir if shares_state else ""
+        self._peers_only = peers_only
         self.peers: PeerLink | None = None
         self._peer_retry: asyncio.TimerHandle | None = None
+        self._linked: set[str] = set()  # origins heard through the sockets
 
     @property
     def shares_state(self) -> bool:
@@ -136,8 +142,10 @@ class StoreSync:
         non-blocking read; before each decision, so that it sees theirs up to this instant)."""
         if self.peers is None:
             return
-        pool, index = self.pool, self.index
-        for worker_id, blocks, depths in self.peers.receive():
+        pool, index, linked = self.pool, self.index, self._linked
+        for origin, worker_id, blocks, depths in self.peers.receive():
+            if origin not in linked and len(linked) < _BUFFER_LIMIT:
+                linked.add(origin)  # its decisions on the store's stream are known already
             # Depths, when given, name one checkpoint each (PrefixKey); anything else is not
             # a decision of ours and must not reach the index (or fail a request).
             if worker_id in pool and (not depths or len(depths) == len(blocks)):
@@ -177,14 +185,14 @@ class StoreSync:
             ]
             if self._peer_dir:
                 try:
-                    self.peers = PeerLink(self._peer_dir)
+                    self.peers = PeerLink(self._peer_dir, self.origin)
                 except OSError as exc:  # e.g. a socket path over the system's length limit
                     log.warning("decisions go to the other processes through the hub's "
                                 "stream only (no socket in %s: %s)", self._peer_dir, exc)
             if self.peers is not None:
                 # Between decisions too: what arrives while this process routes nothing.
                 asyncio.get_running_loop().add_reader(self.peers.fileno(), self._peers_sent)
-            else:
+            if self.peers is None or not self._peers_only:
                 loops.append(("subscribe", self._read_assignments, 0.0))
         for name, fn, every in loops:
             self._tasks.append(asyncio.create_task(self._loop(fn, every), name=f"sync-{name}"))
@@ -311,8 +319,9 @@ class StoreSync:
     async def _read_assignments(self) -> None:
         self._cursor, batch = await self.store.read_assignments(self._cursor, block_s=1.0)
         now = time.monotonic()
+        linked = self._linked
         for a in batch:
-            if a.origin != self.origin and a.worker_id in self.pool:
+            if a.origin != self.origin and a.origin not in linked and a.worker_id in self.pool:
                 self.index.record(a.blocks, a.worker_id, now, a.depths)
 
     async def _flush_telemetry(self) -> None:

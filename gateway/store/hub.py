@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import pickle
 import struct
 import time
@@ -190,11 +189,6 @@ class HubStore:
     @property
     def url(self) -> str:
         return self._url
-
-    @property
-    def directory(self) -> str:
-        """The hub's private directory (the processes' decision sockets go there too)."""
-        return os.path.dirname(self._path)
 
     async def start(self) -> None:
         with contextlib.suppress(StoreUnavailable):

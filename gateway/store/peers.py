@@ -36,8 +36,9 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
-# One decision: the worker, the prompt's checkpoint hashes and their depths (PrefixKey).
-Decision = tuple[str, tuple[int, ...], tuple[int, ...]]
+# One decision: the process that made it (its replica id), the worker, the prompt's checkpoint
+# hashes and their depths (PrefixKey).
+Decision = tuple[str, str, tuple[int, ...], tuple[int, ...]]
 
 _PREFIX = "peer-"
 _SUFFIX = ".sock"
@@ -60,8 +61,9 @@ class _Peer:
 class PeerLink:
     """This process's socket in ``directory`` and the other processes' sockets there."""
 
-    def __init__(self, directory: str, refresh_s: float = 0.25) -> None:
+    def __init__(self, directory: str, origin: str = "", refresh_s: float = 0.25) -> None:
         self.directory = directory
+        self.origin = origin
         self.path = os.path.join(
             directory, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(4)}{_SUFFIX}")
         self._refresh_s = refresh_s
@@ -106,7 +108,7 @@ class PeerLink:
         now = time.monotonic()
         if now - self._refreshed >= self._refresh_s:
             self._refresh(now)
-        item = self._encoder.encode((worker_id, blocks, depths))
+        item = self._encoder.encode((self.origin, worker_id, blocks, depths))
         if len(item) > _MAX_DATAGRAM - 8:  # longer than any datagram a process reads
             self.dropped += 1
             return

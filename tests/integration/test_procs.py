@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import aiohttp
+import pytest
 
 from loadtest.replay import agreement, agreement_sample
 from tests.conftest import MODEL, Processes
@@ -27,9 +28,16 @@ def _fresh() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
 
 
-async def test_processes_share_one_port_and_the_prefix_index(processes: Processes) -> None:
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_processes_share_one_port_and_the_prefix_index(
+    processes: Processes, store: str, request: pytest.FixtureRequest
+) -> None:
+    """With the embedded store (the parent's hub) or Redis: either way the processes send
+    each other their decisions as they make them."""
     workers = [(await processes.worker())[0] for _ in range(3)]
     args = [a for url in workers for a in ("--worker", url)]
+    if store == "redis":
+        args += ["--store", request.getfixturevalue("redis_server").url]
     gateway = await processes.gateway("--procs", "2", *args)
     views: dict[str, dict[str, Any]] = {}
 
