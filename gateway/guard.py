@@ -178,6 +178,73 @@ async def first_byte(opening: Awaitable[T], timeout_s: float, ejections: Ejectio
         ejections.unwatch(wid, on_eject)
 
 
+class IdleTimer:
+    """A stream's idle timeout (the longest wait for its next chunk) with one timer for the
+    whole stream instead of one per chunk: :meth:`wait` before each wait notes when it began
+    and arms the timer only if none is armed; when the timer fires early (the stream moved on
+    meanwhile) it re-arms itself for the current wait's deadline. A wait past its deadline
+    cancels the task that created the timer, as ``asyncio.timeout`` does; the caller turns the
+    ``CancelledError`` into its timeout when :meth:`timed_out` says it was this timer's. Only
+    the waits are timed: the time between :meth:`heard` and the next :meth:`wait` (writing to
+    the client) is not. :meth:`close` once the stream ends, however it ends."""
+
+    __slots__ = (
+        "_base",
+        "_handle",
+        "_loop",
+        "_since",
+        "_task",
+        "_waiting",
+        "expired",
+        "idle_s",
+    )
+
+    def __init__(self, idle_s: float) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("IdleTimer needs a running task")
+        self._loop = asyncio.get_running_loop()
+        self._task = task
+        self._base = task.cancelling()  # cancellations pending before ours: not ours
+        self.idle_s = idle_s
+        self._since = 0.0
+        self._waiting = False
+        self._handle: asyncio.TimerHandle | None = None
+        self.expired = False
+
+    def wait(self) -> None:
+        """The caller starts waiting for the next chunk."""
+        self._since = self._loop.time()
+        self._waiting = True
+        if self._handle is None and not self.expired:
+            self._handle = self._loop.call_at(self._since + self.idle_s, self._fire)
+
+    def heard(self) -> None:
+        """The chunk came: the wait is over."""
+        self._waiting = False
+
+    def timed_out(self) -> bool:
+        """Whether the ``CancelledError`` the caller caught came from this timer alone."""
+        return self.expired and self._task.uncancel() <= self._base
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._waiting = False
+
+    def _fire(self) -> None:
+        self._handle = None
+        if not self._waiting:
+            return  # armed again by the next wait
+        due = self._since + self.idle_s
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._fire)
+            return
+        self.expired = True
+        self._task.cancel()
+
+
 class Liveness:
     """When each worker last sent this gateway something on a request (monotonic seconds)."""
 

@@ -36,7 +36,7 @@ from gateway.contracts.headers import (
     WORKER_BOOT_HEADER,
 )
 from gateway.errors import ConnectionQueueFull, NoWorkerAvailable, UpstreamError
-from gateway.guard import NoFirstByte, SlotTimeout, UpstreamGuard
+from gateway.guard import IdleTimer, NoFirstByte, SlotTimeout, UpstreamGuard
 from gateway.routing.types import Decision, NoCandidates, PrefixMatcher, RouteRequest
 from gateway.session import Attempt, CacheUsage
 from gateway.state import GatewayState
@@ -322,10 +322,11 @@ async def _relay_stream(
     broke_off = ""
     wid = attempt.worker_id
     guard = state.guard
+    idle = IdleTimer(guard.stream_idle_timeout_s) if guard.stream_idle_timeout_s else None
     try:
         # Inside the try: if the client is already gone, the upstream reply is still released.
         await response.prepare(http_request)
-        async for chunk in _upstream_chunks(reply, wid, guard, opened):
+        async for chunk in _upstream_chunks(reply, wid, guard, idle, opened):
             observed.first_byte()
             state.session.first_token(attempt)  # its prefill no longer queues on the worker
             await response.write(chunk)
@@ -337,6 +338,8 @@ async def _relay_stream(
         error = openai_error(f"the worker {wid} {exc}", "upstream_error", code=exc.code)
         await response.write(f"data: {json.dumps(error)}\n\n".encode())
     finally:
+        if idle is not None:
+            idle.close()
         # A reply not read to its end closes its connection: the worker sees its client leave.
         reply.release()
     observed.upstream_done(reply.status, broke_off)
@@ -358,41 +361,42 @@ class _UpstreamBrokeOff(Exception):
 
 
 async def _upstream_chunks(
-    reply: UpstreamReply, worker_id: str, guard: UpstreamGuard,
+    reply: UpstreamReply, worker_id: str, guard: UpstreamGuard, idle: IdleTimer | None,
     opened: tuple[bytes | None, AsyncIterator[bytes]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The worker's chunks (after ``opened``'s first one, when it was awaited already); each
-    one after the first must come within the stream idle timeout (only the wait for the worker
-    is timed, never the write to a slow client)."""
-    idle_s: float | None = None  # the first chunk may wait behind the worker's queue
+    one after the first must come within the stream idle timeout (``idle``: only the wait for
+    the worker is timed, never the write to a slow client)."""
+    timed = False  # the first chunk may wait behind the worker's queue
     if opened is None:
         chunks = reply.chunks()
     else:
         first, chunks = opened
         if first is None:
             return
-        idle_s = guard.stream_idle_timeout_s or None
+        timed = True
         yield first
     heard = guard.liveness.heard
     while True:
-        timer = asyncio.timeout(idle_s)
+        if timed and idle is not None:
+            idle.wait()
         try:
-            async with timer:
-                chunk = await anext(chunks)
+            chunk = await anext(chunks)
         except StopAsyncIteration:
             return
-        except TimeoutError as exc:
-            if not timer.expired():
-                log.warning("stream from %s broke off: %s", worker_id, exc)
-                raise _UpstreamBrokeOff(f"broke off the stream: {exc}") from exc
-            log.warning("stream from %s idle for %gs: ended", worker_id, idle_s)
+        except asyncio.CancelledError:
+            if idle is None or not idle.timed_out():
+                raise
+            log.warning("stream from %s idle for %gs: ended", worker_id, idle.idle_s)
             raise _UpstreamBrokeOff(
-                f"sent nothing for {idle_s:g}s mid-stream (stream idle timeout)",
+                f"sent nothing for {idle.idle_s:g}s mid-stream (stream idle timeout)",
                 "stream_idle_timeout",
             ) from None
-        except _BROKE_OFF as exc:
+        except (*_BROKE_OFF, TimeoutError) as exc:
             log.warning("stream from %s broke off: %s", worker_id, exc)
             raise _UpstreamBrokeOff(f"broke off the stream: {exc}") from exc
+        if idle is not None:
+            idle.heard()
         heard(worker_id, time.monotonic())
-        idle_s = guard.stream_idle_timeout_s or None
+        timed = True
         yield chunk

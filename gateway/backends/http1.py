@@ -59,6 +59,10 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._head_waiter: asyncio.Future[None] | None = None
         self._body_waiter: asyncio.Future[None] | None = None
+        # The read timeout: one timer per connection, re-armed lazily (see wait_body).
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._wait_since = 0.0
+        self._wait_limit = 0.0
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())  # the last reply's
         self._reset()
 
@@ -89,16 +93,32 @@ class _Connection(asyncio.Protocol):
         return waiter
 
     async def wait_body(self, timeout_s: float | None) -> None:
-        """Until more body bytes, the end of the reply, or an error are there."""
+        """Until more body bytes, the end of the reply, or an error are there (``TimeoutError``
+        after ``timeout_s`` without any). A stream waits once per chunk, so the timeout is not
+        a timer per wait: the wait notes when it began, and the connection's one timer, armed
+        when none is, re-arms itself for that wait's deadline if it fires early."""
         waiter = self._body_waiter = self._loop.create_future()
-        timer = (self._loop.call_later(timeout_s, _time_out, waiter)
-                 if timeout_s else None)
+        self._wait_limit = timeout_s or 0.0
+        if timeout_s:
+            self._wait_since = self._loop.time()
+            if self._read_timer is None:
+                self._read_timer = self._loop.call_at(self._wait_since + timeout_s,
+                                                      self._read_due)
         try:
             await waiter
         finally:
             self._body_waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _read_due(self) -> None:
+        self._read_timer = None
+        waiter = self._body_waiter
+        if waiter is None or waiter.done() or not self._wait_limit:
+            return  # not waiting: the next wait arms the timer again
+        due = self._wait_since + self._wait_limit
+        if self._loop.time() < due:
+            self._read_timer = self._loop.call_at(due, self._read_due)
+        else:
+            waiter.set_exception(TimeoutError())
 
     def take(self) -> bytes:
         chunk = self.chunks.popleft()
@@ -110,8 +130,14 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self._stop_timer()
         if self.transport is not None:
             self.transport.close()
+
+    def _stop_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -121,6 +147,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_timer()
         why = f": {exc}" if exc else ""
         if self.in_head:
             when = "while sending" if self.received else "before"
@@ -324,9 +351,25 @@ class Http1Reply:
                 raise conn.error
             await conn.wait_body(self._client.read_timeout_s)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        while (chunk := await self._next()) is not None:
-            yield chunk
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body chunk by chunk: the reply is its own iterator (one frame per chunk)."""
+        return self
+
+    def __aiter__(self) -> Http1Reply:
+        return self
+
+    async def __anext__(self) -> bytes:
+        conn = self._conn
+        if conn is None:
+            raise UpstreamBrokeOff("the reply was released")
+        while True:
+            if conn.chunks:
+                return conn.take()
+            if conn.done:
+                raise StopAsyncIteration
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait_body(self._client.read_timeout_s)
 
     async def read(self) -> bytes:
         parts = []

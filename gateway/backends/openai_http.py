@@ -123,11 +123,10 @@ class HTTPReply:
             "Content-Type", "").startswith("text/event-stream")
         self.withheld = b""
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        if not self._strip_usage:
-            async for chunk in self._response.chunks():
-                yield chunk
-            return
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self._stripped() if self._strip_usage else self._response.chunks()
+
+    async def _stripped(self) -> AsyncIterator[bytes]:
         pending = b""
         async for chunk in self._response.chunks():
             pending += chunk

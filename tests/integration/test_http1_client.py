@@ -226,6 +226,28 @@ async def test_timeouts(serve: Serve) -> None:
     client.close()
 
 
+async def test_the_read_timeout_is_per_wait_not_per_reply(serve: Serve) -> None:
+    # Chunks 0.08 s apart under a 0.2 s read timeout: 0.5 s in all, never one wait that long.
+    # The connection's one timer fires while the reply is still moving and must re-arm itself
+    # for the current wait; a timer per reply would time this out.
+    pieces = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    for _ in range(6):
+        pieces += [b"<sleep 0.08>", b"2\r\nab\r\n"]
+    trickle = await serve(lambda c, n, body: [*pieces, b"0\r\n\r\n"] if n == 0 else None)
+    client = _client(read=0.2)
+    reply = await client.post(trickle.url, {}, b"{}")
+    assert [c async for c in reply.chunks()] == [b"ab"] * 6
+    reply.release()
+    # The same connection, reused: a wait past the timeout still times out.
+    stall = await serve(lambda c, n, body: [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nhalf", b"<sleep 5>"])
+    reply = await client.post(stall.url, {}, b"{}")
+    with pytest.raises(TimeoutError):
+        await reply.read()
+    reply.release()
+    client.close()
+
+
 async def test_connection_refused_is_unavailable() -> None:
     client = _client()
     with pytest.raises(BackendUnavailable):

@@ -6,7 +6,14 @@ import asyncio
 
 import pytest
 
-from gateway.guard import ConnectionSlots, Ejections, NoFirstByte, SlotTimeout, first_byte
+from gateway.guard import (
+    ConnectionSlots,
+    Ejections,
+    IdleTimer,
+    NoFirstByte,
+    SlotTimeout,
+    first_byte,
+)
 
 
 async def _hang(cancelled: list[bool]) -> str:
@@ -104,3 +111,59 @@ async def test_slots_go_to_waiters_first_come_first_served() -> None:
     assert cancelled.cancelled()
     again = await slots.take("w1")  # every place came back
     again()
+
+
+async def _chunks(timer: IdleTimer, gaps: list[float], write_s: float = 0.0) -> int:
+    """Waits ``gaps`` seconds for each chunk under ``timer``, spending ``write_s`` between
+    chunks outside the waits (a slow client); returns the chunks received."""
+    got = 0
+    try:
+        for gap in gaps:
+            timer.wait()
+            await asyncio.sleep(gap)
+            timer.heard()
+            got += 1
+            await asyncio.sleep(write_s)
+    finally:
+        timer.close()
+    return got
+
+
+async def test_idle_timer_ends_a_wait_past_its_limit() -> None:
+    timer = IdleTimer(0.05)
+    with pytest.raises(asyncio.CancelledError):
+        await _chunks(timer, [0.01, 0.01, 1.0])
+    assert timer.timed_out()
+
+
+async def test_idle_timer_spares_a_stream_whose_waits_are_short_however_long_it_runs() -> None:
+    # 12 waits of 0.02 s under a 0.05 s limit: the one timer fires mid-stream and re-arms.
+    assert await _chunks(IdleTimer(0.05), [0.02] * 12) == 12
+
+
+async def test_idle_timer_does_not_count_the_time_spent_writing_to_the_client() -> None:
+    assert await _chunks(IdleTimer(0.05), [0.01] * 4, write_s=0.08) == 4
+
+
+async def test_idle_timer_closed_cancels_nothing_later() -> None:
+    timer = IdleTimer(0.02)
+    timer.wait()
+    timer.close()
+    await asyncio.sleep(0.06)  # past the deadline: the task must not be cancelled
+    assert not timer.expired
+
+
+async def test_a_cancellation_from_elsewhere_is_not_the_idle_timers() -> None:
+    async def stream() -> None:
+        timer = IdleTimer(0.05)
+        try:
+            await _chunks(timer, [1.0])
+        except asyncio.CancelledError:
+            assert not timer.timed_out()
+            raise
+
+    task = asyncio.create_task(stream())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
