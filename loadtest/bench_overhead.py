@@ -2,7 +2,7 @@
 
 ``python -m loadtest.bench_overhead [--workers 4] [--prefixes 20] [--requests 2000]
 [--concurrency 32] [--reps 3] [--sequential 300] [--routers ours,sglang-router,smg]
-[--procs 1] [--profile FILE] [--json] [--out FILE]``
+[--procs 1] [--stream-tokens N] [--profile FILE] [--json] [--out FILE]``
 
 One run, one set of workers:
 
@@ -21,6 +21,8 @@ One run, one set of workers:
    it shows whether the processes agree on where a prefix lives.
 3. **Added latency**: ``--sequential`` rounds of one request to each target in turn (the order
    rotates each round); p50/p99 per target, minus the direct p50.
+4. **Streams** (``--stream-tokens N``): streamed answers of N token events, the router's CPU
+   per stream and per event (:mod:`loadtest.overhead_stream`).
 
 Medians over the repetitions, and each figure as a ratio to sglang-router's, so the numbers can
 be compared on a noisy shared machine. Every other target's CPU per request is also given as a
@@ -63,6 +65,13 @@ from loadtest.harness import (
     histogram_totals,
     percentile,
 )
+from loadtest.overhead_stream import (
+    StreamConfig,
+    StreamResult,
+    stream_bodies,
+    stream_round,
+    stream_table,
+)
 from loadtest.peers import (
     PEERS,
     PeerUnavailableError,
@@ -97,6 +106,7 @@ class OverheadConfig:
     long_chars: tuple[int, ...] = ()
     long_requests: int = 20
     long_reps: int = 1  # rounds over every size, targets in rotating order; medians reported
+    stream: StreamConfig = field(default_factory=StreamConfig)  # streamed answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +150,7 @@ class OverheadResult:
     targets: list[TargetResult]
     skipped: dict[str, str]  # router -> why it did not run
     profile_top: list[tuple[str, float, float]] = field(default_factory=list)
+    streams: dict[str, StreamResult] = field(default_factory=dict)  # router -> streaming phase
 
 
 # -- processes -----------------------------------------------------------------------------
@@ -441,7 +452,23 @@ async def run_bench(config: OverheadConfig, command: str, profile: Path | None) 
             results[name].worker_share = dict(sorted(share.items()))
             results[name].affinity = prefix_affinity(pairs)
         await long_prompts(session, config, [t for t in targets if t.pid], results)
-    return OverheadResult(command, config, list(results.values()), skipped)
+        streams = await streaming(session, config, [t for t in targets if t.pid])
+    return OverheadResult(command, config, list(results.values()), skipped, streams=streams)
+
+
+async def streaming(session: aiohttp.ClientSession, config: OverheadConfig,
+                    targets: Sequence[Target]) -> dict[str, StreamResult]:
+    """The streaming phase (``--stream-tokens``): every router, ``reps`` rounds, rotated."""
+    stream = config.stream
+    if not stream.tokens:
+        return {}
+    bodies = stream_bodies(MODEL, stream, config.seed)
+    results = {t.name: StreamResult() for t in targets}
+    for rep in range(stream.reps):
+        for t in _rotated(targets, rep):
+            print(f"[bench] streams, round {rep + 1}: {t.name} ...", file=sys.stderr, flush=True)
+            await stream_round(session, t.url, t.pid, bodies, stream.concurrency, results[t.name])
+    return results
 
 
 async def decision_totals(session: aiohttp.ClientSession, target: Target) -> tuple[float, int]:
@@ -567,6 +594,9 @@ def to_markdown(result: OverheadResult) -> str:
         reps = "; ".join(f"{r.rps:,.0f}, {r.p99_ms:.1f}, {r.cpu_s_per_1k:.3f}" for r in t.reps)
         lines.append(f"- {t.name}: {reps}")
     lines += long_table(result)
+    lines += stream_table(result.config.stream, result.streams,
+                          {t.name: t.median("cpu_s_per_1k") for t in result.targets},
+                          "sglang-router")
     for name, why in result.skipped.items():
         lines.append(f"- {name}: not run ({why})")
     if result.profile_top:
@@ -602,12 +632,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--long-requests", type=int, default=20, help="requests per long size")
     p.add_argument("--long-reps", type=int, default=1,
                    help="rounds over the long sizes (targets rotated); medians reported")
+    p.add_argument("--stream-tokens", type=int, default=0,
+                   help="also stream answers of this many tokens (loadtest.overhead_stream)")
+    p.add_argument("--stream-requests", type=int, default=100, help="streams per round")
+    p.add_argument("--stream-concurrency", type=int, default=4)
+    p.add_argument("--stream-reps", type=int, default=3, help="rounds of streams")
     p.add_argument("--profile", type=Path, help="py-spy our gateway; collapsed stacks to FILE")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path, help="also write the markdown to this file")
     args = p.parse_args(argv)
     if min(args.workers, args.prefixes, args.requests, args.concurrency, args.reps,
-           args.sequential, args.procs, args.long_reps) < 1:
+           args.sequential, args.procs, args.long_reps, args.stream_requests,
+           args.stream_concurrency, args.stream_reps) < 1 or args.stream_tokens < 0:
         p.error("counts must be >= 1")
     unknown = set(args.routers.split(",")) - set(ROUTERS)
     if unknown:
@@ -625,6 +661,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         gateway_args=tuple(args.gateway_arg),
         long_chars=tuple(int(c) for c in args.long.split(",") if c.strip()),
         long_requests=args.long_requests, long_reps=args.long_reps,
+        stream=StreamConfig(tokens=args.stream_tokens, requests=args.stream_requests,
+                            concurrency=args.stream_concurrency, reps=args.stream_reps),
         variants=tuple(
             (label, tuple(shlex.split(extra)))
             for label, _, extra in (v.partition("=") for v in args.variant)
