@@ -107,6 +107,9 @@ class OverheadConfig:
     long_requests: int = 20
     long_reps: int = 1  # rounds over every size, targets in rotating order; medians reported
     stream: StreamConfig = field(default_factory=StreamConfig)  # streamed answers
+    # The workers' time per output token (0: events back to back). Paces streamed answers as
+    # an engine does; every phase's answers take that much longer per token.
+    decode_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +232,8 @@ async def running_targets(
         async with contextlib.AsyncExitStack() as stack:
             for i, url in enumerate(worker_urls):
                 cmd = [sys.executable, "-m", "worker", "--host", HOST, "--port", str(base + i),
-                       "--model", MODEL, "--cache-blocks", "4096", *ZERO_COST_WORKER_ARGS]
+                       "--model", MODEL, "--cache-blocks", "4096", *ZERO_COST_WORKER_ARGS,
+                       "--decode-ms-per-token", str(config.decode_ms)]
                 await start_server(cmd, url, logs / f"worker{i}.log", procs)
             targets = [Target(DIRECT, worker_urls[0] + "/v1/chat/completions", 0)]
             for j, (name, extra) in enumerate(ours):
@@ -544,7 +548,9 @@ def to_markdown(result: OverheadResult) -> str:
     ref = next((t for t in result.targets if t.name == "sglang-router"), None)
     lines = [
         "```", result.command, "```", "",
-        f"{c.workers} zero-cost workers, {c.prefixes} shared system prompts (~2,000 chars) + a "
+        f"{c.workers} " + (f"workers at {c.decode_ms:g} ms per output token (no other cost)"
+                           if c.decode_ms else "zero-cost workers")
+        + f", {c.prefixes} shared system prompts (~2,000 chars) + a "
         f"unique question, `max_tokens` 1. Throughput: {c.requests} requests at concurrency "
         f"{c.concurrency}, {c.reps} repetitions (medians shown). Added latency: {c.sequential} "
         f"sequential rounds, one request to each target per round. Router CPU from /proc "
@@ -637,13 +643,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--stream-requests", type=int, default=100, help="streams per round")
     p.add_argument("--stream-concurrency", type=int, default=4)
     p.add_argument("--stream-reps", type=int, default=3, help="rounds of streams")
+    p.add_argument("--decode-ms", type=float, default=0.0,
+                   help="the workers' ms per output token (paces streamed answers)")
     p.add_argument("--profile", type=Path, help="py-spy our gateway; collapsed stacks to FILE")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path, help="also write the markdown to this file")
     args = p.parse_args(argv)
     if min(args.workers, args.prefixes, args.requests, args.concurrency, args.reps,
            args.sequential, args.procs, args.long_reps, args.stream_requests,
-           args.stream_concurrency, args.stream_reps) < 1 or args.stream_tokens < 0:
+           args.stream_concurrency, args.stream_reps) < 1 or min(args.stream_tokens,
+                                                                 args.decode_ms) < 0:
         p.error("counts must be >= 1")
     unknown = set(args.routers.split(",")) - set(ROUTERS)
     if unknown:
@@ -663,6 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         long_requests=args.long_requests, long_reps=args.long_reps,
         stream=StreamConfig(tokens=args.stream_tokens, requests=args.stream_requests,
                             concurrency=args.stream_concurrency, reps=args.stream_reps),
+        decode_ms=args.decode_ms,
         variants=tuple(
             (label, tuple(shlex.split(extra)))
             for label, _, extra in (v.partition("=") for v in args.variant)

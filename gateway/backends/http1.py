@@ -121,8 +121,12 @@ class _Connection(asyncio.Protocol):
             waiter.set_exception(TimeoutError())
 
     def take(self) -> bytes:
-        chunk = self.chunks.popleft()
-        self._buffered -= len(chunk)
+        """Every body byte received and not taken yet (at least one chunk's), in one piece:
+        a relay that fell behind catches up with one write, not one per chunk."""
+        chunks = self.chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
         if self._paused and self._buffered <= _LOW_WATER and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
