@@ -341,20 +341,6 @@ class Http1Reply:
         self.status = conn.status
         self.headers: Mapping[str, str] = conn.headers
 
-    async def _next(self) -> bytes | None:
-        """The next chunk of the body; None at its end."""
-        conn = self._conn
-        if conn is None:
-            raise UpstreamBrokeOff("the reply was released")
-        while True:
-            if conn.chunks:
-                return conn.take()
-            if conn.done:
-                return None
-            if conn.error is not None:
-                raise conn.error
-            await conn.wait_body(self._client.read_timeout_s)
-
     def chunks(self) -> AsyncIterator[bytes]:
         """The body chunk by chunk: the reply is its own iterator (one frame per chunk)."""
         return self
@@ -381,7 +367,7 @@ class Http1Reply:
         while conn is not None and conn.chunks:  # what is there already, without awaiting
             parts.append(conn.take())
         if conn is None or not conn.done:
-            while (chunk := await self._next()) is not None:
+            async for chunk in self:
                 parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

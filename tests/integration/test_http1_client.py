@@ -233,15 +233,15 @@ async def test_the_read_timeout_is_per_wait_not_per_reply(serve: Serve) -> None:
     pieces = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"]
     for _ in range(6):
         pieces += [b"<sleep 0.08>", b"2\r\nab\r\n"]
-    trickle = await serve(lambda c, n, body: [*pieces, b"0\r\n\r\n"] if n == 0 else None)
+    pieces.append(b"0\r\n\r\n")
+    stalled = [b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nhalf", b"<sleep 5>"]
+    server = await serve(lambda c, n, body: pieces if n == 0 else stalled)
     client = _client(read=0.2)
-    reply = await client.post(trickle.url, {}, b"{}")
+    reply = await client.post(server.url, {}, b"{}")
     assert [c async for c in reply.chunks()] == [b"ab"] * 6
     reply.release()
-    # The same connection, reused: a wait past the timeout still times out.
-    stall = await serve(lambda c, n, body: [
-        b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nhalf", b"<sleep 5>"])
-    reply = await client.post(stall.url, {}, b"{}")
+    # The next request reuses the connection and its timer: a wait past the limit still ends.
+    reply = await client.post(server.url, {}, b"{}")
     with pytest.raises(TimeoutError):
         await reply.read()
     reply.release()
