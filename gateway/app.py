@@ -264,7 +264,9 @@ def create_app(
     """The gateway. ``span_exporter``: export spans there as they end (tests), whatever
     ``settings.otel_endpoint`` says. Raises ``ValueError`` for a bad ``--warmup-file``."""
     index = PrefixIndex(capacity=settings.index_capacity, ttl_s=settings.index_ttl_s)
-    pool = WorkerPool(settings.worker, index)
+    # Token-exact keys count the engine's own blocks, the admitted request's included.
+    pool = WorkerPool(settings.worker, index,
+                      private_blocks=1 if settings.tokenizer_options() is not None else 0)
     metrics = GatewayMetrics(pool)
     exact = build_exact_source(settings, metrics)
     pool.matcher = exact.matcher

@@ -123,9 +123,14 @@ def _note_queue_time(state: WorkerState, metrics: Mapping[str, float]) -> None:
 
 
 class WorkerPool:
-    def __init__(self, urls: Iterable[str], index: PrefixIndex) -> None:
+    def __init__(self, urls: Iterable[str], index: PrefixIndex, private_blocks: int = 0) -> None:
         self._workers: dict[str, WorkerState] = {}
         self._index = index
+        # Blocks an engine keeps outside its prefix cache for the request it is admitting (the
+        # prompt's partial last block, then its output): a worker of N blocks keeps at most
+        # N - private_blocks cached ones while it admits a request, and that is what the
+        # prefix index models. 1 with token-exact keys, whose blocks are the engine's own.
+        self.private_blocks = private_blocks
         self._ring = Ring({})
         self._ring_dirty = False
         # Views for routing, refreshed only for the workers that changed since the last
@@ -232,10 +237,19 @@ class WorkerPool:
             self._rebuild_ring()
 
     def set_capacity(self, wid: str, blocks: int) -> None:
+        """``wid``'s cache holds ``blocks`` (its reported size, in the index's blocks)."""
         state = self._workers.get(wid)
         if state is not None and blocks > 0 and blocks != state.capacity_blocks:
             state.capacity_blocks = blocks
-            self._index.set_capacity(wid, blocks)
+            self._index.set_capacity(wid, max(1, blocks - self.private_blocks))
+
+    def model_size(self, wid: str) -> int:
+        """The cached blocks the prefix index models ``wid`` as keeping at most: its reported
+        size less :attr:`private_blocks` (0: size unknown)."""
+        state = self._workers.get(wid)
+        if state is None or not state.capacity_blocks:
+            return 0
+        return max(1, state.capacity_blocks - self.private_blocks)
 
     def set_remote_load(self, load: Mapping[str, int]) -> None:
         for wid, state in self._workers.items():
@@ -311,9 +325,10 @@ class WorkerPool:
 
     def set_model_room(self, wid: str, blocks: int) -> None:
         """The prefix index models ``wid``'s cache as ``blocks`` (its reported size less what
-        its running requests hold privately); the reported size stays as it is."""
+        its running requests hold privately), less :attr:`private_blocks`; the reported size
+        stays as it is."""
         if wid in self._workers:
-            self._index.set_capacity(wid, max(1, blocks))
+            self._index.set_capacity(wid, max(1, blocks - self.private_blocks))
 
     def model_holds(self, wid: str, block: int) -> bool:
         """Whether the prefix index says ``wid`` holds the prefix ``block`` names."""

@@ -199,9 +199,9 @@ class Rebalancer:
                 ))
             elif (
                 self._clean_rounds[wid] >= opts.grow_after_rounds
-                and self.index.capacity(wid) < self.pool.get(wid).capacity_blocks
+                and self.index.capacity(wid) < self.pool.model_size(wid)
             ):
-                grown = min(self.pool.get(wid).capacity_blocks,
+                grown = min(self.pool.model_size(wid),
                             int(self.index.capacity(wid) * opts.grow_factor) + 1)
                 actions.append(GrowCapacity(
                     id=seq + ":grow", at=now, worker=wid, blocks=grown,
