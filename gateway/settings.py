@@ -11,6 +11,7 @@ from pathlib import Path
 from gateway.contracts.config import load_settings
 from gateway.contracts.tracing import PROTOCOLS, TracingOptions
 from gateway.fingerprint import FingerprintOptions
+from gateway.kvevents.token_prefix import PrefixStoreOptions
 from gateway.kvevents.tokenize import TokenizerOptions
 from gateway.limits import LimitOptions
 from gateway.normalize import NormalizeOptions
@@ -177,6 +178,12 @@ class GatewaySettings:
     )
     tokenize_threads: int = field(
         default=2, metadata=_help("threads that tokenize prompts off the event loop")
+    )
+    tokenize_prefix_segments: int = field(
+        default=32_768,
+        metadata=_help("token segments of recently tokenized prompts kept per gateway, so that "
+                       "a prompt extending one (the next turn of a session) is tokenized only "
+                       "past what it shares, per tenant; 0: tokenize every prompt whole"),
     )
     kv_events_max_blocks: int = field(
         default=1 << 20,
@@ -469,7 +476,9 @@ class GatewaySettings:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         self.fingerprint_options()  # validates the block settings
         TokenizerOptions("", self.kv_block_size, anchor_blocks=self.anchor_blocks,
-                         threads=self.tokenize_threads, chat_template=self.chat_template)
+                         threads=self.tokenize_threads, chat_template=self.chat_template,
+                         prefix_store=PrefixStoreOptions(
+                             max_segments=self.tokenize_prefix_segments))
         if self.chat_template != "reference" and not Path(self.chat_template).is_file():
             raise ValueError(f"chat_template {self.chat_template!r}: no such file")
         if self.kv_events_max_blocks < 1 or self.kv_pending_ttl_s < 0:
@@ -505,6 +514,7 @@ class GatewaySettings:
             path=self.tokenizer_file, block_size=self.kv_block_size,
             anchor_blocks=self.anchor_blocks, threads=self.tokenize_threads,
             chat_template=self.chat_template,
+            prefix_store=PrefixStoreOptions(max_segments=self.tokenize_prefix_segments),
         )
 
     def fingerprint_options(self) -> FingerprintOptions:

@@ -233,7 +233,7 @@ class ExactSource:
         tok = self.tokenizer
         if tok is None:
             return None
-        s = tok.stats
+        s, p = tok.stats, tok.prefixes.stats
         return {
             "file": tok.opts.path,
             "block_size": tok.opts.block_size,
@@ -241,4 +241,11 @@ class ExactSource:
             "fallbacks": s.fallbacks,
             "tokens": s.tokens,
             "mean_ms": 1000 * s.seconds / s.prompts if s.prompts else 0.0,
+            "prefix_store": {
+                "segments": len(tok.prefixes),
+                "reused_prompts": p.reused,
+                "reused_tokens": p.reused_tokens,
+                "mismatches": p.mismatches,
+                "evicted": p.evicted,
+            },
         }

@@ -15,8 +15,10 @@ the same chained hash of token blocks that events are keyed by (:mod:`gateway.co
 * anything else (several prompts, content the template rejects, text the tokenizer fails on)
   returns None, and the request is keyed by the character fingerprint instead.
 
-Encoding runs in a small thread pool (the Rust tokenizer does the work, the loop keeps
-serving); :attr:`PromptTokenizer.stats` keeps its count and cost.
+Encoding runs in a small thread pool (the Rust tokenizer does the work without the GIL, the
+loop keeps serving); :attr:`PromptTokenizer.stats` keeps its count and cost. A prompt that
+extends one tokenized before (the next turn of a session, a question over a known document) is
+encoded only past the text it shares (:mod:`gateway.kvevents.token_prefix`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from array import array
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import tokenizers
@@ -36,6 +38,7 @@ from gateway.contracts.chat import ChatFormatError
 from gateway.contracts.chat_template import ChatTemplateError, load_chat_template
 from gateway.contracts.kv_keys import chain_seed, token_block_keys
 from gateway.fingerprint import PrefixKey
+from gateway.kvevents.token_prefix import PrefixStoreOptions, TokenPrefixStore
 
 
 class TokenizerError(ValueError):
@@ -50,6 +53,8 @@ class TokenizerOptions:
     anchor_blocks: int = 4
     threads: int = 2
     chat_template: str = "reference"  # or a tokenizer_config.json / Jinja file path
+    # max_segments=0: every prompt encoded whole
+    prefix_store: PrefixStoreOptions = field(default_factory=PrefixStoreOptions)
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_blocks, self.anchor_blocks, self.threads) < 1:
@@ -87,6 +92,7 @@ class PromptTokenizer:
         self.stats = TokenizeStats()
         self._observe = observe
         self._pool = ThreadPoolExecutor(opts.threads, thread_name_prefix="tokenize")
+        self.prefixes = TokenPrefixStore(self._encoding, opts.block_size, opts.prefix_store)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -113,15 +119,16 @@ class PromptTokenizer:
     ) -> tuple[TokenizedPrompt | None, float]:
         started = time.perf_counter()
         try:
-            ids = self._ids(body, chat)
-            out = self.keyed(ids, salt) if ids is not None else None
+            out = self._keyed_body(body, chat, chain_seed("", salt))
         except (ChatFormatError, ValueError, TypeError, OverflowError):
             out = None
         except Exception:  # the tokenizer library raises its own exception types
             out = None
         return out, time.perf_counter() - started
 
-    def _ids(self, body: Mapping[str, Any], chat: bool) -> list[int] | None:
+    def _keyed_body(
+        self, body: Mapping[str, Any], chat: bool, seed: int
+    ) -> TokenizedPrompt | None:
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list):
@@ -134,31 +141,48 @@ class PromptTokenizer:
                 continue_final_message=body.get("continue_final_message") is True,
                 extra=kwargs if isinstance(kwargs, Mapping) else None,
             )
-            return self.encode(text, special=body.get("add_special_tokens") is True)
+            return self._keyed_text(text, body.get("add_special_tokens") is True, seed)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return self.encode(prompt, special=body.get("add_special_tokens") is not False)
+            return self._keyed_text(prompt, body.get("add_special_tokens") is not False, seed)
         if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
         ):
-            return list(prompt)
+            return self._keyed_ids(list(prompt), seed)
         return None
+
+    def _keyed_text(self, text: str, special: bool, seed: int) -> TokenizedPrompt:
+        enc = self.prefixes.encode(text, special=special, seed=seed)
+        return self._prompt_key(enc.keys[: self.opts.max_blocks], enc.tokens, enc.short_ids,
+                                seed)
+
+    def _encoding(self, text: str, special: bool) -> tokenizers.Encoding:
+        # encode_batch lets go of the GIL while it encodes (encode does not): the event loop
+        # keeps serving meanwhile.
+        enc: tokenizers.Encoding = self._tok.encode_batch([text], add_special_tokens=special)[0]
+        return enc
 
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         """Token ids of ``text``; with ``special``, the tokenizer's post-processor adds its
         special tokens (BOS)."""
-        ids: list[int] = self._tok.encode(text, add_special_tokens=special).ids
+        ids: list[int] = self._encoding(text, special).ids
         return ids
 
     def keyed(self, ids: list[int], salt: str) -> TokenizedPrompt:
+        return self._keyed_ids(ids, chain_seed("", salt))
+
+    def _keyed_ids(self, ids: list[int], seed: int) -> TokenizedPrompt:
+        keys = token_block_keys(ids, self.opts.block_size, seed, self.opts.max_blocks)
+        return self._prompt_key(keys, len(ids), () if keys else tuple(ids), seed)
+
+    def _prompt_key(self, blocks: list[int], tokens: int, short_ids: tuple[int, ...],
+                    seed: int) -> TokenizedPrompt:
         opts = self.opts
-        seed = chain_seed("", salt)
-        blocks = token_block_keys(ids, opts.block_size, seed, opts.max_blocks)
         if blocks:
             anchor = blocks[min(opts.anchor_blocks, len(blocks)) - 1]
         else:  # shorter than one block: nothing cacheable, but it needs a ring anchor
-            anchor = xxhash.xxh3_64_intdigest(array("q", ids).tobytes(), seed=seed)
-        key = PrefixKey(blocks=tuple(blocks), anchor=anchor, text_chars=len(ids))
-        return TokenizedPrompt(key=key, tokens=len(ids), block_size=opts.block_size)
+            anchor = xxhash.xxh3_64_intdigest(array("q", short_ids).tobytes(), seed=seed)
+        key = PrefixKey(blocks=tuple(blocks), anchor=anchor, text_chars=tokens)
+        return TokenizedPrompt(key=key, tokens=tokens, block_size=opts.block_size)

@@ -1,0 +1,270 @@
+"""Token-exact keys of a prompt that extends one tokenized before, for the price of its new text.
+
+An agent session or a chat re-sends its whole context each turn, a few thousand tokens longer
+than the last; a RAG question re-sends its document. Tokenizing all of it again costs the
+gateway time linear in the context (milliseconds per 10 KB with a small vocabulary), on every
+request. The store remembers, per cache namespace, what earlier prompts came to in tokens, in
+segments between checkpoints, and tokenizes only what lies past the deepest one a prompt shares:
+
+* **Checkpoints** sit every ``stride`` characters. Checkpoint ``k`` is named by a chained hash
+  of the text before it, seeded by the namespace and by whether special tokens were added, so
+  two prompts share it exactly when they share that text. Tenants never share a segment, nor the
+  time one would save.
+* **A segment** ends at a *cut*: the last token boundary at least ``margin`` characters before
+  its checkpoint with a whole number of KV blocks of tokens before it. It keeps the chain keys
+  of its blocks, where it starts and ends in the text and its last ``overlap`` tokens with their
+  offsets. Text after the checkpoint cannot have changed how the text before the cut was
+  tokenized, unless one pre-token ran across the margin; the check below catches that.
+* **Exact by check, not by assumption**: a prompt that reuses segments is encoded from
+  ``overlap`` tokens before the last cut. The result is used only when those tokens come out
+  the same at the same offsets and the next token starts at the cut. Byte-level and whitespace
+  pre-tokenized BPE tokenizers pass. A tokenizer that fails (one that prepends a space to any
+  text it is given) gets the prompt encoded whole, and :attr:`PrefixStoreStats.mismatches`
+  counts it.
+* Bounded: at most ``max_segments`` segments, the least recently used dropped first.
+
+Only token ids and hashes are kept, never text. The tokenizer pool's threads share the store;
+a lock guards its table, never an encode.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import tokenizers
+import xxhash
+
+from gateway.contracts.kv_keys import token_block_keys
+
+# encode(text, add_special_tokens) -> its Encoding
+Encode = Callable[[str, bool], tokenizers.Encoding]
+
+_NO_CHARS = 1 << 62  # the offset given to a special token after the text (never a cut)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixStoreOptions:
+    stride: int = 2048  # characters between checkpoints
+    margin: int = 256  # characters a cut keeps before its checkpoint
+    overlap: int = 8  # tokens encoded again before a cut, to check it
+    max_segments: int = 32_768  # 0: off; ~40 block keys per segment at the defaults
+
+    def __post_init__(self) -> None:
+        if self.stride < 1 or self.overlap < 1 or self.max_segments < 0:
+            raise ValueError("stride and overlap must be >= 1, max_segments >= 0")
+        if not 0 <= self.margin < self.stride:
+            raise ValueError("margin must be >= 0 and below stride")
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    start: int  # character offset of its first token (the previous cut)
+    end: int  # its cut
+    tokens: int  # tokens before the cut, from the prompt's start (whole blocks)
+    keys: array[int]  # chain keys of its blocks
+    tail_ids: tuple[int, ...]  # the last `overlap` tokens before the cut (more where the
+    tail_starts: tuple[int, ...]  # first would be inside a character), their offsets
+
+
+@dataclass(slots=True)
+class PrefixStoreStats:
+    lookups: int = 0
+    reused: int = 0  # prompts encoded from a cut
+    reused_tokens: int = 0  # tokens those did not encode again
+    mismatches: int = 0  # a cut failed its check: the prompt was encoded whole
+    stored: int = 0  # segments stored
+    evicted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    keys: list[int]  # chain keys of the prompt's whole blocks
+    tokens: int  # its length in tokens
+    short_ids: tuple[int, ...]  # its tokens when it fills no whole block, else ()
+
+
+@dataclass(slots=True)
+class _Run:
+    """One encode: global token ``g`` is ``enc``'s token ``g - base``, ``ids`` its ids."""
+
+    enc: tokenizers.Encoding
+    ids: list[int]
+    base: int
+    shift: int  # character offset of the encoded text in the prompt
+    leading: int  # special tokens before the text (offset 0)
+
+    def start(self, g: int) -> int:
+        j = g - self.base
+        chars = self.enc.token_to_chars(j)
+        if chars is None:
+            return 0 if j < self.leading else _NO_CHARS
+        return int(chars[0]) + self.shift
+
+    def end(self, g: int) -> int:
+        chars = self.enc.token_to_chars(g - self.base)
+        return 0 if chars is None else int(chars[1]) + self.shift
+
+    def last_at_or_before(self, limit: int) -> int:
+        """The largest global index whose token starts at or before ``limit``."""
+        lo, hi = self.base, self.base + len(self.ids)  # answer in [lo - 1, hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.start(mid) <= limit:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+
+class TokenPrefixStore:
+    def __init__(self, encode: Encode, block_size: int,
+                 opts: PrefixStoreOptions = PrefixStoreOptions()) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self._encode = encode
+        self._block = block_size
+        self.opts = opts
+        self.stats = PrefixStoreStats()
+        self._segments: OrderedDict[int, _Segment] = OrderedDict()
+        self._lock = threading.Lock()
+        # Special tokens the tokenizer adds around a text; None when they are not a plain
+        # prefix and suffix of its tokens (then such prompts are always encoded whole).
+        self._affixes = _special_affixes(encode)
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+    def encode(self, text: str, *, special: bool, seed: int) -> Encoded:
+        """The chain keys (from ``seed``) and the length of ``text`` encoded with or without
+        the tokenizer's special tokens, exactly as one encode of the whole text gives them."""
+        usable = self.opts.max_segments > 0 and (not special or self._affixes is not None)
+        names = self._names(text, special, seed) if usable else []
+        found = self._lookup(names) if names else []
+        self.stats.lookups += 1
+        if found:
+            resumed = self._resume(text, found, special)
+            if resumed is not None:
+                run, keys, tokens = resumed
+                self.stats.reused += 1
+                self.stats.reused_tokens += found[-1].tokens
+                self._store(names, found, run, keys)
+                return Encoded(keys, tokens, ())
+            self.stats.mismatches += 1
+        enc = self._encode(text, special)
+        ids = enc.ids
+        keys = token_block_keys(ids, self._block, seed)
+        if names:
+            leading = len(self._affixes[0]) if special and self._affixes else 0
+            self._store(names, [], _Run(enc, ids, 0, 0, leading), keys)
+        return Encoded(keys, len(ids), () if keys else tuple(ids))
+
+    # -- lookup --------------------------------------------------------------------------------
+    def _names(self, text: str, special: bool, seed: int) -> list[int]:
+        """Hashes naming the text before each checkpoint."""
+        stride = self.opts.stride
+        h = xxhash.xxh3_64_intdigest(b"special" if special else b"plain", seed=seed)
+        names = []
+        for k in range(len(text) // stride):
+            chunk = text[k * stride : (k + 1) * stride].encode("utf-8", "surrogatepass")
+            h = xxhash.xxh3_64_intdigest(chunk, seed=h)
+            names.append(h)
+        return names
+
+    def _lookup(self, names: Sequence[int]) -> list[_Segment]:
+        """The stored segments of the prompt's leading checkpoints, in order."""
+        found: list[_Segment] = []
+        end = tokens = 0
+        with self._lock:
+            segments = self._segments
+            for name in names:
+                seg = segments.get(name)
+                if seg is None or seg.start != end or seg.tokens <= tokens:
+                    break
+                segments.move_to_end(name)
+                found.append(seg)
+                end, tokens = seg.end, seg.tokens
+        return found
+
+    def _resume(
+        self, text: str, found: Sequence[_Segment], special: bool
+    ) -> tuple[_Run, list[int], int] | None:
+        """Encode ``text`` from just before the last found cut; None when the check fails."""
+        last = found[-1]
+        shift, overlap = last.tail_starts[0], len(last.tail_ids)
+        enc = self._encode(text[shift:], False)
+        ids = enc.ids
+        run = _Run(enc, ids, last.tokens - overlap, shift, 0)
+        if (len(ids) <= overlap or tuple(ids[:overlap]) != last.tail_ids
+                or run.start(last.tokens) != last.end
+                or any(run.start(last.tokens - overlap + j) != s
+                       for j, s in enumerate(last.tail_starts))):
+            return None
+        rest = ids[overlap:]
+        if special and self._affixes is not None:
+            rest = rest + list(self._affixes[1])
+        keys: list[int] = []
+        for seg in found:
+            keys.extend(seg.keys)
+        keys.extend(token_block_keys(rest, self._block, keys[-1]))
+        return run, keys, last.tokens + len(rest)
+
+    # -- storing -------------------------------------------------------------------------------
+    def _store(self, names: Sequence[int], found: Sequence[_Segment], run: _Run,
+               keys: Sequence[int]) -> None:
+        """Segments for the checkpoints past ``found``, cut from ``run``."""
+        opts, block, overlap = self.opts, self._block, self.opts.overlap
+        prev_end, prev_tokens = (found[-1].end, found[-1].tokens) if found else (0, 0)
+        floor = max(run.base, run.leading) + 1  # the tail's first token, at the least
+        lowest = max(prev_tokens + 1, floor + overlap)
+        new: list[tuple[int, _Segment]] = []
+        for k in range(len(found), len(names)):
+            limit = (k + 1) * opts.stride - opts.margin
+            g = run.last_at_or_before(limit)
+            g -= g % block
+            while g >= lowest and run.start(g) < run.end(g - 1):  # inside one character
+                g -= block
+            if g < lowest:
+                break  # no cut here: the chain of segments stops
+            # The tail starts a character too: encoding resumes there.
+            first = g - overlap
+            while first > floor and run.start(first) < run.end(first - 1):
+                first -= 1
+            if run.start(first) < run.end(first - 1):
+                break
+            start = run.start(g)
+            seg = _Segment(
+                start=prev_end, end=start, tokens=g,
+                keys=array("Q", keys[prev_tokens // block : g // block]),
+                tail_ids=tuple(run.ids[first - run.base : g - run.base]),
+                tail_starts=tuple(run.start(i) for i in range(first, g)),
+            )
+            new.append((names[k], seg))
+            prev_end, prev_tokens = start, g
+            lowest = g + 1
+        if not new:
+            return
+        with self._lock:
+            segments = self._segments
+            for name, seg in new:
+                segments[name] = seg
+                segments.move_to_end(name)
+            self.stats.stored += len(new)
+            while len(segments) > opts.max_segments:
+                segments.popitem(last=False)
+                self.stats.evicted += 1
+
+
+def _special_affixes(encode: Encode) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The tokens the tokenizer's special tokens add before and after a text, or None when
+    they are not simply that."""
+    probe = "Ab 12, cd."
+    plain, full = encode(probe, False).ids, encode(probe, True).ids
+    n = len(plain)
+    for i in range(len(full) - n + 1):
+        if full[i : i + n] == plain:
+            return tuple(full[:i]), tuple(full[i + n :])
+    return None

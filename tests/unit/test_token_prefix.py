@@ -1,0 +1,161 @@
+"""A prompt that extends one tokenized before is encoded past the shared text only, and its keys
+are exactly those of encoding it whole."""
+
+from __future__ import annotations
+
+import random
+from array import array
+from pathlib import Path
+
+import pytest
+import tokenizers
+from tokenizers import models, normalizers, pre_tokenizers, trainers
+
+from gateway.contracts.kv_keys import token_block_keys
+from gateway.kvevents.token_prefix import PrefixStoreOptions, TokenPrefixStore
+from gateway.kvevents.tokenize import PromptTokenizer, TokenizerOptions
+from loadtest.tiny_tokenizer import train
+
+BLOCK = 4
+OPTS = PrefixStoreOptions(stride=256, margin=32, overlap=4)
+WORDS = ("billing", "invoice", "wörld", "日本語", "emoji😀", "  ", "\n", "\t", ",", "...",
+         "x", "a" * 80, "def f(x):\n    return x\n")
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tokenizers.Tokenizer:
+    path = train(tmp_path_factory.mktemp("tok") / "tokenizer.json", bos="<s>")
+    return tokenizers.Tokenizer.from_file(str(path))
+
+
+def _store(tok: tokenizers.Tokenizer, opts: PrefixStoreOptions = OPTS) -> TokenPrefixStore:
+    return TokenPrefixStore(
+        lambda text, special: tok.encode_batch([text], add_special_tokens=special)[0], BLOCK,
+        opts)
+
+
+def _whole(tok: tokenizers.Tokenizer, text: str, special: bool, seed: int) -> list[int]:
+    return token_block_keys(tok.encode(text, add_special_tokens=special).ids, BLOCK, seed)
+
+
+def _text(rng: random.Random, n: int, words: tuple[str, ...] = WORDS) -> str:
+    return "".join(rng.choice(words) + (" " if rng.random() < 0.7 else "") for _ in range(n))
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_a_growing_session_is_encoded_past_what_it_shares(
+    bos_tokenizer: tokenizers.Tokenizer, special: bool
+) -> None:
+    # Words shorter than the margin: a pre-token that runs across a cut fails the check (the
+    # next test has those).
+    store, rng, words = _store(bos_tokenizer), random.Random(1), WORDS[:-2]
+    context = _text(rng, 200, words)
+    for _ in range(12):
+        context += _text(rng, rng.randint(20, 120), words)  # the next turn
+        out = store.encode(context, special=special, seed=7)
+        whole = bos_tokenizer.encode(context, add_special_tokens=special).ids
+        assert out.keys == token_block_keys(whole, BLOCK, 7)
+        assert out.tokens == len(whole)
+    s = store.stats
+    assert s.reused == 11  # every turn after the first
+    assert s.mismatches == 0
+    assert s.reused_tokens > s.lookups * 100
+
+
+def test_prompts_that_part_anywhere_keep_exact_keys(bos_tokenizer: tokenizers.Tokenizer) -> None:
+    store, rng = _store(bos_tokenizer), random.Random(2)
+    base = _text(rng, 600)
+    for _ in range(150):
+        cut = rng.randrange(len(base))  # mid-word, mid-character run, anywhere
+        text = base[:cut] + _text(rng, rng.randint(0, 40))
+        special = rng.random() < 0.5
+        out = store.encode(text, special=special, seed=3)
+        assert out.keys == _whole(bos_tokenizer, text, special, 3)
+    assert store.stats.reused > 50
+
+
+def _trained(pre: pre_tokenizers.PreTokenizer, normalizer: normalizers.Normalizer | None,
+             rng: random.Random) -> tokenizers.Tokenizer:
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.train_from_iterator([_text(rng, 50) for _ in range(50)], trainers.BpeTrainer(
+        vocab_size=300, show_progress=False))
+    return tok
+
+
+def test_a_sentencepiece_style_tokenizer_keeps_exact_keys() -> None:
+    rng = random.Random(4)
+    tok = _trained(pre_tokenizers.Metaspace(prepend_scheme="always"), None, rng)
+    store = _store(tok)
+    context = _text(rng, 200)
+    for _ in range(6):
+        context += _text(rng, 30)
+        assert store.encode(context, special=False, seed=1).keys == _whole(tok, context, False, 1)
+    assert store.stats.reused + store.stats.mismatches == 5
+
+
+def test_a_tokenizer_that_fails_the_check_is_encoded_whole() -> None:
+    # A normalizer that writes a marker in front of any text it is given: the text after a
+    # cut, encoded alone, starts with a token the prompt does not have there.
+    rng = random.Random(4)
+    tok = _trained(pre_tokenizers.Whitespace(), normalizers.Prepend("#"), rng)
+    store = _store(tok)
+    context = _text(rng, 200)
+    for _ in range(6):
+        context += _text(rng, 30)
+        assert store.encode(context, special=False, seed=1).keys == _whole(tok, context, False, 1)
+    assert store.stats.mismatches == 5
+    assert store.stats.reused == 0
+
+
+def test_namespaces_share_nothing(bos_tokenizer: tokenizers.Tokenizer) -> None:
+    store, rng = _store(bos_tokenizer), random.Random(5)
+    text = _text(rng, 300)
+    store.encode(text, special=False, seed=1)
+    store.encode(text, special=False, seed=2)  # another tenant, same document
+    assert store.stats.reused == 0
+    store.encode(text + " more", special=True, seed=1)  # with BOS: another token sequence
+    assert store.stats.reused == 0
+    store.encode(text + " more", special=False, seed=1)
+    assert store.stats.reused == 1
+
+
+def test_bounded_and_keeps_no_text(bos_tokenizer: tokenizers.Tokenizer) -> None:
+    store = _store(bos_tokenizer, PrefixStoreOptions(stride=256, margin=32, overlap=4,
+                                                     max_segments=10))
+    rng = random.Random(6)
+    for _ in range(8):
+        store.encode(_text(rng, 300), special=False, seed=1)
+    assert len(store) == 10
+    assert store.stats.evicted == store.stats.stored - 10 > 0
+    for seg in store._segments.values():
+        assert isinstance(seg.keys, array)
+        assert all(isinstance(v, int) for v in (seg.start, seg.end, seg.tokens, *seg.tail_ids,
+                                                *seg.tail_starts))
+
+
+async def test_the_gateway_tokenizer_reuses_a_sessions_turns(tmp_path: Path) -> None:
+    path = str(train(tmp_path / "tokenizer.json", bos="<s>"))
+    whole = PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, threads=1,
+                                             prefix_store=PrefixStoreOptions(max_segments=0)))
+    tok = PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, threads=1))
+    rng = random.Random(7)
+    messages = [{"role": "system", "content": _text(rng, 800)}]
+    try:
+        for _turn in range(4):
+            messages.append({"role": "user", "content": _text(rng, 30)})
+            for chat in (True, False):
+                body = ({"messages": messages} if chat
+                        else {"prompt": "".join(m["content"] for m in messages)})
+                got = await tok.key(body, chat=chat, salt="tenant")
+                want = await whole.key(body, chat=chat, salt="tenant")
+                assert got is not None
+                assert got == want
+            messages.append({"role": "assistant", "content": _text(rng, 20)})
+        assert tok.prefixes.stats.reused == 6
+        assert whole.prefixes.stats.reused == 0
+    finally:
+        tok.close()
+        whole.close()
