@@ -180,7 +180,7 @@ class GatewaySettings:
         default=2, metadata=_help("threads that tokenize prompts off the event loop")
     )
     tokenize_prefix_segments: int = field(
-        default=32_768,
+        default=65_536,
         metadata=_help("token segments of recently tokenized prompts kept per gateway, so that "
                        "a prompt extending one (the next turn of a session) is tokenized only "
                        "past what it shares, per tenant; 0: tokenize every prompt whole"),

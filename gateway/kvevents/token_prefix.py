@@ -17,10 +17,10 @@ segments between checkpoints, and tokenizes only what lies past the deepest one 
   tokenized, unless one pre-token ran across the margin; the check below catches that.
 * **Exact by check, not by assumption**: a prompt that reuses segments is encoded from
   ``overlap`` tokens before the last cut. The result is used only when those tokens come out
-  the same at the same offsets and the next token starts at the cut. Byte-level and whitespace
-  pre-tokenized BPE tokenizers pass. A tokenizer that fails (one that prepends a space to any
-  text it is given) gets the prompt encoded whole, and :attr:`PrefixStoreStats.mismatches`
-  counts it.
+  the same at the same offsets and the next token starts at the cut; otherwise from the cut
+  before, and after three failed cuts whole (:attr:`PrefixStoreStats.mismatches` counts them).
+  Byte-level and whitespace pre-tokenized BPE tokenizers pass. One that fails (a normalizer
+  that writes a marker in front of any text it is given) gets every prompt encoded whole.
 * Bounded: at most ``max_segments`` segments, the least recently used dropped first.
 
 Only token ids and hashes are kept, never text. The tokenizer pool's threads share the store;
@@ -44,14 +44,15 @@ from gateway.contracts.kv_keys import token_block_keys
 Encode = Callable[[str, bool], tokenizers.Encoding]
 
 _NO_CHARS = 1 << 62  # the offset given to a special token after the text (never a cut)
+_TRIES = 3  # cuts tried, from the deepest back, before a prompt is encoded whole
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixStoreOptions:
-    stride: int = 2048  # characters between checkpoints
-    margin: int = 256  # characters a cut keeps before its checkpoint
+    stride: int = 1024  # characters between checkpoints
+    margin: int = 128  # characters a cut keeps before its checkpoint
     overlap: int = 8  # tokens encoded again before a cut, to check it
-    max_segments: int = 32_768  # 0: off; ~40 block keys per segment at the defaults
+    max_segments: int = 65_536  # 0: off; 64 MB of prompt text in about 50 MB
 
     def __post_init__(self) -> None:
         if self.stride < 1 or self.overlap < 1 or self.max_segments < 0:
@@ -66,8 +67,8 @@ class _Segment:
     end: int  # its cut
     tokens: int  # tokens before the cut, from the prompt's start (whole blocks)
     keys: array[int]  # chain keys of its blocks
-    tail_ids: tuple[int, ...]  # the last `overlap` tokens before the cut (more where the
-    tail_starts: tuple[int, ...]  # first would be inside a character), their offsets
+    tail_ids: array[int]  # the last `overlap` tokens before the cut (more where the first
+    tail_starts: array[int]  # would be inside a character), and their character offsets
 
 
 @dataclass(slots=True)
@@ -145,7 +146,9 @@ class TokenPrefixStore:
         names = self._names(text, special, seed) if usable else []
         found = self._lookup(names) if names else []
         self.stats.lookups += 1
-        if found:
+        for _ in range(_TRIES):
+            if not found:
+                break
             resumed = self._resume(text, found, special)
             if resumed is not None:
                 run, keys, tokens = resumed
@@ -154,6 +157,7 @@ class TokenPrefixStore:
                 self._store(names, found, run, keys)
                 return Encoded(keys, tokens, ())
             self.stats.mismatches += 1
+            found = found[:-1]  # the cut before
         enc = self._encode(text, special)
         ids = enc.ids
         keys = token_block_keys(ids, self._block, seed)
@@ -198,7 +202,7 @@ class TokenPrefixStore:
         enc = self._encode(text[shift:], False)
         ids = enc.ids
         run = _Run(enc, ids, last.tokens - overlap, shift, 0)
-        if (len(ids) <= overlap or tuple(ids[:overlap]) != last.tail_ids
+        if (len(ids) <= overlap or ids[:overlap] != last.tail_ids.tolist()
                 or run.start(last.tokens) != last.end
                 or any(run.start(last.tokens - overlap + j) != s
                        for j, s in enumerate(last.tail_starts))):
@@ -239,8 +243,8 @@ class TokenPrefixStore:
             seg = _Segment(
                 start=prev_end, end=start, tokens=g,
                 keys=array("Q", keys[prev_tokens // block : g // block]),
-                tail_ids=tuple(run.ids[first - run.base : g - run.base]),
-                tail_starts=tuple(run.start(i) for i in range(first, g)),
+                tail_ids=array("q", run.ids[first - run.base : g - run.base]),
+                tail_starts=array("q", [run.start(i) for i in range(first, g)]),
             )
             new.append((names[k], seg))
             prev_end, prev_tokens = start, g

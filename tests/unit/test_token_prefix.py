@@ -106,8 +106,8 @@ def test_a_tokenizer_that_fails_the_check_is_encoded_whole() -> None:
     for _ in range(6):
         context += _text(rng, 30)
         assert store.encode(context, special=False, seed=1).keys == _whole(tok, context, False, 1)
-    assert store.stats.mismatches == 5
     assert store.stats.reused == 0
+    assert store.stats.mismatches >= 5  # up to three cuts tried per prompt
 
 
 def test_namespaces_share_nothing(bos_tokenizer: tokenizers.Tokenizer) -> None:
