@@ -149,7 +149,11 @@ class GatewaySettings:
                        "re-rendered with trailing spaces on inner lines still hits"),
     )
     block_chars: int = field(default=64, metadata=_help("fingerprint block size in characters"))
-    max_blocks: int = field(default=16_384, metadata=_help("fingerprint at most this many blocks"))
+    max_blocks: int = field(
+        default=16_384,
+        metadata=_help("fingerprint at most this many blocks of a prompt (character blocks, "
+                       "or token blocks with --tokenizer-file: 256k tokens at 16 a block)"),
+    )
     anchor_blocks: int = field(
         default=4, metadata=_help("blocks that form the ring anchor of a prefix")
     )
@@ -512,7 +516,8 @@ class GatewaySettings:
             return None
         return TokenizerOptions(
             path=self.tokenizer_file, block_size=self.kv_block_size,
-            anchor_blocks=self.anchor_blocks, threads=self.tokenize_threads,
+            max_blocks=self.max_blocks, anchor_blocks=self.anchor_blocks,
+            threads=self.tokenize_threads,
             chat_template=self.chat_template,
             prefix_store=PrefixStoreOptions(max_segments=self.tokenize_prefix_segments),
         )

@@ -141,6 +141,7 @@ class TargetResult:
     # gateway_route_decision_seconds histogram, read before and after each size's round).
     long_decision_us: dict[int, float] = field(default_factory=dict)
     long_decision_runs: dict[int, list[float]] = field(default_factory=dict)
+    long_errors: int = 0  # long requests not answered 200
 
     def median(self, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in self.reps) if self.reps else 0.0
@@ -232,7 +233,7 @@ async def running_targets(
         async with contextlib.AsyncExitStack() as stack:
             for i, url in enumerate(worker_urls):
                 cmd = [sys.executable, "-m", "worker", "--host", HOST, "--port", str(base + i),
-                       "--model", MODEL, "--cache-blocks", "4096", *ZERO_COST_WORKER_ARGS,
+                       "--model", MODEL, *worker_size_args(config), *ZERO_COST_WORKER_ARGS,
                        "--decode-ms-per-token", str(config.decode_ms)]
                 await start_server(cmd, url, logs / f"worker{i}.log", procs)
             targets = [Target(DIRECT, worker_urls[0] + "/v1/chat/completions", 0)]
@@ -264,6 +265,15 @@ async def running_targets(
 # -- load ----------------------------------------------------------------------------------
 
 _JSON = {"Content-Type": "application/json"}
+
+
+def worker_size_args(config: OverheadConfig) -> list[str]:
+    """The workers' context length and cache, large enough that the longest long prompt is
+    served and cached (a prompt has at most one token per character): a worker that refused
+    it would leave every request of that size a cold placement for the gateway."""
+    longest = max(config.long_chars, default=0)
+    return ["--max-model-len", str(max(32_768, longest + 1024)),
+            "--cache-blocks", str(max(4096, 2 * (longest // 16 + 1)))]
 
 
 def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
@@ -497,6 +507,7 @@ async def long_prompts(session: aiohttp.ClientSession, config: OverheadConfig,
                 one = await throughput(session, t, bodies, 1, Counter())
                 result = results[t.name]
                 result.long_cpu_runs.setdefault(chars, []).append(one.cpu_s_per_1k)
+                result.long_errors += one.errors
                 if ours:
                     after = await decision_totals(session, t)
                     if after[1] > before[1]:
@@ -535,6 +546,9 @@ def long_table(result: OverheadResult) -> list[str]:
             lines.append(f"| {t.name} | " + " | ".join(cells) + " | "
                          + _ratio(t.long_cpu_ms.get(sizes[-1], 0.0),
                                   t.long_cpu_ms.get(sizes[0], 0.0)) + " |")
+    for t in result.targets:
+        if t.long_errors:
+            lines.append(f"- {t.name}: **{t.long_errors} long requests failed** (not 200)")
     for t in result.targets:
         if t.long_decision_us:
             lines.append(f"- {t.name}: routing decision " + ", ".join(

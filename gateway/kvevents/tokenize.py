@@ -49,7 +49,7 @@ class TokenizerError(ValueError):
 class TokenizerOptions:
     path: str
     block_size: int = 16  # tokens per engine KV block
-    max_blocks: int = 4096  # keys per prompt (64k tokens at 16 per block)
+    max_blocks: int = 16_384  # keys per prompt (256k tokens at 16 per block)
     anchor_blocks: int = 4
     threads: int = 2
     chat_template: str = "reference"  # or a tokenizer_config.json / Jinja file path
