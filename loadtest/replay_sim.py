@@ -29,8 +29,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from gateway.auth import TenantHasher, tenant_secret
 from gateway.contracts.config import parse_value
+from gateway.contracts.kv_keys import engine_namespace
 from gateway.fingerprint import Namespace, PrefixKey, fingerprint
+from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.openai_schema import parse_completion
 from gateway.routing.policies import PolicyOptions
 from gateway.settings import GatewaySettings
@@ -118,6 +121,45 @@ def live_units(requests: Sequence[TraceRequest], config: ReplayConfig) -> list[T
     ]
 
 
+_MASK_63 = (1 << 63) - 1  # the simulated cache stores block ids as signed 64-bit tokens
+
+
+def token_units(requests: Sequence[TraceRequest],
+                config: ReplayConfig) -> tuple[list[TraceRequest], tuple[PrefixKey, ...]]:
+    """With token-exact keys (``config.tokenizer_file``): the trace as its workers cache it,
+    and the keys the gateway routes it on. Each body is keyed as an open gateway keys it (the
+    fleet's tokenizer and block size, the gateway's limits, its cache namespace): that key is
+    the route key; its token blocks are the request's cache blocks and its token count the
+    prompt's length, as the workers see them."""
+    from loadtest.replay import request_bodies  # the replay imports this module
+
+    settings = GatewaySettings(tokenizer_file=config.tokenizer_file,
+                               kv_block_size=config.block_tokens)
+    opts = settings.tokenizer_options()
+    assert opts is not None
+    tokenizer = PromptTokenizer(opts)
+    hasher = TenantHasher(tenant_secret("", keys_configured=False, shared_store=False))
+    normalize = settings.normalize_options()
+    units, keys = [], []
+    try:
+        bodies = request_bodies(requests, config.block_chars, config.max_tokens,
+                                invisible_edits=config.invisible_edits)
+        for r, body in zip(requests, bodies, strict=True):
+            parsed = parse_completion(body, normalize)
+            salt = engine_namespace(hasher.namespace("", parsed.cache_salt), parsed.cache_salt)
+            out = tokenizer.key_here(parsed.body, chat=False, salt=salt)
+            if out is None:
+                raise ValueError(f"request {r.index}: the tokenizer cannot key its prompt")
+            keys.append(out.key)
+            units.append(TraceRequest(
+                r.index, r.arrival_s, out.tokens, min(r.output_tokens, config.max_tokens),
+                PrefixKey(tuple(k & _MASK_63 for k in out.key.blocks), out.key.anchor,
+                          out.tokens)))
+    finally:
+        tokenizer.close()
+    return units, tuple(keys)
+
+
 def delay_factors(run: RunResult) -> tuple[float, ...]:
     """Each request's live latency over the run's mean."""
     mean = statistics.fmean(run.latencies_ms) if run.latencies_ms else 0.0
@@ -168,8 +210,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
               delays: Sequence[tuple[float, float]] = (),
               keys: Sequence[PrefixKey] = (),
               routed_to: Sequence[str] = (), decision_gap_s: float = 0.0,
-              decided_s: Sequence[float] = (), overrides: Overrides | None = None
-              ) -> dict[str, Any]:
+              decided_s: Sequence[float] = (), overrides: Overrides | None = None,
+              units: Sequence[TraceRequest] = ()) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
     concurrency, keys (the gateway's own, :func:`gateway_keys`, else the trace's in the
     gateway's shape) and timing: each request's own ``delays`` (:func:`request_delays`), or
@@ -186,7 +228,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     ``overrides`` (:func:`sim_overrides`) changes the simulator's configuration: at the
     decision instants, what the gateway would have done otherwise with the same arrivals
     (later requests keep their live timing: an approximation once the routing parts)."""
-    units = live_units(requests, config)
+    units = list(units) or live_units(requests, config)
+    tokens = bool(config.tokenizer_file)  # units and keys in the engine's token blocks
     order = list(range(len(units)))
     timed = bool(decided_s) and len(decided_s) == len(units) == len(delays)
     if timed:
@@ -199,7 +242,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         mode="replay" if timed else "sequential",
         concurrency=None if timed else config.concurrency, max_running=config.max_running,
         costs=config.sim_costs(), index_knows_capacity=config.report_cache_size,
-        key_blocks_per_block=config.block_chars // 64,
+        key_blocks_per_block=0 if tokens else config.block_chars // 64,
+        private_blocks=1 if tokens else 0,
         route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
         request_delays=tuple(delays), route_keys=tuple(keys),
         decision_gap_s=0.0 if timed else decision_gap_s,
@@ -271,7 +315,8 @@ SIM_JITTER = 0.1
 def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: RunResult,
                    pooled: float, draws: int = 1,
                    keys: Sequence[PrefixKey] = (),
-                   overrides: Overrides | None = None) -> dict[str, Any]:
+                   overrides: Overrides | None = None,
+                   units: Sequence[TraceRequest] = ()) -> dict[str, Any]:
     """The simulator on one live run's fleet, ``keys`` and timing: the mean of ``draws``
     runs, the first with each request's live timing, the others with it jittered
     (:data:`SIM_JITTER`); ``same_worker`` is the first one's. With the run's decision
@@ -287,7 +332,7 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
                     for wait, hold in delays] if draw else delays
         samples.append(simulated(requests, config, policy, pooled, timing, run.worker_ids,
                                  jittered, keys, run.routed_to, decision_gap(run),
-                                 overrides=overrides))
+                                 overrides=overrides, units=units))
     out = dict(samples[0])
     for key in SIM_KEYS:
         out[key] = statistics.fmean(s[key] for s in samples)
@@ -296,7 +341,8 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
                    "routed_max_over_mean": run.routed_max_over_mean}
     if run.decided_s:
         decided = simulated(requests, config, policy, pooled, timing, run.worker_ids, delays,
-                            keys, run.routed_to, decided_s=run.decided_s, overrides=overrides)
+                            keys, run.routed_to, decided_s=run.decided_s, overrides=overrides,
+                            units=units)
         out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "prewarms",
                                                     "prewarms_used")}
     return out
@@ -311,14 +357,17 @@ def simulate_runs(requests: Sequence[TraceRequest], config: ReplayConfig,
     pooled = pooled_bound(requests, config.workers * config.cache_blocks)
     by_policy: dict[str, list[dict[str, Any]]] = {}
     keys: dict[str, tuple[PrefixKey, ...]] = {}  # per model@version the gateway keyed under
+    units: list[TraceRequest] = []
+    if config.tokenizer_file and any(r.router.startswith("ours:") for r in results):
+        units, keys[""] = token_units(requests, config)  # token keys: no model in them
     for run in results:
         if run.router.startswith("ours:"):
-            model = run.namespace_model
-            if model and not config.tokenizer_file and model not in keys:
+            model = "" if config.tokenizer_file else run.namespace_model
+            if model and model not in keys:
                 keys[model] = gateway_keys(requests, config, model)
             by_policy.setdefault(run.router[5:], []).append(
                 simulate_draws(requests, config, run, pooled, draws, keys.get(model, ()),
-                               overrides))
+                               overrides, units))
     out = []
     for policy, runs in by_policy.items():
         row: dict[str, Any] = {"router": f"ours:{policy}", "repeats": len(runs),

@@ -118,13 +118,20 @@ class PromptTokenizer:
         self, body: Mapping[str, Any], chat: bool, salt: str
     ) -> tuple[TokenizedPrompt | None, float]:
         started = time.perf_counter()
-        try:
-            out = self._keyed_body(body, chat, chain_seed("", salt))
-        except (ChatFormatError, ValueError, TypeError, OverflowError):
-            out = None
-        except Exception:  # the tokenizer library raises its own exception types
-            out = None
+        out = self.key_here(body, chat=chat, salt=salt)
         return out, time.perf_counter() - started
+
+    def key_here(
+        self, body: Mapping[str, Any], *, chat: bool, salt: str
+    ) -> TokenizedPrompt | None:
+        """:meth:`key` in the calling thread, uncounted (the simulator keys a replay's
+        requests as the gateway does)."""
+        try:
+            return self._keyed_body(body, chat, chain_seed("", salt))
+        except (ChatFormatError, ValueError, TypeError, OverflowError):
+            return None
+        except Exception:  # the tokenizer library raises its own exception types
+            return None
 
     def _keyed_body(
         self, body: Mapping[str, Any], chat: bool, seed: int

@@ -170,6 +170,11 @@ class SimConfig:
     # Per request, where the blocks the pooled LRU would reuse went (SimResult.losses); costs
     # a lookup in every worker's cache per request.
     loss_breakdown: bool = False
+    # Blocks each running request holds outside the prefix cache (an engine's partial last
+    # block of the prompt, then its output): taken at admission, freed at completion, never
+    # cached; the gateway's pool models them as the live gateway does with token-exact keys
+    # (WorkerPool private_blocks).
+    private_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.cache_blocks < 1 or self.max_running < 1:
@@ -183,9 +188,9 @@ class SimConfig:
         if self.worker_names and len(set(self.worker_names)) != self.workers:
             raise ValueError("worker_names must name each worker once")
         if min(self.route_delay_s, self.relay_delay_s, self.rebalance_interval_s,
-               self.key_blocks_per_block) < 0:
-            raise ValueError("route_delay_s, relay_delay_s, rebalance_interval_s and "
-                             "key_blocks_per_block must be >= 0")
+               self.key_blocks_per_block, self.private_blocks) < 0:
+            raise ValueError("route_delay_s, relay_delay_s, rebalance_interval_s, "
+                             "key_blocks_per_block and private_blocks must be >= 0")
 
 
 def gateway_key(key: PrefixKey, per_block: int,
@@ -276,6 +281,7 @@ class _Job:
     matched_blocks: int = 0
     pooled_blocks: int = 0  # with loss_breakdown: what one pooled LRU would reuse
     best_blocks: int = 0  # ... and the most any worker held when it was routed
+    private: Sequence[int] = ()  # hashes of its private blocks (SimConfig.private_blocks)
 
 
 class _Telemetry:
@@ -325,7 +331,8 @@ class ClusterSim:
         caches = {wid: PrefixCache(config.cache_blocks, 1) for wid in ids}
         self.workers = {wid: _SimWorker(Worker(wid, f"sim://{wid}"), caches[wid]) for wid in ids}
         self.index = PrefixIndex(config.index_capacity, config.index_ttl_s)
-        self.pool = WorkerPool((), self.index)
+        self.pool = WorkerPool((), self.index, private_blocks=config.private_blocks)
+        self._private = 0  # private blocks handed out so far (their ids: negative)
         for wid in ids:
             self.pool.add(f"sim://{wid}", wid=wid)
             self.pool.mark_up(wid, frozenset())
@@ -373,7 +380,7 @@ class ClusterSim:
     # -- client side ----------------------------------------------------------------------------
 
     def _issue(self, pos: int, req: TraceRequest, now: float) -> None:
-        if len(req.blocks) > self.config.cache_blocks:
+        if len(req.blocks) + self.config.private_blocks > self.config.cache_blocks:
             self._rejected += 1  # can never fit in one worker's cache
             return
         self._inflight += 1
@@ -460,12 +467,19 @@ class ClusterSim:
     def _pump(self, w: _SimWorker, now: float) -> None:
         """Admit queued requests in FIFO order while slots and blocks allow."""
         costs = self.config.costs
+        private = self.config.private_blocks
         while w.queue and w.running < self.config.max_running:
             job = w.queue[0]
+            held = job.req.blocks
+            if private:  # ids no prompt has: never matched, freed at completion
+                held = (*held, *range(-self._private - 1, -self._private - 1 - private, -1))
             try:
-                alloc = w.cache.allocate(job.rid, job.req.blocks)
+                alloc = w.cache.allocate(job.rid, held)
             except CacheFullError:
                 return
+            if private:
+                self._private += private
+                job.private = w.cache.hashes(held)[-private:]
             w.queue.popleft()
             w.running += 1
             req = job.req
@@ -501,6 +515,8 @@ class ClusterSim:
 
     def _complete(self, w: _SimWorker, job: _Job, now: float) -> None:
         w.cache.release(job.rid)
+        for h in job.private:  # freed, as an engine frees a partial block
+            w.cache.discard(h)
         w.running -= 1
         at = (now + self.config.relay_delay_s if job.settle_at is None
               else max(now, job.settle_at))

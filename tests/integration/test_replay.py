@@ -91,3 +91,31 @@ def test_replay_with_kv_events_runs_the_event_fed_gateway_too(tmp_path: Path) ->
     # of cached tokens is exact (nothing is evicted: the caches hold the whole trace).
     assert rows["ours+events:cache_aware"]["exact_predictions"] == 1.0
     assert rows["ours+hybrid:cache_aware"]["exact_predictions"] == 1.0
+
+
+def test_the_simulator_routes_token_exact_replays_as_the_gateway_did(tmp_path: Path) -> None:
+    # Token-exact keys: the simulator keys each body with the fleet's tokenizer as the gateway
+    # does, and its caches hold the engine's token blocks, one more per running request.
+    trace = tmp_path / "trace.jsonl"
+    tiny_trace(trace)
+    tokenizer = train(tmp_path / "tokenizer.json")
+    code, stdout, stderr = _run_loadtest(
+        ["replay", "--trace", str(trace), "--workers", "2", "--cache-blocks", "40",
+         "--concurrency", "4", "--policy", "cache_aware", "--tokenizer-file", str(tokenizer),
+         "--simulate", "--json"],
+        tmp_path, timeout_s=180,
+    )
+    assert code == 0, stderr[-3000:]
+    report = json.loads(stdout)
+    (live,) = report["medians"]
+    (sim,) = report["simulated"]
+    assert live["errors"] == 0
+    assert 0 < live["block_hit_rate"] < 1  # the caches evict: two workers of 40 blocks
+    assert sim["decisions"]["same_worker"] == 1.0
+    assert sim["agreement"]["decisions"]["balance"] == 0.0
+    # The simulated caches count the blocks the workers did (prompts of ~15 token blocks,
+    # not the trace's 9).
+    (run,) = sim["runs"]
+    (live_run,) = report["runs"]
+    assert run["decisions"]["block_hit_rate"] > 0
+    assert sum(w["blocks"] for w in live_run["per_worker"].values()) > 60 * 9

@@ -372,3 +372,19 @@ def test_streamed_replies_release_the_queued_prefill_at_the_first_token() -> Non
     assert len(seen) == 2
     assert all(q > 0 for q in seen)
     assert left == 0
+
+
+def test_private_blocks_are_held_while_running_and_never_cached() -> None:
+    # An engine's partial last block: one more block per running request, freed at the end.
+    reqs = trace(*LRU_SEQUENCE)
+    roomy = ClusterSim(config(1, 100, "round_robin", private_blocks=1))
+    roomy.run(reqs)
+    (cache,) = [w.cache for w in roomy.workers.values()]
+    assert cache.cached_blocks == 7  # blocks 1..7: no private block stays cached
+    assert cache.free_blocks == 100 - 7
+    # In 4 blocks, the running request's own block evicts what the next one would reuse.
+    tight = simulate(reqs, config(1, 4, "round_robin", private_blocks=1))
+    assert tight.matched_blocks < simulate(reqs, config(1, 4, "round_robin")).matched_blocks
+    # A prompt as large as the cache never fits beside its own block.
+    assert simulate(trace([1, 2, 3, 4]), config(1, 4, "round_robin",
+                                                private_blocks=1)).rejected == 1
