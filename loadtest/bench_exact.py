@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import random
 import socket
 import statistics
 import sys
@@ -247,30 +248,74 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 async def tokenize_cost(tok: Path, rounds: int = 200) -> str:
     """Median cost of keying one prompt: in the pool (encode + keys) and awaited from the loop
-    (adds the thread hop), for chat prompts of about 2k, 16k and 64k characters."""
+    (adds the thread hop), for chat prompts of about 2k, 16k and 64k characters, each asked
+    again and again (the tokenizer's prefix store reuses what it tokenized) and encoded whole
+    each time (the store off)."""
+    from gateway.kvevents.token_prefix import PrefixStoreOptions
     from gateway.kvevents.tokenize import PromptTokenizer, TokenizerOptions
 
-    tokenizer = PromptTokenizer(TokenizerOptions(str(tok)))
-    rows = ["| prompt chars | tokens | in pool, median ms | awaited, median ms |",
-            "|---:|---:|---:|---:|"]
-    try:
-        for chars in (2_000, 16_000, 64_000):
-            text = " ".join(r.body["messages"][-1]["content"]
-                            for r in requests_for("rag", 40, 1))[:chars]
-            body = {"messages": [{"role": "user", "content": text}]}
-            pool, awaited = [], []
-            tokens = 0
-            for _ in range(rounds):
-                before = tokenizer.stats.seconds
+    rows = ["| prompt chars | tokens | store | in pool, median ms | awaited, median ms |",
+            "|---:|---:|---|---:|---:|"]
+    for store in ("on", "off"):
+        opts = TokenizerOptions(str(tok), prefix_store=PrefixStoreOptions(
+            max_segments=PrefixStoreOptions().max_segments if store == "on" else 0))
+        tokenizer = PromptTokenizer(opts)
+        try:
+            for chars in (2_000, 16_000, 64_000):
+                text = " ".join(r.body["messages"][-1]["content"]
+                                for r in requests_for("rag", 40, 1))[:chars]
+                body = {"messages": [{"role": "user", "content": text}]}
+                pool, awaited = [], []
+                tokens = 0
+                for _ in range(rounds):
+                    before = tokenizer.stats.seconds
+                    started = time.perf_counter()
+                    out = await tokenizer.key(body, chat=True, salt="")
+                    awaited.append(time.perf_counter() - started)
+                    pool.append(tokenizer.stats.seconds - before)
+                    tokens = out.tokens if out else 0
+                rows.append(f"| {len(text)} | {tokens} | {store} | "
+                            f"{1000 * statistics.median(pool):.3f} | "
+                            f"{1000 * statistics.median(awaited):.3f} |")
+        finally:
+            tokenizer.close()
+    return "\n".join(rows)
+
+
+def bookkeeping_cost(workers: int = 4, rounds: int = 30,
+                     sizes: Sequence[int] = (1_024, 4_096, 16_384)) -> str:
+    """Median cost of the exact index's bookkeeping for one request of ``n`` blocks with
+    ``workers`` live workers (no I/O): the send and the answer in the hybrid view (the
+    default) and in the events view, and the events view's match (the hybrid view matches on
+    the modelled index)."""
+    from gateway.kvevents.index import ExactIndex
+
+    rows = ["| prompt blocks | tokens (16 a block) | hybrid: sent + done, ms | events: sent + "
+            "done, ms | events: match, ms |", "|---:|---:|---:|---:|---:|"]
+    rng = random.Random(1)
+    for n in sizes:
+        keys = tuple(rng.getrandbits(63) for _ in range(n))
+        cells = []
+        for hybrid in (True, False):
+            index = ExactIndex(hybrid=hybrid)
+            for w in range(workers):
+                index.worker(f"w{w}")
+                index.set_live(f"w{w}", True)
+                index.set_capacity(f"w{w}", 1 << 20)
+            book, match = [], []
+            for r in range(rounds):
+                now = r * 0.01
                 started = time.perf_counter()
-                out = await tokenizer.key(body, chat=True, salt="")
-                awaited.append(time.perf_counter() - started)
-                pool.append(tokenizer.stats.seconds - before)
-                tokens = out.tokens if out else 0
-            rows.append(f"| {len(text)} | {tokens} | {1000 * statistics.median(pool):.3f} | "
-                        f"{1000 * statistics.median(awaited):.3f} |")
-    finally:
-        tokenizer.close()
+                index.sent("w0", keys, now, reserve=1)
+                index.done("w0", keys, now)
+                book.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                index.match(keys, now)
+                match.append(time.perf_counter() - started)
+            cells.append(f"{1000 * statistics.median(book):.2f}")
+            if not hybrid:
+                cells.append(f"{1000 * statistics.median(match):.2f}")
+        rows.append(f"| {n:,} | {16 * n:,} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -321,6 +366,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="also write the markdown here")
     p.add_argument("--tokenize-only", action="store_true",
                    help="only measure what keying a prompt with the tokenizer costs")
+    p.add_argument("--bookkeeping-only", action="store_true",
+                   help="only measure the exact index's bookkeeping per request, by prompt "
+                   "length")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     args.workloads = [w for w in args.workloads.split(",") if w]
@@ -332,7 +380,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.tokenize_only:
+    if args.bookkeeping_only:
+        markdown = bookkeeping_cost(args.workers)
+    elif args.tokenize_only:
         with tempfile.TemporaryDirectory(prefix="bench-exact-") as tmp:
             markdown = asyncio.run(tokenize_cost(train(Path(tmp) / "tokenizer.json")))
     else:

@@ -212,13 +212,17 @@ class Corrections:
     # -- this gateway's decisions ---------------------------------------------------------------
     def sent(self, keys: Sequence[int], now: float) -> None:
         """A prompt with ``keys`` went to the worker (the model recorded it)."""
-        inflight, gone, doubt = self._inflight, self.gone, self._doubt
+        inflight = self._inflight
         for k in keys:
             inflight[k] = inflight.get(k, 0) + 1
-            gone.pop(k, None)
-            doubt.pop(k, None)
-            if k in self.foreign:
-                self._unforeign(k)
+        # Usually all three are empty; otherwise only the blocks in both are touched.
+        gone, doubt, foreign = self.gone, self._doubt, self.foreign
+        for k in gone.keys() & keys if gone else ():
+            del gone[k]
+        for k in doubt.keys() & keys if doubt else ():
+            del doubt[k]
+        for k in foreign.keys() & keys if foreign else ():
+            self._unforeign(k)
 
     def done(self, keys: Sequence[int], now: float) -> None:
         """The request that carried ``keys`` ended at ``now`` (answered, failed, abandoned)."""

@@ -374,7 +374,9 @@ class ExactIndex:
             return
         if blocks.corrections is not None:
             blocks.corrections.sent(keys, now)
-        if worker_id in self._live:
+        elif worker_id in self._live:
+            # The events view's own record of what is on its way (the hybrid view has the
+            # modelled index for that).
             blocks.sent(keys, now, reserve)
 
     def unsent(self, worker_id: str, keys: Iterable[int]) -> None:
