@@ -183,6 +183,11 @@ class GatewaySettings:
     tokenize_threads: int = field(
         default=2, metadata=_help("threads that tokenize prompts off the event loop")
     )
+    tokenize_inline_chars: int = field(
+        default=4096,
+        metadata=_help("prompts of at most this many characters are tokenized on the event "
+                       "loop, without the hop to the tokenizer's threads"),
+    )
     tokenize_prefix_segments: int = field(
         default=65_536,
         metadata=_help("token segments of recently tokenized prompts kept per gateway, so that "
@@ -520,6 +525,7 @@ class GatewaySettings:
             threads=self.tokenize_threads,
             chat_template=self.chat_template,
             prefix_store=PrefixStoreOptions(max_segments=self.tokenize_prefix_segments),
+            inline_chars=self.tokenize_inline_chars,
         )
 
     def fingerprint_options(self) -> FingerprintOptions:

@@ -16,7 +16,9 @@ the same chained hash of token blocks that events are keyed by (:mod:`gateway.co
   returns None, and the request is keyed by the character fingerprint instead.
 
 Encoding runs in a small thread pool (the Rust tokenizer does the work without the GIL, the
-loop keeps serving); :attr:`PromptTokenizer.stats` keeps its count and cost. A prompt that
+loop keeps serving), but for prompts of at most ``inline_chars`` characters (4,096), which cost
+less to encode on the loop than the hop to a thread and back; :attr:`PromptTokenizer.stats`
+keeps the count and cost. A prompt that
 extends one tokenized before (the next turn of a session, a question over a known document) is
 encoded only past the text it shares (:mod:`gateway.kvevents.token_prefix`).
 """
@@ -41,6 +43,22 @@ from gateway.fingerprint import PrefixKey
 from gateway.kvevents.token_prefix import PrefixStoreOptions, TokenPrefixStore
 
 
+def _prompt_chars(body: Mapping[str, Any], chat: bool) -> int:
+    """The characters of a request's prompt, its messages' text (more when it has parts
+    that are not plain text); quick, for deciding where to tokenize it."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 1 << 30
+        n = 0
+        for m in messages:
+            c = m.get("content") if isinstance(m, dict) else None
+            n += len(c) if isinstance(c, str) else 1 << 20
+        return n
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, str) else 1 << 30
+
+
 class TokenizerError(ValueError):
     """The tokenizer file cannot be loaded."""
 
@@ -53,12 +71,15 @@ class TokenizerOptions:
     anchor_blocks: int = 4
     threads: int = 2
     chat_template: str = "reference"  # or a tokenizer_config.json / Jinja file path
+    inline_chars: int = 4096  # prompts of at most this many characters are keyed on the loop
     # max_segments=0: every prompt encoded whole
     prefix_store: PrefixStoreOptions = field(default_factory=PrefixStoreOptions)
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_blocks, self.anchor_blocks, self.threads) < 1:
             raise ValueError("block_size, max_blocks, anchor_blocks and threads must be >= 1")
+        if self.inline_chars < 0:
+            raise ValueError("inline_chars must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +123,11 @@ class PromptTokenizer:
     ) -> TokenizedPrompt | None:
         """The request's token-exact key within cache namespace ``salt``, or None when it
         cannot be tokenized here (it is then keyed by characters)."""
-        loop = asyncio.get_running_loop()
-        out, seconds = await loop.run_in_executor(self._pool, self._key, body, chat, salt)
+        if _prompt_chars(body, chat) <= self.opts.inline_chars:
+            out, seconds = self._key(body, chat, salt)
+        else:
+            loop = asyncio.get_running_loop()
+            out, seconds = await loop.run_in_executor(self._pool, self._key, body, chat, salt)
         self.stats.prompts += 1
         self.stats.seconds += seconds
         if self._observe is not None:

@@ -159,3 +159,24 @@ async def test_the_gateway_tokenizer_reuses_a_sessions_turns(tmp_path: Path) -> 
     finally:
         tok.close()
         whole.close()
+
+
+async def test_short_prompts_are_keyed_on_the_loop(tmp_path: Path) -> None:
+    path = str(train(tmp_path / "tokenizer.json"))
+    inline = PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, inline_chars=100))
+    pooled = PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, inline_chars=0))
+    try:
+        short = {"prompt": "Where is my invoice for last month?"}
+        got = await inline.key(short, chat=False, salt="t")
+        assert got is not None
+        assert got == await pooled.key(short, chat=False, salt="t")
+        assert not inline._pool._threads  # no thread was needed
+        assert pooled._pool._threads
+        long = {"prompt": "billing " * 50}  # over 100 characters: the pool
+        assert await inline.key(long, chat=False, salt="t") == await pooled.key(
+            long, chat=False, salt="t")
+        assert inline._pool._threads
+        assert inline.stats.prompts == 2
+    finally:
+        inline.close()
+        pooled.close()
