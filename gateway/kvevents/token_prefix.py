@@ -23,8 +23,8 @@ segments between checkpoints, and tokenizes only what lies past the deepest one 
   that writes a marker in front of any text it is given) gets every prompt encoded whole.
 * Bounded: at most ``max_segments`` segments, the least recently used dropped first.
 
-Only token ids and hashes are kept, never text. The tokenizer pool's threads share the store;
-a lock guards its table, never an encode.
+Only token ids and hashes are kept, never text. The event loop and the tokenizer pool's threads
+share the store; a lock guards its table, never an encode.
 """
 
 from __future__ import annotations
