@@ -66,6 +66,7 @@ from gateway.store.redis import RedisStore, is_redis_url
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
 from gateway.telemetry.access_log import AccessLog
+from gateway.telemetry.metrics import TokenizerCollector
 from gateway.telemetry.middleware import TELEMETRY_KEY, add_request_id, begin, sent_bytes
 from gateway.telemetry.record import Telemetry
 from gateway.warmup import WarmupManager, WarmupOptions
@@ -229,11 +230,12 @@ def build_exact_source(settings: GatewaySettings, metrics: GatewayMetrics) -> Ex
     opts = settings.tokenizer_options()
     if opts is not None:
         seconds = Histogram(
-            "gateway_tokenize_seconds", "time to tokenize and key one prompt (in the pool)",
+            "gateway_tokenize_seconds", "time to tokenize and key one prompt",
             buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
             registry=metrics.registry,
         )
         tokenizer = PromptTokenizer(opts, observe=seconds.observe)
+        metrics.registry.register(TokenizerCollector(tokenizer))
     return ExactSource(
         tokenizer, max_blocks=settings.kv_events_max_blocks,
         pending_ttl_s=settings.kv_pending_ttl_s, min_match_blocks=settings.min_match_blocks,

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.pool import WorkerPool
 from gateway.telemetry.counters import LabelledCounter, LabelledHistogram
 
@@ -78,6 +79,37 @@ class _StateCollector(Collector):
         info.add_metric([], {"version": build_version(),
                              "python": platform.python_version()})
         yield from (up, outages, info)
+
+
+class TokenizerCollector(Collector):
+    """Token-exact keying (``--tokenizer-file``), read at scrape time: how many prompts and
+    tokens were keyed, and how much of that the prefix store saved from encoding again."""
+
+    def __init__(self, tokenizer: PromptTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def collect(self) -> Iterator[Metric]:
+        stats, store = self._tokenizer.stats, self._tokenizer.prefixes
+        prompts = CounterMetricFamily("gateway_tokenize_prompts",
+                                      "prompts keyed by tokens (fallbacks to characters included)")
+        prompts.add_metric([], stats.prompts)
+        fallbacks = CounterMetricFamily("gateway_tokenize_fallbacks",
+                                        "prompts that could not be tokenized (keyed by characters)")
+        fallbacks.add_metric([], stats.fallbacks)
+        tokens = CounterMetricFamily("gateway_tokenize_tokens", "tokens of the prompts keyed")
+        tokens.add_metric([], stats.tokens)
+        reused = CounterMetricFamily(
+            "gateway_tokenize_reused_tokens",
+            "of those, tokens taken from the prefix store instead of encoded again")
+        reused.add_metric([], store.stats.reused_tokens)
+        mismatches = CounterMetricFamily(
+            "gateway_tokenize_prefix_mismatches",
+            "cuts of the prefix store that failed their check (encoded from further back)")
+        mismatches.add_metric([], store.stats.mismatches)
+        segments = GaugeMetricFamily("gateway_tokenize_prefix_segments",
+                                     "segments the prefix store holds")
+        segments.add_metric([], len(store))
+        yield from (prompts, fallbacks, tokens, reused, mismatches, segments)
 
 
 class GatewayMetrics:

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import tokenizers
+from prometheus_client import CollectorRegistry
 from tokenizers import models, normalizers, pre_tokenizers, trainers
 
 from gateway.contracts.kv_keys import token_block_keys
 from gateway.kvevents.token_prefix import PrefixStoreOptions, TokenPrefixStore
 from gateway.kvevents.tokenize import PromptTokenizer, TokenizerOptions
+from gateway.telemetry.metrics import TokenizerCollector
 from loadtest.tiny_tokenizer import train
 
 BLOCK = 4
@@ -180,3 +182,29 @@ async def test_short_prompts_are_keyed_on_the_loop(tmp_path: Path) -> None:
     finally:
         inline.close()
         pooled.close()
+
+
+async def test_metrics_say_what_the_store_saved(tmp_path: Path) -> None:
+    path = str(train(tmp_path / "tokenizer.json"))
+    tok = PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, threads=1))
+    registry = CollectorRegistry()
+    registry.register(TokenizerCollector(tok))
+    try:
+        context = _text(random.Random(8), 600, WORDS[:-2])
+        for turn in ("first question", "second question"):
+            context += turn
+            assert await tok.key({"prompt": context}, chat=False, salt="t") is not None
+
+        def value(name: str) -> float:
+            sample = registry.get_sample_value(name)
+            assert sample is not None
+            return sample
+
+        assert value("gateway_tokenize_prompts_total") == 2
+        assert value("gateway_tokenize_reused_tokens_total") == tok.prefixes.stats.reused_tokens
+        assert 0 < value("gateway_tokenize_reused_tokens_total") < value(
+            "gateway_tokenize_tokens_total")
+        assert value("gateway_tokenize_prefix_segments") == len(tok.prefixes) > 0
+        assert value("gateway_tokenize_prefix_mismatches_total") == 0
+    finally:
+        tok.close()
