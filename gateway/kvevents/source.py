@@ -246,6 +246,7 @@ class ExactSource:
                 "reused_prompts": p.reused,
                 "reused_tokens": p.reused_tokens,
                 "mismatches": p.mismatches,
+                "pieced_prompts": p.pieced,
                 "evicted": p.evicted,
             },
         }

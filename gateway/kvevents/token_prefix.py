@@ -21,6 +21,13 @@ segments between checkpoints, and tokenizes only what lies past the deepest one 
   before, and after three failed cuts whole (:attr:`PrefixStoreStats.mismatches` counts them).
   Byte-level and whitespace pre-tokenized BPE tokenizers pass. One that fails (a normalizer
   that writes a marker in front of any text it is given) gets every prompt encoded whole.
+* **A long prompt seen for the first time** (nothing to reuse, at least ``2 * chunk_chars``
+  characters) is encoded in pieces at once, which the tokenizer runs in parallel. Each piece
+  after the first starts a little before its place. Two neighbours are joined at a token
+  both start at, well inside their overlap, from which they agree on ``overlap`` tokens at the
+  same offsets; if they never agree the prompt is encoded whole. Pieces also spare the
+  tokenizer its slower pace on one very long text: 800,000 characters take 90-100 ms instead
+  of 230-320.
 * Bounded: at most ``max_segments`` segments, the least recently used dropped first.
 
 Only token ids and hashes are kept, never text. The event loop and the tokenizer pool's threads
@@ -29,6 +36,7 @@ share the store; a lock guards its table, never an encode.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from array import array
 from collections import OrderedDict
@@ -42,6 +50,11 @@ from gateway.contracts.kv_keys import token_block_keys
 
 # encode(text, add_special_tokens) -> its Encoding
 Encode = Callable[[str, bool], tokenizers.Encoding]
+# encode_many(texts, add_special_tokens) -> their Encodings, encoded in parallel
+EncodeMany = Callable[[list[str], bool], list[tokenizers.Encoding]]
+
+# One piece of a prompt encoded in pieces: its Encoding, ids and character offset.
+_Piece = tuple[tokenizers.Encoding, list[int], int]
 
 _NO_CHARS = 1 << 62  # the offset given to a special token after the text (never a cut)
 _TRIES = 3  # cuts tried, from the deepest back, before a prompt is encoded whole
@@ -53,12 +66,17 @@ class PrefixStoreOptions:
     margin: int = 128  # characters a cut keeps before its checkpoint
     overlap: int = 8  # tokens encoded again before a cut, to check it
     max_segments: int = 65_536  # 0: off; 64 MB of prompt text in about 50 MB
+    # A prompt with nothing to reuse and at least twice this many characters is encoded in
+    # pieces of this size, in parallel, and stitched where neighbours agree (0: never).
+    chunk_chars: int = 32_768
 
     def __post_init__(self) -> None:
         if self.stride < 1 or self.overlap < 1 or self.max_segments < 0:
             raise ValueError("stride and overlap must be >= 1, max_segments >= 0")
         if not 0 <= self.margin < self.stride:
             raise ValueError("margin must be >= 0 and below stride")
+        if self.chunk_chars and self.chunk_chars < 4 * self.stride:
+            raise ValueError("chunk_chars must be 0 or at least 4 strides")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +94,8 @@ class PrefixStoreStats:
     lookups: int = 0
     reused: int = 0  # prompts encoded from a cut
     reused_tokens: int = 0  # tokens those did not encode again
-    mismatches: int = 0  # a cut failed its check: the prompt was encoded whole
+    mismatches: int = 0  # a cut failed its check, or two pieces never agreed
+    pieced: int = 0  # prompts encoded in pieces, in parallel
     stored: int = 0  # segments stored
     evicted: int = 0
 
@@ -111,22 +130,69 @@ class _Run:
 
     def last_at_or_before(self, limit: int) -> int:
         """The largest global index whose token starts at or before ``limit``."""
-        lo, hi = self.base, self.base + len(self.ids)  # answer in [lo - 1, hi)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.start(mid) <= limit:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo - 1
+        return _last_at_or_before(self.start, self.base, self.base + len(self.ids), limit)
+
+
+def _last_at_or_before(start: Callable[[int], int], lo: int, hi: int, limit: int) -> int:
+    """The largest index in [lo, hi) whose token starts at or before ``limit`` (lo - 1: none);
+    starts do not decrease."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if start(mid) <= limit:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@dataclass(slots=True)
+class _Stitched:
+    """A prompt encoded in pieces: global token ``g`` in piece ``i`` (``firsts[i] <= g <
+    firsts[i + 1]``) is token ``g - firsts[i] + offsets[i]`` of ``encs[i]``, whose text
+    starts at character ``shifts[i]``; ``leading`` special tokens come first (offset 0), and
+    special tokens after the text have no offset."""
+
+    ids: list[int]
+    encs: list[tokenizers.Encoding]
+    firsts: list[int]
+    offsets: list[int]
+    shifts: list[int]
+    leading: int
+    text_tokens: int  # leading + the text's tokens: where trailing special tokens begin
+    base: int = 0
+
+    def _chars(self, g: int) -> tuple[int, int] | None:
+        i = bisect.bisect_right(self.firsts, g) - 1
+        chars = self.encs[i].token_to_chars(g - self.firsts[i] + self.offsets[i])
+        return None if chars is None else (int(chars[0]) + self.shifts[i],
+                                           int(chars[1]) + self.shifts[i])
+
+    def start(self, g: int) -> int:
+        if g < self.leading:
+            return 0
+        if g >= self.text_tokens:
+            return _NO_CHARS
+        chars = self._chars(g)
+        return 0 if chars is None else chars[0]
+
+    def end(self, g: int) -> int:
+        if g < self.leading or g >= self.text_tokens:
+            return 0
+        chars = self._chars(g)
+        return 0 if chars is None else chars[1]
+
+    def last_at_or_before(self, limit: int) -> int:
+        return _last_at_or_before(self.start, 0, len(self.ids), limit)
 
 
 class TokenPrefixStore:
     def __init__(self, encode: Encode, block_size: int,
-                 opts: PrefixStoreOptions = PrefixStoreOptions()) -> None:
+                 opts: PrefixStoreOptions = PrefixStoreOptions(),
+                 encode_many: EncodeMany | None = None) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self._encode = encode
+        self._encode_many = encode_many
         self._block = block_size
         self.opts = opts
         self.stats = PrefixStoreStats()
@@ -151,20 +217,98 @@ class TokenPrefixStore:
                 break
             resumed = self._resume(text, found, special)
             if resumed is not None:
-                run, keys, tokens = resumed
                 self.stats.reused += 1
                 self.stats.reused_tokens += found[-1].tokens
-                self._store(names, found, run, keys)
-                return Encoded(keys, tokens, ())
+                self._store(names, found, resumed[0], resumed[1])
+                return Encoded(resumed[1], resumed[2], ())
             self.stats.mismatches += 1
             found = found[:-1]  # the cut before
-        enc = self._encode(text, special)
-        ids = enc.ids
+        run: _Run | _Stitched | None = self._encode_in_pieces(text, special)
+        if run is None:  # short, or pieces that did not agree
+            enc = self._encode(text, special)
+            leading = len(self._affixes[0]) if special and self._affixes else 0
+            run = _Run(enc, enc.ids, 0, 0, leading)
+        ids = run.ids
         keys = token_block_keys(ids, self._block, seed)
         if names:
-            leading = len(self._affixes[0]) if special and self._affixes else 0
-            self._store(names, [], _Run(enc, ids, 0, 0, leading), keys)
+            self._store(names, [], run, keys)
         return Encoded(keys, len(ids), () if keys else tuple(ids))
+
+    # -- a long prompt seen for the first time ---------------------------------------------------
+    def _encode_in_pieces(self, text: str, special: bool) -> _Stitched | None:
+        """``text`` encoded in pieces of ``chunk_chars`` at once (the tokenizer runs them in
+        parallel), each but the first from ``4 * margin`` characters before its start. Two
+        neighbours are joined at a token both start at, well inside their overlap, from which
+        they agree on ``overlap`` tokens at the same offsets. None where the text is short,
+        pieces cannot be encoded together, or two neighbours never agree (then it is encoded
+        whole; ``stats.mismatches`` counts it)."""
+        opts, many = self.opts, self._encode_many
+        size = opts.chunk_chars
+        if many is None or not size or len(text) < 2 * size:
+            return None
+        if special and self._affixes is None:
+            return None
+        pre, post = self._affixes if special and self._affixes else ((), ())
+        back = 4 * opts.margin
+        bounds = [*range(0, len(text) - size // 2, size), len(text)]
+        shifts = [0, *(b - back for b in bounds[1:-1])]
+        encs = many([text[a : bounds[i + 1]] for i, a in enumerate(shifts)], False)
+        pieces = [enc.ids for enc in encs]
+        ids: list[int] = list(pre)
+        firsts, offsets = [len(pre)], [0]
+        for i in range(1, len(encs)):
+            join = self._join((encs[i - 1], pieces[i - 1], shifts[i - 1]),
+                              (encs[i], pieces[i], shifts[i]), offsets[-1], bounds[i])
+            if join is None:
+                self.stats.mismatches += 1
+                return None
+            end_a, start_b = join
+            ids.extend(pieces[i - 1][offsets[-1] : end_a])
+            firsts.append(len(ids))
+            offsets.append(start_b)
+        ids.extend(pieces[-1][offsets[-1] :])
+        self.stats.pieced += 1
+        text_tokens = len(ids)
+        ids.extend(post)
+        return _Stitched(ids, encs, firsts, offsets, shifts, len(pre), text_tokens)
+
+    def _join(self, a: _Piece, b: _Piece, from_a: int, bound: int) -> tuple[int, int] | None:
+        """Where to leave piece ``a`` (used from its token ``from_a``; its text ends at
+        ``bound``) for piece ``b``: (a's first token not used, b's first token used), or
+        None when they never agree."""
+        overlap, margin = self.opts.overlap, self.opts.margin
+        (enc_a, ids_a, shift_a), (enc_b, ids_b, shift_b) = a, b
+
+        def start(enc: tokenizers.Encoding, shift: int, j: int) -> int:
+            chars = enc.token_to_chars(j)
+            return _NO_CHARS if chars is None else int(chars[0]) + shift
+
+        def end(enc: tokenizers.Encoding, shift: int, j: int) -> int:
+            chars = enc.token_to_chars(j)
+            return 0 if chars is None else int(chars[1]) + shift
+
+        def start_a(j: int) -> int:
+            return start(enc_a, shift_a, j)
+
+        def start_b(j: int) -> int:
+            return start(enc_b, shift_b, j)
+
+        n_a, n_b = len(ids_a), len(ids_b)
+        trusted = bound - margin  # a's tokens up to here do not depend on where it was cut
+        j_b = _last_at_or_before(start_b, 0, n_b, shift_b + margin // 2) + 1
+        while j_b < n_b - overlap:
+            at = start_b(j_b)
+            if at > trusted:
+                return None
+            j_a = _last_at_or_before(start_a, from_a, n_a, at)
+            if (j_a > from_a and start_a(j_a) == at and j_a + overlap < n_a
+                    and start_a(j_a + overlap) <= trusted
+                    and at >= end(enc_a, shift_a, j_a - 1) and at >= end(enc_b, shift_b, j_b - 1)
+                    and ids_a[j_a : j_a + overlap] == ids_b[j_b : j_b + overlap]
+                    and all(start_a(j_a + t) == start_b(j_b + t) for t in range(1, overlap))):
+                return j_a, j_b
+            j_b += 1
+        return None
 
     # -- lookup --------------------------------------------------------------------------------
     def _names(self, text: str, special: bool, seed: int) -> list[int]:
@@ -217,7 +361,7 @@ class TokenPrefixStore:
         return run, keys, last.tokens + len(rest)
 
     # -- storing -------------------------------------------------------------------------------
-    def _store(self, names: Sequence[int], found: Sequence[_Segment], run: _Run,
+    def _store(self, names: Sequence[int], found: Sequence[_Segment], run: _Run | _Stitched,
                keys: Sequence[int]) -> None:
         """Segments for the checkpoints past ``found``, cut from ``run``."""
         opts, block, overlap = self.opts, self._block, self.opts.overlap

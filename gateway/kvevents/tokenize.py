@@ -113,7 +113,8 @@ class PromptTokenizer:
         self.stats = TokenizeStats()
         self._observe = observe
         self._pool = ThreadPoolExecutor(opts.threads, thread_name_prefix="tokenize")
-        self.prefixes = TokenPrefixStore(self._encoding, opts.block_size, opts.prefix_store)
+        self.prefixes = TokenPrefixStore(self._encoding, opts.block_size, opts.prefix_store,
+                                         encode_many=self._encodings)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -194,6 +195,10 @@ class PromptTokenizer:
         # keeps serving meanwhile.
         enc: tokenizers.Encoding = self._tok.encode_batch([text], add_special_tokens=special)[0]
         return enc
+
+    def _encodings(self, texts: list[str], special: bool) -> list[tokenizers.Encoding]:
+        encs: list[tokenizers.Encoding] = self._tok.encode_batch(texts, add_special_tokens=special)
+        return encs
 
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         """Token ids of ``text``; with ``special``, the tokenizer's post-processor adds its

@@ -208,3 +208,40 @@ async def test_metrics_say_what_the_store_saved(tmp_path: Path) -> None:
         assert value("gateway_tokenize_prefix_mismatches_total") == 0
     finally:
         tok.close()
+
+
+def _pieced(tok: tokenizers.Tokenizer) -> TokenPrefixStore:
+    return TokenPrefixStore(
+        lambda text, special: tok.encode_batch([text], add_special_tokens=special)[0], BLOCK,
+        PrefixStoreOptions(stride=256, margin=32, overlap=4, chunk_chars=1024),
+        encode_many=lambda texts, special: tok.encode_batch(texts, add_special_tokens=special))
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_a_long_first_prompt_is_encoded_in_pieces_with_exact_keys(
+    bos_tokenizer: tokenizers.Tokenizer, special: bool
+) -> None:
+    rng = random.Random(9)
+    for words in (WORDS, WORDS[:-2]):
+        store = _pieced(bos_tokenizer)
+        text = _text(rng, 3000, words)  # ~20 pieces, joined in text of every kind
+        out = store.encode(text, special=special, seed=5)
+        assert out.keys == _whole(bos_tokenizer, text, special, 5)
+        assert out.tokens == len(bos_tokenizer.encode(text, add_special_tokens=special).ids)
+        assert store.stats.pieced == 1
+        # Its segments serve the next turn as any others.
+        text += _text(rng, 40, words)
+        assert store.encode(text, special=special, seed=5).keys == _whole(
+            bos_tokenizer, text, special, 5)
+        assert store.stats.reused == 1
+
+
+def test_pieces_that_never_agree_are_encoded_whole() -> None:
+    # The marker normalizer puts a token in front of every piece: neighbours never agree.
+    rng = random.Random(10)
+    tok = _trained(pre_tokenizers.Whitespace(), normalizers.Prepend("#"), rng)
+    store = _pieced(tok)
+    text = _text(rng, 2000)
+    assert store.encode(text, special=False, seed=1).keys == _whole(tok, text, False, 1)
+    assert store.stats.pieced == 0
+    assert store.stats.mismatches == 1
