@@ -246,35 +246,44 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-async def tokenize_cost(tok: Path, rounds: int = 200) -> str:
-    """Median cost of keying one prompt: in the pool (encode + keys) and awaited from the loop
-    (adds the thread hop), for chat prompts of about 2k, 16k and 64k characters, each asked
-    again and again (the tokenizer's prefix store reuses what it tokenized) and encoded whole
-    each time (the store off)."""
+async def tokenize_cost(tok: Path, rounds: int = 40) -> str:
+    """Median cost of keying one prompt, in the pool (encode + keys) and awaited from the loop
+    (the thread hop added), for chat prompts of about 2k to 800k characters: the same prompt
+    again and again (the prefix store reuses what it tokenized), a prompt seen for the first
+    time each round (nothing to reuse; a long one is encoded in pieces, or in one), and with
+    neither the store nor pieces (every prompt encoded whole)."""
     from gateway.kvevents.token_prefix import PrefixStoreOptions
     from gateway.kvevents.tokenize import PromptTokenizer, TokenizerOptions
 
-    rows = ["| prompt chars | tokens | store | in pool, median ms | awaited, median ms |",
+    rows = ["| prompt chars | tokens | case | in pool, median ms | awaited, median ms |",
             "|---:|---:|---|---:|---:|"]
-    for store in ("on", "off"):
-        opts = TokenizerOptions(str(tok), prefix_store=PrefixStoreOptions(
-            max_segments=PrefixStoreOptions().max_segments if store == "on" else 0))
-        tokenizer = PromptTokenizer(opts)
+    corpus = " ".join(r.body["messages"][-1]["content"] for r in requests_for("rag", 40, 1))
+    cases = {
+        "again": PrefixStoreOptions(),
+        "first sight": PrefixStoreOptions(),
+        "first sight, one piece": PrefixStoreOptions(chunk_chars=0),
+        "whole (no store, one piece)": PrefixStoreOptions(max_segments=0, chunk_chars=0),
+    }
+    for case, store in cases.items():
+        tokenizer = PromptTokenizer(TokenizerOptions(str(tok), prefix_store=store,
+                                                     inline_chars=0))
         try:
-            for chars in (2_000, 16_000, 64_000):
-                text = " ".join(r.body["messages"][-1]["content"]
-                                for r in requests_for("rag", 40, 1))[:chars]
-                body = {"messages": [{"role": "user", "content": text}]}
+            for chars in (2_000, 16_000, 64_000, 200_000, 800_000):
+                text = (corpus * (chars // len(corpus) + 1))[:chars]
                 pool, awaited = [], []
                 tokens = 0
-                for _ in range(rounds):
+                for r in range(rounds):
+                    # A new first line makes every checkpoint's text new: nothing to reuse.
+                    content = (f"request {chars}/{r}\n{text}" if case.startswith("first")
+                               else text)
+                    body = {"messages": [{"role": "user", "content": content}]}
                     before = tokenizer.stats.seconds
                     started = time.perf_counter()
                     out = await tokenizer.key(body, chat=True, salt="")
                     awaited.append(time.perf_counter() - started)
                     pool.append(tokenizer.stats.seconds - before)
                     tokens = out.tokens if out else 0
-                rows.append(f"| {len(text)} | {tokens} | {store} | "
+                rows.append(f"| {len(text)} | {tokens} | {case} | "
                             f"{1000 * statistics.median(pool):.3f} | "
                             f"{1000 * statistics.median(awaited):.3f} |")
         finally:
