@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tokenizers
@@ -28,6 +30,24 @@ WORDS = ("billing", "invoice", "wörld", "日本語", "emoji😀", "  ", "\n", "
 def bos_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tokenizers.Tokenizer:
     path = train(tmp_path_factory.mktemp("tok") / "tokenizer.json", bos="<s>")
     return tokenizers.Tokenizer.from_file(str(path))
+
+
+MakeTokenizer = Callable[..., PromptTokenizer]
+
+
+@pytest.fixture
+def make_tokenizer(tmp_path: Path) -> Iterator[MakeTokenizer]:
+    """PromptTokenizers over a locally trained tokenizer (with BOS), closed afterwards."""
+    path = str(train(tmp_path / "tokenizer.json", bos="<s>"))
+    made: list[PromptTokenizer] = []
+
+    def make(**options: Any) -> PromptTokenizer:
+        made.append(PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, **options)))
+        return made[-1]
+
+    yield make
+    for tok in made:
+        tok.close()
 
 
 def _store(tok: tokenizers.Tokenizer, opts: PrefixStoreOptions = OPTS) -> TokenPrefixStore:
@@ -138,76 +158,62 @@ def test_bounded_and_keeps_no_text(bos_tokenizer: tokenizers.Tokenizer) -> None:
                                                 *seg.tail_starts))
 
 
-async def test_the_gateway_tokenizer_reuses_a_sessions_turns(tmp_path: Path) -> None:
-    path = str(train(tmp_path / "tokenizer.json", bos="<s>"))
-    whole = PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, threads=1,
-                                             prefix_store=PrefixStoreOptions(max_segments=0)))
-    tok = PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, threads=1))
+async def test_the_gateway_tokenizer_reuses_a_sessions_turns(
+    make_tokenizer: MakeTokenizer,
+) -> None:
+    whole = make_tokenizer(threads=1, prefix_store=PrefixStoreOptions(max_segments=0))
+    tok = make_tokenizer(threads=1)
     rng = random.Random(7)
     messages = [{"role": "system", "content": _text(rng, 800)}]
-    try:
-        for _turn in range(4):
-            messages.append({"role": "user", "content": _text(rng, 30)})
-            for chat in (True, False):
-                body = ({"messages": messages} if chat
-                        else {"prompt": "".join(m["content"] for m in messages)})
-                got = await tok.key(body, chat=chat, salt="tenant")
-                want = await whole.key(body, chat=chat, salt="tenant")
-                assert got is not None
-                assert got == want
-            messages.append({"role": "assistant", "content": _text(rng, 20)})
-        assert tok.prefixes.stats.reused == 6
-        assert whole.prefixes.stats.reused == 0
-    finally:
-        tok.close()
-        whole.close()
+    for _turn in range(4):
+        messages.append({"role": "user", "content": _text(rng, 30)})
+        for chat in (True, False):
+            body = ({"messages": messages} if chat
+                    else {"prompt": "".join(m["content"] for m in messages)})
+            got = await tok.key(body, chat=chat, salt="tenant")
+            want = await whole.key(body, chat=chat, salt="tenant")
+            assert got is not None
+            assert got == want
+        messages.append({"role": "assistant", "content": _text(rng, 20)})
+    assert tok.prefixes.stats.reused == 6
+    assert whole.prefixes.stats.reused == 0
 
 
-async def test_short_prompts_are_keyed_on_the_loop(tmp_path: Path) -> None:
-    path = str(train(tmp_path / "tokenizer.json"))
-    inline = PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, inline_chars=100))
-    pooled = PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, inline_chars=0))
-    try:
-        short = {"prompt": "Where is my invoice for last month?"}
-        got = await inline.key(short, chat=False, salt="t")
-        assert got is not None
-        assert got == await pooled.key(short, chat=False, salt="t")
-        assert not inline._pool._threads  # no thread was needed
-        assert pooled._pool._threads
-        long = {"prompt": "billing " * 50}  # over 100 characters: the pool
-        assert await inline.key(long, chat=False, salt="t") == await pooled.key(
-            long, chat=False, salt="t")
-        assert inline._pool._threads
-        assert inline.stats.prompts == 2
-    finally:
-        inline.close()
-        pooled.close()
+async def test_short_prompts_are_keyed_on_the_loop(make_tokenizer: MakeTokenizer) -> None:
+    inline, pooled = make_tokenizer(inline_chars=100), make_tokenizer(inline_chars=0)
+    short = {"prompt": "Where is my invoice for last month?"}
+    got = await inline.key(short, chat=False, salt="t")
+    assert got is not None
+    assert got == await pooled.key(short, chat=False, salt="t")
+    assert not inline._pool._threads  # no thread was needed
+    assert pooled._pool._threads
+    long = {"prompt": "billing " * 50}  # over 100 characters: the pool
+    assert await inline.key(long, chat=False, salt="t") == await pooled.key(
+        long, chat=False, salt="t")
+    assert inline._pool._threads
+    assert inline.stats.prompts == 2
 
 
-async def test_metrics_say_what_the_store_saved(tmp_path: Path) -> None:
-    path = str(train(tmp_path / "tokenizer.json"))
-    tok = PromptTokenizer(TokenizerOptions(path, block_size=BLOCK, threads=1))
+async def test_metrics_say_what_the_store_saved(make_tokenizer: MakeTokenizer) -> None:
+    tok = make_tokenizer(threads=1)
     registry = CollectorRegistry()
     registry.register(TokenizerCollector(tok))
-    try:
-        context = _text(random.Random(8), 600, WORDS[:-2])
-        for turn in ("first question", "second question"):
-            context += turn
-            assert await tok.key({"prompt": context}, chat=False, salt="t") is not None
+    context = _text(random.Random(8), 600, WORDS[:-2])
+    for turn in ("first question", "second question"):
+        context += turn
+        assert await tok.key({"prompt": context}, chat=False, salt="t") is not None
 
-        def value(name: str) -> float:
-            sample = registry.get_sample_value(name)
-            assert sample is not None
-            return sample
+    def value(name: str) -> float:
+        sample = registry.get_sample_value(name)
+        assert sample is not None
+        return sample
 
-        assert value("gateway_tokenize_prompts_total") == 2
-        assert value("gateway_tokenize_reused_tokens_total") == tok.prefixes.stats.reused_tokens
-        assert 0 < value("gateway_tokenize_reused_tokens_total") < value(
-            "gateway_tokenize_tokens_total")
-        assert value("gateway_tokenize_prefix_segments") == len(tok.prefixes) > 0
-        assert value("gateway_tokenize_prefix_mismatches_total") == 0
-    finally:
-        tok.close()
+    assert value("gateway_tokenize_prompts_total") == 2
+    assert value("gateway_tokenize_reused_tokens_total") == tok.prefixes.stats.reused_tokens
+    assert 0 < value("gateway_tokenize_reused_tokens_total") < value(
+        "gateway_tokenize_tokens_total")
+    assert value("gateway_tokenize_prefix_segments") == len(tok.prefixes) > 0
+    assert value("gateway_tokenize_prefix_mismatches_total") == 0
 
 
 def _pieced(tok: tokenizers.Tokenizer) -> TokenPrefixStore:
