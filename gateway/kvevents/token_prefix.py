@@ -21,8 +21,9 @@ segments between checkpoints, and tokenizes only what lies past the deepest one 
   before, and after three failed cuts whole (:attr:`PrefixStoreStats.mismatches` counts them).
   Byte-level and whitespace pre-tokenized BPE tokenizers pass. One that fails (a normalizer
   that writes a marker in front of any text it is given) gets every prompt encoded whole.
-* **A long prompt seen for the first time** (nothing to reuse, at least ``2 * chunk_chars``
-  characters) is encoded in pieces at once, which the tokenizer runs in parallel. Each piece
+* **A long text to encode** (a prompt seen for the first time, or a long new text after a
+  known prefix: at least ``2 * chunk_chars`` characters) is encoded in pieces at once, which
+  the tokenizer runs in parallel. Each piece
   after the first starts a little before its place. Two neighbours are joined at a token
   both start at, well inside their overlap, from which they agree on ``overlap`` tokens at the
   same offsets; if they never agree the prompt is encoded whole. Pieces also spare the
@@ -147,10 +148,10 @@ def _last_at_or_before(start: Callable[[int], int], lo: int, hi: int, limit: int
 
 @dataclass(slots=True)
 class _Stitched:
-    """A prompt encoded in pieces: global token ``g`` in piece ``i`` (``firsts[i] <= g <
-    firsts[i + 1]``) is token ``g - firsts[i] + offsets[i]`` of ``encs[i]``, whose text
-    starts at character ``shifts[i]``; ``leading`` special tokens come first (offset 0), and
-    special tokens after the text have no offset."""
+    """Text encoded in pieces: global token ``g`` (``ids[g - base]``) in piece ``i``
+    (``firsts[i] <= g < firsts[i + 1]``) is token ``g - firsts[i] + offsets[i]`` of
+    ``encs[i]``, whose text starts at character ``shifts[i]``; ``leading`` special tokens come
+    first (offset 0), and the special tokens from ``text_tokens`` on have no offset."""
 
     ids: list[int]
     encs: list[tokenizers.Encoding]
@@ -182,7 +183,7 @@ class _Stitched:
         return 0 if chars is None else chars[1]
 
     def last_at_or_before(self, limit: int) -> int:
-        return _last_at_or_before(self.start, 0, len(self.ids), limit)
+        return _last_at_or_before(self.start, self.base, self.base + len(self.ids), limit)
 
 
 class TokenPrefixStore:
@@ -235,27 +236,29 @@ class TokenPrefixStore:
         return Encoded(keys, len(ids), () if keys else tuple(ids))
 
     # -- a long prompt seen for the first time ---------------------------------------------------
-    def _encode_in_pieces(self, text: str, special: bool) -> _Stitched | None:
-        """``text`` encoded in pieces of ``chunk_chars`` at once (the tokenizer runs them in
-        parallel), each but the first from ``4 * margin`` characters before its start. Two
-        neighbours are joined at a token both start at, well inside their overlap, from which
-        they agree on ``overlap`` tokens at the same offsets. None where the text is short,
-        pieces cannot be encoded together, or two neighbours never agree (then it is encoded
-        whole; ``stats.mismatches`` counts it)."""
+    def _encode_in_pieces(self, text: str, special: bool, start: int = 0,
+                          base: int = 0) -> _Stitched | None:
+        """``text[start:]`` (its tokens numbered from ``base``) encoded in pieces of
+        ``chunk_chars`` at once (the tokenizer runs them in parallel), each but the first from
+        ``4 * margin`` characters before its place. Two neighbours are joined at a token both
+        start at, well inside their overlap, from which they agree on ``overlap`` tokens at
+        the same offsets. None where the text is short, pieces cannot be encoded together, or
+        two neighbours never agree (then it is encoded in one piece; ``stats.mismatches``
+        counts it). ``special`` adds the tokenizer's special tokens (``start`` 0 only)."""
         opts, many = self.opts, self._encode_many
         size = opts.chunk_chars
-        if many is None or not size or len(text) < 2 * size:
+        if many is None or not size or len(text) - start < 2 * size:
             return None
-        if special and self._affixes is None:
+        if special and (self._affixes is None or start):
             return None
         pre, post = self._affixes if special and self._affixes else ((), ())
         back = 4 * opts.margin
-        bounds = [*range(0, len(text) - size // 2, size), len(text)]
-        shifts = [0, *(b - back for b in bounds[1:-1])]
+        bounds = [*range(start, len(text) - size // 2, size), len(text)]
+        shifts = [start, *(b - back for b in bounds[1:-1])]
         encs = many([text[a : bounds[i + 1]] for i, a in enumerate(shifts)], False)
         pieces = [enc.ids for enc in encs]
         ids: list[int] = list(pre)
-        firsts, offsets = [len(pre)], [0]
+        firsts, offsets = [base + len(pre)], [0]
         for i in range(1, len(encs)):
             join = self._join((encs[i - 1], pieces[i - 1], shifts[i - 1]),
                               (encs[i], pieces[i], shifts[i]), offsets[-1], bounds[i])
@@ -264,13 +267,13 @@ class TokenPrefixStore:
                 return None
             end_a, start_b = join
             ids.extend(pieces[i - 1][offsets[-1] : end_a])
-            firsts.append(len(ids))
+            firsts.append(base + len(ids))
             offsets.append(start_b)
         ids.extend(pieces[-1][offsets[-1] :])
         self.stats.pieced += 1
-        text_tokens = len(ids)
+        text_tokens = base + len(ids)
         ids.extend(post)
-        return _Stitched(ids, encs, firsts, offsets, shifts, len(pre), text_tokens)
+        return _Stitched(ids, encs, firsts, offsets, shifts, base + len(pre), text_tokens, base)
 
     def _join(self, a: _Piece, b: _Piece, from_a: int, bound: int) -> tuple[int, int] | None:
         """Where to leave piece ``a`` (used from its token ``from_a``; its text ends at
@@ -339,13 +342,17 @@ class TokenPrefixStore:
 
     def _resume(
         self, text: str, found: Sequence[_Segment], special: bool
-    ) -> tuple[_Run, list[int], int] | None:
-        """Encode ``text`` from just before the last found cut; None when the check fails."""
+    ) -> tuple[_Run | _Stitched, list[int], int] | None:
+        """Encode ``text`` from just before the last found cut (a long rest in pieces); None
+        when the check fails."""
         last = found[-1]
         shift, overlap = last.tail_starts[0], len(last.tail_ids)
-        enc = self._encode(text[shift:], False)
-        ids = enc.ids
-        run = _Run(enc, ids, last.tokens - overlap, shift, 0)
+        run: _Run | _Stitched | None = self._encode_in_pieces(
+            text, False, start=shift, base=last.tokens - overlap)
+        if run is None:
+            enc = self._encode(text[shift:], False)
+            run = _Run(enc, enc.ids, last.tokens - overlap, shift, 0)
+        ids = run.ids
         if (len(ids) <= overlap or ids[:overlap] != last.tail_ids.tolist()
                 or run.start(last.tokens) != last.end
                 or any(run.start(last.tokens - overlap + j) != s

@@ -251,3 +251,22 @@ def test_pieces_that_never_agree_are_encoded_whole() -> None:
     assert store.encode(text, special=False, seed=1).keys == _whole(tok, text, False, 1)
     assert store.stats.pieced == 0
     assert store.stats.mismatches == 1
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_a_long_new_text_after_a_known_prefix_is_encoded_in_pieces(
+    bos_tokenizer: tokenizers.Tokenizer, special: bool
+) -> None:
+    rng = random.Random(11)
+    store = _pieced(bos_tokenizer)
+    system = _text(rng, 200)  # a shared prompt seen before
+    store.encode(system, special=special, seed=2)
+    pieced = store.stats.pieced
+    document = system + _text(rng, 3000)  # then a long text of its own
+    out = store.encode(document, special=special, seed=2)
+    assert out.keys == _whole(bos_tokenizer, document, special, 2)
+    assert (store.stats.reused, store.stats.pieced - pieced) == (1, 1)
+    follow_up = document + _text(rng, 30)
+    assert store.encode(follow_up, special=special, seed=2).keys == _whole(
+        bos_tokenizer, follow_up, special, 2)
+    assert store.stats.reused == 2
