@@ -250,8 +250,9 @@ async def tokenize_cost(tok: Path, rounds: int = 40) -> str:
     """Median cost of keying one prompt, in the pool (encode + keys) and awaited from the loop
     (the thread hop added), for chat prompts of about 2k to 800k characters: the same prompt
     again and again (the prefix store reuses what it tokenized), a prompt seen for the first
-    time each round (nothing to reuse; a long one is encoded in pieces, or in one), and with
-    neither the store nor pieces (every prompt encoded whole)."""
+    time each round (nothing to reuse; a long one is encoded in pieces, or in one), one that
+    starts with 4,000 characters seen before and goes on with new text, and with neither the
+    store nor pieces (every prompt encoded whole)."""
     from gateway.kvevents.token_prefix import PrefixStoreOptions
     from gateway.kvevents.tokenize import PromptTokenizer, TokenizerOptions
 
@@ -262,6 +263,7 @@ async def tokenize_cost(tok: Path, rounds: int = 40) -> str:
         "again": PrefixStoreOptions(),
         "first sight": PrefixStoreOptions(),
         "first sight, one piece": PrefixStoreOptions(chunk_chars=0),
+        "known 4,000 characters, then new": PrefixStoreOptions(),
         "whole (no store, one piece)": PrefixStoreOptions(max_segments=0, chunk_chars=0),
     }
     for case, store in cases.items():
@@ -275,7 +277,8 @@ async def tokenize_cost(tok: Path, rounds: int = 40) -> str:
                 for r in range(rounds):
                     # A new first line makes every checkpoint's text new: nothing to reuse.
                     content = (f"request {chars}/{r}\n{text}" if case.startswith("first")
-                               else text)
+                               else f"{corpus[:4000]}\nrequest {chars}/{r}\n{text}"
+                               if case.startswith("known") else text)
                     body = {"messages": [{"role": "user", "content": content}]}
                     before = tokenizer.stats.seconds
                     started = time.perf_counter()
