@@ -23,12 +23,8 @@ segments between checkpoints, and tokenizes only what lies past the deepest one 
   that writes a marker in front of any text it is given) gets every prompt encoded whole.
 * **A long text to encode** (a prompt seen for the first time, or a long new text after a
   known prefix: at least ``2 * chunk_chars`` characters) is encoded in pieces at once, which
-  the tokenizer runs in parallel. Each piece
-  after the first starts a little before its place. Two neighbours are joined at a token
-  both start at, well inside their overlap, from which they agree on ``overlap`` tokens at the
-  same offsets; if they never agree the prompt is encoded whole. Pieces also spare the
-  tokenizer its slower pace on one very long text: 800,000 characters take 90-100 ms instead
-  of 230-320.
+  the tokenizer runs in parallel, and joined where neighbours agree
+  (:mod:`gateway.kvevents.token_runs`); if they never agree it is encoded in one piece.
 * Bounded: at most ``max_segments`` segments, the least recently used dropped first.
 
 Only token ids and hashes are kept, never text. The event loop and the tokenizer pool's threads
@@ -37,7 +33,6 @@ share the store; a lock guards its table, never an encode.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from array import array
 from collections import OrderedDict
@@ -48,16 +43,11 @@ import tokenizers
 import xxhash
 
 from gateway.contracts.kv_keys import token_block_keys
+from gateway.kvevents.token_runs import EncodeMany, Stitched, TokenRun, encode_in_pieces
 
 # encode(text, add_special_tokens) -> its Encoding
 Encode = Callable[[str, bool], tokenizers.Encoding]
-# encode_many(texts, add_special_tokens) -> their Encodings, encoded in parallel
-EncodeMany = Callable[[list[str], bool], list[tokenizers.Encoding]]
 
-# One piece of a prompt encoded in pieces: its Encoding, ids and character offset.
-_Piece = tuple[tokenizers.Encoding, list[int], int]
-
-_NO_CHARS = 1 << 62  # the offset given to a special token after the text (never a cut)
 _TRIES = 3  # cuts tried, from the deepest back, before a prompt is encoded whole
 
 
@@ -67,8 +57,8 @@ class PrefixStoreOptions:
     margin: int = 128  # characters a cut keeps before its checkpoint
     overlap: int = 8  # tokens encoded again before a cut, to check it
     max_segments: int = 65_536  # 0: off; 64 MB of prompt text in about 50 MB
-    # A prompt with nothing to reuse and at least twice this many characters is encoded in
-    # pieces of this size, in parallel, and stitched where neighbours agree (0: never).
+    # A text to encode of at least twice this many characters (nothing reused, or the new
+    # rest after a cut) is encoded in pieces of this size, in parallel (0: never).
     chunk_chars: int = 32_768
 
     def __post_init__(self) -> None:
@@ -108,88 +98,12 @@ class Encoded:
     short_ids: tuple[int, ...]  # its tokens when it fills no whole block, else ()
 
 
-@dataclass(slots=True)
-class _Run:
-    """One encode: global token ``g`` is ``enc``'s token ``g - base``, ``ids`` its ids."""
-
-    enc: tokenizers.Encoding
-    ids: list[int]
-    base: int
-    shift: int  # character offset of the encoded text in the prompt
-    leading: int  # special tokens before the text (offset 0)
-
-    def start(self, g: int) -> int:
-        j = g - self.base
-        chars = self.enc.token_to_chars(j)
-        if chars is None:
-            return 0 if j < self.leading else _NO_CHARS
-        return int(chars[0]) + self.shift
-
-    def end(self, g: int) -> int:
-        chars = self.enc.token_to_chars(g - self.base)
-        return 0 if chars is None else int(chars[1]) + self.shift
-
-    def last_at_or_before(self, limit: int) -> int:
-        """The largest global index whose token starts at or before ``limit``."""
-        return _last_at_or_before(self.start, self.base, self.base + len(self.ids), limit)
-
-
-def _last_at_or_before(start: Callable[[int], int], lo: int, hi: int, limit: int) -> int:
-    """The largest index in [lo, hi) whose token starts at or before ``limit`` (lo - 1: none);
-    starts do not decrease."""
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if start(mid) <= limit:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@dataclass(slots=True)
-class _Stitched:
-    """Text encoded in pieces: global token ``g`` (``ids[g - base]``) in piece ``i``
-    (``firsts[i] <= g < firsts[i + 1]``) is token ``g - firsts[i] + offsets[i]`` of
-    ``encs[i]``, whose text starts at character ``shifts[i]``; ``leading`` special tokens come
-    first (offset 0), and the special tokens from ``text_tokens`` on have no offset."""
-
-    ids: list[int]
-    encs: list[tokenizers.Encoding]
-    firsts: list[int]
-    offsets: list[int]
-    shifts: list[int]
-    leading: int
-    text_tokens: int  # leading + the text's tokens: where trailing special tokens begin
-    base: int = 0
-
-    def _chars(self, g: int) -> tuple[int, int] | None:
-        i = bisect.bisect_right(self.firsts, g) - 1
-        chars = self.encs[i].token_to_chars(g - self.firsts[i] + self.offsets[i])
-        return None if chars is None else (int(chars[0]) + self.shifts[i],
-                                           int(chars[1]) + self.shifts[i])
-
-    def start(self, g: int) -> int:
-        if g < self.leading:
-            return 0
-        if g >= self.text_tokens:
-            return _NO_CHARS
-        chars = self._chars(g)
-        return 0 if chars is None else chars[0]
-
-    def end(self, g: int) -> int:
-        if g < self.leading or g >= self.text_tokens:
-            return 0
-        chars = self._chars(g)
-        return 0 if chars is None else chars[1]
-
-    def last_at_or_before(self, limit: int) -> int:
-        return _last_at_or_before(self.start, self.base, self.base + len(self.ids), limit)
-
-
 class TokenPrefixStore:
     def __init__(self, encode: Encode, block_size: int,
                  opts: PrefixStoreOptions = PrefixStoreOptions(),
                  encode_many: EncodeMany | None = None) -> None:
+        """``encode`` one text; ``encode_many`` several in parallel (None: long texts are
+        encoded in one piece too)."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self._encode = encode
@@ -218,100 +132,36 @@ class TokenPrefixStore:
                 break
             resumed = self._resume(text, found, special)
             if resumed is not None:
+                run, keys, tokens = resumed
                 self.stats.reused += 1
                 self.stats.reused_tokens += found[-1].tokens
-                self._store(names, found, resumed[0], resumed[1])
-                return Encoded(resumed[1], resumed[2], ())
+                self._store(names, found, run, keys)
+                return Encoded(keys, tokens, ())
             self.stats.mismatches += 1
             found = found[:-1]  # the cut before
-        run: _Run | _Stitched | None = self._encode_in_pieces(text, special)
-        if run is None:  # short, or pieces that did not agree
-            enc = self._encode(text, special)
-            leading = len(self._affixes[0]) if special and self._affixes else 0
-            run = _Run(enc, enc.ids, 0, 0, leading)
-        ids = run.ids
-        keys = token_block_keys(ids, self._block, seed)
+        run = self._encode_from(text, 0, 0, special)
+        keys = token_block_keys(run.ids, self._block, seed)
         if names:
             self._store(names, [], run, keys)
-        return Encoded(keys, len(ids), () if keys else tuple(ids))
+        return Encoded(keys, len(run.ids), () if keys else tuple(run.ids))
 
-    # -- a long prompt seen for the first time ---------------------------------------------------
-    def _encode_in_pieces(self, text: str, special: bool, start: int = 0,
-                          base: int = 0) -> _Stitched | None:
-        """``text[start:]`` (its tokens numbered from ``base``) encoded in pieces of
-        ``chunk_chars`` at once (the tokenizer runs them in parallel), each but the first from
-        ``4 * margin`` characters before its place. Two neighbours are joined at a token both
-        start at, well inside their overlap, from which they agree on ``overlap`` tokens at
-        the same offsets. None where the text is short, pieces cannot be encoded together, or
-        two neighbours never agree (then it is encoded in one piece; ``stats.mismatches``
-        counts it). ``special`` adds the tokenizer's special tokens (``start`` 0 only)."""
-        opts, many = self.opts, self._encode_many
-        size = opts.chunk_chars
-        if many is None or not size or len(text) - start < 2 * size:
-            return None
-        if special and (self._affixes is None or start):
-            return None
+    def _encode_from(self, text: str, start: int, base: int,
+                     special: bool) -> TokenRun | Stitched:
+        """``text[start:]``, its tokens numbered from ``base``, with the tokenizer's special
+        tokens (``start`` 0 only): in pieces when it is long, else in one."""
         pre, post = self._affixes if special and self._affixes else ((), ())
-        back = 4 * opts.margin
-        bounds = [*range(start, len(text) - size // 2, size), len(text)]
-        shifts = [start, *(b - back for b in bounds[1:-1])]
-        encs = many([text[a : bounds[i + 1]] for i, a in enumerate(shifts)], False)
-        pieces = [enc.ids for enc in encs]
-        ids: list[int] = list(pre)
-        firsts, offsets = [base + len(pre)], [0]
-        for i in range(1, len(encs)):
-            join = self._join((encs[i - 1], pieces[i - 1], shifts[i - 1]),
-                              (encs[i], pieces[i], shifts[i]), offsets[-1], bounds[i])
-            if join is None:
-                self.stats.mismatches += 1
-                return None
-            end_a, start_b = join
-            ids.extend(pieces[i - 1][offsets[-1] : end_a])
-            firsts.append(base + len(ids))
-            offsets.append(start_b)
-        ids.extend(pieces[-1][offsets[-1] :])
-        self.stats.pieced += 1
-        text_tokens = base + len(ids)
-        ids.extend(post)
-        return _Stitched(ids, encs, firsts, offsets, shifts, base + len(pre), text_tokens, base)
-
-    def _join(self, a: _Piece, b: _Piece, from_a: int, bound: int) -> tuple[int, int] | None:
-        """Where to leave piece ``a`` (used from its token ``from_a``; its text ends at
-        ``bound``) for piece ``b``: (a's first token not used, b's first token used), or
-        None when they never agree."""
-        overlap, margin = self.opts.overlap, self.opts.margin
-        (enc_a, ids_a, shift_a), (enc_b, ids_b, shift_b) = a, b
-
-        def start(enc: tokenizers.Encoding, shift: int, j: int) -> int:
-            chars = enc.token_to_chars(j)
-            return _NO_CHARS if chars is None else int(chars[0]) + shift
-
-        def end(enc: tokenizers.Encoding, shift: int, j: int) -> int:
-            chars = enc.token_to_chars(j)
-            return 0 if chars is None else int(chars[1]) + shift
-
-        def start_a(j: int) -> int:
-            return start(enc_a, shift_a, j)
-
-        def start_b(j: int) -> int:
-            return start(enc_b, shift_b, j)
-
-        n_a, n_b = len(ids_a), len(ids_b)
-        trusted = bound - margin  # a's tokens up to here do not depend on where it was cut
-        j_b = _last_at_or_before(start_b, 0, n_b, shift_b + margin // 2) + 1
-        while j_b < n_b - overlap:
-            at = start_b(j_b)
-            if at > trusted:
-                return None
-            j_a = _last_at_or_before(start_a, from_a, n_a, at)
-            if (j_a > from_a and start_a(j_a) == at and j_a + overlap < n_a
-                    and start_a(j_a + overlap) <= trusted
-                    and at >= end(enc_a, shift_a, j_a - 1) and at >= end(enc_b, shift_b, j_b - 1)
-                    and ids_a[j_a : j_a + overlap] == ids_b[j_b : j_b + overlap]
-                    and all(start_a(j_a + t) == start_b(j_b + t) for t in range(1, overlap))):
-                return j_a, j_b
-            j_b += 1
-        return None
+        many, size = self._encode_many, self.opts.chunk_chars
+        if (many is not None and size and len(text) - start >= 2 * size
+                and not (special and (self._affixes is None or start))):
+            stitched = encode_in_pieces(
+                text, many, start=start, base=base, size=size, margin=self.opts.margin,
+                overlap=self.opts.overlap, pre=pre, post=post)
+            if stitched is not None:
+                self.stats.pieced += 1
+                return stitched
+            self.stats.mismatches += 1  # neighbours that never agreed
+        enc = self._encode(text[start:] if start else text, special)
+        return TokenRun(enc, enc.ids, base, start, len(pre))
 
     # -- lookup --------------------------------------------------------------------------------
     def _names(self, text: str, special: bool, seed: int) -> list[int]:
@@ -342,16 +192,11 @@ class TokenPrefixStore:
 
     def _resume(
         self, text: str, found: Sequence[_Segment], special: bool
-    ) -> tuple[_Run | _Stitched, list[int], int] | None:
-        """Encode ``text`` from just before the last found cut (a long rest in pieces); None
-        when the check fails."""
+    ) -> tuple[TokenRun | Stitched, list[int], int] | None:
+        """Encode ``text`` from just before the last found cut; None when the check fails."""
         last = found[-1]
         shift, overlap = last.tail_starts[0], len(last.tail_ids)
-        run: _Run | _Stitched | None = self._encode_in_pieces(
-            text, False, start=shift, base=last.tokens - overlap)
-        if run is None:
-            enc = self._encode(text[shift:], False)
-            run = _Run(enc, enc.ids, last.tokens - overlap, shift, 0)
+        run = self._encode_from(text, shift, last.tokens - overlap, False)
         ids = run.ids
         if (len(ids) <= overlap or ids[:overlap] != last.tail_ids.tolist()
                 or run.start(last.tokens) != last.end
@@ -368,7 +213,7 @@ class TokenPrefixStore:
         return run, keys, last.tokens + len(rest)
 
     # -- storing -------------------------------------------------------------------------------
-    def _store(self, names: Sequence[int], found: Sequence[_Segment], run: _Run | _Stitched,
+    def _store(self, names: Sequence[int], found: Sequence[_Segment], run: TokenRun | Stitched,
                keys: Sequence[int]) -> None:
         """Segments for the checkpoints past ``found``, cut from ``run``."""
         opts, block, overlap = self.opts, self._block, self.opts.overlap

@@ -18,9 +18,9 @@ the same chained hash of token blocks that events are keyed by (:mod:`gateway.co
 Encoding runs in a small thread pool (the Rust tokenizer does the work without the GIL, the
 loop keeps serving), but for prompts of at most ``inline_chars`` characters (4,096), which cost
 less to encode on the loop than the hop to a thread and back; :attr:`PromptTokenizer.stats`
-keeps the count and cost. A prompt that
-extends one tokenized before (the next turn of a session, a question over a known document) is
-encoded only past the text it shares (:mod:`gateway.kvevents.token_prefix`).
+keeps the count and cost. A prompt that extends one tokenized before (the next turn of a
+session, a question over a known document) is encoded only past the text it shares
+(:mod:`gateway.kvevents.token_prefix`).
 """
 
 from __future__ import annotations
@@ -191,12 +191,11 @@ class PromptTokenizer:
                                 seed)
 
     def _encoding(self, text: str, special: bool) -> tokenizers.Encoding:
-        # encode_batch lets go of the GIL while it encodes (encode does not): the event loop
-        # keeps serving meanwhile.
-        enc: tokenizers.Encoding = self._tok.encode_batch([text], add_special_tokens=special)[0]
-        return enc
+        return self._encodings([text], special)[0]
 
     def _encodings(self, texts: list[str], special: bool) -> list[tokenizers.Encoding]:
+        # encode_batch lets go of the GIL while it encodes (encode does not): the event loop
+        # keeps serving meanwhile; and it encodes several texts in parallel.
         encs: list[tokenizers.Encoding] = self._tok.encode_batch(texts, add_special_tokens=special)
         return encs
 
