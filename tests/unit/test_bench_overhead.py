@@ -1,6 +1,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
 
 from loadtest.bench_overhead import (
     OverheadConfig,
@@ -28,6 +34,32 @@ def test_proc_tree_cpu_grows_with_work() -> None:
         sum(range(10_000))
     assert proc_tree_cpu_s(os.getpid()) >= deadline
     assert proc_tree_cpu_s(2**22 + 12345) == 0.0  # no such process
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+                    reason="the kernel keeps no per-thread schedstat")
+def test_proc_tree_cpu_resolves_less_than_a_clock_tick() -> None:
+    # A clock tick is 10 ms; 2 ms of work must show as about 2 ms, not as 0 or 10.
+    before, own = proc_tree_cpu_s(os.getpid()), time.thread_time()
+    while time.thread_time() - own < 0.002:
+        sum(range(1_000))
+    spent = proc_tree_cpu_s(os.getpid()) - before
+    assert 0.002 <= spent < 0.009
+
+
+def test_proc_tree_cpu_counts_child_processes() -> None:
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n" \
+           "print('done', flush=True)\ntime.sleep(30)\n"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
+    try:
+        before = proc_tree_cpu_s(os.getpid()) - proc_tree_cpu_s(child.pid)
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "done"
+        assert proc_tree_cpu_s(child.pid) >= 0.3
+        assert proc_tree_cpu_s(os.getpid()) - before >= 0.3
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_cpu_is_paired_by_repetition_against_ours() -> None:
