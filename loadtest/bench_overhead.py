@@ -24,6 +24,12 @@ One run, one set of workers:
    rotates each round); p50/p99 per target, minus the direct p50.
 4. **Streams** (``--stream-tokens N``): streamed answers of N token events, the router's CPU
    per stream and per event (:mod:`loadtest.overhead_stream`).
+5. **Long prompts** (``--long CHARS,...``): ``--long-requests`` sequential chat requests per
+   size sharing one system prompt, ``--long-reps`` rounds; the router's CPU per request by
+   size. The worker takes longer on a long prompt, and a router spends CPU every second on its
+   own (health probes, timers), so first every router's CPU per second with no requests is
+   measured for ``--idle-s`` seconds, and the table is given again less that rate times each
+   round's wall time per request.
 
 Medians over the repetitions, and each figure as a ratio to sglang-router's, so the numbers can
 be compared on a noisy shared machine. Every other target's CPU per request is also given as a
@@ -50,7 +56,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +113,10 @@ class OverheadConfig:
     long_chars: tuple[int, ...] = ()
     long_requests: int = 20
     long_reps: int = 1  # rounds over every size, targets in rotating order; medians reported
+    # Seconds with no requests before the long prompts, to measure what each router spends
+    # per second on its own (health probes, timers): a long request that takes the worker
+    # 0.2 s is charged 0.2 s of it.
+    idle_s: float = 10.0
     stream: StreamConfig = field(default_factory=StreamConfig)  # streamed answers
     # The workers' time per output token (0: events back to back). Paces streamed answers as
     # an engine does; every phase's answers take that much longer per token.
@@ -143,6 +153,10 @@ class TargetResult:
     long_decision_us: dict[int, float] = field(default_factory=dict)
     long_decision_runs: dict[int, list[float]] = field(default_factory=dict)
     long_errors: int = 0  # long requests not answered 200
+    # CPU ms per second with no requests (-1: not measured), and each long round's CPU per
+    # request less that rate times the round's wall time per request.
+    idle_ms_per_s: float = -1.0
+    long_net_runs: dict[int, list[float]] = field(default_factory=dict)
 
     def median(self, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in self.reps) if self.reps else 0.0
@@ -498,6 +512,8 @@ async def long_prompts(session: aiohttp.ClientSession, config: OverheadConfig,
     """Each long size, ``long_reps`` rounds, targets in rotating order: every router's CPU ms
     per request and our gateways' decision time; medians over the rounds."""
     sizes = {chars: long_bodies(config, chars) for chars in config.long_chars}
+    if sizes and config.idle_s > 0:
+        await idle_cpu(targets, results, config.idle_s)
     for rep in range(config.long_reps):
         for chars, bodies in sizes.items():
             for t in _rotated(targets, rep):
@@ -509,6 +525,9 @@ async def long_prompts(session: aiohttp.ClientSession, config: OverheadConfig,
                 result = results[t.name]
                 result.long_cpu_runs.setdefault(chars, []).append(one.cpu_s_per_1k)
                 result.long_errors += one.errors
+                if result.idle_ms_per_s >= 0 and one.rps > 0:
+                    result.long_net_runs.setdefault(chars, []).append(
+                        one.cpu_s_per_1k - result.idle_ms_per_s / one.rps)
                 if ours:
                     after = await decision_totals(session, t)
                     if after[1] > before[1]:
@@ -520,6 +539,19 @@ async def long_prompts(session: aiohttp.ClientSession, config: OverheadConfig,
                                    for c, v in result.long_decision_runs.items()}
 
 
+async def idle_cpu(targets: Sequence[Target], results: dict[str, TargetResult],
+                   seconds: float) -> None:
+    """Each router's CPU ms per second over ``seconds`` with no requests, all at once."""
+    print(f"[bench] idle CPU, {seconds:g} s ...", file=sys.stderr, flush=True)
+    before = [await asyncio.to_thread(proc_tree_cpu_s, t.pid) for t in targets]
+    started = time.perf_counter()
+    await asyncio.sleep(seconds)
+    after = [await asyncio.to_thread(proc_tree_cpu_s, t.pid) for t in targets]
+    wall = time.perf_counter() - started
+    for t, cpu0, cpu1 in zip(targets, before, after, strict=True):
+        results[t.name].idle_ms_per_s = (cpu1 - cpu0) * 1000 / wall
+
+
 # -- output --------------------------------------------------------------------------------
 
 
@@ -527,11 +559,26 @@ def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "-"
 
 
+def _long_rows(result: OverheadResult, sizes: Sequence[int],
+               cells_of: Callable[[TargetResult], dict[int, tuple[float, list[float]]]],
+               ) -> list[str]:
+    rows = []
+    for t in result.targets:
+        cells = cells_of(t)
+        if cells:
+            shown = [f"{cells[s][0]:.2f} (" + ", ".join(f"{v:.2f}" for v in cells[s][1]) + ")"
+                     if s in cells else "-" for s in sizes]
+            first, last = cells.get(sizes[0]), cells.get(sizes[-1])
+            ratio = _ratio(last[0], first[0]) if first and last else "-"
+            rows.append(f"| {t.name} | " + " | ".join(shown) + f" | {ratio} |")
+    return rows
+
+
 def long_table(result: OverheadResult) -> list[str]:
     """Router CPU ms per long request by prompt size (median of the rounds, each round in
     brackets), the largest over the smallest, and our gateways' decision time."""
     c = result.config
-    sizes = sorted({s for t in result.targets for s in t.long_cpu_ms})
+    sizes = sorted({s for t in result.targets for s in t.long_cpu_runs})
     if not sizes:
         return []
     lines = ["", f"Long prompts: {c.long_requests} sequential chat requests sharing one "
@@ -539,14 +586,16 @@ def long_table(result: OverheadResult) -> list[str]:
              "request, median (each round):", "",
              "| target | " + " | ".join(f"{s:,} chars" for s in sizes)
              + f" | {sizes[-1]:,} / {sizes[0]:,} |", "|---|" + "---:|" * (len(sizes) + 1)]
-    for t in result.targets:
-        if t.long_cpu_ms:
-            cells = [f"{t.long_cpu_ms.get(s, 0.0):.2f} ("
-                     + ", ".join(f"{v:.2f}" for v in t.long_cpu_runs.get(s, [])) + ")"
-                     for s in sizes]
-            lines.append(f"| {t.name} | " + " | ".join(cells) + " | "
-                         + _ratio(t.long_cpu_ms.get(sizes[-1], 0.0),
-                                  t.long_cpu_ms.get(sizes[0], 0.0)) + " |")
+    lines += _long_rows(result, sizes, lambda t: {
+        s: (statistics.median(v), v) for s, v in t.long_cpu_runs.items()})
+    if any(t.long_net_runs for t in result.targets):
+        lines += ["", "Less what each router spends with no requests over the same wall time "
+                  "(its idle CPU ms per second: " + ", ".join(
+                      f"{t.name} {t.idle_ms_per_s:.2f}" for t in result.targets
+                      if t.idle_ms_per_s >= 0) + "):", "",
+                  lines[3], lines[4]]
+        lines += _long_rows(result, sizes, lambda t: {
+            s: (statistics.median(v), v) for s, v in t.long_net_runs.items()})
     for t in result.targets:
         if t.long_errors:
             lines.append(f"- {t.name}: **{t.long_errors} long requests failed** (not 200)")
@@ -653,6 +702,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--long-requests", type=int, default=20, help="requests per long size")
     p.add_argument("--long-reps", type=int, default=1,
                    help="rounds over the long sizes (targets rotated); medians reported")
+    p.add_argument("--idle-s", type=float, default=10.0,
+                   help="before the long prompts, seconds with no requests to measure each "
+                   "router's CPU per second on its own (0: not measured)")
     p.add_argument("--stream-tokens", type=int, default=0,
                    help="also stream answers of this many tokens (loadtest.overhead_stream)")
     p.add_argument("--stream-requests", type=int, default=100, help="streams per round")
@@ -684,7 +736,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         routers=tuple(r for r in args.routers.split(",") if r), procs=args.procs,
         gateway_args=tuple(args.gateway_arg),
         long_chars=tuple(int(c) for c in args.long.split(",") if c.strip()),
-        long_requests=args.long_requests, long_reps=args.long_reps,
+        long_requests=args.long_requests, long_reps=args.long_reps, idle_s=args.idle_s,
         stream=StreamConfig(tokens=args.stream_tokens, requests=args.stream_requests,
                             concurrency=args.stream_concurrency, reps=args.stream_reps),
         decode_ms=args.decode_ms,

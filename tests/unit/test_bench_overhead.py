@@ -85,6 +85,18 @@ def test_long_prompts_report_medians_the_ratio_and_decision_time() -> None:
     assert "| ours | 3.00 (2.00, 9.00, 3.00) | 6.00 (6.00, 5.00, 30.00) | 2.00x |" in text
     assert "| sglang-router | 1.00 (1.00) | 4.00 (4.00) | 4.00x |" in text
     assert "- ours: routing decision 40 us at 1,000 chars, 55 us at 64,000 chars" in text
+    assert "Less what each router spends" not in text  # idle CPU not measured
+
+
+def test_long_prompts_net_of_idle_cpu() -> None:
+    ours = TargetResult("ours", long_cpu_runs={1000: [2.0], 64000: [6.0]},
+                        idle_ms_per_s=1.5, long_net_runs={1000: [1.9], 64000: [4.5, 5.0]})
+    peer = TargetResult("smg", long_cpu_runs={1000: [1.0], 64000: [4.0]})
+    text = to_markdown(OverheadResult("cmd", OverheadConfig(), [ours, peer], {}))
+    net = text.split("Less what each router spends")[1]
+    assert "(its idle CPU ms per second: ours 1.50)" in net
+    assert "| ours | 1.90 (1.90) | 4.75 (4.50, 5.00) | 2.50x |" in net
+    assert "| smg |" not in net
 
 
 def test_histogram_totals_add_up_label_sets_and_skip_buckets() -> None:
