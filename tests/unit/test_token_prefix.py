@@ -21,7 +21,7 @@ from gateway.telemetry.metrics import TokenizerCollector
 from loadtest.tiny_tokenizer import train
 
 BLOCK = 4
-OPTS = PrefixStoreOptions(stride=256, margin=32, overlap=4)
+OPTS = PrefixStoreOptions(stride=256, margin=32, overlap=4, fine=64)
 WORDS = ("billing", "invoice", "wörld", "日本語", "emoji😀", "  ", "\n", "\t", ",", "...",
          "x", "a" * 80, "def f(x):\n    return x\n")
 
@@ -96,6 +96,31 @@ def test_prompts_that_part_anywhere_keep_exact_keys(bos_tokenizer: tokenizers.To
     assert store.stats.reused > 50
 
 
+def test_fine_checkpoints_resume_near_where_prompts_part(
+    bos_tokenizer: tokenizers.Tokenizer,
+) -> None:
+    # A shared system prompt that ends inside a stride, then a different short question: the
+    # fine checkpoints of the last strides let each later prompt resume near the question.
+    rng = random.Random(8)
+    system = _text(rng, 400, WORDS[:-2])[: 5 * 256 + 200]
+    questions = [_text(rng, 6, WORDS[:-2]) for _ in range(20)]
+    encoded = {}
+    for fine in (0, 64):
+        store = _store(bos_tokenizer, PrefixStoreOptions(stride=256, margin=32, overlap=4,
+                                                         fine=fine))
+        total = 0
+        for i, question in enumerate(questions):
+            text = system + question
+            out = store.encode(text, special=i % 2 == 1, seed=5)
+            assert out.keys == _whole(bos_tokenizer, text, i % 2 == 1, 5)
+            total += out.tokens if i > 1 else 0
+        assert store.stats.mismatches == 0
+        # Every prompt but the first with special tokens and the first without.
+        assert store.stats.reused == len(questions) - 2
+        encoded[fine] = total - store.stats.reused_tokens  # tokens encoded after the first
+    assert encoded[64] < 0.6 * encoded[0]
+
+
 def _trained(pre: pre_tokenizers.PreTokenizer, normalizer: normalizers.Normalizer | None,
              rng: random.Random) -> tokenizers.Tokenizer:
     tok = tokenizers.Tokenizer(models.BPE())
@@ -146,7 +171,7 @@ def test_namespaces_share_nothing(bos_tokenizer: tokenizers.Tokenizer) -> None:
 
 def test_bounded_and_keeps_no_text(bos_tokenizer: tokenizers.Tokenizer) -> None:
     store = _store(bos_tokenizer, PrefixStoreOptions(stride=256, margin=32, overlap=4,
-                                                     max_segments=10))
+                                                     fine=64, max_segments=10))
     rng = random.Random(6)
     for _ in range(8):
         store.encode(_text(rng, 300), special=False, seed=1)
@@ -219,7 +244,7 @@ async def test_metrics_say_what_the_store_saved(make_tokenizer: MakeTokenizer) -
 def _pieced(tok: tokenizers.Tokenizer) -> TokenPrefixStore:
     return TokenPrefixStore(
         lambda text, special: tok.encode_batch([text], add_special_tokens=special)[0], BLOCK,
-        PrefixStoreOptions(stride=256, margin=32, overlap=4, chunk_chars=1024),
+        PrefixStoreOptions(stride=256, margin=32, overlap=4, fine=64, chunk_chars=1024),
         encode_many=lambda texts, special: tok.encode_batch(texts, add_special_tokens=special))
 
 
