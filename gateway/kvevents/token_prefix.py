@@ -297,7 +297,7 @@ class TokenPrefixStore:
                     continue  # no cut before that stride here (or one found, not encoded)
                 begin_end, begin_tokens = begins[n]
                 for at, name in self._fine_names(text, n, names, start):
-                    if at <= after:
+                    if at <= after or name in self._segments:  # (the same text: the same cut)
                         continue
                     seg = self._segment(run, keys, at - opts.margin, begin_end, begin_tokens,
                                         floor)
