@@ -236,8 +236,6 @@ class TokenPrefixStore:
         """The deepest stored fine segment inside the stride after the checkpoints ``found``
         covers, that goes on from their last cut; None if there is none."""
         n = len(found)
-        if n < len(names) - 1:
-            return None  # the chain stopped before the prompt's last strides: none stored
         end, tokens = (found[-1].end, found[-1].tokens) if found else (0, 0)
         fine = self._fine_names(text, n, names, start)
         with self._lock:

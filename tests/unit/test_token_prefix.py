@@ -121,6 +121,26 @@ def test_fine_checkpoints_resume_near_where_prompts_part(
     assert encoded[64] < 0.6 * encoded[0]
 
 
+def test_a_prompt_that_goes_on_long_after_parting_uses_a_fine_checkpoint(
+    bos_tokenizer: tokenizers.Tokenizer,
+) -> None:
+    # The second prompt parts from the first inside a stride, then goes on for strides more:
+    # the first prompt's fine checkpoints still let it resume near where they part.
+    rng = random.Random(9)
+    first = _text(rng, 400, WORDS[:-2])[: 5 * 256 + 100]
+    second = first[: 5 * 256 + 70] + _text(rng, 150, WORDS[:-2])
+    reused = {}
+    for fine in (0, 64):
+        store = _store(bos_tokenizer, PrefixStoreOptions(stride=256, margin=32, overlap=4,
+                                                         fine=fine))
+        store.encode(first, special=False, seed=2)
+        out = store.encode(second, special=False, seed=2)
+        assert out.keys == _whole(bos_tokenizer, second, False, 2)
+        assert store.stats.reused == 1
+        reused[fine] = store.stats.reused_tokens
+    assert reused[64] > reused[0]
+
+
 def _trained(pre: pre_tokenizers.PreTokenizer, normalizer: normalizers.Normalizer | None,
              rng: random.Random) -> tokenizers.Tokenizer:
     tok = tokenizers.Tokenizer(models.BPE())
