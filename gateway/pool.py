@@ -323,13 +323,6 @@ class WorkerPool:
         emptied; what was sent there since is being stored again)."""
         self._index.retain(wid, keep)
 
-    def set_model_room(self, wid: str, blocks: int) -> None:
-        """The prefix index models ``wid``'s cache as ``blocks`` (its reported size less what
-        its running requests hold privately), less :attr:`private_blocks`; the reported size
-        stays as it is."""
-        if wid in self._workers:
-            self._index.set_capacity(wid, max(1, blocks - self.private_blocks))
-
     def model_holds(self, wid: str, block: int) -> bool:
         """Whether the prefix index says ``wid`` holds the prefix ``block`` names."""
         return self._index.holds(wid, block)

@@ -67,10 +67,6 @@ class SentBlocks(Protocol):
         """The request that carried ``blocks`` there ended (answered or failed)."""
         ...
 
-    def reported(self, worker_id: str, block_tokens: int, predicted: int, matched: int) -> None:
-        """The worker reused ``matched`` prompt tokens where ``predicted`` were expected."""
-        ...
-
 
 class NoSink:
     """Shares nothing: a single gateway with no store, or the simulator."""
@@ -240,9 +236,6 @@ class RoutingSession:
             if predicted is None:  # character keys: scaled from the worker's count
                 predicted = round(usage.input_tokens * depth / blocks) if blocks else 0
             self.pool.record_prediction(wid, predicted, usage.matched_tokens)
-            if self.exact is not None and attempt.predicted_tokens is not None:
-                self.exact.reported(wid, attempt.request.block_tokens, predicted,
-                                    usage.matched_tokens)
             if self.learn_capacity and blocks and usage.input_tokens > 0:
                 share = min(usage.matched_tokens / usage.input_tokens, 1.0)
                 self._learn(wid, blocks, depth, round(blocks * share), attempt.held_use)

@@ -53,14 +53,8 @@ class WorkerSet(Protocol):
         """The modelled index keeps of the worker only the blocks ``keep`` accepts."""
         ...
 
-    def set_model_room(self, wid: str, blocks: int) -> None:
-        """The modelled cache of the worker holds ``blocks`` (its reported size less what
-        its running requests hold privately)."""
-        ...
-
 
 VIEWS = ("hybrid", "events")
-_TAIL_BLOCKS = 8  # mispredictions up to this many blocks are the tail's (room), not the rest
 
 
 class ExactSource:
@@ -90,7 +84,6 @@ class ExactSource:
         self._task: asyncio.Task[None] | None = None
         self._healthy: set[str] = set()
         self._workers: WorkerSet | None = None
-        self._reserve: dict[str, int] = {}  # event-fed worker -> blocks taken from its model
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self, workers: WorkerSet) -> None:
@@ -165,25 +158,6 @@ class ExactSource:
 
     def done(self, worker_id: str, blocks: Sequence[int], now: float) -> None:
         self.index.done(worker_id, blocks, now)
-
-    def reported(self, worker_id: str, block_tokens: int, predicted: int, matched: int) -> None:
-        """Fit the room of an event-fed worker's modelled cache to its replies (hybrid view).
-        Its running requests hold blocks of their own (partial last blocks, output), so under
-        pressure the engine evicts a little more than an LRU of its reported size: a reply
-        that reused a few blocks less than predicted takes a block of room from the model, one
-        that reused a few more gives one back."""
-        workers, capacity = self._workers, self.index.capacity(worker_id)
-        if (self.view != "hybrid" or workers is None or not capacity or block_tokens < 1
-                or not self.index.is_live(worker_id)):
-            return
-        off = (predicted - matched) // block_tokens
-        if not off or abs(off) > _TAIL_BLOCKS:
-            return
-        old = self._reserve.get(worker_id, 0)
-        new = min(capacity // 4, old + 1) if off > 0 else max(0, old - 1)
-        if new != old:
-            self._reserve[worker_id] = new
-            workers.set_model_room(worker_id, capacity - new)
 
     # -- the operator's view --------------------------------------------------------------------
     def source_of(self, worker_id: str) -> str:

@@ -10,8 +10,6 @@ import pytest
 from gateway.contracts.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from gateway.kvevents.hybrid import HybridMatcher
 from gateway.kvevents.index import ExactIndex
-from gateway.kvevents.source import ExactSource
-from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
 from tests.unit.test_kvevents_index import BS, Recorder, keys
 from worker.kvcache import PrefixCache
@@ -354,32 +352,3 @@ def test_simulation_reports_every_view(capsys: pytest.CaptureFixture[str]) -> No
             shares[name].append(s["hybrid"])
             print(name, seed, {k: round(v, 3) for k, v in s.items()})
     assert all(0.0 < v <= 1.0 for vs in shares.values() for v in vs)
-
-
-def fitted_room(view: str, misses_in_blocks: list[int]) -> int:
-    """The modelled room of an event-fed worker of 100 reported blocks after replies that
-    reused ``misses_in_blocks`` blocks less than predicted (negative: more)."""
-    index = PrefixIndex()
-    pool = WorkerPool(["http://127.0.0.1:9#kv-events=tcp://127.0.0.1:9"], index)
-    (wid,) = [s.worker.id for s in pool.states()]
-    pool.set_capacity(wid, 100)
-    source = ExactSource(view=view)
-    source.reconcile(pool)  # the hub is not started: no feed, no socket
-    source.index.set_live(wid, True)
-    for miss in misses_in_blocks:
-        source.reported(wid, BS, 40 * BS, (40 - miss) * BS)
-    return index.capacity(wid)
-
-
-@pytest.mark.parametrize(("view", "misses", "room"), [
-    ("hybrid", [], 100),
-    ("hybrid", [2, 1, 3], 97),  # the engine kept fewer tail blocks: less room in the model
-    ("hybrid", [2, 1, 3, -1], 98),  # it kept one more than predicted: a block back
-    ("hybrid", [-1, -2], 100),  # never above what the worker reports
-    ("hybrid", [20, 40], 100),  # whole prefixes missing say nothing about the room
-    ("hybrid", [0, 0], 100),
-    ("events", [2, 1, 3], 100),  # the events-only view leaves the model alone
-])
-def test_the_models_room_is_fitted_to_the_replies(view: str, misses: list[int],
-                                                  room: int) -> None:
-    assert fitted_room(view, misses) == room

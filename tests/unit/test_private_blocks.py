@@ -50,8 +50,6 @@ def test_the_reported_size_stays_and_the_model_is_one_block_less() -> None:
     pool.set_capacity(wid, 500)
     assert (pool.get(wid).capacity_blocks, index.capacity(wid), pool.model_size(wid)) == (
         500, 499, 499)
-    pool.set_model_room(wid, 480)  # the hybrid view's fitted room, less the same block
-    assert index.capacity(wid) == 479
     plain = WorkerPool(["http://127.0.0.1:9"], PrefixIndex())
     plain.set_capacity(plain.states()[0].worker.id, 500)
     assert plain.model_size(plain.states()[0].worker.id) == 500
