@@ -14,8 +14,9 @@ segments between checkpoints, and tokenizes only what lies past the deepest one 
   each stored prompt, each named by a hash chained from the checkpoint before its stride
   in a domain of its own. A prompt that shares a stored one's text up to somewhere in those
   strides (a new question after a shared system prompt, a chat's next turn) resumes from the
-  deepest fine checkpoint it shares instead of the stride's start: a quarter of the stride
-  to encode again instead of half of it, on average.
+  deepest fine checkpoint it shares instead of the stride's start: on average it encodes
+  again half a fine step and the margin (about 190 characters) instead of half a stride and
+  the margin (about 580).
 * **A segment** ends at a *cut*: the last token boundary at least ``margin`` characters before
   its checkpoint with a whole number of KV blocks of tokens before it (a fine one starts at
   the cut of the checkpoint before its stride). It keeps the chain keys
