@@ -14,8 +14,9 @@ One run, one set of workers:
    repetition) gets the same ``--requests`` chat requests at ``--concurrency``: ``--prefixes``
    shared system prompts of about 2,000 characters, each with its own short user question.
    Reported per target: requests/s, p50/p99 latency, errors, and the router's CPU seconds per
-   1,000 requests, read from ``/proc`` (the time every thread of the router process and its
-   child processes ran, in nanoseconds: :func:`loadtest.peers.proc_tree_cpu_s`), not wall time.
+   1,000 requests, read from the CPU-time clocks of the router process and its child
+   processes (every thread, in nanoseconds: :func:`loadtest.peers.proc_tree_cpu_s`), not
+   wall time.
    ``direct`` sends to one worker, no router in between.
    *Prefix affinity*: the share of requests that reached their system prompt's most used
    worker (from the worker's ``x-worker-id``, where the router relays it); with ``--procs N``
@@ -617,8 +618,8 @@ def to_markdown(result: OverheadResult) -> str:
         + f", {c.prefixes} shared system prompts (~2,000 chars) + a "
         f"unique question, `max_tokens` 1. Throughput: {c.requests} requests at concurrency "
         f"{c.concurrency}, {c.reps} repetitions (medians shown). Added latency: {c.sequential} "
-        f"sequential rounds, one request to each target per round. Router CPU from /proc "
-        f"(every thread of the process and its children, ns). Our gateway: {c.procs} process(es).",
+        f"sequential rounds, one request to each target per round. Router CPU: the CPU clocks "
+        f"of its process and children (every thread, ns). Our gateway: {c.procs} process(es).",
         "",
         "| target | req/s c=32 | p50 ms | p99 ms | CPU s / 1k req | added p50 c=1 ms | "
         "p99 c=1 ms | prefix affinity | index hits | errors |",
