@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from loadtest.tiny_tokenizer import train
 from loadtest.traces import to_mooncake_lines
@@ -72,18 +73,27 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
     assert sum(p["workers"]["*"]["requests"] for p in points) == 60
 
 
-def test_replay_with_kv_events_runs_the_event_fed_gateway_too(tmp_path: Path) -> None:
+def _token_replay(tmp_path: Path, cache_blocks: int, concurrency: int,
+                  *extra: str) -> dict[str, Any]:
+    """The JSON report of a token-exact replay of the tiny trace on 2 workers (a locally
+    trained tokenizer), with ``extra`` arguments."""
     trace = tmp_path / "trace.jsonl"
     tiny_trace(trace)
     tokenizer = train(tmp_path / "tokenizer.json")
     code, stdout, stderr = _run_loadtest(
-        ["replay", "--trace", str(trace), "--workers", "2", "--cache-blocks", "200",
-         "--concurrency", "2", "--policy", "cache_aware", "--tokenizer-file", str(tokenizer),
-         "--kv-events", "--json"],
+        ["replay", "--trace", str(trace), "--workers", "2", "--cache-blocks", str(cache_blocks),
+         "--concurrency", str(concurrency), "--policy", "cache_aware", "--tokenizer-file",
+         str(tokenizer), *extra, "--json"],
         tmp_path, timeout_s=180,
     )
     assert code == 0, stderr[-3000:]
-    rows = {r["router"]: r for r in json.loads(stdout)["medians"]}
+    report: dict[str, Any] = json.loads(stdout)
+    return report
+
+
+def test_replay_with_kv_events_runs_the_event_fed_gateway_too(tmp_path: Path) -> None:
+    report = _token_replay(tmp_path, 200, 2, "--kv-events")
+    rows = {r["router"]: r for r in report["medians"]}
     assert list(rows) == ["ours:cache_aware", "ours+events:cache_aware",
                           "ours+hybrid:cache_aware"]
     assert all(r["errors"] == 0 and r["block_hit_rate"] > 0 for r in rows.values())
@@ -96,17 +106,7 @@ def test_replay_with_kv_events_runs_the_event_fed_gateway_too(tmp_path: Path) ->
 def test_the_simulator_routes_token_exact_replays_as_the_gateway_did(tmp_path: Path) -> None:
     # Token-exact keys: the simulator keys each body with the fleet's tokenizer as the gateway
     # does, and its caches hold the engine's token blocks, one more per running request.
-    trace = tmp_path / "trace.jsonl"
-    tiny_trace(trace)
-    tokenizer = train(tmp_path / "tokenizer.json")
-    code, stdout, stderr = _run_loadtest(
-        ["replay", "--trace", str(trace), "--workers", "2", "--cache-blocks", "40",
-         "--concurrency", "4", "--policy", "cache_aware", "--tokenizer-file", str(tokenizer),
-         "--simulate", "--json"],
-        tmp_path, timeout_s=180,
-    )
-    assert code == 0, stderr[-3000:]
-    report = json.loads(stdout)
+    report = _token_replay(tmp_path, 40, 4, "--simulate")
     (live,) = report["medians"]
     (sim,) = report["simulated"]
     assert live["errors"] == 0
