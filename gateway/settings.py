@@ -484,10 +484,7 @@ class GatewaySettings:
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         self.fingerprint_options()  # validates the block settings
-        TokenizerOptions("", self.kv_block_size, anchor_blocks=self.anchor_blocks,
-                         threads=self.tokenize_threads, chat_template=self.chat_template,
-                         prefix_store=PrefixStoreOptions(
-                             max_segments=self.tokenize_prefix_segments))
+        self._tokenizer_options("")  # validates the tokenizer settings, file or not
         if self.chat_template != "reference" and not Path(self.chat_template).is_file():
             raise ValueError(f"chat_template {self.chat_template!r}: no such file")
         if self.kv_events_max_blocks < 1 or self.kv_pending_ttl_s < 0:
@@ -517,10 +514,11 @@ class GatewaySettings:
             raise ValueError(f"store must be memory:// or a redis:// URL, got {self.store!r}")
 
     def tokenizer_options(self) -> TokenizerOptions | None:
-        if not self.tokenizer_file:
-            return None
+        return self._tokenizer_options(self.tokenizer_file) if self.tokenizer_file else None
+
+    def _tokenizer_options(self, path: str) -> TokenizerOptions:
         return TokenizerOptions(
-            path=self.tokenizer_file, block_size=self.kv_block_size,
+            path=path, block_size=self.kv_block_size,
             max_blocks=self.max_blocks, anchor_blocks=self.anchor_blocks,
             threads=self.tokenize_threads,
             chat_template=self.chat_template,
