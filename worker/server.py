@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -69,11 +69,13 @@ from worker.parsing import (
 from worker.register import registration
 from worker.respond import Job, respond_stream, respond_whole
 from worker.settings import SIM_DEFAULT_CACHE_BLOCKS, WorkerSettings
+from worker.tokenize_lane import EncodeError, TokenizeLane
 from worker.tokenizer import HFTokenizer, Tokenizer, TokenizerUnavailableError, load_tokenizer
 
 SETTINGS_KEY = web.AppKey("worker_settings", WorkerSettings)
 ENGINE_KEY = web.AppKey("worker_engine", Engine)
 TOKENIZER_KEY = web.AppKey("worker_tokenizer", Tokenizer)
+LANE_KEY = web.AppKey("worker_tokenize_lane", TokenizeLane)
 CHAT_TEMPLATE_KEY = web.AppKey("worker_chat_template", ChatTemplate)
 METRICS_KEY = web.AppKey("worker_metrics", WorkerMetrics)
 STARTED_KEY = web.AppKey("worker_started", int)
@@ -81,8 +83,6 @@ BOOT_ID_KEY = web.AppKey("worker_boot_id", str)
 TRACING_KEY = web.AppKey("worker_tracing", Tracing)
 
 CLIENT_MAX_SIZE = 32 * 1024 * 1024
-# Texts longer than this are tokenized in a thread so the event loop keeps serving.
-THREAD_TOKENIZE_CHARS = 8192
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -100,16 +100,34 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
 
 
 async def _encode(
-    tokenizer: Tokenizer, prompt: Prompt, param: str, special: bool = False
-) -> list[int]:
-    if not isinstance(prompt, str):
-        return list(prompt)
+    lane: TokenizeLane, prompts: Sequence[Prompt], params: Sequence[str], special: bool = False,
+    system_prefix: str = "",
+) -> tuple[list[list[int]], int]:
+    """The token ids of each prompt (token lists pass through), in one job of the lane, and
+    how many leading tokens of the first the rendered system messages ``system_prefix``
+    account for."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    flags = [special] * len(texts)
+    if system_prefix:
+        texts.append(system_prefix)
+        flags.append(False)
     try:
-        if len(prompt) > THREAD_TOKENIZE_CHARS:
-            return await asyncio.to_thread(tokenizer.encode, prompt, special=special)
-        return tokenizer.encode(prompt, special=special)
-    except ValueError as exc:
+        encoded = iter(await lane.encode(texts, flags) if texts else [])
+    except EncodeError as exc:
+        param = params[exc.index] if exc.index < len(params) else params[0]
         raise ApiError(str(exc), param=param, code="invalid_value") from exc
+    out = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+    return out, _shared_tokens(next(encoded), out[0]) if system_prefix else 0
+
+
+def _shared_tokens(prefix: list[int], tokens: list[int]) -> int:
+    """How many leading tokens of ``tokens`` equal ``prefix``'s."""
+    count = 0
+    for a, b in zip(prefix, tokens, strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
 
 
 def _namespace(request: web.Request, common: CommonParams) -> str:
@@ -132,19 +150,6 @@ def _check_length(
             f"{engine.capacity_tokens}",
             param=param, code="context_length_exceeded",
         )
-
-
-async def _system_tokens(tokenizer: Tokenizer, system_prefix: str, tokens: list[int]) -> int:
-    """How many leading tokens of ``tokens`` the rendered system messages account for."""
-    if not system_prefix:
-        return 0
-    prefix = await _encode(tokenizer, system_prefix, "messages")
-    count = 0
-    for a, b in zip(prefix, tokens, strict=False):
-        if a != b:
-            break
-        count += 1
-    return count
 
 
 async def _run(request: web.Request, job: Job) -> web.StreamResponse:
@@ -186,12 +191,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     settings = app[SETTINGS_KEY]
     body = await _read_body(request)
     params = parse_completion(body, settings.model)
-    token_lists: list[list[int]] = []
-    for i, prompt in enumerate(params.prompts):
-        param = "prompt" if len(params.prompts) == 1 else f"prompt[{i}]"
-        tokens = await _encode(app[TOKENIZER_KEY], prompt, param, params.special_tokens)
+    names = ["prompt"] if len(params.prompts) == 1 else [
+        f"prompt[{i}]" for i in range(len(params.prompts))]
+    token_lists, _ = await _encode(app[LANE_KEY], params.prompts, names, params.special_tokens)
+    for tokens, param in zip(token_lists, names, strict=True):
         _check_length(settings, app[ENGINE_KEY], tokens, params.common.max_tokens, param)
-        token_lists.append(tokens)
     job = Job(
         kind="completion",
         response_id=f"cmpl-{uuid.uuid4().hex}",
@@ -218,7 +222,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     settings = app[SETTINGS_KEY]
     body = await _read_body(request)
     params = parse_chat(body, settings.model, app[CHAT_TEMPLATE_KEY])
-    tokens = await _encode(app[TOKENIZER_KEY], params.prompt, "messages", params.special_tokens)
+    (tokens,), system_tokens = await _encode(
+        app[LANE_KEY], [params.prompt], ["messages"], params.special_tokens,
+        params.system_prefix)
     _check_length(settings, app[ENGINE_KEY], tokens, params.common.max_tokens, "messages")
     job = Job(
         kind="chat",
@@ -228,7 +234,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         common=params.common,
         token_lists=(tokens,),
         namespace=_namespace(request, params.common),
-        system_tokens=await _system_tokens(app[TOKENIZER_KEY], params.system_prefix, tokens),
+        system_tokens=system_tokens,
     )
     _sample(request, "/v1/chat/completions", body, job, len(params.prompt))
     return await _run(request, job)
@@ -389,6 +395,7 @@ def build_engine(settings: WorkerSettings, tokenizer: Tokenizer) -> Engine:
 
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     yield
+    app[LANE_KEY].close()
     close = getattr(app[ENGINE_KEY], "close", None)
     if close is not None:
         close()
@@ -438,6 +445,7 @@ def create_app(
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
     app[TOKENIZER_KEY] = tok
+    app[LANE_KEY] = TokenizeLane(tok)
     try:
         app[CHAT_TEMPLATE_KEY] = load_chat_template(settings.chat_template)
     except ChatTemplateError as exc:
