@@ -9,6 +9,13 @@ relaying a POST to a known worker takes:
   One idle longer than ``idle_timeout_s`` is closed instead of reused (servers close idle
   connections after a few seconds: uvicorn after 5 s, so the default is 4 s). The number of
   connections in use is bounded by the caller (:class:`gateway.guard.ConnectionSlots`).
+* **Requests to one origin are written in the order they were posted.** With no idle
+  connection a request starts a connect and waits in line; whichever comes first, a connection
+  given back or a connect finished (its own or an earlier request's), is the first waiting
+  request's, and its bytes are written there at once, before any later request can run. A
+  worker with a prefix cache must see turn N of a session before turn N+1, which the router
+  predicted to find turn N's blocks cached; a connect takes several turns of a busy event
+  loop, and a request posted meanwhile would otherwise go out first on a freed connection.
 * **A request** is one vectored write: the head (request line, ``Host``, ``Content-Length``,
   the given headers) and the body bytes as they are.
 * **A reply** is parsed as it arrives by :class:`_Connection` (status line and headers; a body
@@ -382,6 +389,11 @@ class Http1Reply:
 
 
 _Origin = tuple[str, str, int]  # scheme, host, port
+# A request written: its connection, whether that was kept alive, and the future of its
+# reply's head (:meth:`_Connection.send`).
+_Sent = tuple[_Connection, bool, "asyncio.Future[None]"]
+# A request waiting for a connection: the future its :data:`_Sent` goes to, its head and body.
+_Waiting = tuple["asyncio.Future[_Sent]", bytes, bytes]
 
 
 class Http1Client:
@@ -394,6 +406,9 @@ class Http1Client:
         self.idle_timeout_s = idle_timeout_s
         self._max_idle = max_idle_per_origin
         self._idle: dict[_Origin, deque[tuple[float, _Connection]]] = {}
+        # Requests waiting for a connection, per origin, in the order they were posted.
+        self._waiting: dict[_Origin, deque[_Waiting]] = {}
+        self._connects: set[asyncio.Task[None]] = set()
         self._heads: dict[URL, tuple[_Origin, bytes]] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
@@ -409,18 +424,18 @@ class Http1Client:
             lines.append(line.encode("utf-8"))
         lines.append(b"\r\n")
         head = b"".join(lines)
-        conn, reused = await self._connection(origin)
+        conn, reused, reply_head = await self._send(origin, head, body)
         try:
             try:
-                await self._exchange(conn, head, body)
+                await self._wait_head(reply_head)
             except ConnectionError:
                 if not reused or conn.received:
                     raise
                 # A kept-alive connection the worker closed as the request went out: once more
                 # on a new one (the worker never answered it, so it never ran it).
                 conn.close()
-                conn, _ = await self._connection(origin, reuse=False)
-                await self._exchange(conn, head, body)
+                conn = await self._connect(origin)
+                await self._wait_head(conn.send(head, body))
         except (OSError, TimeoutError, _BadReply) as exc:
             conn.close()
             detail = str(exc) or "no reply within the read timeout"
@@ -430,9 +445,8 @@ class Http1Client:
             raise
         return Http1Reply(self, origin, conn)
 
-    async def _exchange(self, conn: _Connection, head: bytes, body: bytes) -> None:
-        """Send one request on ``conn`` and wait for its reply's head."""
-        waiter = conn.send(head, body)
+    async def _wait_head(self, waiter: asyncio.Future[None]) -> None:
+        """Until the head of the reply to a request sent (:meth:`_Connection.send`) is in."""
         timer = (asyncio.get_running_loop().call_later(self.read_timeout_s, _time_out, waiter)
                  if self.read_timeout_s else None)
         try:
@@ -458,21 +472,64 @@ class Http1Client:
             cached = self._heads[url] = ((url.scheme, url.host, port), start.encode("ascii"))
         return cached
 
-    async def _connection(self, origin: _Origin, reuse: bool = True) -> tuple[_Connection, bool]:
+    async def _send(self, origin: _Origin, head: bytes, body: bytes) -> _Sent:
+        """Write one request on a connection to ``origin``, in line (see the module's notes)."""
+        conn = self._take_idle(origin)
+        if conn is not None:
+            return conn, True, conn.send(head, body)
         loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[_Sent] = loop.create_future()
+        self._waiting.setdefault(origin, deque()).append((waiter, head, body))
+        task = loop.create_task(self._connect_for_line(origin))
+        self._connects.add(task)
+        task.add_done_callback(self._connects.discard)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                waiter.result()[0].close()  # written as the caller went away: nobody reads it
+            raise
+
+    def _take_idle(self, origin: _Origin) -> _Connection | None:
         idle = self._idle.get(origin)
-        if reuse and idle:
-            now = loop.time()
-            while idle:
-                at, conn = idle.pop()  # the most recently used first
-                if conn.closed:
-                    continue
-                if now - at > self.idle_timeout_s:  # and all those older than it
-                    conn.close()
-                    while idle:
-                        idle.pop()[1].close()
-                    break
-                return conn, True
+        if not idle:
+            return None
+        now = asyncio.get_running_loop().time()
+        while idle:
+            at, conn = idle.pop()  # the most recently used first
+            if conn.closed:
+                continue
+            if now - at > self.idle_timeout_s:  # and all those older than it
+                conn.close()
+                while idle:
+                    idle.pop()[1].close()
+                return None
+            return conn
+        return None
+
+    def _next_waiter(self, origin: _Origin) -> _Waiting | None:
+        line = self._waiting.get(origin)
+        while line:
+            waiting = line.popleft()
+            if not waiting[0].done():
+                return waiting
+        if line is not None:
+            del self._waiting[origin]
+        return None
+
+    async def _connect_for_line(self, origin: _Origin) -> None:
+        """A connect started for a waiting request: its outcome goes to the first in line."""
+        try:
+            conn = await self._connect(origin)
+        except BackendUnavailable as exc:
+            waiting = self._next_waiter(origin)
+            if waiting is not None:
+                waiting[0].set_exception(exc)
+            return
+        self._hand(origin, conn, False)
+
+    async def _connect(self, origin: _Origin) -> _Connection:
+        loop = asyncio.get_running_loop()
         scheme, host, port = origin
         try:
             async with asyncio.timeout(self.connect_timeout_s or None):
@@ -482,7 +539,7 @@ class Http1Client:
         except (OSError, TimeoutError) as exc:
             detail = "connect timed out" if isinstance(exc, TimeoutError) else str(exc)
             raise BackendUnavailable(f"{type(exc).__name__}: {detail}") from None
-        return conn, False
+        return conn
 
     def _ssl_context(self) -> ssl.SSLContext:
         if self._ssl is None:
@@ -490,8 +547,17 @@ class Http1Client:
         return self._ssl
 
     def _keep(self, origin: _Origin, conn: _Connection) -> None:
-        if self._closed:
+        self._hand(origin, conn, True)
+
+    def _hand(self, origin: _Origin, conn: _Connection, reused: bool) -> None:
+        """A connection free for a request: the first waiting one's, or kept idle."""
+        if self._closed or conn.closed:
             conn.close()
+            return
+        waiting = self._next_waiter(origin)
+        if waiting is not None:
+            waiter, head, body = waiting
+            waiter.set_result((conn, reused, conn.send(head, body)))
             return
         idle = self._idle.setdefault(origin, deque())
         if len(idle) >= self._max_idle:
@@ -505,3 +571,10 @@ class Http1Client:
             while idle:
                 idle.pop()[1].close()
         self._idle.clear()
+        for task in list(self._connects):
+            task.cancel()
+        for line in self._waiting.values():
+            for waiter, _, _ in line:
+                if not waiter.done():
+                    waiter.set_exception(BackendUnavailable("the client was closed"))
+        self._waiting.clear()

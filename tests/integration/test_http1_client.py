@@ -279,3 +279,53 @@ async def test_a_header_with_a_line_break_is_refused(serve: Serve) -> None:
         await client.post(server.url, {"x-id": "a\r\nInjected: yes"}, b"{}")
     assert server.requests == []
     client.close()
+
+
+async def test_requests_are_written_in_the_order_they_were_posted(serve: Serve) -> None:
+    """A request waiting for a new connection gets the first one given back, written at
+    once: one posted after it cannot go out first on that freed connection."""
+    server = await serve(lambda c, n, body: _ok(body))
+    client = _client()
+    first = await client.post(server.url, {}, b"r0")  # holds the only connection
+    waiting = asyncio.create_task(client.post(server.url, {}, b"A"))
+    await asyncio.sleep(0)  # A is in line; its connect has started
+    assert await first.read() == b"r0"
+    first.release()  # given to A, and A is written on it now
+    later = asyncio.create_task(client.post(server.url, {}, b"B"))
+    await asyncio.sleep(0)
+    replies = [await waiting, await later]
+    assert [await r.read() for r in replies] == [b"A", b"B"]
+    for r in replies:
+        r.release()
+    assert [r.rsplit(b"\r\n\r\n", 1)[1] for r in server.requests] == [b"r0", b"A", b"B"]
+    # B found no idle connection either: the connect A started served it, and B's own went
+    # idle.
+    assert server.connections == 3
+    client.close()
+
+
+async def test_a_failed_connect_fails_the_first_in_line(serve: Serve) -> None:
+    client = _client()
+    url = URL(f"http://127.0.0.1:{free_port()}/v1/completions")
+    posts = [asyncio.create_task(client.post(url, {}, b"{}")) for _ in range(3)]
+    for outcome in await asyncio.gather(*posts, return_exceptions=True):
+        assert isinstance(outcome, BackendUnavailable)
+    client.close()
+
+
+async def test_a_request_that_goes_away_in_line_leaves_the_line(serve: Serve) -> None:
+    server = await serve(lambda c, n, body: _ok(body))
+    client = _client()
+    first = await client.post(server.url, {}, b"r0")
+    gone = asyncio.create_task(client.post(server.url, {}, b"gone"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert await first.read() == b"r0"
+    first.release()
+    reply = await client.post(server.url, {}, b"next")
+    assert await reply.read() == b"next"
+    reply.release()
+    assert b"gone" not in b"".join(server.requests)
+    client.close()
