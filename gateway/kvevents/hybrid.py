@@ -26,14 +26,16 @@ only what the model cannot know:
   in flight or ended after the reset was published (admitting them stored their blocks
   again), and the corrections start over from the events that follow.
 
-Costs: per event, O(blocks in it); per decision, the model's match plus one walk over the
-prompt's leading blocks for each worker that the model, or a foreign store of the prompt's
-first block, says holds it; per send and per answer, O(prompt blocks). Pure: no I/O, time is
-an argument.
+Costs: per event, O(blocks in it x requests of this gateway in flight there or just ended);
+per decision, the model's match plus one walk over the prompt's leading blocks for each worker
+that the model, or a foreign store of the prompt's first block, says holds it; per send, one
+set of the prompt's blocks built in C (a request is remembered whole, not block by block); per
+answer, O(1). Pure: no I/O, time is an argument.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -65,6 +67,24 @@ class WallClock:
 
 
 @dataclass(slots=True)
+class _Carried:
+    """The blocks of one prompt this gateway sent and has not seen end (``count``: requests
+    in flight with this very key sequence)."""
+
+    keys: Sequence[int]
+    blocks: frozenset[int]
+    count: int = 1
+
+
+def _common(d: dict[int, None] | dict[int, tuple[float, float]], blocks: frozenset[int]
+            ) -> list[int]:
+    """The keys of ``d`` in ``blocks``, walking the smaller of the two."""
+    if len(d) <= len(blocks):
+        return [k for k in d if k in blocks]
+    return [k for k in blocks if k in d]
+
+
+@dataclass(slots=True)
 class Corrections:
     """What one worker's events changed in the model's view of its cache.
 
@@ -82,15 +102,22 @@ class Corrections:
     skew_s: float = 0.005
     settle_s: float = 2.0  # a removal in doubt counts after this long with no store
     max_blocks: int = 1 << 20
+    max_ended: int = 4096  # ended requests whose events may still arrive, at most
     # The model's blocks the engine removed since the model last recorded them, oldest first.
     gone: dict[int, None] = field(default_factory=dict)
     # Blocks the engine holds that someone else stored (the model does not hold them).
     foreign: dict[int, None] = field(default_factory=dict)
     stats: CorrectionStats = field(default_factory=CorrectionStats)
-    _inflight: dict[int, int] = field(default_factory=dict)  # block -> requests carrying it
-    # Block -> wall time until which events may still be this gateway's doing (its last
-    # request carrying the block ended then, plus skew_s), in the order they were set.
-    _fence: dict[int, float] = field(default_factory=dict)
+    # The prompts of this gateway's requests in flight here, by the id of their key sequence.
+    _carried: dict[int, _Carried] = field(default_factory=dict)
+    # Requests that ended: (fence, blocks), in the order they ended; events published up to
+    # the fence (the end, plus skew_s) may still be their doing.
+    _ended: deque[tuple[float, frozenset[int]]] = field(default_factory=deque)
+    # Every block of the requests above, and perhaps of some that left them since (rebuilt
+    # when it holds twice what they do): most blocks an engine evicts are in none of them,
+    # and this answers that in one lookup.
+    _maybe: set[int] = field(default_factory=set)
+    _live: int = 0  # blocks of the requests above, counted once per entry
     # Removals that may predate the admission of a request that carried the block:
     # block -> (fence, arrival), in arrival order.
     _doubt: dict[int, tuple[float, float]] = field(default_factory=dict)
@@ -100,10 +127,20 @@ class Corrections:
         holds = self.model_holds
         return None if holds is None else holds(self.worker_id, key)
 
+    def _in_flight(self, key: int) -> bool:
+        """Whether a request of this gateway in flight here carries ``key``."""
+        return key in self._maybe and any(key in c.blocks for c in self._carried.values())
+
     def _ours(self, key: int) -> float | None:
-        """The fence of ``key`` when the event being applied may be this gateway's doing."""
-        fence = self._fence.get(key)
-        return fence if fence is not None and self._stream <= fence else None
+        """The fence of ``key`` when the event being applied may be this gateway's doing: that
+        of the last request that carried it and ended no earlier than the event."""
+        if key not in self._maybe:
+            return None
+        stream = self._stream
+        for fence, blocks in reversed(self._ended):
+            if fence >= stream and key in blocks:
+                return fence
+        return None
 
     # -- the engine's events --------------------------------------------------------------------
     def begin(self, ts: float, now: float) -> None:
@@ -120,17 +157,14 @@ class Corrections:
                 break
             del doubt[key]
             self._gone(key)
-        fences = self._fence
-        while fences:
-            key = next(iter(fences))
-            if fences[key] >= stream and len(fences) <= self.max_blocks:
-                break
-            del fences[key]
+        ended = self._ended
+        while ended and ended[0][0] < stream:
+            self._live -= len(ended.popleft()[1])
 
     def stored(self, key: int, now: float) -> None:
         self.gone.pop(key, None)
         self._doubt.pop(key, None)
-        if key in self.foreign or key in self._inflight or self._ours(key) is not None:
+        if key in self.foreign or self._in_flight(key) or self._ours(key) is not None:
             return
         if self._models(key):
             return
@@ -140,7 +174,7 @@ class Corrections:
 
     def removed(self, key: int, now: float) -> None:
         self._unforeign(key)
-        if key in self._inflight:
+        if self._in_flight(key):
             self.stats.kept += 1
             return
         if self._models(key) is False:
@@ -156,7 +190,7 @@ class Corrections:
         self._gone(key)
 
     def _gone(self, key: int) -> None:
-        if key in self._inflight:
+        if self._in_flight(key):
             return
         gone = self.gone
         gone.pop(key, None)
@@ -188,9 +222,8 @@ class Corrections:
         self.stats.resets += 1
         # Before its first batch the feed has said nothing the model's view could rest on.
         if self.on_reset is not None and self._stream > 0:
-            inflight, fences, stream = self._inflight, self._fence, self._stream
             self.on_reset(self.worker_id,
-                          lambda k: k in inflight or fences.get(k, -1.0) >= stream)
+                          lambda k: self._in_flight(k) or self._ours(k) is not None)
 
     def dropped(self) -> None:
         """The worker left: its foreign blocks leave the fleet's map."""
@@ -212,36 +245,53 @@ class Corrections:
     # -- this gateway's decisions ---------------------------------------------------------------
     def sent(self, keys: Sequence[int], now: float) -> None:
         """A prompt with ``keys`` went to the worker (the model recorded it)."""
-        inflight = self._inflight
-        for k in keys:
-            inflight[k] = inflight.get(k, 0) + 1
+        carried = self._carried.get(id(keys))
+        if carried is not None and carried.keys is keys:
+            carried.count += 1
+            blocks = carried.blocks
+        else:
+            blocks = frozenset(keys)
+            self._carried[id(keys)] = _Carried(keys, blocks)
+            self._live += len(blocks)
+            maybe = self._maybe
+            if len(maybe) > 2 * self._live + 1024:
+                maybe.clear()
+                for c in self._carried.values():
+                    maybe |= c.blocks
+                for _, ended_blocks in self._ended:
+                    maybe |= ended_blocks
+            else:
+                maybe |= blocks
         # Usually all three are empty; otherwise only the blocks in both are touched.
         gone, doubt, foreign = self.gone, self._doubt, self.foreign
-        for k in gone.keys() & keys if gone else ():
+        for k in _common(gone, blocks) if gone else ():
             del gone[k]
-        for k in doubt.keys() & keys if doubt else ():
+        for k in _common(doubt, blocks) if doubt else ():
             del doubt[k]
-        for k in foreign.keys() & keys if foreign else ():
+        for k in _common(foreign, blocks) if foreign else ():
             self._unforeign(k)
 
     def done(self, keys: Sequence[int], now: float) -> None:
         """The request that carried ``keys`` ended at ``now`` (answered, failed, abandoned)."""
-        inflight, fences = self._inflight, self._fence
-        fence = self.clock.wall(now) + self.skew_s
-        for k in keys:
-            count = inflight.get(k)
-            if count is None:
-                continue
-            if count <= 1:
-                del inflight[k]
-            else:
-                inflight[k] = count - 1
-            fences.pop(k, None)
-            fences[k] = fence
+        carried = self._carried.get(id(keys))
+        if carried is None or carried.keys is not keys:
+            # The same blocks as another sequence object (not how the gateway calls it).
+            carried = next((c for c in self._carried.values() if c.keys == keys), None)
+            if carried is None:
+                return
+        carried.count -= 1
+        if carried.count <= 0:
+            del self._carried[id(carried.keys)]
+            self._live -= len(carried.blocks)
+        ended = self._ended
+        ended.append((self.clock.wall(now) + self.skew_s, carried.blocks))
+        self._live += len(carried.blocks)
+        if len(ended) > self.max_ended:
+            self._live -= len(ended.popleft()[1])
 
     @property
-    def inflight_blocks(self) -> int:
-        return len(self._inflight)
+    def inflight_requests(self) -> int:
+        return sum(c.count for c in self._carried.values())
 
     # -- the view -------------------------------------------------------------------------------
     def depth(self, blocks: Sequence[int], modelled: int, now: float) -> int:

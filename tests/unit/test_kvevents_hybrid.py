@@ -352,3 +352,36 @@ def test_simulation_reports_every_view(capsys: pytest.CaptureFixture[str]) -> No
             shares[name].append(s["hybrid"])
             print(name, seed, {k: round(v, 3) for k, v in s.items()})
     assert all(0.0 < v <= 1.0 for vs in shares.values() for v in vs)
+
+
+def test_two_requests_with_one_key_sequence_are_both_in_flight() -> None:
+    """The same key sequence object sent twice (a retry, a repeated prompt): when one has
+    ended, a removal is still stale while the other is in flight."""
+    gw = Gateway.new()
+    prompt = K[:4]
+    gw.model.record(prompt, W, 0.0)
+    gw.exact.sent(W, prompt, 0.0)
+    gw.exact.sent(W, prompt, 0.01)
+    gw.event(stored(1, 4), 0.02)
+    gw.exact.done(W, prompt, 0.05)
+    gw.event(removed(3), 0.3)  # past the first one's end (+ skew); the second carries it
+    assert gw.view(0.3).held(W, K) == 4
+    fix = gw.exact.corrections(W)
+    assert fix is not None
+    assert fix.stats.kept == 1
+    assert fix.inflight_requests == 1
+    gw.exact.done(W, prompt, 0.4)
+    assert fix.inflight_requests == 0
+
+
+def test_requests_that_ended_are_kept_only_while_their_events_may_come() -> None:
+    gw = Gateway.new()
+    fix = gw.exact.corrections(W)
+    assert fix is not None
+    fix.max_ended = 3
+    for i in range(5):
+        gw.send(4, 0.1 * i)
+        gw.done(4, 0.1 * i + 0.05)
+    assert len(fix._ended) == 3  # the bound
+    gw.event(stored(1, 4), 5.0)  # a batch published long after: their fences are passed
+    assert len(fix._ended) == 0
