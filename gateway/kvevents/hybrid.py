@@ -84,6 +84,13 @@ def _common(d: dict[int, None] | dict[int, tuple[float, float]], blocks: frozens
     return [k for k in blocks if k in d]
 
 
+def _meets(d: dict[int, None], blocks: frozenset[int]) -> bool:
+    """Whether a key of ``d`` is in ``blocks``, walking the smaller of the two."""
+    if len(d) <= len(blocks):
+        return any(k in blocks for k in d)
+    return any(k in d for k in blocks)
+
+
 @dataclass(slots=True)
 class Corrections:
     """What one worker's events changed in the model's view of its cache.
@@ -294,14 +301,21 @@ class Corrections:
         return sum(c.count for c in self._carried.values())
 
     # -- the view -------------------------------------------------------------------------------
-    def depth(self, blocks: Sequence[int], modelled: int, now: float) -> int:
+    def depth(self, blocks: Sequence[int], modelled: int, now: float,
+              blockset: Callable[[], frozenset[int]] | None = None) -> int:
         """Leading ``blocks`` the worker holds at ``now``: the model's ``modelled`` of them
-        less those the engine removed since, plus what others stored there."""
+        less those the engine removed since, plus what others stored there. ``blockset``:
+        the set of ``blocks`` (built once per decision for every worker asked), which spares
+        the walk over the prompt when no removed or foreign block is in it."""
         if self._doubt:
             self.settle(now)
         gone, foreign = self.gone, self.foreign
         if not gone and not foreign:
             return modelled
+        if blockset is not None and modelled <= len(blocks):
+            inside = blockset()
+            if not _meets(gone, inside) and not _meets(foreign, inside):
+                return modelled
         n = 0
         for i, k in enumerate(blocks):
             if k in foreign or (i < modelled and k not in gone):
@@ -385,6 +399,18 @@ class HybridMatcher(ModelledSignals):
     workers: CorrectedWorkers
     now: float
     floor: int = 1
+    # The last request's blocks and their set, built at most once for all the workers asked.
+    _memo: list[tuple[Sequence[int], frozenset[int]]] = field(default_factory=list)
+
+    def _blockset(self, blocks: Sequence[int]) -> Callable[[], frozenset[int]]:
+        def build() -> frozenset[int]:
+            memo = self._memo
+            if memo and memo[0][0] is blocks:
+                return memo[0][1]
+            found = frozenset(blocks)
+            memo[:] = [(blocks, found)]
+            return found
+        return build
 
     def _corrected(self, blocks: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
         modelled = self.base.match(blocks)
@@ -399,7 +425,7 @@ class HybridMatcher(ModelledSignals):
             fix = fleet.corrections(wid) if fleet.is_live(wid) else None
             if fix is None:
                 continue
-            depth = fix.depth(blocks, modelled.get(wid, 0), self.now)
+            depth = fix.depth(blocks, modelled.get(wid, 0), self.now, self._blockset(blocks))
             if depth:
                 out[wid] = depth
             else:
@@ -419,5 +445,6 @@ class HybridMatcher(ModelledSignals):
         fleet.refresh(worker_id)
         modelled = self.base.match(blocks).get(worker_id, 0)
         fix = fleet.corrections(worker_id) if fleet.is_live(worker_id) else None
-        return modelled if fix is None else fix.depth(blocks, modelled, self.now)
+        return modelled if fix is None else fix.depth(blocks, modelled, self.now,
+                                                      self._blockset(blocks))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from gateway.contracts.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from gateway.kvevents.hybrid import HybridMatcher
+from gateway.kvevents.hybrid import Corrections, HybridMatcher
 from gateway.kvevents.index import ExactIndex
 from gateway.routing.prefix_index import PrefixIndex
 from tests.unit.test_kvevents_index import BS, Recorder, keys
@@ -385,3 +385,23 @@ def test_requests_that_ended_are_kept_only_while_their_events_may_come() -> None
     assert len(fix._ended) == 3  # the bound
     gw.event(stored(1, 4), 5.0)  # a batch published long after: their fences are passed
     assert len(fix._ended) == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_depth_with_the_prompts_set_agrees_with_the_walk(seed: int) -> None:
+    rng = random.Random(seed)
+    fix = Corrections(W, {})
+    prompt = [rng.getrandbits(60) for _ in range(300)]
+    others = [rng.getrandbits(60) for _ in range(50)]
+    for _ in range(200):
+        fix.gone.clear()
+        fix.foreign.clear()
+        for k in rng.sample(others, rng.randint(0, 5)):
+            (fix.gone if rng.random() < 0.5 else fix.foreign)[k] = None
+        if rng.random() < 0.5:
+            fix.gone[rng.choice(prompt)] = None
+        if rng.random() < 0.3:
+            fix.foreign[rng.choice(prompt)] = None
+        modelled = rng.randint(0, len(prompt))
+        walked = fix.depth(prompt, modelled, 0.0)
+        assert fix.depth(prompt, modelled, 0.0, lambda: frozenset(prompt)) == walked
