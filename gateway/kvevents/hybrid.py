@@ -26,11 +26,13 @@ only what the model cannot know:
   in flight or ended after the reset was published (admitting them stored their blocks
   again), and the corrections start over from the events that follow.
 
-Costs: per event, O(blocks in it x requests of this gateway in flight there or just ended);
-per decision, the model's match plus one walk over the prompt's leading blocks for each worker
-that the model, or a foreign store of the prompt's first block, says holds it; per send, one
-set of the prompt's blocks built in C (a request is remembered whole, not block by block); per
-answer, O(1). Pure: no I/O, time is an argument.
+Costs: per event, O(blocks in it), times the requests of this gateway in flight there or just
+ended for a block one of them may carry; per decision, the model's match, plus, where a worker
+the model (or a foreign store of the prompt's first block) says holds the prompt has removed or
+foreign blocks, one set of the prompt's blocks (built in C, once) and a walk over its leading
+blocks only when one of them is in the prompt; per send, one set of the prompt's blocks (a
+request is remembered whole, not block by block); per answer, O(1). Pure: no I/O, time is an
+argument.
 """
 
 from __future__ import annotations
