@@ -95,8 +95,8 @@ class _Connection(asyncio.Protocol):
         """Write one request; the future resolves once the reply's head is parsed."""
         assert self.transport is not None
         self._reset()
+        self.transport.writelines((head, body))  # raises before any waiter exists
         waiter = self._head_waiter = self._loop.create_future()
-        self.transport.writelines((head, body))
         return waiter
 
     async def wait_body(self, timeout_s: float | None) -> None:
@@ -557,7 +557,13 @@ class Http1Client:
         waiting = self._next_waiter(origin)
         if waiting is not None:
             waiter, head, body = waiting
-            waiter.set_result((conn, reused, conn.send(head, body)))
+            try:  # in whichever task gave the connection back: its failure is the waiter's
+                sent = conn.send(head, body)
+            except (OSError, RuntimeError) as exc:
+                conn.close()
+                waiter.set_exception(BackendUnavailable(f"{type(exc).__name__}: {exc}"))
+                return
+            waiter.set_result((conn, reused, sent))
             return
         idle = self._idle.setdefault(origin, deque())
         if len(idle) >= self._max_idle:

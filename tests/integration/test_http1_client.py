@@ -329,3 +329,22 @@ async def test_a_request_that_goes_away_in_line_leaves_the_line(serve: Serve) ->
     reply.release()
     assert b"gone" not in b"".join(server.requests)
     client.close()
+
+
+async def test_a_connection_given_back_broken_fails_the_request_in_line(serve: Serve) -> None:
+    """The connection handed to the first request in line cannot be written (its sending
+    side was shut): that request fails as unavailable, not the request that gave it back."""
+    server = await serve(lambda c, n, body: _ok(body))
+    client = _client()
+    first = await client.post(server.url, {}, b"r0")
+    waiting = asyncio.create_task(client.post(server.url, {}, b"A"))
+    await asyncio.sleep(0)
+    assert await first.read() == b"r0"
+    conn = first._conn
+    assert conn is not None
+    assert conn.transport is not None
+    conn.transport.write_eof()  # writing on it now raises
+    first.release()  # the releasing side does not raise
+    with pytest.raises(BackendUnavailable):
+        await waiting
+    client.close()
