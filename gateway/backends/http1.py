@@ -409,6 +409,7 @@ class Http1Client:
         # Requests waiting for a connection, per origin, in the order they were posted.
         self._waiting: dict[_Origin, deque[_Waiting]] = {}
         self._connects: set[asyncio.Task[None]] = set()
+        self._connecting: dict[_Origin, int] = {}  # connects under way per origin
         self._heads: dict[URL, tuple[_Origin, bytes]] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
@@ -480,6 +481,7 @@ class Http1Client:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[_Sent] = loop.create_future()
         self._waiting.setdefault(origin, deque()).append((waiter, head, body))
+        self._connecting[origin] = self._connecting.get(origin, 0) + 1
         task = loop.create_task(self._connect_for_line(origin))
         self._connects.add(task)
         task.add_done_callback(self._connects.discard)
@@ -518,15 +520,33 @@ class Http1Client:
         return None
 
     async def _connect_for_line(self, origin: _Origin) -> None:
-        """A connect started for a waiting request: its outcome goes to the first in line."""
+        """A connect started for a waiting request: a connection goes to the first in line;
+        a failure too, unless the connects still under way can serve everyone waiting (a
+        connection given back served the request that started this one)."""
         try:
             conn = await self._connect(origin)
         except BackendUnavailable as exc:
-            waiting = self._next_waiter(origin)
-            if waiting is not None:
-                waiting[0].set_exception(exc)
+            left = self._connect_ended(origin)
+            line = self._waiting.get(origin)
+            if line is not None and left < sum(not w[0].done() for w in line):
+                waiting = self._next_waiter(origin)
+                if waiting is not None:
+                    waiting[0].set_exception(exc)
             return
+        except BaseException:
+            self._connect_ended(origin)
+            raise
+        self._connect_ended(origin)
         self._hand(origin, conn, False)
+
+    def _connect_ended(self, origin: _Origin) -> int:
+        """One connect to ``origin`` is over; returns how many are still under way."""
+        left = self._connecting.get(origin, 1) - 1
+        if left > 0:
+            self._connecting[origin] = left
+        else:
+            self._connecting.pop(origin, None)
+        return left
 
     async def _connect(self, origin: _Origin) -> _Connection:
         loop = asyncio.get_running_loop()

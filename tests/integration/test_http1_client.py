@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from yarl import URL
@@ -347,4 +348,50 @@ async def test_a_connection_given_back_broken_fails_the_request_in_line(serve: S
     first.release()  # the releasing side does not raise
     with pytest.raises(BackendUnavailable):
         await waiting
+    client.close()
+
+
+class _PacedConnects(Http1Client):
+    """A client whose connects after the first wait for the test's word, and fail when told
+    (the network's part, stood in for; the line's logic is the client's own)."""
+
+    def __init__(self) -> None:
+        super().__init__(connect_timeout_s=2.0, read_timeout_s=5.0)
+        self.gates: list[tuple[asyncio.Event, list[bool]]] = []
+
+    async def _connect(self, origin: tuple[str, str, int]) -> Any:
+        if self.gates or getattr(self, "_first_done", False):
+            gate: tuple[asyncio.Event, list[bool]] = (asyncio.Event(), [False])
+            self.gates.append(gate)
+            await gate[0].wait()
+            if gate[1][0]:
+                raise BackendUnavailable("refused")
+        self._first_done = True
+        return await super()._connect(origin)
+
+
+async def test_a_failed_connect_spares_a_request_another_connect_will_serve(serve: Serve) -> None:
+    """A's connect outlives A (a connection given back served it) and then fails: B, in line
+    with its own connect still under way, is not failed for it."""
+    server = await serve(lambda c, n, body: _ok(body))
+    client = _PacedConnects()
+    first = await client.post(server.url, {}, b"r0")
+    a = asyncio.create_task(client.post(server.url, {}, b"A"))
+    await asyncio.sleep(0)  # A in line, its connect (gate 0) waiting
+    assert await first.read() == b"r0"
+    first.release()  # served A
+    reply_a = await a
+    b = asyncio.create_task(client.post(server.url, {}, b"B"))
+    await asyncio.sleep(0.01)  # B in line, its connect (gate 1) waiting
+    assert len(client.gates) == 2
+    client.gates[0][1][0] = True
+    client.gates[0][0].set()  # A's connect fails
+    await asyncio.sleep(0.01)
+    assert not b.done()
+    client.gates[1][0].set()  # B's connect goes through
+    reply_b = await b
+    assert await reply_b.read() == b"B"
+    assert await reply_a.read() == b"A"
+    reply_a.release()
+    reply_b.release()
     client.close()
