@@ -249,7 +249,11 @@ class WorkerFeed:
 
     async def _replay(self, start: int) -> tuple[list[tuple[int, bytes]], bool] | None:
         """The buffered batches from ``start`` and whether they reach back to it; None when
-        there is no replay socket or it did not answer in time."""
+        there is no replay socket or it fell silent for ``replay_timeout_s`` before its end.
+        The timeout is between frames, not for the whole answer: a buffer of thousands of
+        batches, read on a busy loop while other feeds bootstrap, takes longer than a second
+        to arrive, and a replay given up then loses what came before for good (the blocks
+        stored then stay unknown, and every block stored under them is an orphan)."""
         if not self.endpoints.replay:
             return None
         dealer = self.ctx.socket(zmq.DEALER)
@@ -264,6 +268,7 @@ class WorkerFeed:
                 if left_ms <= 0 or not await dealer.poll(left_ms):
                     return None
                 frames = await dealer.recv_multipart()
+                deadline = time.monotonic() + self.replay_timeout_s
                 if len(frames) == 3 and frames[0] == b"":
                     frames = frames[1:]
                 if len(frames) != 2 or len(frames[0]) != 8:

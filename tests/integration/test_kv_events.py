@@ -19,7 +19,7 @@ from gateway.contracts.kv_keys import chain_seed, token_block_keys
 from gateway.contracts.kv_wire import END_SEQ
 from gateway.kvevents.endpoints import EventEndpoints
 from gateway.kvevents.index import ExactIndex, ExactMatcher
-from gateway.kvevents.subscriber import KVEventHub
+from gateway.kvevents.subscriber import KVEventHub, WorkerFeed
 from gateway.routing.prefix_index import PrefixIndex
 from tests.conftest import FAST_WORKER, free_port, serve
 from worker.kv_events import KVEventPublisher
@@ -275,3 +275,40 @@ async def test_a_decision_applies_what_was_published_before_it(
         time.sleep(0.01)  # noqa: ASYNC251 (no turn for the loop)
     assert exact.held("w", keys) == 2
 
+
+
+async def test_a_replay_that_keeps_coming_is_read_to_its_end() -> None:
+    """The replay timeout is the socket's silence between frames, not the whole answer: a
+    replay socket that streams 20 batches 30 ms apart (0.6 s in all) is read to its end with
+    a 0.2 s timeout, and one that falls silent mid-way gives no answer."""
+    ctx = zmq.asyncio.Context()
+    port = free_port()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{port}")
+
+    async def serve_replay(batches: int, silent_after: int) -> None:
+        ident, _, _ = await router.recv_multipart()
+        for seq in range(batches):
+            if seq == silent_after:
+                return
+            await asyncio.sleep(0.03)
+            await router.send_multipart([ident, b"", seq.to_bytes(8, "big"), b"payload"])
+        await router.send_multipart([ident, b"", END_SEQ, b""])
+
+    feed = WorkerFeed("w", EventEndpoints("tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}"),
+                      ExactIndex(), ctx, replay_timeout_s=0.2)
+    try:
+        server = asyncio.create_task(serve_replay(20, silent_after=-1))
+        replayed = await feed._replay(0)
+        await server
+        assert replayed is not None
+        batches, complete_ = replayed
+        assert [seq for seq, _ in batches] == list(range(20))
+        assert complete_
+        server = asyncio.create_task(serve_replay(20, silent_after=5))
+        assert await feed._replay(0) is None
+        await server
+    finally:
+        router.close(linger=0)
+        ctx.term()
