@@ -205,10 +205,6 @@ class WorkerPool:
     def capacities(self) -> dict[str, int]:
         return {wid: s.capacity_blocks for wid, s in self._workers.items()}
 
-    def inflight(self, worker_id: str) -> int:
-        state = self._workers.get(worker_id)
-        return state.inflight_requests if state is not None else 0
-
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """New ring weights; the ring is rebuilt once, and only if one changed."""
         changed = False
