@@ -38,7 +38,7 @@ argument.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -78,15 +78,14 @@ class _Carried:
     count: int = 1
 
 
-def _common(d: dict[int, None] | dict[int, tuple[float, float]], blocks: frozenset[int]
-            ) -> list[int]:
+def _common(d: Mapping[int, object], blocks: frozenset[int]) -> list[int]:
     """The keys of ``d`` in ``blocks``, walking the smaller of the two."""
     if len(d) <= len(blocks):
         return [k for k in d if k in blocks]
     return [k for k in blocks if k in d]
 
 
-def _meets(d: dict[int, None], blocks: frozenset[int]) -> bool:
+def _meets(d: Mapping[int, object], blocks: frozenset[int]) -> bool:
     """Whether a key of ``d`` is in ``blocks``, walking the smaller of the two."""
     if len(d) <= len(blocks):
         return any(k in blocks for k in d)
@@ -262,15 +261,7 @@ class Corrections:
             blocks = frozenset(keys)
             self._carried[id(keys)] = _Carried(keys, blocks)
             self._live += len(blocks)
-            maybe = self._maybe
-            if len(maybe) > 2 * self._live + 1024:
-                maybe.clear()
-                for c in self._carried.values():
-                    maybe |= c.blocks
-                for _, ended_blocks in self._ended:
-                    maybe |= ended_blocks
-            else:
-                maybe |= blocks
+            self._remember(blocks)
         # Usually all three are empty; otherwise only the blocks in both are touched.
         gone, doubt, foreign = self.gone, self._doubt, self.foreign
         for k in _common(gone, blocks) if gone else ():
@@ -279,6 +270,19 @@ class Corrections:
             del doubt[k]
         for k in _common(foreign, blocks) if foreign else ():
             self._unforeign(k)
+
+    def _remember(self, blocks: frozenset[int]) -> None:
+        """Add ``blocks`` to the set of all blocks of the requests in flight or just ended;
+        rebuilt from those requests instead once it holds twice what they do."""
+        maybe = self._maybe
+        if len(maybe) <= 2 * self._live + 1024:
+            maybe |= blocks
+            return
+        maybe.clear()
+        for c in self._carried.values():
+            maybe |= c.blocks
+        for _, ended_blocks in self._ended:
+            maybe |= ended_blocks
 
     def done(self, keys: Sequence[int], now: float) -> None:
         """The request that carried ``keys`` ended at ``now`` (answered, failed, abandoned)."""
