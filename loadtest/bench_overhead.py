@@ -90,7 +90,15 @@ from loadtest.peers import (
 from loadtest.workloads import system_prompt, words
 
 FLOOR = "floor"  # loadtest.floor_proxy: a bare aiohttp relay, the floor for a Python router
-ROUTERS = ("ours", FLOOR, *PEERS)
+# The floors (loadtest.floor_proxy), each with its server and client: aiohttp's server and
+# client; aiohttp's server and the gateway's relay client; a bare protocol and that client.
+FLOORS: dict[str, tuple[str, ...]] = {
+    FLOOR: (),
+    "floor-h1": ("--client", "http1"),
+    "floor-lean": ("--client", "http1", "--server", "protocol"),
+}
+ROUTERS = ("ours", *FLOORS, *PEERS)
+DEFAULT_ROUTERS = ("ours", FLOOR, *PEERS)
 DIRECT = "direct"
 
 
@@ -102,7 +110,7 @@ class OverheadConfig:
     concurrency: int = 32
     reps: int = 3
     sequential: int = 300
-    routers: tuple[str, ...] = ROUTERS
+    routers: tuple[str, ...] = DEFAULT_ROUTERS
     procs: int = 1
     seed: int = 13
     gateway_args: tuple[str, ...] = ()
@@ -194,15 +202,16 @@ def gateway_command(port: int, worker_urls: Sequence[str], config: OverheadConfi
     return cmd
 
 
-def floor_command(port: int, worker_urls: Sequence[str]) -> list[str]:
-    """The bare aiohttp relay (:mod:`loadtest.floor_proxy`) in front of ``worker_urls``."""
+def floor_command(port: int, worker_urls: Sequence[str], name: str = FLOOR) -> list[str]:
+    """The floor ``name`` (:data:`FLOORS`, :mod:`loadtest.floor_proxy`) in front of
+    ``worker_urls``."""
     return [sys.executable, "-m", "loadtest.floor_proxy", "--host", HOST, "--port", str(port),
-            *(a for w in worker_urls for a in ("--worker", w))]
+            *(a for w in worker_urls for a in ("--worker", w)), *FLOORS[name]]
 
 
 def available(name: str) -> str:
     """Why router ``name`` cannot run here ("" if it can)."""
-    if name in ("ours", FLOOR):
+    if name == "ours" or name in FLOORS:
         return ""
     return "" if peer_launcher(name) is not None else "not installed (pip install '.[peers]')"
 
@@ -239,8 +248,7 @@ async def running_targets(
         skipped.pop(r)
     ours: list[tuple[str, tuple[str, ...]]] = [("ours", ())] if "ours" in routers else []
     ours += [(f"ours[{label}]", tuple(args)) for label, args in config.variants]
-    if FLOOR in routers:
-        ours.append((FLOOR, ()))
+    ours += [(name, ()) for name in FLOORS if name in routers]
     base = free_port_block(config.workers + len(ours))
     worker_urls = [f"http://{HOST}:{base + i}" for i in range(config.workers)]
     procs: list[asyncio.subprocess.Process] = []
@@ -256,7 +264,7 @@ async def running_targets(
             for j, (name, extra) in enumerate(ours):
                 port = base + config.workers + j
                 url = f"http://{HOST}:{port}"
-                cmd = (floor_command(port, worker_urls) if name == FLOOR
+                cmd = (floor_command(port, worker_urls, name) if name in FLOORS
                        else gateway_command(port, worker_urls, config, extra))
                 await start_server(cmd, url, logs / f"{name}.log", procs)
                 targets.append(Target(name, url + "/v1/chat/completions", procs[-1].pid))
@@ -689,7 +697,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--sequential", type=int, default=300, help="sequential rounds (c=1)")
-    p.add_argument("--routers", default=",".join(ROUTERS),
+    p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS),
                    help=f"comma-separated, from {', '.join(ROUTERS)}")
     p.add_argument("--procs", type=int, default=1, help="our gateway's processes")
     p.add_argument("--gateway-arg", action="append", default=[],

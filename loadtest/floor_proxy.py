@@ -1,10 +1,19 @@
-"""The floor for a Python router: a bare aiohttp proxy (uvloop when installed).
+"""Floors for a Python router: bare relays (uvloop when installed), one per server and client.
 
-``python -m loadtest.floor_proxy --port P --worker URL [--worker URL ...]`` relays each
-completion request's bytes to the next worker in turn and its reply back: no parsing, no
-routing, no telemetry, no limits. ``loadtest.bench_overhead --routers ...,floor`` runs it beside
-our gateway and the Rust routers, so every run shows how much of our cost is aiohttp itself.
-A benchmark baseline, not a product: it has none of the gateway's safety.
+``python -m loadtest.floor_proxy --port P --worker URL [--worker URL ...] [--client C]
+[--server S]`` relays each completion request's bytes to the next worker in turn and its reply
+back: no parsing, no routing, no telemetry, no limits. The parts can be chosen, so that a
+benchmark shows what each costs on its own:
+
+* ``--server aiohttp`` (the default): aiohttp's web server, as the gateway's;
+  ``--server protocol``: a bare ``asyncio.Protocol`` that reads a request line, headers and a
+  ``Content-Length`` body, and writes one reply per request (keep-alive, requests on one
+  connection in turn). It answers nothing else: no chunked bodies, no limits, no errors.
+* ``--client aiohttp`` (the default): aiohttp's client session; ``--client http1``: the
+  gateway's relay client (:mod:`gateway.backends.http1`).
+
+``loadtest.bench_overhead --routers ...,floor,floor-h1,floor-lean`` runs them beside our
+gateway and the Rust routers. Benchmark baselines, not products: none has the gateway's safety.
 """
 
 from __future__ import annotations
@@ -13,33 +22,74 @@ import argparse
 import asyncio
 import importlib
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
+
+from gateway.backends.http1 import Http1Client
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+RELAY_CLIENT = web.AppKey("relay_client", Http1Client)
+CLIENTS = ("aiohttp", "http1")
+SERVERS = ("aiohttp", "protocol")
+_JSON = {"Content-Type": "application/json"}
+_TIMEOUTS = (5.0, 300.0)  # connect, read (seconds)
+
+# A relay: (path, body) -> (status, reply body).
+Relay = Callable[[str, bytes], Awaitable[tuple[int, bytes]]]
 
 
-def build_app(workers: Sequence[str]) -> web.Application:
+def _turns(workers: Sequence[str]) -> Callable[[], str]:
     turn = itertools.cycle([w.rstrip("/") for w in workers])
+    return lambda: next(turn)
+
+
+def aiohttp_relay(session: aiohttp.ClientSession, workers: Sequence[str]) -> Relay:
+    next_worker = _turns(workers)
+
+    async def relay(path: str, body: bytes) -> tuple[int, bytes]:
+        async with session.post(next_worker() + path, data=body, headers=_JSON) as reply:
+            return reply.status, await reply.read()
+
+    return relay
+
+
+def http1_relay(client: Http1Client, workers: Sequence[str]) -> Relay:
+    next_worker = _turns(workers)
+
+    async def relay(path: str, body: bytes) -> tuple[int, bytes]:
+        reply = await client.post(URL(next_worker() + path), _JSON, body)
+        try:
+            return reply.status, await reply.read()
+        finally:
+            reply.release()
+
+    return relay
+
+
+def build_app(workers: Sequence[str], client: str = "aiohttp") -> web.Application:
+    """aiohttp's server relaying through ``client`` (one of :data:`CLIENTS`)."""
+    relays: list[Relay] = []
 
     async def relay(request: web.Request) -> web.Response:
-        body = await request.read()
-        async with request.app[SESSION].post(
-            next(turn) + request.path, data=body,
-            headers={"Content-Type": "application/json"},
-        ) as reply:
-            payload = await reply.read()
-            return web.Response(body=payload, status=reply.status,
-                                content_type="application/json")
+        status, payload = await relays[0](request.path, await request.read())
+        return web.Response(body=payload, status=status, content_type="application/json")
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     async def session(app: web.Application) -> AsyncIterator[None]:
+        if client == "http1":
+            app[RELAY_CLIENT] = Http1Client(*_TIMEOUTS)
+            relays.append(http1_relay(app[RELAY_CLIENT], workers))
+            yield
+            app[RELAY_CLIENT].close()
+            return
         app[SESSION] = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        relays.append(aiohttp_relay(app[SESSION], workers))
         yield
         await app[SESSION].close()
 
@@ -51,18 +101,119 @@ def build_app(workers: Sequence[str]) -> web.Application:
     return app
 
 
+class BareHTTP(asyncio.Protocol):
+    """The least a relay's server does per request: find the head's end, read
+    ``Content-Length``, take the body, write one reply. Requests on one connection are served
+    in turn. Anything else (chunked bodies, oversized heads, bad framing) closes the
+    connection."""
+
+    def __init__(self, relay: Relay) -> None:
+        self._relay = relay
+        self._transport: asyncio.Transport | None = None
+        self._buffer = b""
+        self._busy = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if not self._busy:
+            self._next()
+
+    def _next(self) -> None:
+        buffer = self._buffer
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > 65536:
+                self._close()
+            return
+        lines = buffer[:end].split(b"\r\n")
+        parts = lines[0].split(b" ")
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                self._close()
+                return
+        if len(parts) != 3 or len(buffer) < end + 4 + length:
+            if len(parts) != 3:
+                self._close()
+            return
+        body = buffer[end + 4:end + 4 + length]
+        self._buffer = buffer[end + 4 + length:]
+        self._busy = True
+        asyncio.get_running_loop().create_task(
+            self._serve(parts[0], parts[1].decode("latin-1"), body))
+
+    async def _serve(self, method: bytes, path: str, body: bytes) -> None:
+        if method == b"POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            try:
+                status, payload = await self._relay(path, body)
+            except Exception:  # a benchmark baseline: the worker failed, the client sees 502
+                status, payload = 502, b'{"error": "upstream"}'
+        elif method == b"GET" and path == "/health":
+            status, payload = 200, b"ok"
+        else:
+            status, payload = 404, b"{}"
+        if self._transport is None:
+            return
+        self._transport.write(
+            b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            % (status, len(payload)) + payload)
+        self._busy = False
+        if self._buffer:
+            self._next()
+
+    def _close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+async def serve_bare(host: str, port: int, workers: Sequence[str]) -> None:
+    """:class:`BareHTTP` relaying through the gateway's client, until cancelled."""
+    client = Http1Client(*_TIMEOUTS)
+    relay = http1_relay(client, workers)
+    server = await asyncio.get_running_loop().create_server(
+        lambda: BareHTTP(relay), host, port, reuse_address=True)
+    try:
+        async with server:
+            await server.serve_forever()
+    finally:
+        client.close()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m loadtest.floor_proxy", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--worker", action="append", required=True)
+    p.add_argument("--client", choices=CLIENTS, default="aiohttp")
+    p.add_argument("--server", choices=SERVERS, default="aiohttp")
     args = p.parse_args(argv)
+    if args.server == "protocol" and args.client != "http1":
+        p.error("--server protocol relays through --client http1")
     try:
         loop: asyncio.AbstractEventLoop = importlib.import_module("uvloop").new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    web.run_app(build_app(args.worker), host=args.host, port=args.port, access_log=None,
-                print=None, loop=loop)
+    if args.server == "protocol":
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(serve_bare(args.host, args.port, args.worker))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            loop.close()
+        return
+    web.run_app(build_app(args.worker, args.client), host=args.host, port=args.port,
+                access_log=None, print=None, loop=loop)
 
 
 if __name__ == "__main__":

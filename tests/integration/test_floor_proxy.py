@@ -1,11 +1,18 @@
-"""The benchmark floor proxy relays bytes to its workers in turn, over real HTTP."""
+"""The benchmark floor proxies relay bytes to their workers in turn, over real HTTP: aiohttp's
+server with either client, and the bare protocol server with the gateway's relay client."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
 import aiohttp
+import pytest
 from aiohttp import web
 
-from loadtest.floor_proxy import build_app
+from gateway.backends.http1 import Http1Client
+from loadtest.floor_proxy import BareHTTP, build_app, http1_relay
 from tests.conftest import free_port, serve
 
 
@@ -20,22 +27,47 @@ def _echo(name: str) -> web.Application:
     return app
 
 
-async def test_requests_go_to_the_workers_in_turn_with_their_bodies() -> None:
+@contextlib.asynccontextmanager
+async def _floor(kind: str, port: int, workers: list[str]) -> AsyncIterator[None]:
+    if kind != "protocol":
+        runner = await serve(build_app(workers, kind), port)
+        try:
+            yield
+        finally:
+            await runner.cleanup()
+        return
+    client = Http1Client(5.0, 30.0)
+    relay = http1_relay(client, workers)
+    server = await asyncio.get_running_loop().create_server(
+        lambda: BareHTTP(relay), "127.0.0.1", port)
+    try:
+        yield
+    finally:
+        server.close()
+        await server.wait_closed()
+        client.close()
+
+
+@pytest.mark.parametrize("kind", ["aiohttp", "http1", "protocol"])
+async def test_requests_go_to_the_workers_in_turn_with_their_bodies(kind: str) -> None:
     ports = [free_port() for _ in range(3)]
     runners = [await serve(_echo(f"w{i}"), ports[i]) for i in range(2)]
-    runners.append(await serve(build_app([f"http://127.0.0.1:{p}" for p in ports[:2]]),
-                               ports[2]))
     try:
-        seen = []
-        async with aiohttp.ClientSession() as http:
-            for i, path in enumerate(["/v1/chat/completions", "/v1/completions"] * 2):
-                async with http.post(f"http://127.0.0.1:{ports[2]}{path}",
-                                     data=b"x" * (i + 1)) as reply:
+        async with _floor(kind, ports[2], [f"http://127.0.0.1:{p}" for p in ports[:2]]):
+            seen = []
+            # One connection: the protocol server answers requests on it in turn.
+            connector = aiohttp.TCPConnector(limit=1)
+            async with aiohttp.ClientSession(connector=connector) as http:
+                for i, path in enumerate(["/v1/chat/completions", "/v1/completions"] * 2):
+                    async with http.post(f"http://127.0.0.1:{ports[2]}{path}",
+                                         data=b"x" * (i + 1)) as reply:
+                        assert reply.status == 200
+                        seen.append(await reply.json())
+                async with http.get(f"http://127.0.0.1:{ports[2]}/health") as reply:
                     assert reply.status == 200
-                    seen.append(await reply.json())
-        assert [(s["worker"], s["path"], s["bytes"]) for s in seen] == [
-            ("w0", "/v1/chat/completions", 1), ("w1", "/v1/completions", 2),
-            ("w0", "/v1/chat/completions", 3), ("w1", "/v1/completions", 4)]
+            assert [(s["worker"], s["path"], s["bytes"]) for s in seen] == [
+                ("w0", "/v1/chat/completions", 1), ("w1", "/v1/completions", 2),
+                ("w0", "/v1/chat/completions", 3), ("w1", "/v1/completions", 4)]
     finally:
         for runner in runners:
             await runner.cleanup()
