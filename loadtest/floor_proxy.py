@@ -110,7 +110,7 @@ class BareHTTP(asyncio.Protocol):
     def __init__(self, relay: Relay) -> None:
         self._relay = relay
         self._transport: asyncio.Transport | None = None
-        self._buffer = b""
+        self._buffer = bytearray()
         self._busy = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -120,7 +120,7 @@ class BareHTTP(asyncio.Protocol):
         self._transport = None
 
     def data_received(self, data: bytes) -> None:
-        self._buffer += data
+        self._buffer += data  # a bytearray: appending is amortized O(len(data))
         if not self._busy:
             self._next()
 
@@ -131,7 +131,7 @@ class BareHTTP(asyncio.Protocol):
             if len(buffer) > 65536:
                 self._close()
             return
-        lines = buffer[:end].split(b"\r\n")
+        lines = bytes(buffer[:end]).split(b"\r\n")
         parts = lines[0].split(b" ")
         length = 0
         for line in lines[1:]:
@@ -146,8 +146,8 @@ class BareHTTP(asyncio.Protocol):
             if len(parts) != 3:
                 self._close()
             return
-        body = buffer[end + 4:end + 4 + length]
-        self._buffer = buffer[end + 4 + length:]
+        body = bytes(buffer[end + 4:end + 4 + length])
+        del buffer[:end + 4 + length]
         self._busy = True
         asyncio.get_running_loop().create_task(
             self._serve(parts[0], parts[1].decode("latin-1"), body))
