@@ -25,10 +25,12 @@ from gateway.routing.types import (
 from gateway.values import value
 
 # The volume guard (:meth:`RoutingEngine._volume`): its hysteresis, in multiples of the
-# request's blocks, and the share of a worker's fair volume a session must have routed
-# recently to be moved.
+# request's blocks; the share of a worker's fair volume a session must have routed recently
+# to be moved; and the smaller share with which it is moved when another holder of part of
+# its prompt has room for it.
 VOLUME_SLACK = 2.0
 VOLUME_SESSION_SHARE = 0.5
+VOLUME_MEDIUM_SHARE = 0.2
 
 
 @value
@@ -163,7 +165,11 @@ class RoutingEngine:
             for wid, s in scorer.score(ctx, candidates).items():
                 # Each score clamped to [0, 1] (inline: once per candidate and scorer).
                 totals[wid] += weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
-        chosen, how = profile.picker.pick(ctx, candidates, totals)
+        if over and max(over.values()) > max((matches.get(w.id, 0) for w in candidates),
+                                             default=0):
+            chosen, how = self._move(ctx, candidates)  # the volume guard moved the session
+        else:
+            chosen, how = profile.picker.pick(ctx, candidates, totals)
         return self._decision(ctx, chosen, how, dropped, totals, over)
 
     def _matches(self, request: RouteRequest, snapshot: Snapshot) -> tuple[dict[str, int], int]:
@@ -250,10 +256,16 @@ class RoutingEngine:
         placement (the ring choices, where requests and cache turnover are lowest) takes the
         request, and reports it ``DIVERTED`` by ``volume_guard``. Only a session that has
         routed at least ``VOLUME_SESSION_SHARE`` (half) of a worker's fair share recently,
-        this request included (``PrefixMatcher.session_blocks``), is moved: lighter sessions
-        are balanced by where new sessions are placed, and moving one costs a prefill for
-        little of the excess (on multi-turn chat, moving them cost 2 points of hit rate for
-        balance no target asked for). Only for a request that extends the prompt its deepest
+        this request included (``PrefixMatcher.session_blocks``), is moved; a session with
+        ``VOLUME_MEDIUM_SHARE`` (a fifth) of it only when another holder of part of its prompt
+        (the trunk it shares) has room for the request within ``volume_guard`` times its
+        share, so the move redoes only the session's own part. Those medium sessions make
+        the excess of the trunk's holders, where new sessions keep starting: moving only the
+        heavy ones left such a holder at 1.4-1.5 times the mean volume on agent sessions.
+        Lighter sessions are balanced by where new sessions are placed: moving one costs a
+        prefill for little of the excess (on multi-turn chat, moving them cost 2 points of
+        hit rate for balance no target asked for). Where a moved session goes is
+        :meth:`_move`. Only for a request that extends the prompt its deepest
         known prefix ends (``PrefixMatcher.extends``: a session's next turn): requests
         sharing a system prompt or a document from inside are not a session, a copy of what
         they share moves no load, and they spread only when waiting on the holder costs more
@@ -271,14 +283,51 @@ class RoutingEngine:
         by_id = snapshot.by_id
         kept: dict[str, int] = {}
         over: dict[str, int] = {}
+
+        def room(wid: str) -> bool:
+            return index.recent_blocks(wid) + size <= guard * share * _weight(by_id, wid)
+
         for wid, depth in matches.items():
             fair = share * _weight(by_id, wid)
-            if (index.recent_blocks(wid) + size <= guard * fair + slack
-                    or session < VOLUME_SESSION_SHARE * fair):
+            if index.recent_blocks(wid) + size <= guard * fair + slack:
                 kept[wid] = depth
-            else:
+            elif session >= VOLUME_SESSION_SHARE * fair or (
+                    session >= VOLUME_MEDIUM_SHARE * fair
+                    and any(room(other) for other in matches if other != wid)):
                 over[wid] = depth
+            else:
+                kept[wid] = depth
         return kept, over
+
+    def _move(self, ctx: Context, candidates: Sequence[WorkerView]) -> tuple[WorkerView, str]:
+        """Where a session the volume guard moved goes: the worker that can take the most of
+        its next turns. Of the candidates holding part of its prompt (the trunk it shares, or
+        an earlier part of the session) with room for this request within ``volume_guard``
+        times their share of the pool's recent volume, the one holding the most, the least
+        loaded by volume among equals; with none, the candidate with the least recent volume
+        per unit of weight.
+
+        Placed like a cold prefix instead (its ring position), a moved session landed on a
+        worker near its own bound as often as not, tripped the guard there a few turns later
+        and moved again: on long agent sessions the heaviest moved 5-9 times per window, each
+        move a prefill of its whole history; while sessions start, when every first prompt
+        joins the shared prefix's few holders, the guard moved sessions over a hundred times
+        in 400 requests."""
+        snapshot = ctx.snapshot
+        index = snapshot.index
+        size = ctx.request.key.total_blocks
+        share = (index.pool_recent_blocks() + size) / _pool_weight(snapshot)
+        guard = self.profile.volume_guard
+        matches = ctx.matches
+
+        def volume(view: WorkerView) -> float:
+            return index.recent_blocks(view.id) / (view.worker.weight or 1.0)
+
+        room = [w for w in candidates if matches.get(w.id, 0)
+                and index.recent_blocks(w.id) + size <= guard * share * w.worker.weight]
+        if room:
+            return max(room, key=lambda w: (matches[w.id], -volume(w))), "volume: holder with room"
+        return min(candidates, key=volume), "volume: least recent volume"
 
     @staticmethod
     def _narrow(

@@ -427,12 +427,78 @@ def test_a_holder_over_its_share_of_the_recent_volume_loses_the_session(
     turns: int, opts: PolicyOptions | None, moved: bool
 ) -> None:
     decision = _volume_route(turns, opts)
-    if moved:  # to w0, which holds 20 blocks of it, or to a cold placement: diverted either way
-        assert decision.worker_id != "w1"
+    if moved:
+        # To w0, which holds the session's first 20 blocks and has room for the request:
+        # 20 + 104 recent blocks within 1.2 x 116.
+        assert decision.worker_id == "w0"
+        assert decision.placement == "volume: holder with room"
         assert decision.kind is DecisionKind.DIVERTED
         assert (decision.holder, decision.holder_blocks) == ("w1", 100)
         assert decision.diverted_by == "volume_guard"
         assert decision.reason.startswith("diverted: w1 volume_guard")
+    else:
+        assert decision.worker_id == "w1"
+        assert decision.kind is DecisionKind.PREFIX_HIT
+
+
+def test_a_moved_session_goes_where_the_volume_is_least_when_no_holder_has_room() -> None:
+    """As in the moved case above, but w0, which holds the session's first 20 blocks, has
+    three more prompts recorded: 80 + 104 recent blocks against room for 1.2 x 136. The
+    session goes to the worker with the least recent volume (w2: 20 blocks, w3: 40), not to
+    w0 for the 20 blocks it would save."""
+    index = PrefixIndex()
+    for _ in range(3):
+        index.record(LONG, "w1", 0.0)
+    index.record(LONG[:20], "w0", 0.0)
+    for i in range(3):
+        index.record(tuple(range(4000 + 100 * i, 4020 + 100 * i)), "w0", 0.0)
+    index.record(tuple(range(3000, 3020)), "w2", 0.0)
+    for i in range(2):
+        index.record(tuple(range(3100 + 100 * i, 3120 + 100 * i)), "w3", 0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
+    prompt = (*LONG, 5000, 5001, 5002, 5003)
+    request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
+                           16 * len(prompt) + 10, 16 * len(prompt))
+    decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(0.0), RING))
+    assert decision.worker_id == "w2"
+    assert decision.placement == "volume: least recent volume"
+    assert decision.kind is DecisionKind.DIVERTED
+    assert (decision.holder, decision.diverted_by) == ("w1", "volume_guard")
+
+
+SESSIONS_TRUNK = tuple(range(7000, 7020))  # a prefix sessions share: 20 blocks
+
+
+@pytest.mark.parametrize("trunk_elsewhere", [True, False])
+def test_a_medium_session_moves_only_where_a_holder_of_its_trunk_has_room(
+    trunk_elsewhere: bool
+) -> None:
+    """w1 holds a session (the trunk and 10 blocks of its own, routed once) and six other
+    sessions of 60 blocks off the same trunk: 390 recent blocks, over its bound of
+    1.2 x 203 + 64 = 307.6 with the session's next turn (32 blocks). The session routed
+    30 + 32 blocks, between a fifth and half of a worker's share (40.6 and 101.5). When w0
+    holds the trunk with room for the turn (30 + 32 within 1.2 x 203), the session moves
+    there, redoing only its own 10 blocks; with no other holder it stays."""
+    index = PrefixIndex()
+    session = (*SESSIONS_TRUNK, *range(7100, 7110))
+    index.record(session, "w1", 0.0)
+    for i in range(6):
+        index.record((*SESSIONS_TRUNK, *range(7200 + 100 * i, 7240 + 100 * i)), "w1", 0.0)
+    if trunk_elsewhere:
+        index.record((*SESSIONS_TRUNK, *range(7900, 7910)), "w0", 0.0)
+    else:
+        index.record(tuple(range(8900, 8930)), "w0", 0.0)
+    for i, wid in enumerate(("w2", "w2", "w2", "w3", "w3", "w3")):
+        index.record(tuple(range(9000 + 100 * i, 9060 + 100 * i)), wid, 0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
+    prompt = (*session, 7110, 7111)
+    request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
+                           16 * len(prompt) + 10, 16 * len(prompt))
+    decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(0.0), RING))
+    if trunk_elsewhere:
+        assert decision.worker_id == "w0"
+        assert decision.kind is DecisionKind.DIVERTED
+        assert decision.diverted_by == "volume_guard"
     else:
         assert decision.worker_id == "w1"
         assert decision.kind is DecisionKind.PREFIX_HIT

@@ -45,12 +45,15 @@ worker's mean prompt volume while its requests in flight look like anyone's. A h
 recent routed prompt blocks (cached or not, halved every 30 s) are over ``volume_guard`` (1.2)
 times its share of the pool's, by more than twice the request, gets no credit for a request that
 extends a prompt it holds (a session's next turn; not for prompts shared from inside, whose
-copies move no load), when the session itself routed at least half a worker's share recently
-(lighter sessions are balanced by where new ones are placed): the session moves to another
-holder or is placed like a cold prefix (``DecisionKind.DIVERTED`` by ``volume_guard``), paying
-one prefill of its history. The guard credits a holder with the prefill a move would redo (its
-bound grows by the prompt tokens it holds for the request): a conversation is not moved off its
-worker because its own earlier turns are in flight there. Its bound also grows by the cached
+copies move no load), when the session itself routed at least half a worker's share recently,
+or a fifth of it when another holder of part of its prompt (the trunk it shares) has room for
+the request (lighter sessions are balanced by where new ones are placed). The session moves
+(``DecisionKind.DIVERTED`` by ``volume_guard``), paying one prefill of its history, to the
+worker that can take the most of its next turns: the holder of most of its prompt among those
+with room within 1.2 times their share, else the worker with the least recent volume. The
+guard credits a holder with the prefill a move would redo (its bound grows by the prompt tokens
+it holds for the request): a conversation is not moved off its worker because its own earlier
+turns are in flight there. Its bound also grows by the cached
 context of the other prompts it has in flight (not of those that share the part it holds of this
 one): other sessions' long histories served from its cache do not send a session away from its
 own, while a hot prompt piling up there still spreads.
