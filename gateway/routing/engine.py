@@ -320,14 +320,21 @@ class RoutingEngine:
         guard = self.profile.volume_guard
         matches = ctx.matches
 
-        def volume(view: WorkerView) -> float:
-            return index.recent_blocks(view.id) / (view.worker.weight or 1.0)
+        # Equals resolve in ring order from the request's anchor, as the picker's do: gateway
+        # replicas (and the simulator) choose alike whatever order their pools list workers in.
+        order = {wid: i for i, wid in enumerate(snapshot.ring.walk(ctx.anchor))}
+
+        def lightest(view: WorkerView) -> tuple[float, int]:
+            volume = index.recent_blocks(view.id) / (view.worker.weight or 1.0)
+            return volume, order.get(view.id, len(order))
 
         room = [w for w in candidates if matches.get(w.id, 0)
                 and index.recent_blocks(w.id) + size <= guard * share * w.worker.weight]
         if room:
-            return max(room, key=lambda w: (matches[w.id], -volume(w))), "volume: holder with room"
-        return min(candidates, key=volume), "volume: least recent volume"
+            most = max(matches[w.id] for w in room)
+            chosen = min((w for w in room if matches[w.id] == most), key=lightest)
+            return chosen, "volume: holder with room"
+        return min(candidates, key=lightest), "volume: least recent volume"
 
     @staticmethod
     def _narrow(

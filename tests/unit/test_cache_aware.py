@@ -466,6 +466,29 @@ def test_a_moved_session_goes_where_the_volume_is_least_when_no_holder_has_room(
     assert (decision.holder, decision.diverted_by) == ("w1", "volume_guard")
 
 
+def test_workers_equal_for_a_moved_session_resolve_in_ring_order() -> None:
+    """As above with w2 and w3 at the same recent volume: the session goes to the first of
+    them on the ring from its anchor, whatever order the pool lists its workers in (gateway
+    replicas and the simulator must choose alike)."""
+    index = PrefixIndex()
+    for _ in range(3):
+        index.record(LONG, "w1", 0.0)
+    index.record(LONG[:20], "w0", 0.0)
+    for i in range(3):
+        index.record(tuple(range(4000 + 100 * i, 4020 + 100 * i)), "w0", 0.0)
+    for i, wid in enumerate(("w2", "w3")):
+        index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
+    prompt = (*LONG, 5000, 5001, 5002, 5003)
+    request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
+                           16 * len(prompt) + 10, 16 * len(prompt))
+    first = next(wid for wid in RING.walk(prompt[3]) if wid in ("w2", "w3"))
+    views = [WorkerView(Worker(w, f"http://{w}")) for w in IDS]
+    engine = build_engine("cache_aware")
+    chosen = {engine.route(request, Snapshot(tuple(order), index.at(0.0), RING)).worker_id
+              for order in (views, views[::-1])}
+    assert chosen == {first}
+
+
 SESSIONS_TRUNK = tuple(range(7000, 7020))  # a prefix sessions share: 20 blocks
 
 
