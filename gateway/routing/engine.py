@@ -252,9 +252,9 @@ class RoutingEngine:
         than that; the slack also lets the worker a session moves to take it and its next
         turns before its own bound trips, so a moved session does not bounce back, and it
         keeps the bound from tripping while the pool has recorded only a few requests. A
-        holder without credit is treated as not holding the prefix: another holder or a cold
-        placement (the ring choices, where requests and cache turnover are lowest) takes the
-        request, and reports it ``DIVERTED`` by ``volume_guard``. Only a session that has
+        holder without credit is treated as not holding the prefix; when it held the most of
+        it, the session moves where :meth:`_move` finds room, reported ``DIVERTED`` by
+        ``volume_guard``. Only a session that has
         routed at least ``VOLUME_SESSION_SHARE`` (half) of a worker's fair share recently,
         this request included (``PrefixMatcher.session_blocks``), is moved; a session with
         ``VOLUME_MEDIUM_SHARE`` (a fifth) of it only when another holder of part of its prompt
@@ -264,8 +264,8 @@ class RoutingEngine:
         heavy ones left such a holder at 1.4-1.5 times the mean volume on agent sessions.
         Lighter sessions are balanced by where new sessions are placed: moving one costs a
         prefill for little of the excess (on multi-turn chat, moving them cost 2 points of
-        hit rate for balance no target asked for). Where a moved session goes is
-        :meth:`_move`. Only for a request that extends the prompt its deepest
+        hit rate for balance no target asked for). Only for a request that extends the
+        prompt its deepest
         known prefix ends (``PrefixMatcher.extends``: a session's next turn): requests
         sharing a system prompt or a document from inside are not a session, a copy of what
         they share moves no load, and they spread only when waiting on the holder costs more
