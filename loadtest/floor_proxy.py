@@ -103,14 +103,17 @@ def build_app(workers: Sequence[str], client: str = "aiohttp") -> web.Applicatio
 
 class BareHTTP(asyncio.Protocol):
     """The least a relay's server does per request: find the head's end, read
-    ``Content-Length``, take the body, write one reply. Requests on one connection are served
-    in turn. Anything else (chunked bodies, oversized heads, bad framing) closes the
+    ``Content-Length``, gather the body, write one reply. Requests on one connection are
+    served in turn. Anything else (chunked bodies, oversized heads, bad framing) closes the
     connection."""
 
     def __init__(self, relay: Relay) -> None:
         self._relay = relay
         self._transport: asyncio.Transport | None = None
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # bytes not yet taken by a request
+        self._head: tuple[bytes, str] | None = None  # method and path, once a head is in
+        self._body: list[bytes] = []  # the body's pieces so far
+        self._missing = 0  # body bytes still to come
         self._busy = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -120,37 +123,60 @@ class BareHTTP(asyncio.Protocol):
         self._transport = None
 
     def data_received(self, data: bytes) -> None:
-        self._buffer += data  # a bytearray: appending is amortized O(len(data))
+        if self._head is not None and not self._busy and not self._buffer:
+            self._take(data)  # the body of the request in hand: no copy into the buffer
+            return
+        self._buffer += data
         if not self._busy:
             self._next()
 
+    def _take(self, data: bytes) -> None:
+        piece, rest = data[:self._missing], data[self._missing:]
+        self._body.append(piece)
+        self._missing -= len(piece)
+        if rest:
+            self._buffer += rest
+        if not self._missing:
+            self._start()
+
     def _next(self) -> None:
-        buffer = self._buffer
-        end = buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buffer) > 65536:
-                self._close()
-            return
-        lines = bytes(buffer[:end]).split(b"\r\n")
-        parts = lines[0].split(b" ")
-        length = 0
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"transfer-encoding":
-                self._close()
+        if self._head is None:
+            buffer = self._buffer
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buffer) > 65536:
+                    self._close()
                 return
-        if len(parts) != 3 or len(buffer) < end + 4 + length:
+            lines = bytes(buffer[:end]).split(b"\r\n")
+            parts = lines[0].split(b" ")
             if len(parts) != 3:
                 self._close()
-            return
-        body = bytes(buffer[end + 4:end + 4 + length])
-        del buffer[:end + 4 + length]
+                return
+            length = 0
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                name = name.strip().lower()
+                if name == b"content-length":
+                    length = int(value)
+                elif name == b"transfer-encoding":
+                    self._close()
+                    return
+            del buffer[:end + 4]
+            self._head = (parts[0], parts[1].decode("latin-1"))
+            self._body, self._missing = [], length
+        if self._buffer:
+            data, self._buffer = bytes(self._buffer), bytearray()
+            self._take(data)
+        elif not self._missing:
+            self._start()
+
+    def _start(self) -> None:
+        head, self._head = self._head, None
+        assert head is not None
+        body = b"".join(self._body)
+        self._body = []
         self._busy = True
-        asyncio.get_running_loop().create_task(
-            self._serve(parts[0], parts[1].decode("latin-1"), body))
+        asyncio.get_running_loop().create_task(self._serve(head[0], head[1], body))
 
     async def _serve(self, method: bytes, path: str, body: bytes) -> None:
         if method == b"POST" and path in ("/v1/chat/completions", "/v1/completions"):

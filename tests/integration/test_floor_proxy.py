@@ -65,6 +65,12 @@ async def test_requests_go_to_the_workers_in_turn_with_their_bodies(kind: str) -
                         seen.append(await reply.json())
                 async with http.get(f"http://127.0.0.1:{ports[2]}/health") as reply:
                     assert reply.status == 200
+                # A body that arrives in many reads, then a short one on the same connection.
+                for size in (1_000_000, 5):
+                    async with http.post(f"http://127.0.0.1:{ports[2]}/v1/completions",
+                                         data=b"y" * size) as reply:
+                        assert reply.status == 200
+                        assert (await reply.json())["bytes"] == size
             assert [(s["worker"], s["path"], s["bytes"]) for s in seen] == [
                 ("w0", "/v1/chat/completions", 1), ("w1", "/v1/completions", 2),
                 ("w0", "/v1/chat/completions", 3), ("w1", "/v1/completions", 4)]
