@@ -441,25 +441,37 @@ def test_a_holder_over_its_share_of_the_recent_volume_loses_the_session(
         assert decision.kind is DecisionKind.PREFIX_HIT
 
 
-def test_a_moved_session_goes_where_the_volume_is_least_when_no_holder_has_room() -> None:
-    """As in the moved case above, but w0, which holds the session's first 20 blocks, has
-    three more prompts recorded: 80 + 104 recent blocks against room for 1.2 x 136. The
-    session goes to the worker with the least recent volume (w2: 20 blocks, w3: 40), not to
-    w0 for the 20 blocks it would save."""
+def _session_request(prompt: tuple[int, ...]) -> RouteRequest:
+    return RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
+                        16 * len(prompt) + 10, 16 * len(prompt))
+
+
+NEXT_TURN = (*LONG, 5000, 5001, 5002, 5003)  # the long session's next turn: 104 blocks
+
+
+def _no_room_on_w0(w3_prompts: int) -> PrefixIndex:
+    """As in the moved case above (w1 holds the long session, recorded 3 times), but w0,
+    which holds the session's first 20 blocks, has three more 20-block prompts recorded; w2
+    one 20-block prompt and w3 ``w3_prompts``."""
     index = PrefixIndex()
     for _ in range(3):
         index.record(LONG, "w1", 0.0)
     index.record(LONG[:20], "w0", 0.0)
     for i in range(3):
         index.record(tuple(range(4000 + 100 * i, 4020 + 100 * i)), "w0", 0.0)
-    index.record(tuple(range(3000, 3020)), "w2", 0.0)
-    for i in range(2):
-        index.record(tuple(range(3100 + 100 * i, 3120 + 100 * i)), "w3", 0.0)
+    for i in range(1 + w3_prompts):
+        index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), "w2" if i == 0 else "w3",
+                     0.0)
+    return index
+
+
+def test_a_moved_session_goes_where_the_volume_is_least_when_no_holder_has_room() -> None:
+    """w0 has 80 + 104 recent blocks against room for 1.2 x 136: the session goes to the
+    worker with the least recent volume (w2: 20 blocks, w3: 40), not to w0 for the 20 blocks
+    it would save."""
     views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
-    prompt = (*LONG, 5000, 5001, 5002, 5003)
-    request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
-                           16 * len(prompt) + 10, 16 * len(prompt))
-    decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(0.0), RING))
+    decision = build_engine("cache_aware").route(
+        _session_request(NEXT_TURN), Snapshot(views, _no_room_on_w0(2).at(0.0), RING))
     assert decision.worker_id == "w2"
     assert decision.placement == "volume: least recent volume"
     assert decision.kind is DecisionKind.DIVERTED
@@ -470,21 +482,12 @@ def test_workers_equal_for_a_moved_session_resolve_in_ring_order() -> None:
     """As above with w2 and w3 at the same recent volume: the session goes to the first of
     them on the ring from its anchor, whatever order the pool lists its workers in (gateway
     replicas and the simulator must choose alike)."""
-    index = PrefixIndex()
-    for _ in range(3):
-        index.record(LONG, "w1", 0.0)
-    index.record(LONG[:20], "w0", 0.0)
-    for i in range(3):
-        index.record(tuple(range(4000 + 100 * i, 4020 + 100 * i)), "w0", 0.0)
-    for i, wid in enumerate(("w2", "w3")):
-        index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
-    prompt = (*LONG, 5000, 5001, 5002, 5003)
-    request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
-                           16 * len(prompt) + 10, 16 * len(prompt))
-    first = next(wid for wid in RING.walk(prompt[3]) if wid in ("w2", "w3"))
+    index = _no_room_on_w0(1)
+    first = next(wid for wid in RING.walk(NEXT_TURN[3]) if wid in ("w2", "w3"))
     views = [WorkerView(Worker(w, f"http://{w}")) for w in IDS]
     engine = build_engine("cache_aware")
-    chosen = {engine.route(request, Snapshot(tuple(order), index.at(0.0), RING)).worker_id
+    chosen = {engine.route(_session_request(NEXT_TURN),
+                           Snapshot(tuple(order), index.at(0.0), RING)).worker_id
               for order in (views, views[::-1])}
     assert chosen == {first}
 
@@ -514,9 +517,7 @@ def test_a_medium_session_moves_only_where_a_holder_of_its_trunk_has_room(
     for i, wid in enumerate(("w2", "w2", "w2", "w3", "w3", "w3")):
         index.record(tuple(range(9000 + 100 * i, 9060 + 100 * i)), wid, 0.0)
     views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
-    prompt = (*session, 7110, 7111)
-    request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
-                           16 * len(prompt) + 10, 16 * len(prompt))
+    request = _session_request((*session, 7110, 7111))
     decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(0.0), RING))
     if trunk_elsewhere:
         assert decision.worker_id == "w0"
