@@ -11,8 +11,8 @@ import sys
 import openai
 import pytest
 
-from infra.procs import wait_healthy
-from tests.conftest import MODEL, free_port
+from infra.procs import free_port_block, wait_healthy
+from tests.conftest import MODEL
 
 
 @pytest.mark.parametrize(
@@ -52,8 +52,10 @@ def test_gateway_rejects_bad_settings_with_exit_2(
 
 
 async def test_local_serve_runs_gateway_and_workers_until_interrupted() -> None:
-    gateway_port = free_port()
-    worker_base = free_port()
+    # Three consecutive free ports: the gateway's, then the workers'. A worker port picked as
+    # "one past a free port" can be some client's ephemeral port at that moment.
+    gateway_port = free_port_block(3)
+    worker_base = gateway_port + 1
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "infra", "local", "serve", "--workers", "2",
         "--port", str(gateway_port), "--worker-base-port", str(worker_base),
@@ -72,8 +74,9 @@ async def test_local_serve_runs_gateway_and_workers_until_interrupted() -> None:
         seen.append(line)
 
     try:
+        # The banner first: if the command exits instead, its output is the failure message.
+        await asyncio.wait_for(banner(), 120)
         await wait_healthy(base, timeout_s=60)
-        await asyncio.wait_for(banner(), 60)
         async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=3) as oa:
             # The gateway may still be probing its workers right after /health answers.
             for _ in range(50):
@@ -85,7 +88,8 @@ async def test_local_serve_runs_gateway_and_workers_until_interrupted() -> None:
         assert raw.http_response.status_code == 200
         assert raw.headers["x-route-worker"].startswith("127.0.0.1:")
     finally:
-        proc.send_signal(signal.SIGINT)
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
     text = (b"".join(seen) + out).decode()
     assert proc.returncode == 0, text
