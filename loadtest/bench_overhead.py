@@ -9,7 +9,10 @@ One run, one set of workers:
 1. ``--workers`` reference workers with zero simulated cost (what is left is HTTP, parsing and
    routing) start once; every router starts in front of all of them at the same time, each on
    its own port: our gateway (``cache_aware``, ``--procs N`` processes), and sglang-router and
-   smg (``cache_aware``) where they are installed.
+   smg (``cache_aware``) where they are installed. The floors (:data:`FLOORS`,
+   :mod:`loadtest.floor_proxy`) show what a Python relay costs by part: ``floor`` is
+   aiohttp's server and client (run by default), ``floor-h1`` aiohttp's server with the
+   gateway's relay client, ``floor-lean`` a bare protocol server with that client.
 2. **Throughput**, ``--reps`` repetitions: each target in turn (the order rotates every
    repetition) gets the same ``--requests`` chat requests at ``--concurrency``: ``--prefixes``
    shared system prompts of about 2,000 characters, each with its own short user question.
