@@ -115,6 +115,7 @@ class BareHTTP(asyncio.Protocol):
         self._body: list[bytes] = []  # the body's pieces so far
         self._missing = 0  # body bytes still to come
         self._busy = False
+        self._task: asyncio.Task[None] | None = None  # the request being served (kept alive)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -157,6 +158,9 @@ class BareHTTP(asyncio.Protocol):
                 name, _, value = line.partition(b":")
                 name = name.strip().lower()
                 if name == b"content-length":
+                    if not value.strip().isdigit():
+                        self._close()
+                        return
                     length = int(value)
                 elif name == b"transfer-encoding":
                     self._close()
@@ -176,7 +180,8 @@ class BareHTTP(asyncio.Protocol):
         body = b"".join(self._body)
         self._body = []
         self._busy = True
-        asyncio.get_running_loop().create_task(self._serve(head[0], head[1], body))
+        self._task = asyncio.get_running_loop().create_task(
+            self._serve(head[0], head[1], body))
 
     async def _serve(self, method: bytes, path: str, body: bytes) -> None:
         if method == b"POST" and path in ("/v1/chat/completions", "/v1/completions"):
