@@ -18,6 +18,7 @@ from gateway.routing.types import (
     Decision,
     DecisionKind,
     NoCandidates,
+    PrefixMatcher,
     RouteRequest,
     Snapshot,
     WorkerView,
@@ -115,6 +116,18 @@ def _pool_weight(snapshot: Snapshot) -> float:
     """The ring weight of the whole pool (1 for an empty one)."""
     return (snapshot.pool_load[1] if snapshot.pool_load is not None
             else sum(w.worker.weight for w in snapshot.workers)) or 1.0
+
+
+def _volume_share(snapshot: Snapshot, size: int) -> float:
+    """A worker's fair share, per unit of weight, of the pool's recent routed blocks with a
+    request of ``size`` blocks added (the volume guard's measure)."""
+    return (snapshot.index.pool_recent_blocks() + size) / _pool_weight(snapshot)
+
+
+def _has_room(index: PrefixMatcher, wid: str, weight: float, size: int, share: float,
+              guard: float) -> bool:
+    """Whether ``wid`` can take ``size`` more blocks within ``guard`` times its share."""
+    return index.recent_blocks(wid) + size <= guard * share * weight
 
 
 def _weight(by_id: Mapping[str, WorkerView] | None, wid: str) -> float:
@@ -276,7 +289,7 @@ class RoutingEngine:
                                                             key.depth_at(deepest)):
             return matches, {}  # not a session's next turn
         size = key.total_blocks
-        share = (index.pool_recent_blocks() + size) / _pool_weight(snapshot)  # per unit
+        share = _volume_share(snapshot, size)
         session = index.session_blocks(key.blocks[deepest - 1]) + size
         slack = VOLUME_SLACK * size
         guard = self.profile.volume_guard
@@ -285,7 +298,7 @@ class RoutingEngine:
         over: dict[str, int] = {}
 
         def room(wid: str) -> bool:
-            return index.recent_blocks(wid) + size <= guard * share * _weight(by_id, wid)
+            return _has_room(index, wid, _weight(by_id, wid), size, share, guard)
 
         for wid, depth in matches.items():
             fair = share * _weight(by_id, wid)
@@ -316,7 +329,7 @@ class RoutingEngine:
         snapshot = ctx.snapshot
         index = snapshot.index
         size = ctx.request.key.total_blocks
-        share = (index.pool_recent_blocks() + size) / _pool_weight(snapshot)
+        share = _volume_share(snapshot, size)
         guard = self.profile.volume_guard
         matches = ctx.matches
 
@@ -329,7 +342,7 @@ class RoutingEngine:
             return volume, order.get(view.id, len(order))
 
         room = [w for w in candidates if matches.get(w.id, 0)
-                and index.recent_blocks(w.id) + size <= guard * share * w.worker.weight]
+                and _has_room(index, w.id, w.worker.weight, size, share, guard)]
         if room:
             most = max(matches[w.id] for w in room)
             chosen = min((w for w in room if matches[w.id] == most), key=lightest)
