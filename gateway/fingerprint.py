@@ -169,7 +169,10 @@ def fingerprint(
     h = seed
     start = 0
     if text.isascii():  # one character is one byte: slice the encoded text without copying
-        data = memoryview(text[: full * size].encode("ascii"))
+        end = full * size
+        # Encoded whole unless that would encode more than a block past the last full one: a
+        # slice first would copy the prompt once more.
+        data = memoryview((text if len(text) - end < size else text[:end]).encode("ascii"))
         for d in depths:
             end = d * size
             h = hash_fn(data[start:end], seed=h)

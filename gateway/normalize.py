@@ -176,5 +176,5 @@ def render_chat(
             body += _US + canonical_json(message["tool_calls"])
         if message.get("tool_call_id"):
             body += _US + str(message["tool_call_id"])
-        out.append(f"{_RS}{head}{_US}{body}")
+        out += (_RS, head, _US, body)  # joined once: a long prompt is copied one time
     return "".join(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
@@ -297,6 +298,35 @@ async def test_bad_input_gets_openai_shaped_4xx(
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"]
     assert error["param"] == param
+
+
+async def _chunks(body: bytes, size: int) -> AsyncIterator[bytes]:
+    for at in range(0, len(body), size):
+        yield body[at:at + size]
+        await asyncio.sleep(0)
+
+
+async def test_body_sent_in_chunks_is_read_whole_up_to_the_limit(
+    start_cluster: StartCluster,
+) -> None:
+    """A body without Content-Length (chunked) arrives in pieces: under the limit the gateway
+    reads all of it; one byte over, it answers 413 in the OpenAI shape."""
+    limit = 64 * 1024
+    cluster = await start_cluster(workers=1, max_body_bytes=limit)
+    head = json.dumps({"model": MODEL, "max_tokens": 1, "prompt": ""}).encode()[:-2]
+    tail = b'"}'
+    fits = head + b"x" * (limit - len(head) - len(tail)) + tail
+    over = head + b"x" * (limit + 1 - len(head) - len(tail)) + tail
+    async with aiohttp.ClientSession() as http:
+        for body, status in ((fits, 200), (over, 413)):
+            async with http.post(cluster.gateway_url + "/v1/completions",
+                                 data=_chunks(body, 5000),
+                                 headers={"Content-Type": "application/json"}) as r:
+                reply = await r.json()
+                assert r.status == status, reply
+                assert "Content-Length" not in r.request_info.headers
+        assert reply["error"]["type"] == "invalid_request_error"
+        assert str(limit) in reply["error"]["message"]
 
 
 async def test_wrong_method_is_405(start_cluster: StartCluster) -> None:
