@@ -47,3 +47,39 @@ def test_the_command_reads_a_trace_as_the_replay_does(capsys: pytest.CaptureFixt
     assert out["requests"] == 200
     assert 1 <= out["sessions"] < 200  # conversations of several turns each
     assert out["packed_over_mean"] >= out["largest_over_mean"] > 0
+
+
+def test_losses_put_a_moved_sessions_prefill_on_the_move() -> None:
+    system = [1, 2, 3]
+    trace = [
+        _req(0, [*system, 10]),  # session A on w0
+        _req(1, [*system, 20]),  # session B on w1
+        _req(2, [*system, 10, 11]),  # A again on w0: hits its whole history
+        _req(3, [*system, 20, 21]),  # B moved to w0: redoes its history there
+        _req(4, [*system, 20, 21, 22]),  # B stays on w0 now
+    ]
+    routed = ["w0", "w1", "w0", "w0", "w0"]
+    reasons = ["cold -> ring", "cold -> ring", "prefix_hit depth=4",
+               "diverted: w1 volume_guard (depth=4) -> volume: least recent volume",
+               "prefix_hit depth=6"]
+    result = sessions.run_losses(trace, routed, reasons, workers=2, cache_blocks=100,
+                                 router="ours", live_hit_over_bound=0.5)
+    # The pooled cache hits 0, 3, 4, 4, 5 blocks; the workers' caches 0, 0, 4, 3, 5: the
+    # move loses B's own block (20), and w1 redid the system prompt on B's first request.
+    assert result.moves == 1
+    assert result.replayed_hit_over_bound == pytest.approx(12 / 16)
+    assert result.lost_on_moves == pytest.approx(1 / 16)
+    assert result.lost_staying == pytest.approx(3 / 16)
+    assert result.lost_by_kind == {"cold": pytest.approx(3 / 16),
+                                   "diverted:volume_guard": pytest.approx(1 / 16)}
+    assert (result.router, result.live_hit_over_bound) == ("ours", 0.5)
+    # Everything on one worker with room loses nothing, and no reasons give one kind, "".
+    whole = sessions.run_losses(trace, ["w0"] * 5, [], workers=2, cache_blocks=100)
+    assert (whole.moves, whole.replayed_hit_over_bound, whole.lost_by_kind) == (0, 1.0, {})
+    with pytest.raises(ValueError, match="per request"):
+        sessions.run_losses(trace, ["w0"], [], workers=2, cache_blocks=100)
+
+
+def test_session_ids_number_sessions_in_order_of_their_first_request() -> None:
+    trace = [_req(0, [1, 2]), _req(1, [5]), _req(2, [1, 2, 3]), _req(3, [5, 6]), _req(4, [7])]
+    assert sessions.session_ids(trace) == [0, 1, 0, 1, 2]
