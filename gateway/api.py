@@ -53,10 +53,10 @@ def request_cost(parsed: ParsedRequest, settings: GatewaySettings) -> tuple[int,
 
 
 async def _body_bytes(request: web.Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes (:class:`PayloadTooLarge` beyond), joined
-    once from the chunks the server buffered. ``request.read()`` copies each chunk into a
-    growing buffer and then the whole buffer again: on a 640 KB prompt those two extra
-    copies were about a sixth of what reading and decoding it cost."""
+    """The request body, at most ``limit`` bytes (:class:`PayloadTooLarge` beyond; a body
+    whose Content-Length says so is refused before any of it is read), joined once from the
+    chunks the server buffered, where ``request.read()`` copies each chunk into a growing
+    buffer and then the whole buffer again."""
     declared = request.content_length
     if declared is not None and declared > limit:  # refused before reading any of it
         raise PayloadTooLarge(f"request body too large: {declared} bytes, at most {limit}")
