@@ -27,7 +27,9 @@ each live run of a gateway policy, with the same fleet, costs, concurrency, keys
 with each request's own timing from that run (:mod:`loadtest.replay_sim`; with ``--sim-draws
 N`` also N - 1 times with the timing jittered, and the mean is reported), and reports the
 median over the live runs per policy (``simulated`` in the JSON, each run under ``runs``;
-``same_worker``: the share of requests the simulator sent to the worker the gateway chose).
+``same_worker``: the share of requests the simulator sent to the worker the gateway chose; at
+the decision instants also ``same_cached``: the share whose simulated worker reused as many
+blocks as the live worker reported).
 ``--resimulate REPORT`` re-runs only the simulator against the live runs of a saved ``--json``
 report; ``--sim-set NAME=VALUE`` simulates with a change (``prewarm=false``,
 ``policy.volume_guard=1.1``): at the gateway's decision instants, what the gateway would have
@@ -186,6 +188,9 @@ class RunResult:
     decided_s: list[float] = field(default_factory=list)
     routed_to: list[str] = field(default_factory=list)  # per request: the worker that answered
     route_reasons: list[str] = field(default_factory=list)  # per request: x-route-reason
+    # Per request, in trace order: the blocks its worker reported reusing
+    # (x-cache-matched-tokens), which the simulator's workers are compared with.
+    cached_blocks: list[int] = field(default_factory=list)
     # The model@version our gateway fingerprinted prompts under (/admin/workers namespaces):
     # what the simulator needs to route on the gateway's own keys.
     namespace_model: str = ""
@@ -313,6 +318,7 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
                      if any(r.upstream_ms for r in replies) else []),
         decided_s=decision_instants(replies),
         routed_to=[r.worker for r in replies],
+        cached_blocks=[r.matched_tokens // bt for r in replies],
         route_reasons=[r.reason for r in replies] if any(r.reason for r in replies) else [],
         worker_ids=list(worker_ids), per_worker=dict(sorted(per_worker.items())),
     )
@@ -693,6 +699,8 @@ def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> 
         if d is not None:
             same = d.get("same_worker")
             note = "" if same is None else f", {same:.0%} on the live worker"
+            cached = d.get("same_cached")
+            note += "" if cached is None else f", {cached:.0%} reusing what it did live"
             lines.append(f"| {s['router']} (simulated at the gateway's decision "
                          f"instants{note}) | {s['repeats']} | "
                          f"{d['block_hit_rate']:.3f} | {d['hit_over_bound']:.3f} | "

@@ -211,14 +211,17 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
               keys: Sequence[PrefixKey] = (),
               routed_to: Sequence[str] = (), decision_gap_s: float = 0.0,
               decided_s: Sequence[float] = (), overrides: Overrides | None = None,
-              units: Sequence[TraceRequest] = ()) -> dict[str, Any]:
+              units: Sequence[TraceRequest] = (),
+              cached: Sequence[int] = ()) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
     concurrency, keys (the gateway's own, :func:`gateway_keys`, else the trace's in the
     gateway's shape) and timing: each request's own ``delays`` (:func:`request_delays`), or
     the same ``timing`` for all (:func:`live_timing`), decisions at least
     ``decision_gap_s`` apart (:func:`decision_gap`). With the live run's workers per
     request (``routed_to``), ``same_worker`` is the share of requests the simulator sent
-    where the gateway did.
+    where the gateway did; with the blocks each request's live worker reported reusing
+    (``cached``), ``same_cached`` is the share of requests whose simulated worker reused as
+    many.
 
     With the gateway's own decision instants (``decided_s``, per request in trace order), the
     client is not simulated at all: each request is decided at its live instant, in the live
@@ -250,8 +253,10 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     )
     result = simulate(units, with_overrides(sim, overrides) if overrides else sim)
     assignments = [""] * len(order)
-    for pos, worker in zip(order, result.assignments, strict=True):
+    reused = [-1] * len(order)
+    for pos, worker, blocks in zip(order, result.assignments, result.reused, strict=True):
         assignments[pos] = worker
+        reused[pos] = blocks
     m = metrics(result, pooled)
     # As the live run counts it: blocks routed per worker (the simulator's own report counts
     # requests); requests as requests_max_over_mean.
@@ -260,9 +265,12 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     same = (sum(a == b for a, b in zip(assignments, routed_to, strict=True))
             / len(routed_to) if routed_to and len(routed_to) == len(assignments)
             else None)
+    same_cached = (sum(a == b for a, b in zip(reused, cached, strict=True)) / len(cached)
+                   if cached and len(cached) == len(reused) else None)
     return {"router": f"ours:{policy}", "pooled_bound": pooled,
             **{k: m[k] for k in SIM_KEYS},
-            "same_worker": same, "timing": "decisions" if timed else "client",
+            "same_worker": same, "same_cached": same_cached,
+            "timing": "decisions" if timed else "client",
             "route_delay_ms": timing[0] * 1e3, "relay_delay_ms": timing[1] * 1e3,
             "sim_seconds": result.sim_seconds, "reasons": dict(result.reasons),
             "prewarms": result.prewarms, "prewarms_used": result.prewarms_used,
@@ -342,9 +350,9 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
     if run.decided_s:
         decided = simulated(requests, config, policy, pooled, timing, run.worker_ids, delays,
                             keys, run.routed_to, decided_s=run.decided_s, overrides=overrides,
-                            units=units)
-        out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "prewarms",
-                                                    "prewarms_used")}
+                            units=units, cached=run.cached_blocks)
+        out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "same_cached",
+                                                    "prewarms", "prewarms_used")}
     return out
 
 
@@ -379,10 +387,11 @@ def simulate_runs(requests: Sequence[TraceRequest], config: ReplayConfig,
         if all("decisions" in r for r in runs):  # every run said when it decided
             row["decisions"] = {key: statistics.median(r["decisions"][key] for r in runs)
                                 for key in SIM_KEYS}
-            same = [r["decisions"]["same_worker"] for r in runs
-                    if r["decisions"]["same_worker"] is not None]
-            row["decisions"]["same_worker"] = (statistics.median(same) if len(same) == len(runs)
-                                               else None)
+            for share in ("same_worker", "same_cached"):
+                same = [r["decisions"][share] for r in runs
+                        if r["decisions"].get(share) is not None]
+                row["decisions"][share] = (statistics.median(same) if len(same) == len(runs)
+                                           else None)
         row["agreement"] = agreement(runs)
         row["runs"] = runs
         out.append(row)

@@ -45,9 +45,11 @@ it. Both delays are 0 by default (time is the workers' cost model alone). The li
 (:mod:`loadtest.replay`) gives each request its own measured timing instead
 (``request_delays``): the wait before its decision and the gateway's hold from the decision to
 the worker's reply, so that every request is decided when it was live and counts in flight on
-its worker for as long as it did there; its worker finishes it no sooner than that reply came
-back, so that its blocks go back to the worker's LRU in the order they did live (the order a
-full cache evicts them in). One event loop decides one request at a time, in the
+its worker for as long as it did there. Its worker still runs it for its cost model's time
+only: an engine frees a request's blocks when it has computed it, not when the gateway reads
+the reply, and requests reach each worker in the order they were routed, so the blocks go
+back to the worker's LRU in the order they did live (the order a full cache evicts them in).
+One event loop decides one request at a time, in the
 order they reach it: decisions keep the order requests were sent in, at least
 ``decision_gap_s`` apart (the gateway's CPU time per request, in the replay). That spacing
 matters beyond timing: among holders in the same state, the index's decayed request counts
@@ -144,8 +146,9 @@ class SimConfig:
     relay_delay_s: float = 0.0
     # Per request, by position in the trace: (seconds from the client's send to the decision,
     # seconds from the decision to settlement, the worker's own time included), as a live run
-    # measured them. Given, they replace both delays above; a request's worker runs it until
-    # its hold ends at least, and longer if its cost model says so (it settles then).
+    # measured them. Given, they replace both delays above; a request's worker runs it for its
+    # cost model's time, and the gateway settles it when its hold ends (or when the worker is
+    # done, if that is later).
     request_delays: tuple[tuple[float, float], ...] = ()
     # The gateway's time per decision: one event loop decides one request at a time, in the
     # order they reach it, so two decisions are at least this far apart.
@@ -258,6 +261,9 @@ class SimResult:
     per_worker: tuple[WorkerResult, ...]
     # The worker each request went to, in trace order ("" for one rejected).
     assignments: tuple[str, ...] = ()
+    # The blocks each request's worker reused, in trace order (-1 for one rejected): what the
+    # live worker reports for it (x-cache-matched-tokens), to compare request by request.
+    reused: tuple[int, ...] = ()
     # Decisions by label (Decision.label; "diverted:<why>" split out).
     reasons: Mapping[str, int] = field(default_factory=dict)
     ring_seed: int = 0
@@ -278,6 +284,7 @@ class _Job:
     issued: float  # when the client sent it (TTFT counts from here)
     attempt: Attempt | None  # None: a pre-warm (the gateway's own prefill-only replay)
     settle_at: float | None = None  # with request_delays: decision + the request's hold
+    pos: int = -1  # its position in the trace (-1: a pre-warm)
     matched_blocks: int = 0
     pooled_blocks: int = 0  # with loss_breakdown: what one pooled LRU would reuse
     best_blocks: int = 0  # ... and the most any worker held when it was routed
@@ -364,6 +371,7 @@ class ClusterSim:
         self._best_known = 0
         self._rejected = 0
         self._assignments: dict[int, str] = {}  # trace position -> worker
+        self._reused: dict[int, int] = {}  # trace position -> blocks its worker reused
         self._reasons: Counter[str] = Counter()
         self._pooled = (PrefixCache(config.cache_blocks * len(ids), 1)
                         if config.loss_breakdown else None)
@@ -428,7 +436,7 @@ class ClusterSim:
         self._assignments[pos] = w.worker.id
         w.routed += 1
         w.queue.append(_Job(req, str(req.index), issued, attempt,
-                            None if hold is None else now + hold,
+                            None if hold is None else now + hold, pos,
                             pooled_blocks=pooled, best_blocks=best))
         w.max_queue = max(w.max_queue, len(w.queue))
         if self.router.uses_prefix_index:  # as the gateway does after each decision
@@ -485,6 +493,7 @@ class ClusterSim:
             req = job.req
             job.matched_blocks = alloc.matched_blocks
             if job.attempt is not None:  # a client's request, not a pre-warm
+                self._reused[job.pos] = alloc.matched_blocks
                 w.blocks += len(req.blocks)
                 w.matched_blocks += alloc.matched_blocks
                 if self._pooled is not None:
@@ -499,9 +508,10 @@ class ClusterSim:
                 self._ttft.append(first_token - job.issued)
             if self.config.streaming and job.attempt is not None:
                 self._at(first_token, functools.partial(self._first_token, job.attempt))
+            # The engine frees the blocks when its own work is done; the gateway settles the
+            # request when its reply came back (``_complete``: its live hold, with
+            # request_delays).
             done = first_token + costs.decode_seconds(req.output_tokens)
-            if job.attempt is not None and job.settle_at is not None:
-                done = max(done, job.settle_at)  # it ran as long as it did live
             self._at(done, functools.partial(self._complete, w, job))
 
     def _count_losses(self, job: _Job) -> None:
@@ -575,6 +585,7 @@ class ClusterSim:
             sim_seconds=now,
             wall_seconds=time.perf_counter() - started, per_worker=per_worker,
             assignments=tuple(self._assignments.get(i, "") for i in range(n)),
+            reused=tuple(self._reused.get(i, -1) for i in range(n)),
             reasons=dict(self._reasons),
             ring_seed=cfg.ring_seed, rebalance=dict(self._rebalance_actions),
             losses=dict(self._losses) if self._pooled is not None else {},

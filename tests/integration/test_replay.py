@@ -56,6 +56,9 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
     assert all(s["decisions"]["same_worker"] == 1.0 for s in sims.values())
     # ... so each worker was routed the same blocks: the balance agrees exactly, run by run.
     assert all(s["agreement"]["decisions"]["balance"] == 0.0 for s in sims.values())
+    # And each simulated worker reused, request by request, what the live worker reported:
+    # its cache evicts as the engine's did.
+    assert all(s["decisions"]["same_cached"] == 1.0 for s in sims.values())
     # The simulator again, from the saved report alone: same live rows, fresh simulated ones.
     saved = tmp_path / "report.json"
     saved.write_text(stdout, encoding="utf-8")
@@ -113,6 +116,7 @@ def test_the_simulator_routes_token_exact_replays_as_the_gateway_did(tmp_path: P
     assert 0 < live["block_hit_rate"] < 1  # the caches evict: two workers of 40 blocks
     assert sim["decisions"]["same_worker"] == 1.0
     assert sim["agreement"]["decisions"]["balance"] == 0.0
+    assert sim["decisions"]["same_cached"] == 1.0
     # The simulated caches count the blocks the workers did (prompts of ~15 token blocks,
     # not the trace's 9).
     (run,) = sim["runs"]

@@ -102,11 +102,12 @@ def test_at_the_gateways_decision_instants_requests_are_decided_in_that_order() 
     assert untimed["same_worker"] == 0.5
 
 
-def test_a_worker_runs_a_request_for_as_long_as_it_did_live() -> None:
-    """Two prompts of 8 blocks on one worker of 20, A held longer than B live: B's blocks go
-    back to the LRU first, so the 8 blocks of C evict B's, and A's prompt again (D) finds all
-    of its 8 blocks. Finished in the order the cost model alone says (A, then B), C would
-    evict A's deepest 4 blocks and D would find only 4."""
+def test_a_worker_frees_a_request_when_done_whatever_the_gateways_hold() -> None:
+    """Two prompts of 8 blocks on one worker of 20 (free costs), A held longer than B live:
+    the engine frees each one when it has computed it, in the order they reached it (A, then
+    B), not when the gateway read the reply. So the 8 blocks of C evict A's deepest 4, and A's
+    prompt again (D) finds 4 of its 8 blocks, with the live holds as with equal ones (were A's
+    blocks kept until its reply came back, C would evict B's and D would find all 8)."""
     a = prefix_key(range(8), 512 * 8)
     reqs = [TraceRequest(0, 0.0, 512 * 8, 1, a),
             TraceRequest(1, 0.0, 512 * 8, 1, prefix_key(range(100, 108), 512 * 8)),
@@ -114,14 +115,29 @@ def test_a_worker_runs_a_request_for_as_long_as_it_did_live() -> None:
             TraceRequest(3, 0.0, 512 * 8, 1, a)]
     config = ReplayConfig(workers=1, cache_blocks=20, concurrency=4)
     decided = (0.0, 0.0001, 0.5, 0.6)
-    live_holds = [(0.0, 0.3), (0.0, 0.1), (0.0, 0.01), (0.0, 0.01)]
-    sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=live_holds,
-                    decided_s=decided)
-    assert sim["block_hit_rate"] == pytest.approx(8 / 32)
-    same_holds = [(0.0, 0.01)] * 4
-    sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=same_holds,
-                    decided_s=decided)
-    assert sim["block_hit_rate"] == pytest.approx(4 / 32)
+    for holds in ([(0.0, 0.3), (0.0, 0.1), (0.0, 0.01), (0.0, 0.01)], [(0.0, 0.01)] * 4):
+        sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=holds,
+                        decided_s=decided, cached=(0, 0, 0, 4))
+        assert sim["block_hit_rate"] == pytest.approx(4 / 32)
+        assert sim["same_cached"] == 1.0  # each request reused what the live one reported
+
+
+def test_same_cached_is_the_share_of_requests_reusing_what_they_did_live() -> None:
+    """The same prompt twice on one worker: the second reuses its 8 blocks. A live run that
+    reported 8 for it agrees on both requests; one that reported 5 on one of two."""
+    a = prefix_key(range(8), 512 * 8)
+    reqs = [TraceRequest(0, 0.0, 512 * 8, 1, a), TraceRequest(1, 0.0, 512 * 8, 1, a)]
+    config = ReplayConfig(workers=1, cache_blocks=20, concurrency=1)
+    holds = [(0.0, 0.01)] * 2
+    agree = simulated(reqs, config, "round_robin", pooled=1.0, delays=holds,
+                      decided_s=(0.0, 0.1), cached=(0, 8))
+    assert agree["same_cached"] == 1.0
+    differ = simulated(reqs, config, "round_robin", pooled=1.0, delays=holds,
+                       decided_s=(0.0, 0.1), cached=(0, 5))
+    assert differ["same_cached"] == 0.5
+    unknown = simulated(reqs, config, "round_robin", pooled=1.0, delays=holds,
+                        decided_s=(0.0, 0.1))
+    assert unknown["same_cached"] is None
 
 
 def test_agreement_is_the_largest_difference_run_by_run() -> None:

@@ -257,13 +257,15 @@ def test_live_timing_advances_the_clock_when_workers_cost_nothing() -> None:
     untimed = simulate(reqs, config(1, 2, "round_robin", concurrency=2))
     assert untimed.sim_seconds == 0.0
     # Each request's own (wait, hold), cycled, replace both delays: the third request is
-    # decided 0.3 s after its send and settles 0.9 s after that. The worker runs each one
-    # for its whole hold, as it did live: request 1 waits for request 0's blocks.
+    # decided 0.3 s after its send and settles 0.9 s after that. The worker frees each one
+    # when it has computed it (at once, free costs), not when the gateway settles it:
+    # request 1 finds request 0's blocks free although request 0 is still in flight.
     slow = simulate(reqs[:3], config(1, 2, "round_robin", concurrency=2, route_delay_s=5.0,
                                      relay_delay_s=5.0,
                                      request_delays=((0.1, 0.3), (0.1, 0.3), (0.3, 0.9))))
     assert slow.sim_seconds == pytest.approx(0.4 + 1.2)
-    assert slow.ttft_s == pytest.approx((0.1, 0.4, 0.3))
+    assert slow.ttft_s == pytest.approx((0.1, 0.1, 0.3))
+    assert slow.reused == (0, 0, 0)  # [1, 2], [3, 4], [1, 2] on a 2-block cache
 
 
 def test_the_gateway_decides_in_the_order_requests_reach_it() -> None:
