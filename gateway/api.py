@@ -236,6 +236,7 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "breaker": state.guard.breakers.state(s.worker.id, now),
                 "kind": s.worker.kind,
                 "engine_metrics": dict(s.engine_metrics),
+                "scraped_at": s.scraped_at,  # the gateway's monotonic clock, seconds
                 # The prefix index's model of its cache: size (0 = unknown) and blocks held.
                 "capacity_blocks": s.capacity_blocks,
                 "modelled_blocks": state.index.held_blocks(s.worker.id),

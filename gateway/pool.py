@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ class WorkerState:
     matched_tokens: int = 0
     models: frozenset[str] = field(default_factory=frozenset)
     engine_metrics: Mapping[str, float] = field(default_factory=dict)  # scraped from /metrics
+    scraped_at: float = 0.0  # when (monotonic clock) engine_metrics were scraped; 0: never
     # Requests its engine runs at once, learned from a scrape that showed requests waiting for
     # admission (the running count then is the engine's limit; vLLM's depends on what fits in
     # its KV cache, so a later scrape running more raises it); 0 = not seen full yet.
@@ -281,6 +283,7 @@ class WorkerPool:
         self._catalog = None
         if metrics is not None:
             state.engine_metrics = dict(metrics)
+            state.scraped_at = time.monotonic()
             _note_queue_time(state, metrics)
             running = int(metrics.get(RUNNING, 0.0))
             if metrics.get(WAITING, 0.0) > 0 and running >= 1:

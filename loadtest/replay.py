@@ -60,7 +60,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,10 @@ class RunResult:
     # Per request, in trace order: the blocks its worker reported reusing
     # (x-cache-matched-tokens), which the simulator's workers are compared with.
     cached_blocks: list[int] = field(default_factory=list)
+    # The engine scrapes (health probes' /metrics) the gateway routed on, each at its instant
+    # on the decision instants: the view of a worker counts its engine's running and waiting
+    # requests at the last scrape (gateway.pool.WorkerState.view).
+    engine_scrapes: list[dict[str, Any]] = field(default_factory=list)
     # The model@version our gateway fingerprinted prompts under (/admin/workers namespaces):
     # what the simulator needs to route on the gateway's own keys.
     namespace_model: str = ""
@@ -351,8 +355,9 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
                     await fleet.flush(session, [fleet.urls[index]])
             restarter = asyncio.create_task(later())
         samples: list[int] = []
+        scrapes: dict[tuple[str, float], dict[str, float]] = {}
         agreed: list[DryRunPair] = []
-        side = [asyncio.create_task(sample_inflight(session, url, samples))] \
+        side = [asyncio.create_task(sample_inflight(session, url, samples, scrapes))] \
             if router.startswith("ours") else []
         if config.agreement and router.startswith("ours"):
             side.append(asyncio.create_task(sample_agreement(url, bodies, agreed)))
@@ -381,7 +386,43 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
             for across in (True, False) for kind in ("view", "", "prefix_hit", "cold")}
     result.timeline = timeline(replies, started, config.bucket_s, config.block_tokens)
     result.rebalance = actions
+    if fleet is not None:  # the gateway runs on this machine: its clocks are ours
+        time_actions(actions, replies, time.time() - time.monotonic())
+    result.engine_scrapes = timed_scrapes(scrapes, replies)
     return result
+
+
+def timed_scrapes(scrapes: Mapping[tuple[str, float], Mapping[str, float]],
+                  replies: Sequence[Reply]) -> list[dict[str, Any]]:
+    """The engine scrapes the gateway routed on during a run, oldest first, each at its
+    instant on the run's decision instants (``decided_s``; both are the gateway's monotonic
+    clock): the last one before the first decision and every one after; empty unless every
+    reply said when it was decided."""
+    if not replies or not all(r.decided_at for r in replies):
+        return []
+    first = min(r.decided_at for r in replies)
+    latest: dict[str, float] = {}  # per worker, its last scrape before the first decision
+    for wid, at in scrapes:
+        if at <= first and at > latest.get(wid, 0.0):
+            latest[wid] = at
+    return [{"decided_s": round(at - first, 6), "worker": wid, "metrics": dict(metrics)}
+            for (wid, at), metrics in sorted(scrapes.items(), key=lambda kv: kv[0][1])
+            if at > first or latest.get(wid) == at]
+
+
+def time_actions(actions: Sequence[dict[str, Any]], replies: Sequence[Reply],
+                 wall_minus_monotonic: float) -> None:
+    """Give each rebalance action its instant on the run's decision instants
+    (``decided_s``: seconds after the first decision, on the gateway's monotonic clock), from
+    its wall-clock ``at`` and the difference between the two clocks of this machine; nothing
+    unless every reply said when it was decided."""
+    if not replies or not all(r.decided_at for r in replies):
+        return
+    first = min(r.decided_at for r in replies)
+    for a in actions:
+        at = a.get("at")
+        if isinstance(at, int | float):
+            a["decided_s"] = round(float(at) - wall_minus_monotonic - first, 6)
 
 
 async def open_connections(session: aiohttp.ClientSession, url: str, count: int) -> None:
@@ -400,8 +441,12 @@ INFLIGHT_SAMPLE_S = 0.2
 AGREEMENT_SAMPLE_S = 0.05  # a dry run on two processes (--agreement)
 
 
-async def sample_inflight(session: aiohttp.ClientSession, url: str, out: list[int]) -> None:
-    """Every ``INFLIGHT_SAMPLE_S``, the gateway's count of requests in flight (all workers)."""
+async def sample_inflight(session: aiohttp.ClientSession, url: str, out: list[int],
+                          scrapes: dict[tuple[str, float], dict[str, float]] | None = None,
+                          ) -> None:
+    """Every ``INFLIGHT_SAMPLE_S``, the gateway's count of requests in flight (all workers),
+    and into ``scrapes`` each engine scrape it routes on ((worker, when on its monotonic
+    clock) -> the metrics; a scrape stays until the next health probe, seconds apart)."""
     while True:
         await asyncio.sleep(INFLIGHT_SAMPLE_S)
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError,
@@ -409,6 +454,12 @@ async def sample_inflight(session: aiohttp.ClientSession, url: str, out: list[in
             async with session.get(url + "/admin/workers") as response:
                 data = await response.json()
             out.append(sum(int(w["inflight_requests"]) for w in data["workers"]))
+            if scrapes is not None:
+                for w in data["workers"]:
+                    at = float(w.get("scraped_at") or 0.0)
+                    if at > 0:
+                        scrapes[(str(w["id"]), at)] = {
+                            k: float(v) for k, v in (w.get("engine_metrics") or {}).items()}
 
 
 @dataclass(frozen=True, slots=True)

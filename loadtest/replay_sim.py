@@ -25,7 +25,7 @@ import math
 import random
 import statistics
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from gateway.contracts.kv_keys import engine_namespace
 from gateway.fingerprint import Namespace, PrefixKey, fingerprint
 from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.openai_schema import parse_completion
+from gateway.rebalance import action_from_json
 from gateway.routing.policies import PolicyOptions
 from gateway.settings import GatewaySettings
 from loadtest.sim.cluster import SimConfig, pooled_bound, simulate
@@ -212,7 +213,9 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
               routed_to: Sequence[str] = (), decision_gap_s: float = 0.0,
               decided_s: Sequence[float] = (), overrides: Overrides | None = None,
               units: Sequence[TraceRequest] = (),
-              cached: Sequence[int] = ()) -> dict[str, Any]:
+              cached: Sequence[int] = (),
+              rebalanced: Sequence[Mapping[str, Any]] | None = None,
+              scrapes: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
     concurrency, keys (the gateway's own, :func:`gateway_keys`, else the trace's in the
     gateway's shape) and timing: each request's own ``delays`` (:func:`request_delays`), or
@@ -230,7 +233,11 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
 
     ``overrides`` (:func:`sim_overrides`) changes the simulator's configuration: at the
     decision instants, what the gateway would have done otherwise with the same arrivals
-    (later requests keep their live timing: an approximation once the routing parts)."""
+    (later requests keep their live timing: an approximation once the routing parts).
+    There, the live run's rebalance actions (``rebalanced``, each with its ``decided_s``) are
+    applied at their instants instead of the simulator's own rebalancer rounds, whose clock
+    is not the live gateway's, and so are the engine scrapes its health probes routed on
+    (``scrapes``, each with its ``decided_s``)."""
     units = list(units) or live_units(requests, config)
     tokens = bool(config.tokenizer_file)  # units and keys in the engine's token blocks
     order = list(range(len(units)))
@@ -240,6 +247,10 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         units = [replace(units[i], arrival_s=decided_s[i]) for i in order]
         delays = [(0.0, delays[i][1]) for i in order]
         keys = [keys[i] for i in order] if len(keys) == len(order) else ()
+    logged = None
+    if timed and rebalanced is not None and all("decided_s" in a for a in rebalanced):
+        logged = tuple((float(a["decided_s"]), action) for a in rebalanced
+                       if (action := action_from_json(a)) is not None)
     sim = SimConfig(
         workers=config.workers, cache_blocks=config.cache_blocks, policy=policy,
         mode="replay" if timed else "sequential",
@@ -249,7 +260,9 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         private_blocks=1 if tokens else 0,
         route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
         request_delays=tuple(delays), route_keys=tuple(keys),
-        decision_gap_s=0.0 if timed else decision_gap_s,
+        decision_gap_s=0.0 if timed else decision_gap_s, rebalance_log=logged,
+        scrape_log=tuple((float(x["decided_s"]), str(x["worker"]), dict(x["metrics"]))
+                         for x in scrapes) if timed else (),
     )
     result = simulate(units, with_overrides(sim, overrides) if overrides else sim)
     assignments = [""] * len(order)
@@ -350,7 +363,8 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
     if run.decided_s:
         decided = simulated(requests, config, policy, pooled, timing, run.worker_ids, delays,
                             keys, run.routed_to, decided_s=run.decided_s, overrides=overrides,
-                            units=units, cached=run.cached_blocks)
+                            units=units, cached=run.cached_blocks, rebalanced=run.rebalance,
+                            scrapes=run.engine_scrapes)
         out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "same_cached",
                                                     "prewarms", "prewarms_used")}
     return out

@@ -91,7 +91,7 @@ import xxhash
 from gateway.fingerprint import FingerprintOptions, PrefixKey, checkpoint_depths
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
-from gateway.rebalance import RebalanceOptions, Rebalancer
+from gateway.rebalance import RebalanceAction, RebalanceOptions, Rebalancer
 from gateway.routing.policies import PolicyOptions
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Decision, DecisionKind, RouteRequest, Worker
@@ -170,6 +170,14 @@ class SimConfig:
     # The gateway's rebalancer, every this many simulated seconds (0: off).
     rebalance_interval_s: float = field(
         default_factory=lambda: _gateway_default("rebalance_interval_s"))
+    # A live run's rebalance actions, each at its instant (simulated seconds): given (a
+    # tuple, even an empty one), they are applied then, and the rebalancer decides nothing
+    # of its own (its rounds follow the live gateway's clock, not the simulation's).
+    rebalance_log: tuple[tuple[float, RebalanceAction], ...] | None = None
+    # A live run's engine scrapes (instant, worker name, metrics), each given to the pool at
+    # its instant as the live gateway's health probe gave it: a worker's view counts its
+    # engine's running and waiting requests at the last scrape (WorkerState.view).
+    scrape_log: tuple[tuple[float, str, Mapping[str, float]], ...] = ()
     # Per request, where the blocks the pooled LRU would reuse went (SimResult.losses); costs
     # a lookup in every worker's cache per request.
     loss_breakdown: bool = False
@@ -363,6 +371,12 @@ class ClusterSim:
         # (time, sequence, what happens then): worker completions, delayed decisions, settling.
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = 0
+        if config.rebalance_log is not None:  # the live run's own actions, at their instants
+            self._next_rebalance = math.inf
+            for at, logged in config.rebalance_log:
+                self._at(at, functools.partial(self._apply_logged, logged))
+        for at, name, metrics in config.scrape_log:
+            self._at(at, functools.partial(self._scraped, name, metrics))
         self._inflight = 0
         self._last_decision = -math.inf  # the gateway decides in the order requests reach it
         self._ttft: list[float] = []
@@ -463,6 +477,13 @@ class ClusterSim:
         assert job.attempt is not None
         self.session.completed(job.attempt, CacheUsage(len(job.req.blocks), job.matched_blocks))
         self._inflight -= 1
+
+    def _scraped(self, name: str, metrics: Mapping[str, float], now: float) -> None:
+        self.pool.mark_up(name, frozenset(), metrics)
+
+    def _apply_logged(self, action: RebalanceAction, now: float) -> None:
+        self._rebalance_actions[action.action] += 1
+        self.rebalancer.apply(action)
 
     def _rebalance(self) -> None:
         """One round of the gateway's rebalancer over the hit counters so far."""

@@ -7,8 +7,15 @@ from typing import Any
 
 import pytest
 
-from loadtest.harness import server_timing
-from loadtest.replay import DryRunPair, ReplayConfig, RunResult, agreement
+from loadtest.harness import Reply, server_timing
+from loadtest.replay import (
+    DryRunPair,
+    ReplayConfig,
+    RunResult,
+    agreement,
+    time_actions,
+    timed_scrapes,
+)
 from loadtest.replay_sim import (
     decision_gap,
     delay_factors,
@@ -242,3 +249,27 @@ def test_dry_run_agreement_counts_each_side_and_kind_apart() -> None:
     assert agreement(pairs, across=True, kind="view") == 2 / 3
     assert agreement(pairs, across=False) == 1.0
     assert agreement(pairs, across=False, kind="prefix_hit") is None
+
+
+def _replies(*decided_at: float) -> list[Reply]:
+    return [Reply(status=200, worker="w", input_tokens=16, matched_tokens=0, seconds=0.01,
+                  decided_at=at) for at in decided_at]
+
+
+def test_engine_scrapes_are_timed_on_the_decision_instants() -> None:
+    """The gateway's scrapes on its monotonic clock, as the decision instants are: each
+    worker's last one before the first decision (at 100.0) and every one after it."""
+    scrapes = {("a", 90.0): {"r": 1.0}, ("a", 99.0): {"r": 2.0}, ("b", 95.0): {"r": 0.0},
+               ("a", 103.5): {"r": 3.0}}
+    timed = timed_scrapes(scrapes, _replies(100.0, 100.5, 104.0))
+    assert [(x["worker"], x["decided_s"], x["metrics"]) for x in timed] == [
+        ("b", -5.0, {"r": 0.0}), ("a", -1.0, {"r": 2.0}), ("a", 3.5, {"r": 3.0})]
+    assert timed_scrapes(scrapes, _replies(100.0, 0.0)) == []  # a reply that did not say
+
+
+def test_rebalance_actions_are_timed_on_the_decision_instants() -> None:
+    """A wall-clock action at 1,000,010.25 on a machine whose wall clock is 1,000,000 ahead of
+    its monotonic one is 10.25 s of monotonic time: 0.25 s after a first decision at 10.0."""
+    actions: list[dict[str, Any]] = [{"action": "shed", "at": 1_000_010.25}]
+    time_actions(actions, _replies(10.0, 10.2), 1_000_000.0)
+    assert actions[0]["decided_s"] == pytest.approx(0.25)

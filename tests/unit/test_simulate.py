@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.fingerprint import Namespace, fingerprint
+from gateway.rebalance import Shed
 from gateway.routing.policies import POLICY_NAMES
 from gateway.routing.ring import Ring
 from gateway.session import Attempt
@@ -390,3 +391,41 @@ def test_private_blocks_are_held_while_running_and_never_cached() -> None:
     # A prompt as large as the cache never fits beside its own block.
     assert simulate(trace([1, 2, 3, 4]), config(1, 4, "round_robin",
                                                 private_blocks=1)).rejected == 1
+
+
+def test_a_live_rebalance_action_is_applied_at_its_instant() -> None:
+    # One worker of 8 blocks, the same 2-block prompt at 0 s and 1 s: the index predicts the
+    # second finds both blocks. A live shed of every prefix the worker held, logged at 0.5 s,
+    # leaves the index nothing to predict (the worker itself still holds them), and the
+    # simulator's own rebalancer rounds do not run beside the log.
+    reqs = [dataclasses.replace(r, arrival_s=float(i)) for i, r in enumerate(trace([1, 2], [1, 2]))]
+    base = config(1, 8, "cache_aware", mode="replay", concurrency=None)
+    plain = simulate(reqs, base)
+    assert plain.predicted_blocks == 2
+    assert plain.matched_blocks == 2
+    shed = Shed("live:1:shed", 0.0, "w0", 1.0, "thrashing")
+    logged = simulate(reqs, dataclasses.replace(base, worker_names=("w0",),
+                                                rebalance_log=((0.5, shed),)))
+    assert logged.predicted_blocks == 0
+    assert logged.matched_blocks == 2
+    assert logged.rebalance == {"shed": 1}
+    late = simulate(reqs, dataclasses.replace(base, worker_names=("w0",),
+                                              rebalance_log=((1.5, shed),)))
+    assert late.predicted_blocks == 2  # after the last request: changes nothing it routed
+
+
+def test_an_engine_scrape_counts_in_the_worker_view_from_its_instant() -> None:
+    # A scrape logged at 0.5 s in which worker a's engine runs three requests and queues one:
+    # from then on the pool's view of a counts four requests, as the live gateway's does (its
+    # view takes the engine's running and waiting requests at the last scrape when that is
+    # more than its own count). Without the log, the view is the gateway's own count.
+    reqs = [dataclasses.replace(r, arrival_s=1.0) for r in trace([1, 2])]
+    base = config(2, 8, "least_load", mode="replay", concurrency=None, worker_names=("a", "b"))
+    busy = {"vllm:num_requests_running": 3.0, "vllm:num_requests_waiting": 1.0}
+    sim = ClusterSim(dataclasses.replace(base, scrape_log=((0.5, "a", busy),)))
+    sim.run(reqs)
+    assert sim.pool.get("a").view().inflight_requests == 4
+    assert sim.pool.get("b").view().inflight_requests == 0
+    plain = ClusterSim(base)
+    plain.run(reqs)
+    assert plain.pool.get("a").view().inflight_requests == 0
