@@ -247,8 +247,9 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         units = [replace(units[i], arrival_s=decided_s[i]) for i in order]
         delays = [(0.0, delays[i][1]) for i in order]
         keys = [keys[i] for i in order] if len(keys) == len(order) else ()
-    logged = None
-    if timed and rebalanced is not None and all("decided_s" in a for a in rebalanced):
+    logged = None  # with --sim-set rebalance_interval_s=..., the simulator's own rounds
+    if (timed and rebalanced is not None and all("decided_s" in a for a in rebalanced)
+            and "rebalance_interval_s" not in (overrides or {})):
         logged = tuple((float(a["decided_s"]), action) for a in rebalanced
                        if (action := action_from_json(a)) is not None)
     sim = SimConfig(
