@@ -27,13 +27,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
 
-from gateway.backends.base import Backend, BackendUnavailable, UpstreamRequest
+from gateway.backends.base import Backend, BackendUnavailable, UpstreamReply, UpstreamRequest
 from gateway.contracts.tasks import stop_if_cancelled
 from gateway.fingerprint import FingerprintOptions
 from gateway.normalize import NormalizeOptions
@@ -401,11 +401,20 @@ class WarmupManager:
         self.index.record(key.blocks, wid, now, key.depths)
         if self.exact is not None:
             self.exact.sent(wid, key.blocks, now)
-        return self._prewarmed(worker, prompt, held)
+        # Written now, as a routed request is when its decision is made: sent from the task
+        # that awaits it, it would reach the worker after requests routed meanwhile, which the
+        # index already predicts find its blocks.
+        try:
+            sending = self._backend_for(worker).send(worker, _upstream(prompt))
+        except (BackendUnavailable, LookupError) as exc:
+            log.info("warm-up request to %s failed: %s", wid, exc)
+            sending = None
+        return self._prewarmed(worker, prompt, held, sending)
 
-    async def _prewarmed(self, worker: Worker, prompt: WarmPrompt, held: int) -> bool:
+    async def _prewarmed(self, worker: Worker, prompt: WarmPrompt, held: int,
+                         sending: Coroutine[Any, Any, UpstreamReply] | None) -> bool:
         wid, blocks = worker.id, prompt.key.blocks
-        ok = await self._send(worker, prompt)
+        ok = sending is not None and await self._replied(worker, sending)
         if self.exact is not None:
             self.exact.done(wid, blocks, time.monotonic())
         if ok:
@@ -417,13 +426,14 @@ class WarmupManager:
         return ok
 
     async def _send(self, worker: Worker, prompt: WarmPrompt) -> bool:
-        upstream = UpstreamRequest(
-            path=prompt.path, body=prompt.replay_body(), namespace=prompt.namespace,
-            anchor=prompt.key.anchor_hex, request_id="warmup",
-            headers={"x-request-id": "warmup"},
-        )
+        return await self._replied(worker, self._backend_for(worker).open(worker,
+                                                                         _upstream(prompt)))
+
+    async def _replied(self, worker: Worker,
+                       sending: Coroutine[Any, Any, UpstreamReply]) -> bool:
+        """Whether the warm-up request ``sending`` was answered 200 (its body read)."""
         try:
-            reply = await self._backend_for(worker).open(worker, upstream)
+            reply = await sending
         except (BackendUnavailable, LookupError) as exc:
             log.info("warm-up request to %s failed: %s", worker.id, exc)
             return False
@@ -445,6 +455,14 @@ class WarmupManager:
             self.pool.set_ramp(wid, factor)
             if i < len(steps) - 1:
                 await asyncio.sleep(pause)
+
+
+def _upstream(prompt: WarmPrompt) -> UpstreamRequest:
+    """The prefill-only request that replays ``prompt``."""
+    return UpstreamRequest(
+        path=prompt.path, body=prompt.replay_body(), namespace=prompt.namespace,
+        anchor=prompt.key.anchor_hex, request_id="warmup", headers={"x-request-id": "warmup"},
+    )
 
 
 async def _refused() -> bool:

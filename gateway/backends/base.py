@@ -7,7 +7,7 @@ retry on another worker (nothing has reached the client yet) or to start relayin
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -89,6 +89,13 @@ class Backend(Protocol):
 
     async def open(self, worker: Worker, request: UpstreamRequest) -> UpstreamReply:
         """Send one request; raise :class:`BackendUnavailable` if the worker is unreachable."""
+        ...
+
+    def send(self, worker: Worker,
+             request: UpstreamRequest) -> Coroutine[Any, Any, UpstreamReply]:
+        """:meth:`open`, started now: where the backend orders the requests to a worker, this
+        one takes its place before this returns, so a request awaited from a task that runs
+        later still goes out before the ones sent after it. Await what it returns."""
         ...
 
     async def probe(self, worker: Worker) -> WorkerProbe: ...

@@ -38,8 +38,8 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
-from typing import cast
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from typing import Any, cast
 
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
@@ -416,6 +416,14 @@ class Http1Client:
 
     async def post(self, url: URL, headers: Mapping[str, str], body: bytes) -> Http1Reply:
         """Send ``body`` to ``url``; returns once the reply's status and headers are in."""
+        return await self.send(url, headers, body)
+
+    def send(self, url: URL, headers: Mapping[str, str],
+             body: bytes) -> Coroutine[Any, Any, Http1Reply]:
+        """:meth:`post`, with the request written (or its place taken in line) before this
+        returns: a request sent at one instant and awaited later, from a task that starts on a
+        later pass of the event loop, still reaches the worker before the requests sent after
+        it. The coroutine returned must be awaited (it owns the connection)."""
         origin, start = self._request_start(url)
         lines = [start, b"Content-Length: %d\r\n" % len(body)]
         for name, value in headers.items():
@@ -425,7 +433,20 @@ class Http1Client:
             lines.append(line.encode("utf-8"))
         lines.append(b"\r\n")
         head = b"".join(lines)
-        conn, reused, reply_head = await self._send(origin, head, body)
+        return self._reply(origin, head, body, self._write(origin, head, body))
+
+    async def _reply(self, origin: _Origin, head: bytes, body: bytes,
+                     written: _Sent | asyncio.Future[_Sent]) -> Http1Reply:
+        """The reply to a request :meth:`_write` wrote or put in line."""
+        if isinstance(written, asyncio.Future):
+            waiter = written
+            try:
+                written = await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    waiter.result()[0].close()  # written as the caller went away: unread
+                raise
+        conn, reused, reply_head = written
         try:
             try:
                 await self._wait_head(reply_head)
@@ -473,8 +494,10 @@ class Http1Client:
             cached = self._heads[url] = ((url.scheme, url.host, port), start.encode("ascii"))
         return cached
 
-    async def _send(self, origin: _Origin, head: bytes, body: bytes) -> _Sent:
-        """Write one request on a connection to ``origin``, in line (see the module's notes)."""
+    def _write(self, origin: _Origin, head: bytes,
+               body: bytes) -> _Sent | asyncio.Future[_Sent]:
+        """Write one request on an idle connection to ``origin``, or put it in line for the
+        next one (see the module's notes): what was written, or the future it will be."""
         conn = self._take_idle(origin)
         if conn is not None:
             return conn, True, conn.send(head, body)
@@ -485,12 +508,7 @@ class Http1Client:
         task = loop.create_task(self._connect_for_line(origin))
         self._connects.add(task)
         task.add_done_callback(self._connects.discard)
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                waiter.result()[0].close()  # written as the caller went away: nobody reads it
-            raise
+        return waiter
 
     def _take_idle(self, origin: _Origin) -> _Connection | None:
         idle = self._idle.get(origin)

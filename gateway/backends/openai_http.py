@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -216,6 +216,12 @@ class OpenAIHTTPBackend:
         return self._credentials(worker)
 
     async def open(self, worker: Worker, request: UpstreamRequest) -> HTTPReply:
+        return await self.send(worker, request)
+
+    def send(self, worker: Worker,
+             request: UpstreamRequest) -> Coroutine[Any, Any, HTTPReply]:
+        """:meth:`open`, the request written to the worker (or in line for a connection)
+        before this returns (:meth:`Http1Client.send`)."""
         body = request.body
         headers = {**request.headers, **self._credentials(worker),
                    "Content-Type": "application/json"}
@@ -246,7 +252,7 @@ class OpenAIHTTPBackend:
             if len(self._urls) >= 4096:
                 self._urls.clear()
             url = self._urls[worker.url, request.path] = URL(worker.url + request.path)
-        return HTTPReply(await self._relay.post(url, headers, data), strip_usage=strip_usage)
+        return _opened(self._relay.send(url, headers, data), strip_usage)
 
     async def probe(self, worker: Worker) -> WorkerProbe:
         auth = self._credentials(worker)
@@ -323,6 +329,10 @@ class OpenAIHTTPBackend:
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+
+async def _opened(reply: Coroutine[Any, Any, Http1Reply], strip_usage: bool) -> HTTPReply:
+    return HTTPReply(await reply, strip_usage=strip_usage)
 
 
 def target_url(url: str) -> str:

@@ -35,7 +35,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -325,6 +325,12 @@ class SageMakerBackend:
         if trace and len(attributes := ";".join(trace)) <= 1024:
             params["CustomAttributes"] = attributes
         return params
+
+    def send(self, worker: Worker,
+             request: UpstreamRequest) -> Coroutine[Any, Any, BufferedReply | StreamReply]:
+        """:meth:`open` as it is: an endpoint's invocations are not ordered among themselves,
+        so there is no place in line to take before it is awaited."""
+        return self.open(worker, request)
 
     async def open(
         self, worker: Worker, request: UpstreamRequest

@@ -1,6 +1,6 @@
 """A pre-warm counts in the prefix index from the decision that chose it, as a routed request
-does (the engine admits it ahead of the requests routed after it), and is forgotten if it fails;
-a joining worker's warm-up replay counts once answered.
+does, and is written to the worker then, so its engine admits it ahead of the requests routed
+after it; it is forgotten if it fails; a joining worker's warm-up replay counts once answered.
 
 A reference worker over real HTTP on 127.0.0.1; the gateway's own backends send the replay.
 """
@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from gateway.app import backend_options
+from gateway.backends.base import Backend, UpstreamRequest
 from gateway.backends.registry import build_backends
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.pool import WorkerPool
@@ -52,6 +53,8 @@ class Setup:
     live: str  # a worker that answers
     dead: str  # a worker nothing listens on
     sent: Sent
+    pool: WorkerPool
+    backend: Backend  # the live worker's
 
 
 @pytest.fixture
@@ -73,7 +76,8 @@ async def setup() -> AsyncIterator[Setup]:
     sent = Sent()
     manager.exact = sent
     try:
-        yield Setup(manager, index, live, dead, sent)
+        yield Setup(manager, index, live, dead, sent, pool,
+                    backends[pool.get(live).worker.kind])
     finally:
         for backend in backends.values():
             await backend.close()
@@ -114,3 +118,25 @@ async def test_a_failed_prewarm_is_forgotten(setup: Setup) -> None:
     assert not await setup.manager.prewarm(setup.dead, p)
     assert held(setup.index, setup.dead, p) == 0
     assert [e[0] for e in setup.sent.log] == ["sent", "done", "unsent"]
+
+
+async def test_a_prewarm_reaches_the_worker_before_the_requests_routed_after_it(
+        setup: Setup) -> None:
+    # The pre-warm's task has not run yet when a request for its prompt is routed to the
+    # pre-warmed worker (the index already says it holds the prompt): the pre-warm was written
+    # at its decision, so the engine admits it first and the request finds its blocks cached.
+    p = prompt()
+    prewarm = setup.manager.prewarm(setup.live, p)  # the decision; its task starts later
+    worker = setup.pool.get(setup.live).worker
+    routed = UpstreamRequest(path="/v1/completions",
+                             body={"model": MODEL, "prompt": TEXT, "max_tokens": 1})
+    reply = await setup.backend.open(worker, routed)
+    try:
+        await reply.read()
+        cached = int(reply.headers.get("x-cache-matched-tokens", "0"))
+        prompt_tokens = int(reply.headers["x-cache-input-tokens"])
+    finally:
+        reply.release()
+    assert await asyncio.ensure_future(prewarm)
+    assert prompt_tokens > 16
+    assert cached >= prompt_tokens - 16  # every full block of the prompt
