@@ -404,12 +404,7 @@ class WarmupManager:
         # Written now, as a routed request is when its decision is made: sent from the task
         # that awaits it, it would reach the worker after requests routed meanwhile, which the
         # index already predicts find its blocks.
-        try:
-            sending = self._backend_for(worker).send(worker, _upstream(prompt))
-        except (BackendUnavailable, LookupError) as exc:
-            log.info("warm-up request to %s failed: %s", wid, exc)
-            sending = None
-        return self._prewarmed(worker, prompt, held, sending)
+        return self._prewarmed(worker, prompt, held, self._start(worker, prompt))
 
     async def _prewarmed(self, worker: Worker, prompt: WarmPrompt, held: int,
                          sending: Coroutine[Any, Any, UpstreamReply] | None) -> bool:
@@ -426,15 +421,25 @@ class WarmupManager:
         return ok
 
     async def _send(self, worker: Worker, prompt: WarmPrompt) -> bool:
-        return await self._replied(worker, self._backend_for(worker).open(worker,
-                                                                         _upstream(prompt)))
+        sending = self._start(worker, prompt)
+        return sending is not None and await self._replied(worker, sending)
+
+    def _start(self, worker: Worker,
+               prompt: WarmPrompt) -> Coroutine[Any, Any, UpstreamReply] | None:
+        """The prefill-only request replaying ``prompt``, written to ``worker`` now
+        (:meth:`Backend.send`); None if its backend cannot take it."""
+        try:
+            return self._backend_for(worker).send(worker, _upstream(prompt))
+        except (BackendUnavailable, LookupError) as exc:
+            log.info("warm-up request to %s failed: %s", worker.id, exc)
+            return None
 
     async def _replied(self, worker: Worker,
                        sending: Coroutine[Any, Any, UpstreamReply]) -> bool:
         """Whether the warm-up request ``sending`` was answered 200 (its body read)."""
         try:
             reply = await sending
-        except (BackendUnavailable, LookupError) as exc:
+        except BackendUnavailable as exc:
             log.info("warm-up request to %s failed: %s", worker.id, exc)
             return False
         try:
