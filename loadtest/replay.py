@@ -278,13 +278,19 @@ class Fleet:
 # -- one run -------------------------------------------------------------------------------
 
 
+def first_decision(replies: Sequence[Reply]) -> float | None:
+    """The run's first decision instant (``x-route-at``, the gateway's monotonic clock);
+    None unless every reply said when it was decided."""
+    if not replies or not all(r.decided_at for r in replies):
+        return None
+    return min(r.decided_at for r in replies)
+
+
 def decision_instants(replies: Sequence[Reply]) -> list[float]:
     """Each reply's decision instant (``x-route-at``) after the run's first, in seconds; empty
     unless every reply said when it was decided."""
-    if not replies or not all(r.decided_at for r in replies):
-        return []
-    first = min(r.decided_at for r in replies)
-    return [round(r.decided_at - first, 6) for r in replies]
+    first = first_decision(replies)
+    return [] if first is None else [round(r.decided_at - first, 6) for r in replies]
 
 
 def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float,
@@ -398,9 +404,9 @@ def timed_scrapes(scrapes: Mapping[tuple[str, float], Mapping[str, float]],
     instant on the run's decision instants (``decided_s``; both are the gateway's monotonic
     clock): the last one before the first decision and every one after; empty unless every
     reply said when it was decided."""
-    if not replies or not all(r.decided_at for r in replies):
+    first = first_decision(replies)
+    if first is None:
         return []
-    first = min(r.decided_at for r in replies)
     latest: dict[str, float] = {}  # per worker, its last scrape before the first decision
     for wid, at in scrapes:
         if at <= first and at > latest.get(wid, 0.0):
@@ -416,9 +422,9 @@ def time_actions(actions: Sequence[dict[str, Any]], replies: Sequence[Reply],
     (``decided_s``: seconds after the first decision, on the gateway's monotonic clock), from
     its wall-clock ``at`` and the difference between the two clocks of this machine; nothing
     unless every reply said when it was decided."""
-    if not replies or not all(r.decided_at for r in replies):
+    first = first_decision(replies)
+    if first is None:
         return
-    first = min(r.decided_at for r in replies)
     for a in actions:
         at = a.get("at")
         if isinstance(at, int | float):
