@@ -917,15 +917,19 @@ def load_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
     return requests, source
 
 
+def report_args(report: dict[str, Any]) -> argparse.Namespace:
+    """The replay options a saved ``--json`` report was made with (its command line)."""
+    # The arguments after "python -m loadtest replay".
+    return build_parser().parse_args(shlex.split(report["command"])[4:])
+
+
 def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | None = None) -> int:
     """Re-run the simulator against the live runs of a saved ``--json`` report (same trace and
     fleet, from its command line; each run's timing, worker ids and latencies) and print the
     report with its ``simulated`` section replaced."""
     report = json.loads(path.read_text(encoding="utf-8"))
-    argv = shlex.split(report["command"])[4:]  # after "python -m loadtest replay"
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    config = config_from_args(parser, args)
+    args = report_args(report)
+    config = config_from_args(build_parser(), args)
     requests, source = load_requests(args)
     known = {f.name for f in dataclasses.fields(RunResult)}
     results = [RunResult(**{k: v for k, v in run.items() if k in known})

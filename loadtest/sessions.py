@@ -30,12 +30,12 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loadtest.harness import reason_kind
 from loadtest.traces import TraceRequest
 from worker.kvcache import PrefixCache
 
@@ -146,7 +146,7 @@ def _kind(reason: str) -> str:
     words = reason.split()
     if not words:
         return ""
-    head = words[0].rstrip(":")
+    head = reason_kind(reason)
     if head in ("diverted", "spread") and len(words) > 2:
         return f"{head}:{words[2]}"
     return head
@@ -163,11 +163,10 @@ def _reuse(cache: PrefixCache, blocks: Sequence[int]) -> int:
 def report_losses(path: Path) -> list[RunLosses]:
     """:func:`run_losses` for every live run of a saved replay report, its trace read again
     from the report's command line."""
-    from loadtest.replay import build_parser, load_requests
+    from loadtest.replay import load_requests, report_args
 
     report = json.loads(path.read_text(encoding="utf-8"))
-    args = build_parser().parse_args(shlex.split(report["command"])[4:])
-    requests, _ = load_requests(args)
+    requests, _ = load_requests(report_args(report))
     config = report["config"]
     return [run_losses(requests, run["routed_to"], run.get("route_reasons") or [],
                        config["workers"], config["cache_blocks"], run["router"],
