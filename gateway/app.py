@@ -20,6 +20,7 @@ from gateway.backends.base import Backend
 from gateway.backends.kinds import BackendOptions
 from gateway.backends.registry import build_backends
 from gateway.breaker import BreakerOptions, Breakers
+from gateway.contracts.httpserver import name_server
 from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import Tracing
 from gateway.credentials import worker_keys
@@ -364,6 +365,7 @@ def create_app(
     app[AUTH_KEY] = auth
     app[LIMITS_KEY] = Limits(settings.limit_options())
     app.on_response_prepare.append(response_hook(auth))
+    name_server(app, "affinity-gateway")
     resources.install(app)
     app.cleanup_ctx.append(_key_reloading)
     add_routes(app)

@@ -45,6 +45,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.contracts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from gateway.contracts.headers import NAMESPACE_HEADER, WORKER_BOOT_HEADER
+from gateway.contracts.httpserver import name_server
 from gateway.contracts.kv_keys import engine_namespace
 from gateway.contracts.registry_signing import signed
 from gateway.contracts.tracing import Tracing
@@ -460,6 +461,7 @@ def create_app(
         engine, settings.model, report_cache_size=settings.report_cache_size,
         reported_cache_blocks=settings.reported_cache_blocks,
     )
+    name_server(app, "affinity-worker")
     app[STARTED_KEY] = int(time.time())
     app[BOOT_ID_KEY] = uuid.uuid4().hex[:16]
     tracing = Tracing.build(settings.tracing_options(), span_exporter)

@@ -37,6 +37,21 @@ def _phrase(status: int) -> str:
         return "HTTP error"
 
 
+SERVER_NAME_KEY = web.AppKey("server_name", str)
+
+
+def name_server(app: web.Application, name: str) -> None:
+    """Every response of ``app`` says ``Server: name``, where aiohttp would give its own and
+    Python's versions (which help only someone looking for a known hole in them); so do the
+    answers to requests that could not be parsed, when :func:`run` serves it."""
+    app[SERVER_NAME_KEY] = name
+
+    async def prepare(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["Server"] = name
+
+    app.on_response_prepare.append(prepare)
+
+
 def error_body(status: int, message: str) -> bytes:
     """An OpenAI error body; ``code`` is the status phrase in snake case (``bad_request``)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
@@ -67,6 +82,9 @@ class JsonErrorRequestHandler(RequestHandler):
         text = message if status < 500 and message else _phrase(status)
         resp = web.Response(status=status, body=error_body(status, _one_line(text)),
                             content_type="application/json")
+        name = getattr(self._manager, "server_name", None)
+        if name:
+            resp.headers["Server"] = name
         resp.force_close()
         return resp
 
@@ -87,6 +105,8 @@ def _one_line(value: object) -> str:
 
 
 class JsonErrorServer(web.Server):
+    server_name: str | None = None  # the Server header of its own error answers
+
     def __call__(self) -> RequestHandler:
         return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
 
@@ -110,6 +130,7 @@ class JsonErrorRunner(web.AppRunner):
             loop=asyncio.get_running_loop(),
             **plain._kwargs,
         )
+        server.server_name = self._app.get(SERVER_NAME_KEY)
         return server
 
 

@@ -139,9 +139,27 @@ async def test_malformed_http_gets_openai_shaped_4xx(
     status, headers, body = await _exchange(cluster, raw)
     assert status in statuses, (status, body[:200])
     assert headers["content-type"].startswith("application/json")
+    assert headers["server"] == "affinity-gateway"  # not aiohttp's and Python's versions
     error: dict[str, Any] = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error"
     assert error["message"]
+
+
+@pytest.mark.parametrize(("raw", "status"), [
+    (_request(f"Authorization: Bearer {KEY}", "Content-Type: application/json",
+              f"Content-Length: {len(GOOD)}", body=GOOD), 200),
+    (_request("Content-Type: application/json", f"Content-Length: {len(GOOD)}", body=GOOD),
+     401),
+    (b"GET /no/such/path HTTP/1.1\r\nHost: gateway\r\n\r\n", 404),
+    (b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n", 200),
+], ids=["answered", "no key", "no such path", "health"])
+async def test_no_response_names_the_servers_software_versions(
+    cluster: Cluster, raw: bytes, status: int
+) -> None:
+    got, headers, body = await _exchange(cluster, raw)
+    assert got == status, body[:200]
+    assert headers["server"] == "affinity-gateway"
+    assert not any("aiohttp" in v or "Python/" in v for v in headers.values()), headers
 
 
 async def test_worker_process_answers_malformed_http_in_openai_shape(
@@ -155,6 +173,7 @@ async def test_worker_process_answers_malformed_http_in_openai_shape(
                                                                     b"/v1/chat/completions"))
         assert status in statuses, (name, status, body[:200])
         assert headers["content-type"].startswith("application/json"), (name, body[:200])
+        assert headers["server"] == "affinity-worker", name
         error: dict[str, Any] = json.loads(body)["error"]
         assert error["message"], name
 
