@@ -108,10 +108,19 @@ def _as_gateway_error(exc: Exception, request: web.Request) -> GatewayError:
     return GatewayError("internal error in the gateway")
 
 
+async def _send(request: web.Request, response: web.StreamResponse) -> None:
+    """Write ``response`` out now (a streamed one already was): aiohttp would write it only
+    after the middleware returns, so the request's telemetry would run first, on the
+    client's time, and its latency would leave out the write."""
+    if not response.prepared:
+        await response.prepare(request)
+        await response.write_eof()
+
+
 def gateway_middleware(telemetry: Telemetry, auth: Auth) -> Middleware:
     """The one middleware around every handler: the request's telemetry record (begun before
-    anything else, finished once the response went out), access rules, and the one place
-    where exceptions become OpenAI-shaped error responses."""
+    anything else, finished once the response went out: the middleware writes it), access
+    rules, and the one place where exceptions become OpenAI-shaped error responses."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -130,10 +139,12 @@ def gateway_middleware(telemetry: Telemetry, auth: Auth) -> Middleware:
             except Exception as exc:
                 error = _as_gateway_error(exc, request)
             else:
+                await _send(request, response)
                 status, sent = response.status, sent_bytes(response)
                 return response
             record.error_code = error.code or error.type
             response = _error_response(error)
+            await _send(request, response)
             status, sent = response.status, sent_bytes(response)
             return response
         except web.HTTPException as exc:
