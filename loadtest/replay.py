@@ -923,10 +923,21 @@ def report_args(report: dict[str, Any]) -> argparse.Namespace:
     return build_parser().parse_args(shlex.split(report["command"])[4:])
 
 
-def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | None = None) -> int:
-    """Re-run the simulator against the live runs of a saved ``--json`` report (same trace and
-    fleet, from its command line; each run's timing, worker ids and latencies) and print the
-    report with its ``simulated`` section replaced."""
+@dataclasses.dataclass(frozen=True)
+class SavedReport:
+    """A saved ``--json`` report read back: its options, fleet, trace and live runs."""
+
+    report: dict[str, Any]
+    args: argparse.Namespace
+    config: ReplayConfig
+    requests: list[TraceRequest]
+    source: str  # the trace's label
+    results: list[RunResult]
+
+
+def load_report(path: Path) -> SavedReport:
+    """The saved report at ``path``, with the trace and fleet its command line names and each
+    live run (its timing, worker ids and latencies) as a :class:`RunResult`."""
     report = json.loads(path.read_text(encoding="utf-8"))
     args = report_args(report)
     config = config_from_args(build_parser(), args)
@@ -934,7 +945,16 @@ def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | Non
     known = {f.name for f in dataclasses.fields(RunResult)}
     results = [RunResult(**{k: v for k, v in run.items() if k in known})
                for run in report["runs"]]
-    report["simulated"] = simulate_runs(requests, config, results, draws, overrides)
+    return SavedReport(report, args, config, requests, source, results)
+
+
+def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | None = None) -> int:
+    """Re-run the simulator against the live runs of a saved ``--json`` report (same trace and
+    fleet, from its command line; each run's timing, worker ids and latencies) and print the
+    report with its ``simulated`` section replaced."""
+    saved = load_report(path)
+    report, requests, source = saved.report, saved.requests, saved.source
+    report["simulated"] = simulate_runs(requests, saved.config, saved.results, draws, overrides)
     if as_json:
         print(json.dumps(report, indent=2))
     else:

@@ -35,13 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from loadtest.replay import (
-    RunResult,
-    build_parser,
-    config_from_args,
-    load_requests,
-    report_args,
-)
+from loadtest.replay import load_report
 from loadtest.replay_sim import Overrides, sim_overrides, simulate_runs
 
 
@@ -81,16 +75,10 @@ def workload_label(args: argparse.Namespace) -> str:
 def report_pairs(path: Path, draws: int, overrides: Overrides) -> list[Pair]:
     """Every live run of our gateway in the report at ``path``, simulated without and with
     ``overrides``."""
-    report = json.loads(path.read_text(encoding="utf-8"))
-    args = report_args(report)
-    config = config_from_args(build_parser(), args)
-    requests, _ = load_requests(args)
-    known = {f.name for f in dataclasses.fields(RunResult)}
-    results = [RunResult(**{k: v for k, v in run.items() if k in known})
-               for run in report["runs"]]
-    label = workload_label(args)
-    base = simulate_runs(requests, config, results, draws)
-    changed = simulate_runs(requests, config, results, draws, overrides)
+    saved = load_report(path)
+    label = workload_label(saved.args)
+    base = simulate_runs(saved.requests, saved.config, saved.results, draws)
+    changed = simulate_runs(saved.requests, saved.config, saved.results, draws, overrides)
     pairs = []
     for without, with_change in zip(base, changed, strict=True):
         for a, b in zip(without["runs"], with_change["runs"], strict=True):
