@@ -86,6 +86,7 @@ from loadtest.overhead_stream import (
 from loadtest.peers import (
     PEERS,
     PeerUnavailableError,
+    gateway_log_args,
     peer_launcher,
     proc_tree_cpu_s,
     running_peer,
@@ -117,6 +118,10 @@ class OverheadConfig:
     procs: int = 1
     seed: int = 13
     gateway_args: tuple[str, ...] = ()
+    # Whether every router logs each request as it does by default (ours: one JSON access
+    # line; the peers at --log-level info: two lines); otherwise none does (ours
+    # --access-log off, the peers at warn). Per-request logging was 7% of our CPU per request.
+    request_logs: bool = False
     # Extra copies of our gateway, each with its own extra arguments: ("label", (args...)),
     # shown as "ours[label]", to measure one option's effect side by side.
     variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -192,8 +197,8 @@ def gateway_command(port: int, worker_urls: Sequence[str], config: OverheadConfi
     """Our gateway (cache_aware) in front of ``worker_urls``; an ``@DIR`` in ``extra`` runs the
     gateway from the checkout in DIR instead of this one."""
     cmd = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(port),
-           "--policy", "cache_aware", *config.gateway_args,
-           *(a for a in extra if not a.startswith("@"))]
+           "--policy", "cache_aware", *gateway_log_args(config.request_logs),
+           *config.gateway_args, *(a for a in extra if not a.startswith("@"))]
     if config.procs > 1:
         cmd += ["--procs", str(config.procs)]
     for url in worker_urls:
@@ -275,7 +280,8 @@ async def running_targets(
                 if name in PEERS:
                     try:
                         peer = await stack.enter_async_context(
-                            running_peer(name, worker_urls, logs, host=HOST))
+                            running_peer(name, worker_urls, logs, host=HOST,
+                                         request_logs=config.request_logs))
                     except PeerUnavailableError as exc:
                         print(f"[bench] {exc}", file=sys.stderr, flush=True)
                         skipped[name] = str(exc).splitlines()[0]
@@ -630,7 +636,10 @@ def to_markdown(result: OverheadResult) -> str:
         f"unique question, `max_tokens` 1. Throughput: {c.requests} requests at concurrency "
         f"{c.concurrency}, {c.reps} repetitions (medians shown). Added latency: {c.sequential} "
         f"sequential rounds, one request to each target per round. Router CPU: the CPU clocks "
-        f"of its process and children (every thread, ns). Our gateway: {c.procs} process(es).",
+        f"of its process and children (every thread, ns). Our gateway: {c.procs} process(es). "
+        + ("Every router logs each request (ours one JSON access line, the peers at "
+           "`--log-level info`)." if c.request_logs else "No router logs each request (ours "
+           "`--access-log off`, the peers at `--log-level warn`)."),
         "",
         "| target | req/s c=32 | p50 ms | p99 ms | CPU s / 1k req | added p50 c=1 ms | "
         "p99 c=1 ms | prefix affinity | index hits | errors |",
@@ -705,6 +714,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--procs", type=int, default=1, help="our gateway's processes")
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra argument for our gateway (repeatable)")
+    p.add_argument("--request-logs", action="store_true",
+                   help="every router logs each request as it does by default (ours one "
+                   "JSON access line, the peers at --log-level info); without it none does "
+                   "(ours --access-log off, the peers at --log-level warn)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
                    help="also run our gateway as 'ours[LABEL]' with these extra arguments "
                    "(repeatable), e.g. asyncio='--event-loop asyncio'; an argument @DIR runs "
@@ -746,7 +759,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=args.workers, prefixes=args.prefixes, requests=args.requests,
         concurrency=args.concurrency, reps=args.reps, sequential=args.sequential,
         routers=tuple(r for r in args.routers.split(",") if r), procs=args.procs,
-        gateway_args=tuple(args.gateway_arg),
+        gateway_args=tuple(args.gateway_arg), request_logs=args.request_logs,
         long_chars=tuple(int(c) for c in args.long.split(",") if c.strip()),
         long_requests=args.long_requests, long_reps=args.long_reps, idle_s=args.idle_s,
         stream=StreamConfig(tokens=args.stream_tokens, requests=args.stream_requests,

@@ -79,17 +79,26 @@ def available_peers() -> list[str]:
 
 
 def peer_command(launcher: str | Sequence[str], host: str, port: int, metrics_port: int,
-                 worker_urls: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
-    """``<launcher> launch`` in cache_aware mode in front of ``worker_urls``."""
+                 worker_urls: Sequence[str], extra: Sequence[str] = (),
+                 request_logs: bool = False) -> list[str]:
+    """``<launcher> launch`` in cache_aware mode in front of ``worker_urls``. With
+    ``request_logs`` at its default log level (``info``: two lines per request, as our
+    gateway's one access line); without, at ``warn`` (none)."""
     head = [launcher] if isinstance(launcher, str) else list(launcher)
     return [
         *head, "launch", "--host", host, "--port", str(port),
         "--worker-urls", *worker_urls,
         "--policy", "cache_aware",
         "--prometheus-host", host, "--prometheus-port", str(metrics_port),
-        "--log-level", "warn",
+        "--log-level", "info" if request_logs else "warn",
         *extra,
     ]
+
+
+def gateway_log_args(request_logs: bool) -> list[str]:
+    """Our gateway's arguments beside the peers: its access line per request goes as their
+    request logs do (:func:`peer_command`), so the routers' CPU compares like with like."""
+    return [] if request_logs else ["--access-log", "off"]
 
 
 def proc_tree_cpu_s(pid: int) -> float:
@@ -163,7 +172,7 @@ async def wait_ready(url: str, workers: int, proc: asyncio.subprocess.Process,
 @contextlib.asynccontextmanager
 async def running_peer(
     name: str, worker_urls: Sequence[str], log_dir: Path, *, host: str = "127.0.0.1",
-    port: int = 0, extra: Sequence[str] = (),
+    port: int = 0, extra: Sequence[str] = (), request_logs: bool = False,
 ) -> AsyncIterator[PeerProcess]:
     """Start peer ``name`` in front of ``worker_urls``, wait until it is ready, stop it after.
 
@@ -174,7 +183,7 @@ async def running_peer(
     if launcher is None:
         raise PeerUnavailableError(f"{name} is not installed (pip install '.[peers]')")
     port = port or _free_port(host)
-    cmd = peer_command(launcher, host, port, _free_port(host), worker_urls, extra)
+    cmd = peer_command(launcher, host, port, _free_port(host), worker_urls, extra, request_logs)
     log_path = log_dir / f"{name}.log"
     log = await asyncio.to_thread(log_path.open, "wb")
     try:

@@ -80,7 +80,13 @@ from loadtest.bench_gateway import (
     start_server,
     wait_all_workers_up,
 )
-from loadtest.peers import PEERS, PeerUnavailableError, proc_tree_cpu_s, running_peer
+from loadtest.peers import (
+    PEERS,
+    PeerUnavailableError,
+    gateway_log_args,
+    proc_tree_cpu_s,
+    running_peer,
+)
 from loadtest.replay_sim import Overrides, sim_overrides, simulate_runs
 from loadtest.sessions import sticky_balance
 from loadtest.sim.cluster import pooled_bound
@@ -126,6 +132,9 @@ class ReplayConfig:
     invisible_edits: float = 0.0
     # Sample whether two processes of our gateway (--procs N) would route a request alike.
     agreement: bool = False
+    # Every router logs each request as it does by default (ours one JSON access line, the
+    # peers at --log-level info); otherwise none does (loadtest.peers.gateway_log_args).
+    request_logs: bool = False
 
     @property
     def block_tokens(self) -> int:
@@ -593,7 +602,7 @@ def gateway_command(fleet: Fleet, policy: str, events: bool = False,
         urls = dict(zip(fleet.urls, fleet.event_fragments, strict=True))
         cmd = [a + urls[a] if a in urls else a for a in cmd]
         cmd += ["--kv-events-view", view]
-    return cmd
+    return cmd + gateway_log_args(config.request_logs)
 
 
 @contextlib.asynccontextmanager
@@ -695,7 +704,8 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                         res = await measure(router, r, url, pid, fleet, bodies, pooled,
                                             config, ids, restart=True)
                 else:
-                    async with running_peer(router, fleet.urls, logs) as peer:
+                    async with running_peer(router, fleet.urls, logs,
+                                            request_logs=config.request_logs) as peer:
                         res = await measure(router, r, peer.url, peer.pid, fleet, bodies,
                                             pooled, config, ids)
                 agree = ("" if res.process_agreement is None else
@@ -842,6 +852,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--invisible-edits", type=float, default=0.0, metavar="SHARE",
                    help="share of requests with one invisible edit in their prompt (a "
                    "zero-width or no-break space, a soft hyphen, trailing spaces)")
+    p.add_argument("--request-logs", action="store_true",
+                   help="every router logs each request as it does by default (ours one JSON "
+                   "access line, the peers at --log-level info); without it none does (ours "
+                   "--access-log off, the peers at --log-level warn), so their CPU and "
+                   "latency compare like with like")
     p.add_argument("--agreement", action="store_true",
                    help="with a gateway of several processes (GATEWAY_PROCS=N): every "
                    f"{AGREEMENT_SAMPLE_S:g} s, dry-run one of the requests on two of them "
@@ -898,6 +913,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         restart_worker=restart, flush_worker=flush, bucket_s=args.bucket,
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
         invisible_edits=args.invisible_edits, agreement=args.agreement,
+        request_logs=args.request_logs,
     )
 
 

@@ -10,11 +10,12 @@ from loadtest.bench_overhead import (
     OverheadResult,
     Rep,
     TargetResult,
+    gateway_command,
     to_markdown,
     top_functions,
 )
 from loadtest.harness import histogram_totals
-from loadtest.peers import proc_tree_cpu_s
+from loadtest.peers import peer_command, proc_tree_cpu_s
 
 
 def test_top_functions_counts_own_and_inclusive_samples() -> None:
@@ -114,3 +115,19 @@ def test_histogram_totals_add_up_label_sets_and_skip_buckets() -> None:
     assert histogram_totals(page, "vllm:time_to_first_token_seconds") == (0.75, 5)
     assert histogram_totals(page, "gateway_route_decision_seconds") == (0.004, 8)
     assert histogram_totals(page, "absent_seconds") == (0.0, 0)
+
+
+def test_every_router_logs_each_request_alike() -> None:
+    # Without request logs none logs per request: our access line off, the peers at warn;
+    # with them each logs as it does by default. Never one side only.
+    quiet = gateway_command(9000, ["http://w:1"], OverheadConfig())
+    assert quiet[quiet.index("--access-log") + 1] == "off"
+    logged = gateway_command(9000, ["http://w:1"], OverheadConfig(request_logs=True))
+    assert "--access-log" not in logged
+    for request_logs, level in ((False, "warn"), (True, "info")):
+        peer = peer_command("sglang-router", "h", 1, 2, ["http://w:1"],
+                            request_logs=request_logs)
+        assert peer[peer.index("--log-level") + 1] == level
+    header = to_markdown(OverheadResult(command="x", config=OverheadConfig(), targets=[],
+                                        skipped={}))
+    assert "No router logs each request" in header
