@@ -94,6 +94,11 @@ def report_pairs(path: Path, draws: int, overrides: Overrides) -> list[Pair]:
     return pairs
 
 
+def _means(points: Sequence[tuple[float, float]]) -> list[float]:
+    """The mean hit / bound and the mean routed max/mean of ``points``."""
+    return [statistics.fmean(p[0] for p in points), statistics.fmean(p[1] for p in points)]
+
+
 def summarize(pairs: Sequence[Pair]) -> list[dict[str, Any]]:
     """One row per workload and policy, in the order first seen."""
     groups: dict[tuple[str, str], list[Pair]] = {}
@@ -104,21 +109,17 @@ def summarize(pairs: Sequence[Pair]) -> list[dict[str, Any]]:
         gains = [p.changed[0] - p.base[0] for p in group]
         decided = [p.changed_decided - p.base_decided for p in group
                    if p.changed_decided is not None and p.base_decided is not None]
-
-        def mean(values: Sequence[float]) -> float:
-            return statistics.fmean(values)
-
         rows.append({
             "workload": workload, "router": router, "runs": len(group),
-            "live": [mean([p.live[0] for p in group]), mean([p.live[1] for p in group])],
-            "simulated": [mean([p.base[0] for p in group]), mean([p.base[1] for p in group])],
-            "changed": [mean([p.changed[0] for p in group]),
-                        mean([p.changed[1] for p in group])],
-            "hit_change": mean(gains),
+            "live": _means([p.live for p in group]),
+            "simulated": _means([p.base for p in group]),
+            "changed": _means([p.changed for p in group]),
+            "hit_change": statistics.fmean(gains),
             "runs_raised": sum(1 for g in gains if g > 0),
             "runs_lowered": sum(1 for g in gains if g < 0),
-            "balance_change": mean([p.changed[1] - p.base[1] for p in group]),
-            "hit_change_decided": mean(decided) if len(decided) == len(group) else None,
+            "balance_change": statistics.fmean(p.changed[1] - p.base[1] for p in group),
+            "hit_change_decided": (statistics.fmean(decided) if len(decided) == len(group)
+                                   else None),
         })
     return rows
 
