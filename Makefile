@@ -1,7 +1,17 @@
 # Two commands do everything on a fresh machine with Python >= 3.11:
 #   make serve   install, then run the gateway in front of 4 local reference workers
 #   make test    install what the tests need (redis-server too), lint, type-check, run the suite
-PYTHON ?= python3
+# The interpreter the virtual environment is built from (make ... PYTHON=/path/to/python3.12
+# picks another). By default the distribution's own /usr/bin/python3 when it is 3.11 or newer
+# and can build a venv: distributions build CPython with profile-guided optimization and LTO,
+# as the python:3.11-slim image of the Dockerfile does, while version managers such as pyenv
+# build without them unless asked, and the gateway spends 10-20% more CPU per request on such
+# a build (BENCHMARKS.md, "the interpreter's build"). Otherwise python3 from PATH.
+SYSTEM_PYTHON ?= /usr/bin/python3
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell $(SYSTEM_PYTHON) -c 'import sys, ensurepip; ensurepip.version(); \
+  sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && echo $(SYSTEM_PYTHON) || echo python3)
+endif
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -10,6 +20,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
+	@echo "building $(VENV) from $(PYTHON) ($$($(PYTHON) -c 'import sys; print(sys.version.split()[0])'))"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

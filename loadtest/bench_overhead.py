@@ -38,7 +38,8 @@ One run, one set of workers:
 Medians over the repetitions, and each figure as a ratio to sglang-router's, so the numbers can
 be compared on a noisy shared machine. Every other target's CPU per request is also given as a
 ratio to ours paired by repetition: many short repetitions (``--reps 8 --requests 400``) with
-``--variant before=@DIR`` make an A/B of one change. ``--profile FILE`` records our gateway
+``--variant before=@DIR`` make an A/B of one change (``--variant other=python=PATH``: of
+the interpreter). ``--profile FILE`` records our gateway
 with py-spy during the throughput repetitions (collapsed stacks to FILE) and reports the top
 functions.
 
@@ -74,6 +75,7 @@ from loadtest.harness import (
     ZERO_COST_WORKER_ARGS,
     emit,
     histogram_totals,
+    interpreter,
     percentile,
 )
 from loadtest.overhead_stream import (
@@ -195,10 +197,15 @@ class OverheadResult:
 def gateway_command(port: int, worker_urls: Sequence[str], config: OverheadConfig,
                     extra: Sequence[str] = ()) -> list[str]:
     """Our gateway (cache_aware) in front of ``worker_urls``; an ``@DIR`` in ``extra`` runs the
-    gateway from the checkout in DIR instead of this one."""
-    cmd = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(port),
+    gateway from the checkout in DIR instead of this one, a ``python=PATH`` with the
+    interpreter PATH (a virtual environment's, with the gateway's dependencies) instead of
+    this one."""
+    python = next((a.removeprefix("python=") for a in extra if a.startswith("python=")),
+                  sys.executable)
+    cmd = [python, "-m", "gateway", "--host", HOST, "--port", str(port),
            "--policy", "cache_aware", *gateway_log_args(config.request_logs),
-           *config.gateway_args, *(a for a in extra if not a.startswith("@"))]
+           *config.gateway_args,
+           *(a for a in extra if not a.startswith(("@", "python=")))]
     if config.procs > 1:
         cmd += ["--procs", str(config.procs)]
     for url in worker_urls:
@@ -636,7 +643,8 @@ def to_markdown(result: OverheadResult) -> str:
         f"unique question, `max_tokens` 1. Throughput: {c.requests} requests at concurrency "
         f"{c.concurrency}, {c.reps} repetitions (medians shown). Added latency: {c.sequential} "
         f"sequential rounds, one request to each target per round. Router CPU: the CPU clocks "
-        f"of its process and children (every thread, ns). Our gateway: {c.procs} process(es). "
+        f"of its process and children (every thread, ns). Our gateway: {c.procs} process(es) "
+        f"on {interpreter()}. "
         + ("Every router logs each request (ours one JSON access line, the peers at "
            "`--log-level info`)." if c.request_logs else "No router logs each request (ours "
            "`--access-log off`, the peers at `--log-level warn`)."),
@@ -721,7 +729,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
                    help="also run our gateway as 'ours[LABEL]' with these extra arguments "
                    "(repeatable), e.g. asyncio='--event-loop asyncio'; an argument @DIR runs "
-                   "the gateway from the checkout in DIR (e.g. the last release)")
+                   "the gateway from the checkout in DIR (e.g. the last release), an argument "
+                   "python=PATH with that interpreter (e.g. another build of CPython)")
     p.add_argument("--long", default="", metavar="CHARS,...",
                    help="also send long prompts of these sizes in characters, sequentially")
     p.add_argument("--long-requests", type=int, default=20, help="requests per long size")

@@ -80,6 +80,7 @@ from loadtest.bench_gateway import (
     start_server,
     wait_all_workers_up,
 )
+from loadtest.harness import interpreter
 from loadtest.peers import (
     PEERS,
     PeerUnavailableError,
@@ -1024,14 +1025,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sticky = sticky_balance(requests, config.workers)
     if args.json:
         print(json.dumps({"command": command, "trace": source, "requests": len(requests),
-                          "config": asdict(config), "sticky_balance": asdict(sticky),
-                          "medians": rows, "simulated": sims,
+                          "python": interpreter(), "config": asdict(config),
+                          "sticky_balance": asdict(sticky), "medians": rows, "simulated": sims,
                           "runs": [asdict(r) for r in results]}, indent=2))
     else:
         print(f"```\n{command}\n```\n\n{source}: {len(requests)} requests, {config.workers} "
-              f"workers x {config.cache_blocks} blocks, concurrency {config.concurrency}; "
-              f"{sticky.sessions} sessions, routed max/mean with each on one worker at least "
-              f"{sticky.largest_over_mean:.2f} ({sticky.packed_over_mean:.2f} packed in "
-              f"advance)\n")
+              f"workers x {config.cache_blocks} blocks, concurrency {config.concurrency}, "
+              f"{interpreter()}; {sticky.sessions} sessions, routed max/mean with each on one "
+              f"worker at least {sticky.largest_over_mean:.2f} "
+              f"({sticky.packed_over_mean:.2f} packed in advance)\n")
         print(markdown(rows, sims), end="")
     return 0 if all(r.errors == 0 for r in results) else 1

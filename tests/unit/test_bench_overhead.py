@@ -131,3 +131,17 @@ def test_every_router_logs_each_request_alike() -> None:
     header = to_markdown(OverheadResult(command="x", config=OverheadConfig(), targets=[],
                                         skipped={}))
     assert "No router logs each request" in header
+
+
+def test_a_variant_may_run_the_gateway_on_another_interpreter() -> None:
+    base = gateway_command(9000, ["http://w:1"], OverheadConfig())
+    assert base[:3] == [sys.executable, "-m", "gateway"]
+    other = gateway_command(9000, ["http://w:1"], OverheadConfig(),
+                            ("python=/opt/py/bin/python", "--procs", "1"))
+    assert other[:3] == ["/opt/py/bin/python", "-m", "gateway"]
+    assert "--procs" in other
+    assert not any(a.startswith("python=") for a in other)
+    # The report says which interpreter ran it (its build matters to a Python router).
+    header = to_markdown(OverheadResult(command="x", config=OverheadConfig(), targets=[],
+                                        skipped={}))
+    assert f"on CPython {sys.version.split()[0]}" in header
