@@ -76,18 +76,21 @@ class PreWarmer:
         self._tasks: set[asyncio.Future[bool]] = set()
 
     def after_route(self, decision: Decision, request: RouteRequest, upstream: UpstreamRequest,
-                    tenant: str, now: float) -> None:
+                    tenant: str, now: float) -> str | None:
         """Called once per decision, at time ``now`` (no I/O here; the replay runs as a
-        task). ``upstream`` is the request as it goes to the chosen worker."""
+        task). ``upstream`` is the request as it goes to the chosen worker. Returns the
+        worker the prefix is pre-warmed on (None: none), which the answer names
+        (``x-route-prewarm``) so that a replay of the run can place the same pre-warms."""
         target = self.target(decision, request, now, len(self._tasks))
         if target is None:
-            return
+            return None
         prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, request.key,
                             namespace=upstream.namespace)
         # Recorded now, at the decision that chose it; sent by the task.
         task = asyncio.ensure_future(self._replay(target, prompt))
         self._tasks.add(task)
         task.add_done_callback(self._settled)
+        return target
 
     def target(self, decision: Decision, request: RouteRequest, now: float,
                inflight: int) -> str | None:
@@ -97,12 +100,37 @@ class PreWarmer:
 
         Every decision also tells whether it used a pre-warm: routed, with a prefix match, to
         the worker the last pre-warm of its prefix went to (``used``)."""
+        self._count_use(decision, request)
+        target = self._choose(decision, request, now, inflight)
+        if target is not None:
+            self._note(request, target, now)
+        return target
+
+    def replayed(self, decision: Decision, request: RouteRequest, now: float,
+                 target: str) -> str | None:
+        """:meth:`target` where the pre-warm at this decision is known: ``target``, the
+        worker a live gateway pre-warmed at the same decision ("" for none), counted and
+        remembered as :meth:`target` would, whatever the rule says now. The simulator
+        replays a live run's pre-warms with it: whether the rule fires can turn on a request
+        settling a moment sooner or later, which the simulator only approximates."""
+        self._count_use(decision, request)
+        if not target:
+            return None
+        self._note(request, target, now)
+        return target
+
+    def _count_use(self, decision: Decision, request: RouteRequest) -> None:
+        anchor = request.key.anchor
+        if decision.match_blocks > 0 and self._unused.get(anchor) == decision.worker_id:
+            del self._unused[anchor]
+            self.used += 1
+
+    def _choose(self, decision: Decision, request: RouteRequest, now: float,
+                inflight: int) -> str | None:
+        """The pre-warm rule (module docstring): the worker to pre-warm on, or None."""
         opts = self.options
         depth = decision.match_blocks  # in blocks
         anchor = request.key.anchor
-        if depth > 0 and self._unused.get(anchor) == decision.worker_id:
-            del self._unused[anchor]
-            self.used += 1
         if not opts.enabled or depth < 1 or inflight >= opts.max_inflight:
             return None
         key = request.key
@@ -115,9 +143,12 @@ class PreWarmer:
             return None
         if now - self._recent.get(anchor, -opts.cooldown_s) < opts.cooldown_s:
             return None
-        target = self._next_holder(request, held, now)
-        if target is None:
-            return None
+        return self._next_holder(request, held, now)
+
+    def _note(self, request: RouteRequest, target: str, now: float) -> None:
+        """A pre-warm of ``request``'s prefix on ``target`` starts at ``now``: its cooldown,
+        the worker it went to (for ``used``), the count of those sent."""
+        anchor = request.key.anchor
         self._recent[anchor] = now
         if len(self._recent) > 4096:  # bounded: forget the oldest half
             for old in sorted(self._recent, key=self._recent.__getitem__)[:2048]:
@@ -128,7 +159,6 @@ class PreWarmer:
             for old in list(itertools.islice(self._unused, 2048)):
                 del self._unused[old]
         self.sent += 1
-        return target
 
     def _waiting_outgrows_prefill(self, decision: Decision, request: RouteRequest, block: int,
                                   now: float) -> bool:

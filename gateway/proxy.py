@@ -109,7 +109,8 @@ async def dispatch(
         decision = attempt.decision
         wid = decision.worker_id
         if uses_index:  # a hot prefix near its holder's bound
-            state.prewarmer.after_route(decision, route_request, upstream, tenant, now)
+            attempt.prewarmed_to = state.prewarmer.after_route(
+                decision, route_request, upstream, tenant, now) or ""
         state.metrics.decision_seconds.observe(time.perf_counter() - started)
         state.metrics.decisions.labels(decision.policy, decision.label).inc()
         guard.breakers.attempt(wid, now)
@@ -261,6 +262,8 @@ def _client_headers(
     # The decision's instant on the gateway's monotonic clock (seconds): it orders and spaces
     # one gateway's decisions, as a replay of them needs; it means nothing on its own.
     headers["x-route-at"] = f"{attempt.at:.6f}"
+    if attempt.prewarmed_to:  # this decision also pre-warmed its prefix there
+        headers["x-route-prewarm"] = attempt.prewarmed_to
     for name in _RELAYED_HEADERS:
         value = reply.headers.get(name)
         if value is not None:

@@ -108,6 +108,8 @@ class Attempt:
     # When the chosen worker had last used the deepest prefix it was predicted to hold
     # (PrefixIndex.last_use, before this attempt was recorded); 0: none.
     held_use: int = 0
+    # The worker this decision also pre-warmed the prefix on (gateway.prewarm); "": none.
+    prewarmed_to: str = ""
 
     @property
     def worker_id(self) -> str:

@@ -63,6 +63,9 @@ class Reply:
     upstream_ms: float = 0.0
     # The gateway's decision instant on its monotonic clock, seconds (x-route-at; 0: not said).
     decided_at: float = 0.0
+    # The worker the gateway pre-warmed this request's prefix on at its decision
+    # (x-route-prewarm; "": none).
+    prewarmed_to: str = ""
 
 def reason_kind(reason: str) -> str:
     """``prefix_hit depth=37`` -> ``prefix_hit``; ``diverted: w1 ...`` -> ``diverted``."""
@@ -120,6 +123,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
                 sent_at=started,
                 upstream_ms=timing.get("upstream", 0.0),
                 decided_at=_float(response.headers, "x-route-at"),
+                prewarmed_to=response.headers.get("x-route-prewarm", ""),
             )
     except (aiohttp.ClientError, TimeoutError):
         return Reply(0, "", 0, 0, time.perf_counter() - started, sent_at=started)

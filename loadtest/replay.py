@@ -197,6 +197,10 @@ class RunResult:
     # the run's first decision; empty where a reply did not say (peers, failures).
     decided_s: list[float] = field(default_factory=list)
     routed_to: list[str] = field(default_factory=list)  # per request: the worker that answered
+    # Per request, in trace order, where it said when it was decided (ours): the worker its
+    # decision pre-warmed the prefix on (x-route-prewarm; "": none), which the simulator
+    # places as the gateway did.
+    prewarmed_to: list[str] = field(default_factory=list)
     route_reasons: list[str] = field(default_factory=list)  # per request: x-route-reason
     # Per request, in trace order: the blocks its worker reported reusing
     # (x-cache-matched-tokens), which the simulator's workers are compared with.
@@ -338,6 +342,8 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
                      if any(r.upstream_ms for r in replies) else []),
         decided_s=decision_instants(replies),
         routed_to=[r.worker for r in replies],
+        prewarmed_to=([r.prewarmed_to for r in replies] if first_decision(replies) is not None
+                      else []),
         cached_blocks=[r.matched_tokens // bt for r in replies],
         route_reasons=[r.reason for r in replies] if any(r.reason for r in replies) else [],
         worker_ids=list(worker_ids), per_worker=dict(sorted(per_worker.items())),

@@ -215,7 +215,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
               units: Sequence[TraceRequest] = (),
               cached: Sequence[int] = (),
               rebalanced: Sequence[Mapping[str, Any]] | None = None,
-              scrapes: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+              scrapes: Sequence[Mapping[str, Any]] = (),
+              prewarmed: Sequence[str] = ()) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
     concurrency, keys (the gateway's own, :func:`gateway_keys`, else the trace's in the
     gateway's shape) and timing: each request's own ``delays`` (:func:`request_delays`), or
@@ -237,7 +238,9 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     There, the live run's rebalance actions (``rebalanced``, each with its ``decided_s``) are
     applied at their instants instead of the simulator's own rebalancer rounds, whose clock
     is not the live gateway's, and so are the engine scrapes its health probes routed on
-    (``scrapes``, each with its ``decided_s``)."""
+    (``scrapes``, each with its ``decided_s``), and its pre-warms at the decisions that
+    placed them (``prewarmed``: per request, the worker; unless ``overrides`` sets
+    ``prewarm``)."""
     units = list(units) or live_units(requests, config)
     tokens = bool(config.tokenizer_file)  # units and keys in the engine's token blocks
     order = list(range(len(units)))
@@ -247,6 +250,9 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         units = [replace(units[i], arrival_s=decided_s[i]) for i in order]
         delays = [(0.0, delays[i][1]) for i in order]
         keys = [keys[i] for i in order] if len(keys) == len(order) else ()
+    prewarm_log: tuple[str, ...] = ()
+    if timed and len(prewarmed) == len(order) and "prewarm" not in (overrides or {}):
+        prewarm_log = tuple(prewarmed[i] for i in order)
     logged = None  # with --sim-set rebalance_interval_s=..., the simulator's own rounds
     if (timed and rebalanced is not None and all("decided_s" in a for a in rebalanced)
             and "rebalance_interval_s" not in (overrides or {})):
@@ -264,6 +270,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         decision_gap_s=0.0 if timed else decision_gap_s, rebalance_log=logged,
         scrape_log=tuple((float(x["decided_s"]), str(x["worker"]), dict(x["metrics"]))
                          for x in scrapes) if timed else (),
+        prewarm_log=prewarm_log,
     )
     result = simulate(units, with_overrides(sim, overrides) if overrides else sim)
     assignments = [""] * len(order)
@@ -365,7 +372,7 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
         decided = simulated(requests, config, policy, pooled, timing, run.worker_ids, delays,
                             keys, run.routed_to, decided_s=run.decided_s, overrides=overrides,
                             units=units, cached=run.cached_blocks, rebalanced=run.rebalance,
-                            scrapes=run.engine_scrapes)
+                            scrapes=run.engine_scrapes, prewarmed=run.prewarmed_to)
         out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "same_cached",
                                                     "prewarms", "prewarms_used")}
     return out

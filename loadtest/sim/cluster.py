@@ -178,6 +178,11 @@ class SimConfig:
     # its instant as the live gateway's health probe gave it: a worker's view counts its
     # engine's running and waiting requests at the last scrape (WorkerState.view).
     scrape_log: tuple[tuple[float, str, Mapping[str, float]], ...] = ()
+    # A live run's pre-warms, per request by position in the trace: the worker the gateway
+    # pre-warmed its prefix on at its decision ("" for none). Given (a tuple as long as the
+    # trace), they are placed at those decisions and the pre-warmer decides none of its own:
+    # whether its rule fires can turn on a request settling a moment sooner or later.
+    prewarm_log: tuple[str, ...] = ()
     # Per request, where the blocks the pooled LRU would reuse went (SimResult.losses); costs
     # a lookup in every worker's cache per request.
     loss_breakdown: bool = False
@@ -454,7 +459,11 @@ class ClusterSim:
                             pooled_blocks=pooled, best_blocks=best))
         w.max_queue = max(w.max_queue, len(w.queue))
         if self.router.uses_prefix_index:  # as the gateway does after each decision
-            target = self.prewarmer.target(decision, route_request, now, self._prewarms)
+            logged = self.config.prewarm_log
+            if logged and self.config.prewarm:
+                target = self.prewarmer.replayed(decision, route_request, now, logged[pos])
+            else:
+                target = self.prewarmer.target(decision, route_request, now, self._prewarms)
             if target is not None:
                 self._prewarm(target, req, key, now, hold)
         self._pump(w, now)

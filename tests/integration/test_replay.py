@@ -44,6 +44,10 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
         assert sum(w["requests"] for w in per_worker.values()) == 60
         # one trace block is one cache block: 9 blocks per request
         assert sum(w["blocks"] for w in per_worker.values()) == 60 * 9
+        # Per request, where its decision pre-warmed (x-route-prewarm), for the simulator: as
+        # many as the gateway counted.
+        assert len(run["prewarmed_to"]) == 60
+        assert sum(1 for w in run["prewarmed_to"] if w) == run["prewarms"]
     assert rows["ours:round_robin"]["requests_max_over_mean"] == 1.0
     # A worker holds 20 blocks: two prompts. Round-robin gives each worker all four (they
     # evict each other); affinity keeps each prompt on one worker.

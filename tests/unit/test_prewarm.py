@@ -196,3 +196,27 @@ async def test_stats_count_what_was_sent_placed_failed_and_in_flight() -> None:
     assert [(s["sent"], s["placed"], s["failed"], s["inflight"]) for s in stats] == [
         (1, 1, 0, 0), (1, 0, 1, 0), (1, 0, 0, 1)]
     await warmers[2].stop()
+
+
+def test_a_known_prewarm_is_counted_as_the_rule_would_whatever_the_rule_says() -> None:
+    # The simulator replays a live run's pre-warms (PreWarmer.replayed): placed where the live
+    # gateway placed them, none where it placed none, and counted (sent, cooldown, used) as
+    # target() counts its own.
+    pool, index, request, holder = setup(heat=10)
+    other = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+    warmer = PreWarmer(pool, index, lambda wid, prompt: asyncio.sleep(0, True),
+                       PrewarmOptions(hot_threshold=8.0, fraction=0.8))
+    busy = decision(pool, holder, request.key.total_blocks, 900, 1000.0, 3)
+    assert warmer.target(busy, request, 0.0, 0) == other  # the rule fires here ...
+    warmer = PreWarmer(pool, index, lambda wid, prompt: asyncio.sleep(0, True),
+                       PrewarmOptions(hot_threshold=8.0, fraction=0.8))
+    assert warmer.replayed(busy, request, 0.0, "") is None  # ... but live placed none
+    assert warmer.sent == 0
+    idle = decision(pool, holder, request.key.total_blocks, 0, 1000.0, 0)
+    assert warmer.target(idle, request, 0.0, 0) is None  # the rule does not fire here ...
+    assert warmer.replayed(idle, request, 1.0, other) == other  # ... but live placed one
+    assert warmer.sent == 1
+    assert warmer.target(busy, request, 2.0, 0) is None  # its cooldown holds
+    used = decision(pool, other, request.key.total_blocks, 0, 1000.0, 0)
+    warmer.replayed(used, request, 3.0, "")
+    assert warmer.used == 1  # a later request routed to the pre-warmed worker used it

@@ -236,6 +236,38 @@ def test_the_simulator_pre_warms_as_the_gateway_does() -> None:
     assert holders[True] > holders[False]
 
 
+def test_a_live_runs_prewarms_are_placed_where_it_placed_them() -> None:
+    # Given a live run's pre-warms (SimConfig.prewarm_log, per request), the simulator places
+    # exactly those, at those decisions and on those workers, and decides none of its own.
+    from loadtest.replay_sim import live_units
+    from loadtest.sim import ClusterSim, SimConfig
+    from loadtest.trace_workloads import workload_trace
+
+    config = ReplayConfig(workers=8, cache_blocks=150, concurrency=32)
+    requests = live_units(workload_trace("rag", 200, 0), config)
+    base = SimConfig(workers=8, cache_blocks=150, policy="cache_aware", concurrency=32,
+                     costs=config.sim_costs(), key_blocks_per_block=1,
+                     request_delays=((0.01, 0.007),), decision_gap_s=0.0003)
+    own = ClusterSim(base)
+    assert own.run(requests).prewarms > 0  # the rule fires on this trace
+    none = ClusterSim(dataclasses.replace(base, prewarm_log=("",) * len(requests)))
+    assert none.run(requests).prewarms == 0
+    placed: list[tuple[int, str]] = []
+    target = sorted(own.workers)[0]
+    logged = ClusterSim(dataclasses.replace(
+        base, prewarm_log=tuple(target if i in (5, 9) else "" for i in range(len(requests)))))
+    original = logged._prewarm
+
+    def spy(wid: str, req: TraceRequest, *args: Any) -> None:
+        placed.append((req.index, wid))
+        original(wid, req, *args)
+
+    logged._prewarm = spy  # type: ignore[method-assign,assignment]
+    result = logged.run(requests)
+    assert result.prewarms == 2
+    assert placed == [(requests[5].index, target), (requests[9].index, target)]
+
+
 def test_dry_run_agreement_counts_each_side_and_kind_apart() -> None:
     pairs = [
         DryRunPair(across=True, agreed=True, kind="prefix_hit", same_view=True),
