@@ -461,7 +461,8 @@ class ClusterSim:
         if self.router.uses_prefix_index:  # as the gateway does after each decision
             logged = self.config.prewarm_log
             if logged and self.config.prewarm:
-                target = self.prewarmer.replayed(decision, route_request, now, logged[pos])
+                placed = logged[pos] if logged[pos] in self.workers else ""
+                target = self.prewarmer.replayed(decision, route_request, now, placed)
             else:
                 target = self.prewarmer.target(decision, route_request, now, self._prewarms)
             if target is not None:
