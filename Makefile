@@ -3,10 +3,11 @@
 #   make test    install what the tests need (redis-server too), lint, type-check, run the suite
 # The interpreter the virtual environment is built from (make ... PYTHON=/path/to/python3.12
 # picks another). By default the distribution's own /usr/bin/python3 when it is 3.11 or newer
-# and can build a venv: distributions build CPython with profile-guided optimization and LTO,
-# as the python:3.11-slim image of the Dockerfile does, while version managers such as pyenv
-# build without them unless asked, and the gateway spends 10-20% more CPU per request on such
-# a build (BENCHMARKS.md, "the interpreter's build"). Otherwise python3 from PATH.
+# and can build a venv: distributions build CPython with optimizations (profile-guided, LTO, a
+# static interpreter) as the python:3.11-slim image of the Dockerfile does, which version
+# managers such as pyenv leave out unless asked, and the gateway spends 10-20% more CPU per
+# request on such a build (BENCHMARKS.md, "the interpreter's build"). Otherwise python3 from
+# PATH.
 SYSTEM_PYTHON ?= /usr/bin/python3
 ifeq ($(origin PYTHON),undefined)
 PYTHON := $(shell $(SYSTEM_PYTHON) -c 'import sys, ensurepip; ensurepip.version(); \
