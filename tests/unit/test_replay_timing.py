@@ -26,6 +26,7 @@ from loadtest.replay_sim import (
     simulated,
     with_overrides,
 )
+from loadtest.sim import ClusterSim, SimConfig
 from loadtest.traces import TraceRequest, prefix_key
 
 
@@ -210,19 +211,25 @@ def test_the_simulator_routes_on_the_keys_the_gateway_computes() -> None:
     assert not set(gateway_keys(requests, config, "m@v2")[0].blocks) & set(keys[0].blocks)
 
 
-def test_the_simulator_pre_warms_as_the_gateway_does() -> None:
-    # RAG documents under load: the gateway's pre-warmer copies hot documents to their next
-    # holder (recorded as sent), and the simulator runs that very pre-warmer; switched off,
-    # none are sent and the hot documents keep fewer holders.
+def rag_under_load() -> tuple[list[TraceRequest], SimConfig]:
+    """RAG documents under load, where the pre-warmer's rule fires: the requests, and the
+    simulator's configuration for them."""
     from loadtest.replay_sim import live_units
-    from loadtest.sim import ClusterSim, SimConfig
     from loadtest.trace_workloads import workload_trace
 
     config = ReplayConfig(workers=8, cache_blocks=150, concurrency=32)
     requests = live_units(workload_trace("rag", 200, 0), config)
-    base = SimConfig(workers=8, cache_blocks=150, policy="cache_aware", concurrency=32,
-                     costs=config.sim_costs(), key_blocks_per_block=1,
-                     request_delays=((0.01, 0.007),), decision_gap_s=0.0003)
+    return requests, SimConfig(
+        workers=8, cache_blocks=150, policy="cache_aware", concurrency=32,
+        costs=config.sim_costs(), key_blocks_per_block=1, request_delays=((0.01, 0.007),),
+        decision_gap_s=0.0003)
+
+
+def test_the_simulator_pre_warms_as_the_gateway_does() -> None:
+    # RAG documents under load: the gateway's pre-warmer copies hot documents to their next
+    # holder (recorded as sent), and the simulator runs that very pre-warmer; switched off,
+    # none are sent and the hot documents keep fewer holders.
+    requests, base = rag_under_load()
     holders = {}
     for prewarm in (True, False):
         sim = ClusterSim(dataclasses.replace(base, prewarm=prewarm))
@@ -239,15 +246,7 @@ def test_the_simulator_pre_warms_as_the_gateway_does() -> None:
 def test_a_live_runs_prewarms_are_placed_where_it_placed_them() -> None:
     # Given a live run's pre-warms (SimConfig.prewarm_log, per request), the simulator places
     # exactly those, at those decisions and on those workers, and decides none of its own.
-    from loadtest.replay_sim import live_units
-    from loadtest.sim import ClusterSim, SimConfig
-    from loadtest.trace_workloads import workload_trace
-
-    config = ReplayConfig(workers=8, cache_blocks=150, concurrency=32)
-    requests = live_units(workload_trace("rag", 200, 0), config)
-    base = SimConfig(workers=8, cache_blocks=150, policy="cache_aware", concurrency=32,
-                     costs=config.sim_costs(), key_blocks_per_block=1,
-                     request_delays=((0.01, 0.007),), decision_gap_s=0.0003)
+    requests, base = rag_under_load()
     own = ClusterSim(base)
     assert own.run(requests).prewarms > 0  # the rule fires on this trace
     none = ClusterSim(dataclasses.replace(base, prewarm_log=("",) * len(requests)))
