@@ -62,7 +62,9 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
     assert all(s["agreement"]["decisions"]["balance"] == 0.0 for s in sims.values())
     # And each simulated worker reused, request by request, what the live worker reported:
     # its cache evicts as the engine's did.
-    assert all(s["decisions"]["same_cached"] == 1.0 for s in sims.values())
+    assert all(s["decisions"]["same_cached"] == 1.0 for s in sims.values()), [
+        (s["router"], [(r["decisions"]["same_cached"], r["decisions"]["prewarms"])
+                       for r in s["runs"]]) for s in sims.values()]
     # The simulator again, from the saved report alone: same live rows, fresh simulated ones.
     saved = tmp_path / "report.json"
     saved.write_text(stdout, encoding="utf-8")
