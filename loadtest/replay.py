@@ -327,6 +327,7 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
     hit = matched / blocks if blocks else 0.0
     ms = [r.seconds * 1e3 for r in ok] or [0.0]
     reasons = Counter(reason_kind(r.reason) for r in ok if r.reason)
+    decided = decision_instants(replies)  # empty unless every reply said (ours)
     return RunResult(
         router=router, repeat=repeat, requests=len(replies), errors=len(replies) - len(ok),
         block_hit_rate=hit, pooled_bound=pooled, hit_over_bound=hit / pooled if pooled else 0.0,
@@ -340,10 +341,9 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
         latencies_ms=[round(r.seconds * 1e3, 1) for r in replies],
         upstream_ms=([round(r.upstream_ms, 3) for r in replies]
                      if any(r.upstream_ms for r in replies) else []),
-        decided_s=decision_instants(replies),
+        decided_s=decided,
         routed_to=[r.worker for r in replies],
-        prewarmed_to=([r.prewarmed_to for r in replies] if first_decision(replies) is not None
-                      else []),
+        prewarmed_to=[r.prewarmed_to for r in replies] if decided else [],
         cached_blocks=[r.matched_tokens // bt for r in replies],
         route_reasons=[r.reason for r in replies] if any(r.reason for r in replies) else [],
         worker_ids=list(worker_ids), per_worker=dict(sorted(per_worker.items())),
