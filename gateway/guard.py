@@ -98,11 +98,20 @@ class ConnectionSlots:
         self._per_worker: dict[str, _Gate] = {}
         self.queue_timeout_s = queue_timeout_s
 
+    def try_take(self, wid: str) -> Release | None:
+        """One connection to ``wid`` if one is free now, without waiting (None: none is)."""
+        gate = self._gate(wid)
+        total = self._total
+        if not total.try_take():
+            return None
+        if not gate.try_take():
+            total.give()
+            return None
+        return _releaser(gate, total)
+
     async def take(self, wid: str) -> Release:
         """One connection to ``wid``; call the returned function once it is no longer used."""
-        gate = self._per_worker.get(wid)
-        if gate is None:
-            gate = self._per_worker[wid] = _Gate(self._per_worker_limit)
+        gate = self._gate(wid)
         total = self._total
         if not total.try_take():
             await total.wait(self.queue_timeout_s, "the workers")
@@ -112,16 +121,27 @@ class ConnectionSlots:
             except BaseException:
                 total.give()
                 raise
-        released = False
+        return _releaser(gate, total)
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                gate.give()
-                total.give()
+    def _gate(self, wid: str) -> _Gate:
+        gate = self._per_worker.get(wid)
+        if gate is None:
+            gate = self._per_worker[wid] = _Gate(self._per_worker_limit)
+        return gate
 
-        return release
+
+def _releaser(gate: _Gate, total: _Gate) -> Release:
+    """Gives the places back, once however often it is called."""
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            gate.give()
+            total.give()
+
+    return release
 
 
 class Ejections:

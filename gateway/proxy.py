@@ -95,6 +95,19 @@ async def dispatch(
     def observe(decision: Decision, index: PrefixMatcher) -> None:
         observed.decided(decision, route_request, index if uses_index else None, started)
 
+    def account(attempt: Attempt, decided_s: float) -> None:
+        """Record a decision (:meth:`RoutingSession.commit`), then what follows it: a
+        pre-warm of a hot prefix near its holder's bound, and the decision's metrics."""
+        if attempt.committed or attempt.settled:
+            return
+        session.commit(attempt)
+        decision = attempt.decision
+        if uses_index:
+            attempt.prewarmed_to = state.prewarmer.after_route(
+                decision, route_request, upstream, tenant, attempt.at) or ""
+        state.metrics.decision_seconds.observe(decided_s)
+        state.metrics.decisions.labels(decision.policy, decision.label).inc()
+
     for _ in range(settings.max_attempts):
         if backoff_s:
             # The last worker was busy (429/503): give the pool a moment before the next one.
@@ -103,26 +116,30 @@ async def dispatch(
         try:
             now = time.monotonic()
             blocked = frozenset(excluded) | guard.blocked(state.pool, now)
-            attempt = session.route(route_request, now, blocked, tenant, observe)
+            attempt = session.decide(route_request, now, blocked, tenant, observe)
         except NoCandidates:
             break
+        decided_s = time.perf_counter() - started
         decision = attempt.decision
         wid = decision.worker_id
-        if uses_index:  # a hot prefix near its holder's bound
-            attempt.prewarmed_to = state.prewarmer.after_route(
-                decision, route_request, upstream, tenant, now) or ""
-        state.metrics.decision_seconds.observe(time.perf_counter() - started)
-        state.metrics.decisions.labels(decision.policy, decision.label).inc()
         guard.breakers.attempt(wid, now)
         release_slot = None
         try:
             try:
-                release_slot = await guard.slots.take(wid)
+                # The request goes out before its decision is recorded, so the worker starts
+                # on it meanwhile; nothing awaits in between, so no other request is decided
+                # before this one is recorded (a wait for a connection records it first).
+                release_slot = guard.slots.try_take(wid)
+                if release_slot is None:
+                    account(attempt, decided_s)
+                    release_slot = await guard.slots.take(wid)
                 worker = decision.worker.worker
                 attempt_upstream = upstream.with_headers(observed.upstream_headers({}))
-                reply = await guard.open(
-                    wid, state.backend_for(worker).open(worker, attempt_upstream)
-                )
+                try:
+                    opening = state.backend_for(worker).send(worker, attempt_upstream)
+                finally:
+                    account(attempt, decided_s)
+                reply = await guard.open(wid, opening)
                 guard.liveness.heard(wid, time.monotonic())
                 opened = None
                 stream = _is_stream(reply)

@@ -100,6 +100,7 @@ class Attempt:
     # blocks its index source says it holds, not floored by the policy's minimum match).
     predicted_tokens: int | None = None
     settled: bool = False
+    committed: bool = False  # accounted for (RoutingSession.commit)
     index: PrefixMatcher | None = None  # the prefix index as the decision saw it
     prefill_tokens: int = 0  # prompt tokens the worker is predicted to compute (not cached)
     ticket: int = 0  # its entry among the worker's requests in flight (WorkerPool.acquire)
@@ -166,37 +167,65 @@ class RoutingSession:
         tenant: str = "",
         observe: Callable[[Decision, PrefixMatcher], None] | None = None,
     ) -> Attempt:
-        """Decide at time ``now`` and account for it; raises ``NoCandidates`` when no worker
-        may take the request."""
+        """Decide at time ``now`` and account for it (:meth:`decide`, then :meth:`commit`);
+        raises ``NoCandidates`` when no worker may take the request."""
+        attempt = self.decide(request, now, exclude, tenant, observe)
+        self.commit(attempt)
+        return attempt
+
+    def decide(
+        self,
+        request: RouteRequest,
+        now: float,
+        exclude: frozenset[str] = frozenset(),
+        tenant: str = "",
+        observe: Callable[[Decision, PrefixMatcher], None] | None = None,
+    ) -> Attempt:
+        """The decision at time ``now``, not yet accounted for: the index and the pool are as
+        before until :meth:`commit`. The caller commits before it next yields to the event
+        loop, so every later decision sees this one exactly as after :meth:`route`; in
+        between it may write the request to the worker (the gateway does: the worker starts
+        on it while the gateway records it)."""
         self.sink.catch_up(now)
         snapshot = self.pool.snapshot(now)
         decision = self.router.route(request, snapshot, exclude)
         if observe is not None:  # sees the index as the decision did, before it is recorded
             observe(decision, snapshot.index)
-        wid = decision.worker_id
+        key = request.key
+        held_use = 0
+        if self.router.uses_prefix_index and decision.match_blocks and self.learn_capacity:
+            deepest = key.checkpoints_within(decision.match_blocks)
+            if deepest:
+                held_use = self.index.last_use(decision.worker_id, key.blocks[deepest - 1])
+        total = key.total_blocks
+        cached = request.prompt_tokens * decision.match_blocks // total if total else 0
+        return Attempt(request, decision, tenant, predicted_tokens(snapshot, request, decision),
+                       index=snapshot.index, prefill_tokens=max(0, request.prompt_tokens - cached),
+                       at=now, held_use=held_use)
+
+    def commit(self, attempt: Attempt) -> None:
+        """Account for a decision of :meth:`decide`, once: record it in the prefix index (at
+        the time it was decided), publish it, and count the request in flight on its worker.
+        An attempt settled before it was committed is never committed."""
+        if attempt.committed or attempt.settled:
+            return
+        attempt.committed = True
+        request, wid, now = attempt.request, attempt.worker_id, attempt.at
         key = request.key
         blocks = key.blocks
-        predicted = predicted_tokens(snapshot, request, decision)
-        held_use = 0
         if self.router.uses_prefix_index:
-            if decision.match_blocks and self.learn_capacity:
-                deepest = key.checkpoints_within(decision.match_blocks)
-                held_use = self.index.last_use(wid, blocks[deepest - 1]) if deepest else 0
             self.index.record(blocks, wid, now, key.depths)
             self.sink.assigned(key, wid)
             if self.exact is not None:
                 self.exact.sent(wid, blocks, now)
-        total = key.total_blocks
-        cached = request.prompt_tokens * decision.match_blocks // total if total else 0
-        prefill = max(0, request.prompt_tokens - cached)
-        ticket = self.pool.acquire(wid, request.cost_tokens, prefill, (blocks, cached))
-        return Attempt(request, decision, tenant, predicted, index=snapshot.index,
-                       prefill_tokens=prefill, ticket=ticket, at=now, held_use=held_use)
+        cached = request.prompt_tokens - attempt.prefill_tokens
+        attempt.ticket = self.pool.acquire(wid, request.cost_tokens, attempt.prefill_tokens,
+                                           (blocks, cached))
 
     def first_token(self, attempt: Attempt) -> None:
         """The worker sent the first token (a streamed reply): its prefill is done, so it no
         longer counts in the queue a new prefill would wait behind. Once per attempt."""
-        if attempt.settled or attempt.prefilled:
+        if attempt.settled or attempt.prefilled or not attempt.committed:
             return
         attempt.prefilled = True
         self.pool.prefilled(attempt.worker_id, attempt.prefill_tokens)
@@ -207,6 +236,8 @@ class RoutingSession:
         if attempt.settled:
             return
         attempt.settled = True
+        if not attempt.committed:  # never accounted for: nothing to undo
+            return
         key = attempt.request.key
         depth = attempt.decision.match_blocks
         keep = key.checkpoints_within(depth)
@@ -226,6 +257,8 @@ class RoutingSession:
         if attempt.settled:
             return
         attempt.settled = True
+        if not attempt.committed:
+            return
         wid = attempt.worker_id
         if self.exact is not None and self.router.uses_prefix_index:
             self.exact.done(wid, attempt.request.key.blocks,

@@ -113,6 +113,31 @@ async def test_slots_go_to_waiters_first_come_first_served() -> None:
     again()
 
 
+async def test_a_free_slot_is_taken_without_waiting_and_a_busy_one_is_not() -> None:
+    slots = ConnectionSlots(total=2, per_worker=1, queue_timeout_s=5.0)
+    first = slots.try_take("w1")
+    assert first is not None
+    assert slots.try_take("w1") is None  # the worker's one place is taken
+    other = slots.try_take("w2")
+    assert other is not None
+    assert slots.try_take("w3") is None  # both places of the total are taken
+    first()
+    first()  # a second call gives back nothing more
+    third = slots.try_take("w3")
+    assert third is not None  # the total's place came back, w3's own was free
+    assert slots.try_take("w1") is None  # and the total is full again
+    other()
+    third()
+
+    # A waiter in line keeps its turn: a place given back goes to it, not to a try.
+    held = await slots.take("w1")
+    waiting = asyncio.create_task(slots.take("w1"))
+    await asyncio.sleep(0)
+    held()
+    assert slots.try_take("w1") is None
+    (await waiting)()
+
+
 async def _chunks(timer: IdleTimer, gaps: list[float], write_s: float = 0.0) -> int:
     """Waits ``gaps`` seconds for each chunk under ``timer``, spending ``write_s`` between
     chunks outside the waits (a slow client); returns the chunks received."""

@@ -69,6 +69,46 @@ def test_route_records_publishes_and_counts_in_flight() -> None:
     assert _inflight(session)[wid] == (2, 200)
 
 
+def test_a_decision_changes_nothing_until_it_is_committed() -> None:
+    session, sink = _session()
+    first = session.route(_request(), now=1.0)
+    decided = session.decide(_request(), now=2.0, tenant="t1")
+    wid = decided.worker_id
+    assert (decided.worker_id, decided.decision.kind) == (first.worker_id,
+                                                          DecisionKind.PREFIX_HIT)
+    # Nothing recorded, published or counted in flight yet.
+    assert not decided.committed
+    assert session.index.last_use(wid, BLOCKS[-1]) == session.index.last_use(
+        first.worker_id, BLOCKS[-1])
+    assert len(sink.assignments) == 1
+    assert _inflight(session)[wid] == (1, 100)
+    session.commit(decided)
+    session.commit(decided)  # once only
+    assert decided.committed
+    assert decided.ticket
+    assert len(sink.assignments) == 2
+    assert _inflight(session)[wid] == (2, 200)
+    # Committed as decided: at the decision's time, not the commit's.
+    assert session.index.match(BLOCKS, 2.0) == {wid: len(BLOCKS)}
+
+
+def test_an_attempt_never_committed_settles_to_nothing() -> None:
+    session, sink = _session()
+    held = session.route(_request(), now=1.0)
+    for settle in ("failed", "completed"):
+        attempt = session.decide(_request(), now=2.0)
+        if settle == "failed":
+            session.failed(attempt)  # would forget the blocks the first attempt recorded
+        else:
+            session.completed(attempt, CacheUsage(800, 800))
+        assert attempt.settled
+        assert session.index.match(BLOCKS, 2.0) == {held.worker_id: len(BLOCKS)}
+        assert _inflight(session)[held.worker_id] == (1, 100)
+        assert sink.reports == []
+        session.commit(attempt)  # settled first: committing it later is refused
+        assert _inflight(session)[held.worker_id] == (1, 100)
+
+
 def test_time_is_an_argument_the_index_ttl_follows_it() -> None:
     session, _ = _session()
     wid = session.route(_request(), now=0.0).worker_id
