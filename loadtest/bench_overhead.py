@@ -24,8 +24,11 @@ One run, one set of workers:
    *Prefix affinity*: the share of requests that reached their system prompt's most used
    worker (from the worker's ``x-worker-id``, where the router relays it); with ``--procs N``
    it shows whether the processes agree on where a prefix lives.
-3. **Added latency**: ``--sequential`` rounds of one request to each target in turn (the order
-   rotates each round); p50/p99 per target, minus the direct p50.
+3. **Added latency**: ``--sequential`` rounds of one request to each target in turn, in an
+   order shuffled each round (seeded): a target's latency depends on which target the workers
+   and the machine served just before it, so a fixed or rotating order biases whichever target
+   follows another (by 0.1 ms at c=1 here). p50/p99 per target, minus the direct p50, and
+   against sglang-router paired by round: the median of the per-round differences.
 4. **Streams** (``--stream-tokens N``): streamed answers of N token events, the router's CPU
    per stream and per event (:mod:`loadtest.overhead_stream`).
 5. **Long prompts** (``--long CHARS,...``): ``--long-requests`` sequential chat requests per
@@ -157,6 +160,7 @@ class TargetResult:
     reps: list[Rep] = field(default_factory=list)
     seq_p50_ms: float = 0.0
     seq_p99_ms: float = 0.0
+    seq_ms: list[float] = field(default_factory=list)  # each sequential round's latency
     seq_errors: int = 0
     worker_share: dict[str, int] = field(default_factory=dict)  # x-worker-id, if relayed
     # Share of requests that reached their prefix's most used worker (1.0: every prefix always
@@ -416,16 +420,28 @@ async def sequential(session: aiohttp.ClientSession, targets: Sequence[Target],
                      bodies: Sequence[bytes], rounds: int,
                      results: dict[str, TargetResult]) -> None:
     seconds: dict[str, list[float]] = {t.name: [] for t in targets}
+    order = list(targets)
+    shuffle = random.Random(0).shuffle
     for i in range(rounds + 20):  # the first 20 rounds warm up
-        for target in _rotated(targets, i):
+        shuffle(order)
+        for target in order:
             status, s, _, _ = await send(session, target.url, bodies[i % len(bodies)])
             if i >= 20:
                 seconds[target.name].append(s)
                 results[target.name].seq_errors += status != 200
     for name, values in seconds.items():
         ms = [s * 1e3 for s in values]
+        results[name].seq_ms = ms
         results[name].seq_p50_ms = statistics.median(ms)
         results[name].seq_p99_ms = percentile(ms, 99)
+
+
+def paired_ms(target: TargetResult, ref: TargetResult) -> float | None:
+    """The median over sequential rounds of ``target``'s latency less ``ref``'s in the same
+    round (None without rounds)."""
+    if not target.seq_ms or len(target.seq_ms) != len(ref.seq_ms):
+        return None
+    return statistics.median(t - r for t, r in zip(target.seq_ms, ref.seq_ms, strict=True))
 
 
 # -- profile -------------------------------------------------------------------------------
@@ -642,9 +658,9 @@ def to_markdown(result: OverheadResult) -> str:
         + f", {c.prefixes} shared system prompts (~2,000 chars) + a "
         f"unique question, `max_tokens` 1. Throughput: {c.requests} requests at concurrency "
         f"{c.concurrency}, {c.reps} repetitions (medians shown). Added latency: {c.sequential} "
-        f"sequential rounds, one request to each target per round. Router CPU: the CPU clocks "
-        f"of its process and children (every thread, ns). Our gateway: {c.procs} process(es) "
-        f"on {interpreter()}. "
+        f"sequential rounds, one request to each target per round in shuffled order. Router "
+        f"CPU: the CPU clocks of its process and children (every thread, ns). Our gateway: "
+        f"{c.procs} process(es) on {interpreter()}. "
         + ("Every router logs each request (ours one JSON access line, the peers at "
            "`--log-level info`)." if c.request_logs else "No router logs each request (ours "
            "`--access-log off`, the peers at `--log-level warn`)."),
@@ -666,16 +682,19 @@ def to_markdown(result: OverheadResult) -> str:
             f"{f'{t.index_hits:.3f}' if t.index_hits >= 0 else '-'} | {errors} |")
     if ref is not None:
         lines += ["", "Ratios to sglang-router (same run):", "",
-                  "| target | req/s | p99 c=32 | CPU / req | added p50 c=1 (ms difference) |",
-                  "|---|---:|---:|---:|---:|"]
+                  "| target | req/s | p99 c=32 | CPU / req | added p50 c=1 (ms difference) | "
+                  "c=1 paired by round (ms) |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for t in result.targets:
             if t.name in (DIRECT, ref.name):
                 continue
+            paired_c1 = paired_ms(t, ref)
             lines.append(
                 f"| {t.name} | {_ratio(t.median('rps'), ref.median('rps'))} | "
                 f"{_ratio(t.median('p99_ms'), ref.median('p99_ms'))} | "
                 f"{_ratio(t.median('cpu_s_per_1k'), ref.median('cpu_s_per_1k'))} | "
-                f"{t.seq_p50_ms - ref.seq_p50_ms:+.2f} |")
+                f"{t.seq_p50_ms - ref.seq_p50_ms:+.2f} | "
+                f"{'-' if paired_c1 is None else f'{paired_c1:+.3f}'} |")
     ours = next((t for t in result.targets if t.name == "ours"), None)
     paired = [t for t in result.targets if ours is not None and t is not ours and t.reps
               and t.name != DIRECT and len(t.reps) == len(ours.reps)]

@@ -11,6 +11,7 @@ from loadtest.bench_overhead import (
     Rep,
     TargetResult,
     gateway_command,
+    paired_ms,
     to_markdown,
     top_functions,
 )
@@ -74,6 +75,19 @@ def test_cpu_is_paired_by_repetition_against_ours() -> None:
     text = to_markdown(result)
     assert "- ours[before]: 1.250x ours" in text
     assert "- direct:" not in text.split("paired by repetition")[1].split("Per repetition")[0]
+
+
+def test_added_latency_is_paired_by_round_against_sglang_router() -> None:
+    # Round by round ours is 0.1 ms over sglang-router, though the medians differ by more:
+    # the rounds where ours was slow are ones where the machine was slow for both.
+    ours = TargetResult("ours", seq_ms=[1.1, 1.2, 5.1, 5.2, 5.3], seq_p50_ms=5.1)
+    ref = TargetResult("sglang-router", seq_ms=[1.0, 1.1, 1.2, 5.1, 5.2], seq_p50_ms=1.2)
+    assert paired_ms(ours, ref) is not None
+    assert abs((paired_ms(ours, ref) or 0) - 0.1) < 1e-9
+    assert paired_ms(TargetResult("floor"), ref) is None  # not run sequentially
+    text = to_markdown(OverheadResult("cmd", OverheadConfig(), [
+        TargetResult("direct", seq_ms=[1.0], seq_p50_ms=1.0), ours, ref], {}))
+    assert "| ours | - | - | - | +3.90 | +0.100 |" in text
 
 
 def test_long_prompts_report_medians_the_ratio_and_decision_time() -> None:
