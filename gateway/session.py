@@ -5,9 +5,12 @@ the pool at the time it is given (``now`` is an argument, never a clock it reads
 decision in the prefix index, publishes it to the other gateway replicas, counts the request in
 flight on the chosen worker, and settles the attempt exactly once: :meth:`RoutingSession.failed`
 undoes the prediction (the worker never got the prompt) and :meth:`RoutingSession.completed`
-counts what the worker reported it reused. ``gateway.proxy`` runs it with ``time.monotonic()``
-around a real backend; ``loadtest.sim`` runs the same object on simulated time, so the two
-route alike by construction.
+counts what the worker reported it reused. :meth:`RoutingSession.route` decides and accounts
+in one call; ``gateway.proxy`` calls its two halves, :meth:`RoutingSession.decide` and
+:meth:`RoutingSession.commit`, around the write to the worker, with nothing awaited between
+them, so it accounts for each decision before any other is made, as ``route`` does. It runs
+with ``time.monotonic()`` around a real backend; ``loadtest.sim`` runs the same object on
+simulated time, so the two route alike by construction.
 
 No I/O and no aiohttp here: publishing goes to an :class:`AssignmentSink` (the store sync
 buffers it for its background loops).

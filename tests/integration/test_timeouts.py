@@ -145,6 +145,30 @@ async def test_full_connection_pool_answers_503_with_retry_after(
             assert r.status == 200
 
 
+async def test_a_request_waiting_for_a_connection_is_already_counted_on_its_worker(
+    start_cluster: StartCluster,
+) -> None:
+    # The gateway writes a request to its worker before recording the decision, except when
+    # the request must wait for a connection: then it is recorded first, so the decisions made
+    # while it waits see it in flight on that worker.
+    cluster = await start_cluster(workers=1, max_connections_per_worker=1, queue_timeout_s=10)
+    url = cluster.gateway_url + "/v1/chat/completions"
+    async with aiohttp.ClientSession() as http:
+        slow = asyncio.create_task(http.post(url, json=_chat("long one", max_tokens=400)))
+        await asyncio.sleep(0.1)
+        waiting = asyncio.create_task(http.post(url, json=_chat("short one")))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # in line for the one connection
+        (worker,) = (await admin_workers(http, cluster.gateway_url)).values()
+        assert worker["inflight_requests"] == 2
+        for task in (slow, waiting):
+            response = await task
+            assert response.status == 200
+            response.release()
+        (worker,) = (await admin_workers(http, cluster.gateway_url)).values()
+        assert worker["inflight_requests"] == 0
+
+
 async def test_bad_timeout_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="body_timeout_s"):
         GatewaySettings(body_timeout_s=0)
