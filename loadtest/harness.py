@@ -58,9 +58,11 @@ class Reply:
     reason: str = ""  # x-route-reason
     index_blocks: int = 0  # x-prefix-match-blocks: what the gateway's index expected
     sent_at: float = 0.0  # perf_counter() when the request was sent
-    # The gateway's Server-Timing: from its decision to the worker's reply (0 where it did
-    # not say).
+    # The gateway's Server-Timing (0 where it did not say): from its decision to the worker's
+    # reply (upstream), and its own time (wait: from reading the request to the decision, and
+    # from the reply to the answer's head).
     upstream_ms: float = 0.0
+    gateway_ms: float = 0.0
     # The gateway's decision instant on its monotonic clock, seconds (x-route-at; 0: not said).
     decided_at: float = 0.0
     # The worker the gateway pre-warmed this request's prefix on at its decision
@@ -122,6 +124,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
                 index_blocks=_int(response.headers, "x-prefix-match-blocks"),
                 sent_at=started,
                 upstream_ms=timing.get("upstream", 0.0),
+                gateway_ms=timing.get("wait", 0.0),
                 decided_at=_float(response.headers, "x-route-at"),
                 prewarmed_to=response.headers.get("x-route-prewarm", ""),
             )

@@ -20,7 +20,9 @@ Per router, from what the workers report in every reply (``x-cache-*``), as
 :mod:`loadtest.simulate` reports it: ``block_hit_rate``, ``pooled_bound`` (one LRU cache of all
 workers' blocks, the same sequence), ``hit_over_bound``, ``routed_max_over_mean`` (blocks routed
 per worker), ``prefill_max_over_mean`` (uncached blocks per worker), latency ``p50_ms`` /
-``p99_ms`` (whole request, client side), and ``cpu_s_per_1k``: the router's user + system
+``p99_ms`` (whole request, client side; for our gateway also split by its ``Server-Timing``
+into ``gateway_p50_ms`` / ``gateway_p99_ms``, its own time, and ``upstream_p50_ms`` /
+``upstream_p99_ms``, the worker's), and ``cpu_s_per_1k``: the router's user + system
 CPU seconds per 1,000 requests (``/proc``; its process and descendants, so ``--procs N``
 counts all of them). ``--simulate`` also runs the simulator after
 each live run of a gateway policy, with the same fleet, costs, concurrency, keys and ring, and
@@ -190,6 +192,14 @@ class RunResult:
     mean_latency_ms: float = 0.0
     gateway_inflight: float | None = None
     latencies_ms: list[float] = field(default_factory=list)  # per request, in trace order
+    # Where the latency went, from our gateway's Server-Timing (None for peers): its own time
+    # (reading, parsing and deciding; the answer's head) and the worker's (upstream), p50/p99.
+    # The rest of a request's latency is the client's and the sockets' (and, at high load, the
+    # wait in the gateway's socket before it is read).
+    gateway_p50_ms: float | None = None
+    gateway_p99_ms: float | None = None
+    upstream_p50_ms: float | None = None
+    upstream_p99_ms: float | None = None
     # Per request, in trace order, from the gateway's Server-Timing (empty for peers): from
     # the decision to the worker's reply.
     upstream_ms: list[float] = field(default_factory=list)
@@ -328,6 +338,9 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
     ms = [r.seconds * 1e3 for r in ok] or [0.0]
     reasons = Counter(reason_kind(r.reason) for r in ok if r.reason)
     decided = decision_instants(replies)  # empty unless every reply said (ours)
+    said = [r for r in ok if r.upstream_ms]  # ours: the gateway's Server-Timing
+    own = [r.gateway_ms for r in said]
+    held = [r.upstream_ms for r in said]
     return RunResult(
         router=router, repeat=repeat, requests=len(replies), errors=len(replies) - len(ok),
         block_hit_rate=hit, pooled_bound=pooled, hit_over_bound=hit / pooled if pooled else 0.0,
@@ -347,6 +360,10 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
         cached_blocks=[r.matched_tokens // bt for r in replies],
         route_reasons=[r.reason for r in replies] if any(r.reason for r in replies) else [],
         worker_ids=list(worker_ids), per_worker=dict(sorted(per_worker.items())),
+        gateway_p50_ms=statistics.median(own) if said else None,
+        gateway_p99_ms=percentile(own, 99) if said else None,
+        upstream_p50_ms=statistics.median(held) if said else None,
+        upstream_p99_ms=percentile(held, 99) if said else None,
     )
 
 
@@ -732,7 +749,8 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
 
 MEDIAN_KEYS = ("block_hit_rate", "hit_over_bound", "routed_max_over_mean",
                "requests_max_over_mean", "prefill_max_over_mean", "p50_ms", "p99_ms",
-               "cpu_s_per_1k", "exact_predictions")
+               "cpu_s_per_1k", "exact_predictions", "gateway_p50_ms", "gateway_p99_ms",
+               "upstream_p50_ms", "upstream_p99_ms")
 
 
 def medians(results: Sequence[RunResult]) -> list[dict[str, Any]]:
@@ -785,6 +803,12 @@ def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> 
                          f" hit/bound {a['hit']:+.3f}, balance {a['balance']:+.3f}"
                          for name, a in s["agreement"].items())
              for s in sims if s.get("agreement")]
+    notes += [f"{r['router']}, where the latency went by its Server-Timing: the gateway's own "
+              f"time p50 {r['gateway_p50_ms']:.2f} / p99 {r['gateway_p99_ms']:.2f} ms, the "
+              f"worker's p50 {r['upstream_p50_ms']:.1f} / p99 {r['upstream_p99_ms']:.1f} ms; "
+              "the rest is the client's and the sockets'"
+              for r in rows if r.get("gateway_p50_ms") is not None
+              and r.get("upstream_p50_ms") is not None]
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
 
 

@@ -38,6 +38,11 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
         assert 0 < row["block_hit_rate"] <= row["pooled_bound"] + 1e-9
         assert row["cpu_s_per_1k"] > 0
         assert row["p50_ms"] <= row["p99_ms"]
+        # The gateway said where the time went: its own part and the worker's, within the
+        # whole request's.
+        assert 0 < row["gateway_p50_ms"] <= row["gateway_p99_ms"]
+        assert 0 < row["upstream_p50_ms"] <= row["upstream_p99_ms"]
+        assert max(row["gateway_p50_ms"], row["upstream_p50_ms"]) <= row["p50_ms"]
     for run in report["runs"]:
         per_worker = run["per_worker"]
         assert len(per_worker) == 2

@@ -13,6 +13,9 @@ from loadtest.replay import (
     ReplayConfig,
     RunResult,
     agreement,
+    markdown,
+    medians,
+    summarize,
     time_actions,
     timed_scrapes,
 )
@@ -304,3 +307,29 @@ def test_rebalance_actions_are_timed_on_the_decision_instants() -> None:
     actions: list[dict[str, Any]] = [{"action": "shed", "at": 1_000_010.25}]
     time_actions(actions, _replies(10.0, 10.2), 1_000_000.0)
     assert actions[0]["decided_s"] == pytest.approx(0.25)
+
+
+def test_a_run_splits_its_latency_by_the_gateways_server_timing() -> None:
+    config = ReplayConfig(workers=2, cache_blocks=100, concurrency=4)
+
+    def reply(seconds: float, gateway_ms: float = 0.0, upstream_ms: float = 0.0) -> Reply:
+        return Reply(status=200, worker="w1", input_tokens=64, matched_tokens=0,
+                     seconds=seconds, gateway_ms=gateway_ms, upstream_ms=upstream_ms)
+
+    ours = summarize("ours:cache_aware", 0, [reply(0.010, 0.2, 6.0), reply(0.020, 0.4, 15.0),
+                                             reply(0.030, 3.0, 20.0)],
+                     1.0, 0.5, None, ["w1", "w2"], config)
+    assert (ours.gateway_p50_ms, ours.gateway_p99_ms) == (0.4, 3.0)
+    assert (ours.upstream_p50_ms, ours.upstream_p99_ms) == (15.0, 20.0)
+    # A peer says nothing: no split, in the run or in the medians.
+    peer = summarize("sglang-router", 0, [reply(0.010), reply(0.020)], 1.0, 0.5, None,
+                     ["w1", "w2"], config)
+    assert peer.gateway_p50_ms is None
+    assert peer.upstream_p99_ms is None
+    rows = medians([ours, peer])
+    assert rows[0]["gateway_p99_ms"] == 3.0
+    assert rows[1]["gateway_p99_ms"] is None
+    text = markdown(rows, [])
+    assert "ours:cache_aware, where the latency went by its Server-Timing: the gateway's own " \
+           "time p50 0.40 / p99 3.00 ms, the worker's p50 15.0 / p99 20.0 ms" in text
+    assert "sglang-router, where" not in text
