@@ -42,10 +42,10 @@ Medians over the repetitions, and each figure as a ratio to sglang-router's, so 
 be compared on a noisy shared machine. Every other target's CPU per request is also given as a
 ratio to ours paired by repetition: many short repetitions (``--reps 8 --requests 400``) with
 ``--variant before=@DIR`` make an A/B of one change (``--variant other=python=PATH``: of
-the interpreter); run it both ways round (each checkout once as ``ours``), since the slot a
-target takes in the rotation can move its CPU by a few percent. ``--profile FILE`` records our
-gateway with py-spy during the throughput repetitions (collapsed stacks to FILE) and reports the top
-functions.
+the interpreter); run it both ways round (each checkout once as ``ours``) and take the
+geometric mean: two identical checkouts read 0.96-0.97x, the variant's slot cheaper.
+``--profile FILE`` records our gateway with py-spy during the throughput repetitions
+(collapsed stacks to FILE) and reports the top functions.
 
 Loopback only, bounded request counts; a benchmark, not a test.
 """
