@@ -36,7 +36,11 @@ One run, one set of workers:
    size. The worker takes longer on a long prompt, and a router spends CPU every second on its
    own (health probes, timers), so first every router's CPU per second with no requests is
    measured for ``--idle-s`` seconds, and the table is given again less that rate times each
-   round's wall time per request.
+   round's wall time per request. ``--long-text lines`` (the default) writes the prompt as
+   lines of 4-16 words, some indented, as code, documents and agent contexts are;
+   ``--long-text words`` as one line of words (what the figures before it used, which spared
+   every step that looks at line ends); ``--long-text ragged`` as lines a quarter of which end
+   in spaces (a re-rendered context: the normalization rewrites it).
 
 Medians over the repetitions, and each figure as a ratio to sglang-router's, so the numbers can
 be compared on a noisy shared machine. Every other target's CPU per request is also given as a
@@ -99,6 +103,7 @@ from loadtest.peers import (
 )
 from loadtest.workloads import system_prompt, words
 
+LONG_TEXTS = ("lines", "words", "ragged", "typeset")  # long prompts' layouts (long_text)
 FLOOR = "floor"  # loadtest.floor_proxy: a bare aiohttp relay, the floor for a Python router
 # The floors (loadtest.floor_proxy), each with its server and client: aiohttp's server and
 # client; aiohttp's server and the gateway's relay client; a bare protocol and that client.
@@ -136,6 +141,7 @@ class OverheadConfig:
     long_chars: tuple[int, ...] = ()
     long_requests: int = 20
     long_reps: int = 1  # rounds over every size, targets in rotating order; medians reported
+    long_text: str = "lines"  # one of LONG_TEXTS: how the long prompts' text is laid out
     # Seconds with no requests before the long prompts, to measure what each router spends
     # per second on its own (health probes, timers): a long request that takes the worker
     # 0.2 s is charged 0.2 s of it.
@@ -321,10 +327,32 @@ def worker_size_args(config: OverheadConfig) -> list[str]:
             "--cache-blocks", str(max(4096, 2 * (longest // 16 + 1)))]
 
 
+def long_text(rng: random.Random, chars: int, layout: str) -> str:
+    """``chars`` characters of seeded words: one line (``words``), or lines of 4-16 words, a
+    third of them indented (``lines``), and a quarter of them ending in spaces as a
+    re-rendered context's do (``ragged``), which the gateway's normalization trims, or with
+    a typeset quote or dash in one line of eight (``typeset``: text that is not ASCII, as a
+    model's answers and most edited prose are)."""
+    if layout == "words":
+        return words(rng, chars // 3 + 1)[:chars]
+    if layout not in LONG_TEXTS:
+        raise ValueError(f"unknown long text layout {layout!r}; one of {LONG_TEXTS}")
+    lines, size = [], 0
+    while size < chars:
+        line = "    " * (rng.random() < 0.33) + words(rng, rng.randint(4, 16))
+        if layout == "ragged" and rng.random() < 0.25:
+            line += "  "
+        elif layout == "typeset" and rng.random() < 0.125:
+            line += rng.choice((" \u2014 it\u2019s so", " \u201cquoted\u201d"))
+        lines.append(line)
+        size += len(line) + 1
+    return "\n".join(lines)[:chars]
+
+
 def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
     """``long_requests`` chat bodies sharing one system prompt of ``chars`` characters."""
     rng = random.Random(config.seed + chars)
-    text = words(rng, chars // 3 + 1)[:chars]
+    text = long_text(rng, chars, config.long_text)
     return [
         json.dumps({
             "model": MODEL, "max_tokens": 1, "temperature": 0,
@@ -624,7 +652,8 @@ def long_table(result: OverheadResult) -> list[str]:
     if not sizes:
         return []
     lines = ["", f"Long prompts: {c.long_requests} sequential chat requests sharing one "
-             f"system prompt of the given size, {c.long_reps} round(s); router CPU ms per "
+             f"system prompt of the given size ({c.long_text}), {c.long_reps} round(s); "
+             "router CPU ms per "
              "request, median (each round):", "",
              "| target | " + " | ".join(f"{s:,} chars" for s in sizes)
              + f" | {sizes[-1]:,} / {sizes[0]:,} |", "|---|" + "---:|" * (len(sizes) + 1)]
@@ -754,6 +783,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--long", default="", metavar="CHARS,...",
                    help="also send long prompts of these sizes in characters, sequentially")
     p.add_argument("--long-requests", type=int, default=20, help="requests per long size")
+    p.add_argument("--long-text", choices=LONG_TEXTS, default="lines",
+                   help="the long prompts' text: lines of words (as code and documents), one "
+                        "line of words, lines a quarter of which end in spaces, or lines with "
+                        "typographic quotes and dashes")
     p.add_argument("--long-reps", type=int, default=1,
                    help="rounds over the long sizes (targets rotated); medians reported")
     p.add_argument("--idle-s", type=float, default=10.0,
@@ -791,6 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gateway_args=tuple(args.gateway_arg), request_logs=args.request_logs,
         long_chars=tuple(int(c) for c in args.long.split(",") if c.strip()),
         long_requests=args.long_requests, long_reps=args.long_reps, idle_s=args.idle_s,
+        long_text=args.long_text,
         stream=StreamConfig(tokens=args.stream_tokens, requests=args.stream_requests,
                             concurrency=args.stream_concurrency, reps=args.stream_reps),
         decode_ms=args.decode_ms,

@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from gateway.normalize import NormalizeOptions, normalize_messages, normalize_text, render_chat
+from gateway.normalize import (
+    NormalizeOptions,
+    _char_width,
+    _translation_table,
+    normalize_messages,
+    normalize_text,
+    render_chat,
+)
 
 DEFAULT = NormalizeOptions()
 
@@ -324,3 +331,38 @@ def test_render_chat_does_not_mutate() -> None:
     original = copy.deepcopy(messages)
     render_chat(messages, [{"b": 1, "a": 2}])
     assert messages == original
+
+
+def _translated(text: str, opts: NormalizeOptions) -> str:
+    """The character rules alone, applied to every character as a plain table lookup."""
+    return text.translate(_translation_table(opts.unicode_spaces, opts.invisible))
+
+
+@pytest.mark.parametrize("opts", [
+    DEFAULT,
+    NormalizeOptions(invisible=False),
+    NormalizeOptions(unicode_spaces=False),
+])
+def test_every_rewritten_character_is_found_in_text_of_any_width(opts: NormalizeOptions) -> None:
+    rules = NormalizeOptions(enabled=True, unicode_spaces=opts.unicode_spaces,
+                             invisible=opts.invisible, newlines=False,
+                             trailing_whitespace=False, line_trailing_whitespace=False)
+    table = _translation_table(opts.unicode_spaces, opts.invisible)
+    # The same characters in texts CPython stores with 1, 2 and 4 bytes a character.
+    for filler in ("caf\u00e9 ", "\u2019quoted\u2019 ", "emoji \U0001f600 "):
+        for cp in table:
+            text = filler * 3 + chr(cp) + filler
+            assert normalize_text(text, rules) == _translated(text, rules), (filler, hex(cp))
+    # Characters no rule touches, at every width, come back as they were.
+    for text in ("caf\u00e9 \u00ff", "\u2019\u4e2d\u6587", "\U0001f600 \u2019", "\u200d\u200c"):
+        assert normalize_text(text, rules) is text
+
+
+def test_the_width_read_from_a_text_never_understates_it() -> None:
+    for text, width in (("caf\u00e9", 1), ("\u2019", 2), ("\U0001f600", 4)):
+        assert _char_width(text * 50) == width
+        # A text whose UTF-8 copy CPython has cached (a class name does it) reads wider.
+        named = (text * 50) + "x"
+        type(named, (), {})
+        assert _char_width(named) >= width
+        assert normalize_text(named + "\u00a0\U000e0041y") == named + " y"
