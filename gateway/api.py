@@ -17,7 +17,7 @@ from gateway.errors import ModelNotFound, NoWorkerAvailable, PayloadTooLarge, Re
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.limits import LIMITS_KEY
 from gateway.misses import prompt_head_hash
-from gateway.normalize import NormalizeOptions
+from gateway.normalize import NormalizeOptions, TextScope
 from gateway.openai_schema import (
     ParsedRequest,
     decode_json_object,
@@ -40,7 +40,7 @@ from gateway.warmup_sources import WarmPrompt
 STATE = web.AppKey("state", GatewayState)
 T = TypeVar("T")
 
-Parser = Callable[[dict[str, Any], NormalizeOptions], ParsedRequest]
+Parser = Callable[[dict[str, Any], NormalizeOptions, TextScope | None], ParsedRequest]
 
 
 def request_cost(parsed: ParsedRequest, settings: GatewaySettings) -> tuple[int, int]:
@@ -91,7 +91,10 @@ async def prepare(
     and the request's cache namespace (raises 4xx errors)."""
     state = app[STATE]
     settings = state.settings
-    parsed = parse(body, settings.normalize_options())
+    salt = body.get("cache_salt")
+    # Long texts found normal are remembered per tenant and cache salt: never across them.
+    seen = state.normal_texts.scope(identity.tenant_id, salt if isinstance(salt, str) else "")
+    parsed = parse(body, settings.normalize_options(), seen)
     models = state.pool.models()
     if parsed.model not in models:
         if not state.pool.any_healthy():

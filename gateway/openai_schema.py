@@ -15,7 +15,13 @@ import orjson
 
 from gateway.contracts.chat import ROLES
 from gateway.errors import InvalidRequest
-from gateway.normalize import NormalizeOptions, normalize_messages, normalize_text, render_chat
+from gateway.normalize import (
+    NormalizeOptions,
+    TextScope,
+    normalize_messages,
+    normalize_text,
+    render_chat,
+)
 from gateway.values import value
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # larger values are no budget any server can honour
@@ -170,7 +176,9 @@ def _is_token_list(value: Any) -> bool:
     )
 
 
-def parse_completion(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequest:
+def parse_completion(
+    body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None
+) -> ParsedRequest:
     """``POST /v1/completions``: ``prompt`` is a string, strings, token ids or lists of ids."""
     model, stream, max_tokens, salt = _common(body)
     if "prompt" not in body or body["prompt"] is None:
@@ -181,10 +189,10 @@ def parse_completion(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequ
     chars = ids = 0
     count = 1
     if isinstance(prompt, str):
-        forwarded["prompt"] = text = normalize_text(prompt, opts)
+        forwarded["prompt"] = text = normalize_text(prompt, opts, seen)
         chars = len(text)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        forwarded["prompt"] = normalized = [normalize_text(p, opts) for p in prompt]
+        forwarded["prompt"] = normalized = [normalize_text(p, opts, seen) for p in prompt]
         text = normalized[0]
         chars, count = sum(map(len, normalized)), len(normalized)
     elif isinstance(prompt, list) and prompt and _is_token_list(prompt):
@@ -234,7 +242,9 @@ def _check_message(i: int, message: Any) -> None:
         raise _invalid(f"'messages[{i}].name' must be a string", f"messages[{i}].name")
 
 
-def parse_chat(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequest:
+def parse_chat(
+    body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None
+) -> ParsedRequest:
     """``POST /v1/chat/completions``: ``messages`` is a non-empty list of role/content objects."""
     model, stream, max_tokens, salt = _common(body)
     messages = body.get("messages")
@@ -248,7 +258,7 @@ def parse_chat(body: dict[str, Any], opts: NormalizeOptions) -> ParsedRequest:
     tools = body.get("tools")
     if not (tools is None or isinstance(tools, list)):
         raise _invalid("'tools' must be a list", "tools")
-    normalized = normalize_messages(messages, opts)
+    normalized = normalize_messages(messages, opts, seen)
     unchanged = normalized == messages
     if unchanged:
         forwarded = body

@@ -6,11 +6,12 @@ pages use (the store, its sync, the rebalancer, the cache lifecycle) are not her
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.backends.base import Backend
 from gateway.guard import UpstreamGuard
 from gateway.kvevents.source import ExactSource
+from gateway.normalize import NormalTexts
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer
 from gateway.routing.prefix_index import PrefixIndex
@@ -33,6 +34,8 @@ class GatewayState:
     guard: UpstreamGuard
     warmup: WarmupManager
     prewarmer: PreWarmer
+    # Long prompt texts already found normal, by keyed hash per tenant (gateway.normalize).
+    normal_texts: NormalTexts = field(default_factory=NormalTexts)
 
     def backend_for(self, worker: Worker) -> Backend:
         backend = self.backends.get(worker.kind)

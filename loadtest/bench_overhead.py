@@ -142,6 +142,7 @@ class OverheadConfig:
     long_requests: int = 20
     long_reps: int = 1  # rounds over every size, targets in rotating order; medians reported
     long_text: str = "lines"  # one of LONG_TEXTS: how the long prompts' text is laid out
+    long_unique: bool = False  # each long request with a system prompt of its own
     # Seconds with no requests before the long prompts, to measure what each router spends
     # per second on its own (health probes, timers): a long request that takes the worker
     # 0.2 s is charged 0.2 s of it.
@@ -350,13 +351,15 @@ def long_text(rng: random.Random, chars: int, layout: str) -> str:
 
 
 def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
-    """``long_requests`` chat bodies sharing one system prompt of ``chars`` characters."""
+    """``long_requests`` chat bodies sharing one system prompt of ``chars`` characters, or
+    (``long_unique``) each with its own, which begins with the request's number."""
     rng = random.Random(config.seed + chars)
     text = long_text(rng, chars, config.long_text)
     return [
         json.dumps({
             "model": MODEL, "max_tokens": 1, "temperature": 0,
-            "messages": [{"role": "system", "content": text},
+            "messages": [{"role": "system",
+                          "content": f"Document {i}.\n{text}" if config.long_unique else text},
                          {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"}],
         }).encode()
         for i in range(config.long_requests)
@@ -651,8 +654,9 @@ def long_table(result: OverheadResult) -> list[str]:
     sizes = sorted({s for t in result.targets for s in t.long_cpu_runs})
     if not sizes:
         return []
-    lines = ["", f"Long prompts: {c.long_requests} sequential chat requests sharing one "
-             f"system prompt of the given size ({c.long_text}), {c.long_reps} round(s); "
+    lines = ["", f"Long prompts: {c.long_requests} sequential chat requests "
+             f"{'each with its own' if c.long_unique else 'sharing one'} system prompt of "
+             f"the given size ({c.long_text}), {c.long_reps} round(s); "
              "router CPU ms per "
              "request, median (each round):", "",
              "| target | " + " | ".join(f"{s:,} chars" for s in sizes)
@@ -783,6 +787,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--long", default="", metavar="CHARS,...",
                    help="also send long prompts of these sizes in characters, sequentially")
     p.add_argument("--long-requests", type=int, default=20, help="requests per long size")
+    p.add_argument("--long-unique", action="store_true",
+                   help="give each long request a system prompt of its own (nothing in it was "
+                        "seen before), instead of one they share")
     p.add_argument("--long-text", choices=LONG_TEXTS, default="lines",
                    help="the long prompts' text: lines of words (as code and documents), one "
                         "line of words, lines a quarter of which end in spaces, or lines with "
@@ -824,7 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gateway_args=tuple(args.gateway_arg), request_logs=args.request_logs,
         long_chars=tuple(int(c) for c in args.long.split(",") if c.strip()),
         long_requests=args.long_requests, long_reps=args.long_reps, idle_s=args.idle_s,
-        long_text=args.long_text,
+        long_text=args.long_text, long_unique=args.long_unique,
         stream=StreamConfig(tokens=args.stream_tokens, requests=args.stream_requests,
                             concurrency=args.stream_concurrency, reps=args.stream_reps),
         decode_ms=args.decode_ms,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -14,6 +15,7 @@ from loadtest.bench_overhead import (
     Rep,
     TargetResult,
     gateway_command,
+    long_bodies,
     long_text,
     paired_ms,
     to_markdown,
@@ -180,3 +182,11 @@ def test_long_texts_have_the_size_and_the_line_ends_asked_for() -> None:
     ragged = normalize_text(texts["ragged"])
     assert ragged != texts["ragged"]
     assert " \n" not in ragged
+
+
+def test_long_requests_share_one_system_prompt_unless_each_has_its_own() -> None:
+    for unique in (False, True):
+        config = OverheadConfig(long_requests=3, long_unique=unique)
+        systems = [json.loads(b)["messages"][0]["content"] for b in long_bodies(config, 5_000)]
+        assert len(set(systems)) == (3 if unique else 1)
+        assert all(len(text) >= 5_000 for text in systems)

@@ -9,12 +9,14 @@ import pytest
 
 from gateway.normalize import (
     NormalizeOptions,
+    NormalTexts,
     _char_width,
     _translation_table,
     normalize_messages,
     normalize_text,
     render_chat,
 )
+from gateway.openai_schema import parse_chat
 
 DEFAULT = NormalizeOptions()
 
@@ -366,3 +368,66 @@ def test_the_width_read_from_a_text_never_understates_it() -> None:
         type(named, (), {})
         assert _char_width(named) >= width
         assert normalize_text(named + "\u00a0\U000e0041y") == named + " y"
+
+
+_LONG = {  # normal as they are: no line ends in a space, none at the end
+    "ascii": "\n".join(["def f(x):", "    return x"] * 800),
+    "latin-1": "\n".join(["caf\u00e9 cr\u00e8me"] * 1200),
+    "bmp": "\n".join(["\u201cquoted\u201d \u2014 \u4e2d\u6587"] * 1200),
+    "astral": "\n".join(["emoji \U0001f600 text"] * 1200),
+}
+
+
+@pytest.mark.parametrize("width", list(_LONG))
+def test_a_long_normal_text_is_checked_once_per_scope(width: str) -> None:
+    texts = NormalTexts(min_chars=1000)
+    text = _LONG[width]
+    tenant = texts.scope("tenant-a", "")
+    assert normalize_text(text, DEFAULT, tenant) is text
+    assert (len(texts), texts.hits) == (1, 0)
+    assert normalize_text(text, DEFAULT, texts.scope("tenant-a", "")) is text
+    assert texts.hits == 1
+    # Another tenant, another cache salt or other rules: checked again, not recalled.
+    for other, opts in ((texts.scope("tenant-b", ""), DEFAULT),
+                        (texts.scope("tenant-a", "salt"), DEFAULT),
+                        (tenant, NormalizeOptions(line_trailing_whitespace=False))):
+        assert normalize_text(text, opts, other) is text
+    assert (len(texts), texts.hits) == (4, 1)
+
+
+def test_texts_the_rules_change_short_texts_and_no_scope_are_not_remembered() -> None:
+    texts = NormalTexts(min_chars=1000)
+    scope = texts.scope("t", "")
+    ragged = "line with a trailing space \n" * 100
+    for _ in range(2):
+        assert normalize_text(ragged, DEFAULT, scope) == "line with a trailing space\n" * 99 + (
+            "line with a trailing space")
+    assert normalize_text("short and normal", DEFAULT, scope) == "short and normal"
+    assert normalize_text(_LONG["ascii"], DEFAULT) is _LONG["ascii"]
+    assert (len(texts), texts.hits) == (0, 0)
+
+
+def test_normal_texts_keep_the_most_recently_seen() -> None:
+    texts = NormalTexts(capacity=2, min_chars=10)
+    scope = texts.scope("t", "")
+    a, b, c = ("a" * 20, "b" * 20, "c" * 20)
+    for text in (a, b, a, c):  # a seen again before c arrives: b is the oldest
+        normalize_text(text, DEFAULT, scope)
+    assert len(texts) == 2
+    hits = texts.hits
+    normalize_text(a, DEFAULT, scope)
+    normalize_text(c, DEFAULT, scope)
+    assert texts.hits == hits + 2
+    normalize_text(b, DEFAULT, scope)
+    assert texts.hits == hits + 2
+
+
+def test_parsing_a_chat_again_recalls_its_long_contents() -> None:
+    texts = NormalTexts(min_chars=1000)
+    body = {"model": "m", "messages": [{"role": "system", "content": _LONG["bmp"]},
+                                       {"role": "user", "content": "hi"}]}
+    first = parse_chat(body, DEFAULT, texts.scope("t", ""))
+    again = parse_chat(body, DEFAULT, texts.scope("t", ""))
+    assert texts.hits == 1
+    assert again.unchanged
+    assert again.fingerprint_text == first.fingerprint_text
