@@ -13,7 +13,7 @@ from aiohttp.typedefs import Middleware
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import Histogram
 
-from gateway import explain, resources, ui
+from gateway import explain, normalize, resources, ui
 from gateway.api import STATE, add_routes
 from gateway.auth import AUTH_KEY, Auth, KeyStore, TenantHasher, read_secret, tenant_secret
 from gateway.backends.base import Backend
@@ -301,6 +301,7 @@ def create_app(
         peer_dir=peer_dir(), peers_only=isinstance(store, HubStore),
     )
     engine = build_engine(settings.policy, settings.policy_options())
+    normalize.prepare(settings.normalize_options())
 
     def backend_for(worker: Worker) -> Backend:
         found = backends.get(worker.kind)

@@ -11,9 +11,11 @@ from gateway.normalize import (
     NormalizeOptions,
     NormalTexts,
     _char_width,
+    _rewrites,
     _translation_table,
     normalize_messages,
     normalize_text,
+    prepare,
     render_chat,
 )
 from gateway.openai_schema import parse_chat
@@ -431,3 +433,13 @@ def test_parsing_a_chat_again_recalls_its_long_contents() -> None:
     assert texts.hits == 1
     assert again.unchanged
     assert again.fingerprint_text == first.fingerprint_text
+
+
+def test_prepare_builds_the_rules_before_any_text_needs_them() -> None:
+    _rewrites.cache_clear()
+    prepare(NormalizeOptions(enabled=False))
+    assert _rewrites.cache_info().currsize == 0
+    prepare(DEFAULT)
+    assert _rewrites.cache_info().currsize == 1
+    normalize_text("caf\u00e9\u00a0")
+    assert _rewrites.cache_info().hits >= 1
