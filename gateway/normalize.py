@@ -251,7 +251,9 @@ def _normalized(text: str, opts: NormalizeOptions) -> str:
             text = text.translate(rewrites.table)
     if opts.newlines and "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if opts.line_trailing_whitespace and _BLANK_LINE_END.search(text) is not None:
+    # "\n" first: a text of one line (no newline) is told at memory speed.
+    if (opts.line_trailing_whitespace and "\n" in text
+            and _BLANK_LINE_END.search(text) is not None):
         # One pass over the lines: linear in the text whatever it holds (a regex over runs of
         # spaces backtracks quadratically on a long run that does not end a line).
         text = "\n".join(line.rstrip(" \t") for line in text.split("\n"))
