@@ -230,21 +230,25 @@ def normalize_text(
     text: str, opts: NormalizeOptions = NormalizeOptions(), seen: TextScope | None = None
 ) -> str:
     """Apply the normalization rules to one prompt or message content; ``seen`` remembers
-    long texts the rules leave as they are."""
+    long texts that the rules leave as they are, but for whitespace at their very end (a
+    content that ends in a newline is common, and trimming it costs nothing)."""
     if not opts.enabled:
         return text
     if seen is None or len(text) < seen.texts.min_chars:
-        return _normalized(text, opts)
-    key = seen.key(text, opts)
-    if seen.texts.known(key):
-        return text
-    out = _normalized(text, opts)
-    if out is text:  # every rule returns the text itself when it changes nothing
-        seen.texts.add(key)
-    return out
+        out = _normalized(text, opts)
+    else:
+        key = seen.key(text, opts)
+        if seen.texts.known(key):
+            out = text
+        else:
+            out = _normalized(text, opts)
+            if out is text:  # every rule returns the text itself when it changes nothing
+                seen.texts.add(key)
+    return out.rstrip() if opts.trailing_whitespace else out
 
 
 def _normalized(text: str, opts: NormalizeOptions) -> str:
+    """Every rule but the trim at the end of the text."""
     if (opts.unicode_spaces or opts.invisible) and not text.isascii():
         rewrites = _rewrites(opts.unicode_spaces, opts.invisible)
         if rewrites.found_in(text):
@@ -257,8 +261,6 @@ def _normalized(text: str, opts: NormalizeOptions) -> str:
         # One pass over the lines: linear in the text whatever it holds (a regex over runs of
         # spaces backtracks quadratically on a long run that does not end a line).
         text = "\n".join(line.rstrip(" \t") for line in text.split("\n"))
-    if opts.trailing_whitespace:
-        text = text.rstrip()
     return text
 
 

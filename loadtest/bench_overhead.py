@@ -77,6 +77,7 @@ from typing import Any
 import aiohttp
 
 from infra.procs import free_port_block, start_server, stop_processes
+from loadtest.bench_normalize import LONG_TEXTS, long_text
 from loadtest.harness import (
     HOST,
     MODEL,
@@ -103,7 +104,6 @@ from loadtest.peers import (
 )
 from loadtest.workloads import system_prompt, words
 
-LONG_TEXTS = ("lines", "words", "ragged", "typeset")  # long prompts' layouts (long_text)
 FLOOR = "floor"  # loadtest.floor_proxy: a bare aiohttp relay, the floor for a Python router
 # The floors (loadtest.floor_proxy), each with its server and client: aiohttp's server and
 # client; aiohttp's server and the gateway's relay client; a bare protocol and that client.
@@ -326,28 +326,6 @@ def worker_size_args(config: OverheadConfig) -> list[str]:
     longest = max(config.long_chars, default=0)
     return ["--max-model-len", str(max(32_768, longest + 1024)),
             "--cache-blocks", str(max(4096, 2 * (longest // 16 + 1)))]
-
-
-def long_text(rng: random.Random, chars: int, layout: str) -> str:
-    """``chars`` characters of seeded words: one line (``words``), or lines of 4-16 words, a
-    third of them indented (``lines``), and a quarter of them ending in spaces as a
-    re-rendered context's do (``ragged``), which the gateway's normalization trims, or with
-    a typeset quote or dash in one line of eight (``typeset``: text that is not ASCII, as a
-    model's answers and most edited prose are)."""
-    if layout == "words":
-        return words(rng, chars // 3 + 1)[:chars]
-    if layout not in LONG_TEXTS:
-        raise ValueError(f"unknown long text layout {layout!r}; one of {LONG_TEXTS}")
-    lines, size = [], 0
-    while size < chars:
-        line = "    " * (rng.random() < 0.33) + words(rng, rng.randint(4, 16))
-        if layout == "ragged" and rng.random() < 0.25:
-            line += "  "
-        elif layout == "typeset" and rng.random() < 0.125:
-            line += rng.choice((" \u2014 it\u2019s so", " \u201cquoted\u201d"))
-        lines.append(line)
-        size += len(line) + 1
-    return "\n".join(lines)[:chars]
 
 
 def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
@@ -792,8 +770,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "seen before), instead of one they share")
     p.add_argument("--long-text", choices=LONG_TEXTS, default="lines",
                    help="the long prompts' text: lines of words (as code and documents), one "
-                        "line of words, lines a quarter of which end in spaces, or lines with "
-                        "typographic quotes and dashes")
+                        "line of words, lines a quarter of which end in spaces, lines with "
+                        "typographic quotes and dashes or with emoji, or lines of CJK")
     p.add_argument("--long-reps", type=int, default=1,
                    help="rounds over the long sizes (targets rotated); medians reported")
     p.add_argument("--idle-s", type=float, default=10.0,

@@ -2,21 +2,17 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
 
-from gateway.normalize import normalize_text
 from loadtest.bench_overhead import (
-    LONG_TEXTS,
     OverheadConfig,
     OverheadResult,
     Rep,
     TargetResult,
     gateway_command,
     long_bodies,
-    long_text,
     paired_ms,
     to_markdown,
     top_functions,
@@ -165,23 +161,6 @@ def test_a_variant_may_run_the_gateway_on_another_interpreter() -> None:
     header = to_markdown(OverheadResult(command="x", config=OverheadConfig(), targets=[],
                                         skipped={}))
     assert f"on CPython {sys.version.split()[0]}" in header
-
-
-def test_long_texts_have_the_size_and_the_line_ends_asked_for() -> None:
-    texts = {layout: long_text(random.Random(3), 20_000, layout) for layout in LONG_TEXTS}
-    assert all(len(t) == 20_000 for t in texts.values())
-    assert "\n" not in texts["words"]
-    lines = texts["lines"].split("\n")
-    assert len(lines) > 100
-    assert any(line.startswith("    ") for line in lines)
-    # Only the ragged layout has lines the normalization must rewrite.
-    assert normalize_text(texts["lines"]) == texts["lines"]
-    assert normalize_text(texts["words"]) == texts["words"]
-    assert normalize_text(texts["typeset"]) == texts["typeset"]
-    assert not texts["typeset"].isascii()
-    ragged = normalize_text(texts["ragged"])
-    assert ragged != texts["ragged"]
-    assert " \n" not in ragged
 
 
 def test_long_requests_share_one_system_prompt_unless_each_has_its_own() -> None:

@@ -443,3 +443,11 @@ def test_prepare_builds_the_rules_before_any_text_needs_them() -> None:
     assert _rewrites.cache_info().currsize == 1
     normalize_text("caf\u00e9\u00a0")
     assert _rewrites.cache_info().hits >= 1
+
+
+def test_a_long_text_ending_in_whitespace_is_remembered_and_trimmed() -> None:
+    texts = NormalTexts(min_chars=1000)
+    text = _LONG["bmp"] + "\n\n"
+    for _ in range(2):
+        assert normalize_text(text, DEFAULT, texts.scope("t", "")) == _LONG["bmp"]
+    assert (len(texts), texts.hits) == (1, 1)
