@@ -9,6 +9,11 @@ also the long prompts of ``loadtest.bench_overhead --long-text``), in ms, median
 * ``rules, seen``: the same text again, remembered (:class:`gateway.normalize.NormalTexts`);
 * ``fingerprint``: :func:`gateway.fingerprint.fingerprint` of the normalized text.
 
+and on agent transcripts of ``--messages`` messages (a tool call, then its result of a few
+lines, in turn; :func:`transcript`): the body's JSON decoding, :func:`parse_chat` (validation,
+the rules, the canonical rendering with every tool call as canonical JSON) and the
+fingerprint of the rendering: what a request costs by its number of messages.
+
 No I/O, no event loop: the part of a long request's CPU that grows with the text, apart from
 JSON decoding (orjson), reading and writing. To compare with another checkout, run this file
 (``python loadtest/bench_normalize.py``) with that checkout first on ``PYTHONPATH``; ``rules,
@@ -24,8 +29,11 @@ import statistics
 import time
 from collections.abc import Callable
 
+import orjson
+
 from gateway import normalize
 from gateway.fingerprint import Namespace, fingerprint
+from gateway.openai_schema import decode_json_object, parse_chat
 from gateway.settings import GatewaySettings
 from loadtest.workloads import words
 
@@ -93,6 +101,45 @@ def measure(chars: int, runs: int, seed: int = 0) -> dict[str, dict[str, float]]
             for layout in LONG_TEXTS}
 
 
+def transcript(messages: int, seed: int = 0) -> bytes:
+    """A chat body of a system prompt and ``messages`` more: tool calls and their results."""
+    rng = random.Random(seed)
+    out: list[dict[str, object]] = [{"role": "system", "content": "You are a coding agent."}]
+    for i in range(messages):
+        call = f"call_{i // 2}"
+        if i % 2 == 0:
+            out.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": call, "type": "function", "function": {
+                    "name": "read_file",
+                    "arguments": orjson.dumps({"path": f"src/module_{i}.py"}).decode()}}]})
+        else:
+            out.append({"role": "tool", "tool_call_id": call,
+                        "content": long_text(rng, rng.randint(200, 600), "lines")})
+    return orjson.dumps({"model": "m", "messages": out})
+
+
+def _transcript_row(raw: bytes, runs: int, settings: GatewaySettings) -> dict[str, float]:
+    opts, fp_opts = settings.normalize_options(), settings.fingerprint_options()
+    namespace = Namespace(tenant="t", model="m", cache_salt="")
+    body = decode_json_object(raw)
+    text = parse_chat(body, opts).fingerprint_text
+    return {
+        "decode": _median_ms(lambda: decode_json_object(raw), runs),
+        "parse_chat": _median_ms(lambda: parse_chat(body, opts), runs),
+        "fingerprint": _median_ms(lambda: fingerprint(text, namespace, fp_opts), runs),
+    }
+
+
+def measure_transcripts(sizes: list[int], runs: int) -> dict[str, dict[str, float]]:
+    """Transcript name -> {part: median ms}, one per size in messages."""
+    settings = GatewaySettings()
+    out = {}
+    for size in sizes:
+        raw = transcript(size)
+        out[f"{size} messages ({len(raw) // 1024} KiB)"] = _transcript_row(raw, runs, settings)
+    return out
+
+
 def to_markdown(result: dict[str, dict[str, float]], chars: int) -> str:
     parts = list(next(iter(result.values())))
     lines = [f"Texts of {chars:,} characters, ms (medians):", "",
@@ -106,10 +153,23 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--chars", type=int, default=640_000, help="text length in characters")
     p.add_argument("--runs", type=int, default=15, help="timed runs per part (median)")
+    p.add_argument("--messages", default="10,100,1000",
+                   help="transcript sizes in messages, comma-separated (empty: none)")
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = p.parse_args(argv)
     result = measure(args.chars, args.runs)
-    print(json.dumps(result, indent=2) if args.json else to_markdown(result, args.chars))
+    sizes = [int(n) for n in args.messages.split(",") if n.strip()]
+    chats = measure_transcripts(sizes, args.runs) if sizes else {}
+    if args.json:
+        print(json.dumps({"texts": result, "transcripts": chats}, indent=2))
+        return
+    print(to_markdown(result, args.chars))
+    if chats:
+        parts = list(next(iter(chats.values())))
+        print("\nAgent transcripts, ms (medians):\n")
+        print("| transcript | " + " | ".join(parts) + " |\n|---|" + "---:|" * len(parts))
+        for name, row in chats.items():
+            print(f"| {name} | " + " | ".join(f"{row[p]:.3f}" for p in parts) + " |")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
+
 # The roles the OpenAI API accepts; "function" is the deprecated predecessor of "tool" (a
 # function's result, named by ``name``), still accepted by OpenAI and vLLM. The gateway validates
 # requests against this same set, so gateway and worker accept the same conversations.
@@ -50,8 +52,19 @@ class ChatFormatError(ValueError):
 
 def canonical_json(value: Any) -> str:
     """The one canonical JSON of tools and tool calls (sorted keys, compact, Unicode kept), in
-    the reference template and in the gateway's fingerprint text alike."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    the reference template and in the gateway's fingerprint text alike.
+
+    orjson writes it in about a tenth of the time of the standard library's encoder (0.5
+    against 5 us a tool call: milliseconds on an agent transcript of a thousand). Its text is
+    the standard library's but for floats with a two-digit negative exponent (``1e-7``
+    against ``1e-07``). What orjson cannot encode (a lone surrogate the standard library's
+    parser let through, an integer beyond 64 bits) is written by the standard library
+    instead, the same way every time.
+    """
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except (orjson.JSONEncodeError, UnicodeDecodeError):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def _content_text(content: Any, param: str) -> str:

@@ -2,8 +2,16 @@ from __future__ import annotations
 
 import random
 
-from gateway.normalize import normalize_text
-from loadtest.bench_normalize import LONG_TEXTS, long_text, measure, to_markdown
+from gateway.normalize import NormalizeOptions, normalize_text
+from gateway.openai_schema import decode_json_object, parse_chat
+from loadtest.bench_normalize import (
+    LONG_TEXTS,
+    long_text,
+    measure,
+    measure_transcripts,
+    to_markdown,
+    transcript,
+)
 
 
 def test_long_texts_have_the_size_and_the_line_ends_asked_for() -> None:
@@ -33,3 +41,15 @@ def test_the_bench_times_every_layout_and_the_remembered_text() -> None:
     table = to_markdown(result, 20_000)
     assert "| cjk |" in table
     assert "20,000 characters" in table
+
+
+def test_a_transcript_alternates_tool_calls_and_their_results() -> None:
+    body = decode_json_object(transcript(6))
+    roles = [m["role"] for m in body["messages"]]
+    assert roles == ["system"] + ["assistant", "tool"] * 3
+    calls = [m["tool_calls"][0]["id"] for m in body["messages"] if m["role"] == "assistant"]
+    assert calls == [m["tool_call_id"] for m in body["messages"] if m["role"] == "tool"]
+    rendered = parse_chat(body, NormalizeOptions()).fingerprint_text
+    assert all(call in rendered for call in calls)
+    rows = measure_transcripts([6], runs=1)
+    assert set(next(iter(rows.values()))) == {"decode", "parse_chat", "fingerprint"}

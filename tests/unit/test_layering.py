@@ -30,6 +30,7 @@ CONTRACT_PACKAGES = frozenset({
     "jinja2",         # chat templates
     "msgspec",        # the KV-event wire format
     "opentelemetry",  # tracing setup
+    "orjson",         # the canonical JSON of tools and tool calls in the reference template
     "redis",          # the worker registry client
     "xxhash",         # KV block keys
 })
