@@ -28,6 +28,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import orjson
 
@@ -101,21 +102,30 @@ def measure(chars: int, runs: int, seed: int = 0) -> dict[str, dict[str, float]]
             for layout in LONG_TEXTS}
 
 
-def transcript(messages: int, seed: int = 0) -> bytes:
-    """A chat body of a system prompt and ``messages`` more: tool calls and their results."""
-    rng = random.Random(seed)
-    out: list[dict[str, object]] = [{"role": "system", "content": "You are a coding agent."}]
-    for i in range(messages):
-        call = f"call_{i // 2}"
-        if i % 2 == 0:
+def agent_messages(rng: random.Random, messages: int = 0, chars: int = 0) -> list[dict[str, Any]]:
+    """Tool calls and their results (a few lines of text each), in turn: ``messages`` of them,
+    or as many as make ``chars`` characters of results."""
+    out: list[dict[str, Any]] = []
+    size = 0
+    while len(out) < messages or size < chars:
+        call = f"call_{len(out) // 2}"
+        if len(out) % 2 == 0:
             out.append({"role": "assistant", "content": None, "tool_calls": [{
                 "id": call, "type": "function", "function": {
                     "name": "read_file",
-                    "arguments": orjson.dumps({"path": f"src/module_{i}.py"}).decode()}}]})
+                    "arguments": orjson.dumps({"path": f"src/module_{len(out)}.py"}).decode()}}]})
         else:
-            out.append({"role": "tool", "tool_call_id": call,
-                        "content": long_text(rng, rng.randint(200, 600), "lines")})
-    return orjson.dumps({"model": "m", "messages": out})
+            result = long_text(rng, rng.randint(200, 600), "lines")
+            out.append({"role": "tool", "tool_call_id": call, "content": result})
+            size += len(result)
+    return out
+
+
+def transcript(messages: int, seed: int = 0) -> bytes:
+    """A chat body of a system prompt and ``messages`` more (:func:`agent_messages`)."""
+    system = {"role": "system", "content": "You are a coding agent."}
+    return orjson.dumps({"model": "m", "messages": [
+        system, *agent_messages(random.Random(seed), messages=messages)]})
 
 
 def _transcript_row(raw: bytes, runs: int, settings: GatewaySettings) -> dict[str, float]:

@@ -77,7 +77,7 @@ from typing import Any
 import aiohttp
 
 from infra.procs import free_port_block, start_server, stop_processes
-from loadtest.bench_normalize import LONG_TEXTS, long_text
+from loadtest.bench_normalize import LONG_TEXTS, agent_messages, long_text
 from loadtest.harness import (
     HOST,
     MODEL,
@@ -104,6 +104,7 @@ from loadtest.peers import (
 )
 from loadtest.workloads import system_prompt, words
 
+TRANSCRIPT = "transcript"  # --long-text: an agent transcript instead of one long text
 FLOOR = "floor"  # loadtest.floor_proxy: a bare aiohttp relay, the floor for a Python router
 # The floors (loadtest.floor_proxy), each with its server and client: aiohttp's server and
 # client; aiohttp's server and the gateway's relay client; a bare protocol and that client.
@@ -330,8 +331,21 @@ def worker_size_args(config: OverheadConfig) -> list[str]:
 
 def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
     """``long_requests`` chat bodies sharing one system prompt of ``chars`` characters, or
-    (``long_unique``) each with its own, which begins with the request's number."""
+    (``long_unique``) each with its own, which begins with the request's number; with
+    ``long_text`` ``transcript``, sharing an agent transcript (tool calls and results) of
+    that many characters of results instead."""
     rng = random.Random(config.seed + chars)
+    if config.long_text == TRANSCRIPT:
+        history = agent_messages(rng, chars=chars)
+        return [
+            json.dumps({
+                "model": MODEL, "max_tokens": 1, "temperature": 0,
+                "messages": [{"role": "system", "content": f"Agent {i}." if config.long_unique
+                              else "You are a coding agent."}, *history,
+                             {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"}],
+            }).encode()
+            for i in range(config.long_requests)
+        ]
     text = long_text(rng, chars, config.long_text)
     return [
         json.dumps({
@@ -768,10 +782,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--long-unique", action="store_true",
                    help="give each long request a system prompt of its own (nothing in it was "
                         "seen before), instead of one they share")
-    p.add_argument("--long-text", choices=LONG_TEXTS, default="lines",
+    p.add_argument("--long-text", choices=(*LONG_TEXTS, TRANSCRIPT), default="lines",
                    help="the long prompts' text: lines of words (as code and documents), one "
                         "line of words, lines a quarter of which end in spaces, lines with "
-                        "typographic quotes and dashes or with emoji, or lines of CJK")
+                        "typographic quotes and dashes or with emoji, or lines of CJK; or an "
+                        "agent transcript: tool calls and their results, that many "
+                        "characters of them")
     p.add_argument("--long-reps", type=int, default=1,
                    help="rounds over the long sizes (targets rotated); medians reported")
     p.add_argument("--idle-s", type=float, default=10.0,

@@ -169,3 +169,13 @@ def test_long_requests_share_one_system_prompt_unless_each_has_its_own() -> None
         systems = [json.loads(b)["messages"][0]["content"] for b in long_bodies(config, 5_000)]
         assert len(set(systems)) == (3 if unique else 1)
         assert all(len(text) >= 5_000 for text in systems)
+
+
+def test_transcript_bodies_share_an_agent_history_of_the_size_asked() -> None:
+    config = OverheadConfig(long_requests=2, long_text="transcript")
+    first, second = (json.loads(b)["messages"] for b in long_bodies(config, 20_000))
+    assert first[1:-1] == second[1:-1]
+    assert first[-1] != second[-1]
+    results = [m["content"] for m in first if m["role"] == "tool"]
+    assert sum(map(len, results)) >= 20_000
+    assert len(first) > 60
