@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 
+from gateway.api import STATE
 from gateway.app import create_app as create_gateway
 from gateway.auth import hash_key
 from gateway.settings import GatewaySettings
@@ -227,3 +228,29 @@ async def test_cli_keys_file_reloads_on_sighup_and_admin_port(
     # Admin: the loopback admin port needs no token; the public port serves no admin.
     assert (await _get(f"http://127.0.0.1:{admin_port}/admin/workers"))[0] == 200
     assert (await _get(base + "/admin/workers"))[0] == 403
+
+
+async def test_long_texts_found_normal_are_remembered_per_tenant(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(workers=1, api_key=KEYS)
+    texts = cluster.runners["gateway"].app[STATE].normal_texts
+    # Over the memo's threshold, not ASCII, and normal as it is.
+    system = "\n".join(f"Rule {i}: answer in \u201cplain\u201d words." for i in range(300))
+    assert len(system) >= texts.min_chars
+
+    async def ask(api: openai.AsyncOpenAI, salt: str | None = None) -> None:
+        done = await api.chat.completions.create(
+            model=MODEL, max_tokens=2, extra_body={"cache_salt": salt} if salt else None,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}])
+        assert done.choices[0].message.content is not None
+
+    async with client(cluster.base_url, "sk-acme-1") as acme, \
+            client(cluster.base_url, "sk-globex-1") as globex:
+        await ask(acme)
+        assert (len(texts), texts.hits) == (1, 0)
+        await ask(acme)
+        assert texts.hits == 1  # the same tenant: checked once
+        await ask(globex)
+        await ask(acme, salt="s1")
+        assert (len(texts), texts.hits) == (3, 1)  # another tenant, another salt: their own
