@@ -17,7 +17,8 @@ from gateway.errors import ModelNotFound, NoWorkerAvailable, PayloadTooLarge, Re
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.limits import LIMITS_KEY
 from gateway.misses import prompt_head_hash
-from gateway.normalize import NormalizeOptions, TextScope
+from gateway.normal_texts import TextScope
+from gateway.normalize import NormalizeOptions
 from gateway.openai_schema import (
     ParsedRequest,
     decode_json_object,

@@ -15,9 +15,9 @@ import orjson
 
 from gateway.contracts.chat import ROLES
 from gateway.errors import InvalidRequest
+from gateway.normal_texts import TextScope
 from gateway.normalize import (
     NormalizeOptions,
-    TextScope,
     normalize_messages,
     normalize_text,
     render_chat,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from gateway.backends.base import Backend
 from gateway.guard import UpstreamGuard
 from gateway.kvevents.source import ExactSource
-from gateway.normalize import NormalTexts
+from gateway.normal_texts import NormalTexts
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer
 from gateway.routing.prefix_index import PrefixIndex

@@ -6,7 +6,7 @@ also the long prompts of ``loadtest.bench_overhead --long-text``), in ms, median
 ``--runs``:
 
 * ``rules``: :func:`gateway.normalize.normalize_text`, the text seen for the first time;
-* ``rules, seen``: the same text again, remembered (:class:`gateway.normalize.NormalTexts`);
+* ``rules, seen``: the same text again, remembered (:class:`gateway.normal_texts.NormalTexts`);
 * ``fingerprint``: :func:`gateway.fingerprint.fingerprint` of the normalized text.
 
 and on agent transcripts of ``--messages`` messages (a tool call, then its result of a few
@@ -17,7 +17,7 @@ fingerprint of the rendering: what a request costs by its number of messages.
 No I/O, no event loop: the part of a long request's CPU that grows with the text, apart from
 JSON decoding (orjson), reading and writing. To compare with another checkout, run this file
 (``python loadtest/bench_normalize.py``) with that checkout first on ``PYTHONPATH``; ``rules,
-seen`` is left out where it has no :class:`~gateway.normalize.NormalTexts`.
+seen`` is left out where it has no :mod:`gateway.normal_texts`.
 """
 
 from __future__ import annotations
@@ -84,9 +84,12 @@ def _row(text: str, runs: int, settings: GatewaySettings) -> dict[str, float]:
     namespace = Namespace(tenant="t", model="m", cache_salt="")
     normal = normalize.normalize_text(text, opts)
     row = {"rules": _median_ms(lambda: normalize.normalize_text(text, opts), runs)}
-    memo = getattr(normalize, "NormalTexts", None)
-    if memo is not None:
-        texts = memo()
+    try:  # a checkout from before the memo has none
+        from gateway.normal_texts import NormalTexts
+    except ImportError:
+        NormalTexts = None  # type: ignore[assignment,misc]
+    if NormalTexts is not None:
+        texts = NormalTexts()
         normalize.normalize_text(text, opts, texts.scope("t", ""))
         row["rules, seen"] = _median_ms(
             lambda: normalize.normalize_text(text, opts, texts.scope("t", "")), runs)

@@ -335,23 +335,19 @@ def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
     ``long_text`` ``transcript``, sharing an agent transcript (tool calls and results) of
     that many characters of results instead."""
     rng = random.Random(config.seed + chars)
-    if config.long_text == TRANSCRIPT:
-        history = agent_messages(rng, chars=chars)
-        return [
-            json.dumps({
-                "model": MODEL, "max_tokens": 1, "temperature": 0,
-                "messages": [{"role": "system", "content": f"Agent {i}." if config.long_unique
-                              else "You are a coding agent."}, *history,
-                             {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"}],
-            }).encode()
-            for i in range(config.long_requests)
-        ]
-    text = long_text(rng, chars, config.long_text)
+    transcript = config.long_text == TRANSCRIPT
+    history = agent_messages(rng, chars=chars) if transcript else []
+    shared = "You are a coding agent." if transcript else long_text(rng, chars, config.long_text)
+
+    def system(i: int) -> str:
+        if not config.long_unique:
+            return shared
+        return f"Agent {i}." if transcript else f"Document {i}.\n{shared}"
+
     return [
         json.dumps({
             "model": MODEL, "max_tokens": 1, "temperature": 0,
-            "messages": [{"role": "system",
-                          "content": f"Document {i}.\n{text}" if config.long_unique else text},
+            "messages": [{"role": "system", "content": system(i)}, *history,
                          {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"}],
         }).encode()
         for i in range(config.long_requests)

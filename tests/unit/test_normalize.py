@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from gateway.normal_texts import NormalTexts
+from gateway.normal_texts import char_width as _char_width
 from gateway.normalize import (
     NormalizeOptions,
-    NormalTexts,
-    _char_width,
     _rewrites,
     _translation_table,
     normalize_messages,
