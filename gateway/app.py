@@ -20,6 +20,7 @@ from gateway.backends.base import Backend
 from gateway.backends.kinds import BackendOptions
 from gateway.backends.registry import build_backends
 from gateway.breaker import BreakerOptions, Breakers
+from gateway.chat_histories import ChatHistories
 from gateway.contracts.httpserver import name_server
 from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import Tracing
@@ -350,6 +351,7 @@ def create_app(
                 enabled=settings.prewarm, hot_threshold=hot,
                 fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
             )),
+        chat_histories=ChatHistories(max_bytes=settings.chat_history_bytes),
     )
     lifecycle = CacheLifecycle(pool, backend_for, warmup)
     telemetry = Telemetry(

@@ -37,7 +37,7 @@ import itertools
 import re
 import sys
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,17 +251,15 @@ def _render_content(content: Any) -> str:
     return canonical_json(content)
 
 
-def render_chat(
-    messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
-) -> str:
-    """The canonical text of a chat request, the input to the prefix fingerprint.
+def render_tools(tools: Sequence[Any] | None) -> str:
+    """The tools' part of :func:`render_chat` (empty without tools)."""
+    return f"{_RS}tools{_US}{canonical_json(list(tools))}" if tools else ""
 
-    Tools come first (they sit at the top of every chat template), then each message as
-    ``RS role[:name] US content`` with tool calls and tool-call ids appended in canonical JSON.
-    """
-    out: list[str] = []
-    if tools:
-        out.append(f"{_RS}tools{_US}{canonical_json(list(tools))}")
+
+def render_messages(messages: Iterable[Mapping[str, Any]], head: str = "") -> str:
+    """``head`` followed by the messages' part of :func:`render_chat`: the rendering of a
+    conversation is the rendering of its first messages followed by that of the rest."""
+    out: list[str] = [head]
     for message in messages:
         role = str(message.get("role", ""))
         name = message.get("name")
@@ -273,3 +271,14 @@ def render_chat(
             body += _US + str(message["tool_call_id"])
         out += (_RS, head, _US, body)  # joined once: a long prompt is copied one time
     return "".join(out)
+
+
+def render_chat(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+) -> str:
+    """The canonical text of a chat request, the input to the prefix fingerprint.
+
+    Tools come first (they sit at the top of every chat template), then each message as
+    ``RS role[:name] US content`` with tool calls and tool-call ids appended in canonical JSON.
+    """
+    return render_messages(messages, render_tools(tools))

@@ -9,6 +9,7 @@ gateway does not interpret are forwarded untouched, so worker-specific extension
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -20,13 +21,29 @@ from gateway.normalize import (
     NormalizeOptions,
     normalize_messages,
     normalize_text,
-    render_chat,
+    render_messages,
+    render_tools,
 )
 from gateway.values import value
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # larger values are no budget any server can honour
 MAX_N = 128
 CHAT_ROLES = ROLES  # what the reference worker renders (gateway.contracts.chat)
+
+
+@dataclass(frozen=True, slots=True)
+class KnownHistory:
+    """The leading messages of a chat as the parser left them: what a later turn of the same
+    chat, which sends them again, need not check, normalize or render again
+    (:class:`gateway.chat_histories.ChatHistories` finds them by the bytes that carried them)."""
+
+    normalized: tuple[dict[str, Any], ...]
+    text: str  # their rendering (gateway.normalize.render_messages)
+    unchanged: bool  # normalization left every one of them as it was sent
+
+
+# Chats whose messages render to fewer characters are checked again rather than remembered.
+HISTORY_MIN_CHARS = 16_384
 
 
 @value
@@ -46,6 +63,8 @@ class ParsedRequest:
     """Token ids given directly as prompts, summed over the batch."""
     sequences: int = 1
     """Outputs the worker generates: prompts x ``n``."""
+    history: KnownHistory | None = None
+    """A long chat's messages but its last, as checked (None for other requests)."""
 
 
 # The deepest nesting orjson encodes (it refuses 255 levels): a body the gateway may encode
@@ -77,6 +96,11 @@ def _encodes(value: Any) -> bool:
     except orjson.JSONEncodeError:
         return False
     return True
+
+
+def too_deep(raw: bytes, value: Any) -> bool:
+    """Whether ``value``, decoded from ``raw``, nests deeper than :data:`MAX_JSON_DEPTH`."""
+    return _opens_more_than(raw, MAX_JSON_DEPTH) and not _encodes(value)
 
 
 class ClientJSON(dict[str, Any]):
@@ -113,7 +137,7 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(value, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    if _opens_more_than(raw, MAX_JSON_DEPTH) and not _encodes(value):
+    if too_deep(raw, value):
         raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels",
                              code="invalid_json")
     return value
@@ -176,7 +200,8 @@ def _is_token_list(value: Any) -> bool:
 
 
 def parse_completion(
-    body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None
+    body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None,
+    known: KnownHistory | None = None,
 ) -> ParsedRequest:
     """``POST /v1/completions``: ``prompt`` is a string, strings, token ids or lists of ids."""
     model, stream, max_tokens, salt = _common(body)
@@ -242,9 +267,14 @@ def _check_message(i: int, message: Any) -> None:
 
 
 def parse_chat(
-    body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None
+    body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None,
+    known: KnownHistory | None = None,
 ) -> ParsedRequest:
-    """``POST /v1/chat/completions``: ``messages`` is a non-empty list of role/content objects."""
+    """``POST /v1/chat/completions``: ``messages`` is a non-empty list of role/content objects.
+
+    ``known``: the first ``len(known.normalized)`` messages are those an earlier request
+    carried in the same bytes, as this parser left them then; only the rest are checked,
+    normalized and rendered."""
     model, stream, max_tokens, salt = _common(body)
     messages = body.get("messages")
     if messages is None:
@@ -252,18 +282,31 @@ def parse_chat(
                              code="missing_required_parameter")
     if not (isinstance(messages, list) and len(messages) > 0):
         raise _invalid("'messages' must be a non-empty list", "messages")
-    for i, message in enumerate(messages):
+    done = len(known.normalized) if known is not None else 0
+    if done >= len(messages):  # a known history is a strict prefix of the messages
+        known, done = None, 0
+    rest = messages[done:] if done else messages
+    for i, message in enumerate(rest, done):
         _check_message(i, message)
     tools = body.get("tools")
     if not (tools is None or isinstance(tools, list)):
         raise _invalid("'tools' must be a list", "tools")
-    normalized = normalize_messages(messages, opts, seen)
-    unchanged = normalized == messages
+    fresh = normalize_messages(rest, opts, seen)
+    unchanged = fresh == rest and (known is None or known.unchanged)
+    normalized = [*known.normalized, *fresh] if known is not None else fresh
     if unchanged:
         forwarded = body
     else:
         forwarded = dict(body)
         forwarded["messages"] = normalized
-    text = render_chat(normalized, tools)
+    tools_text = render_tools(tools)
+    text = render_messages(fresh, tools_text + known.text if known is not None else tools_text)
+    history = None
+    if len(text) - len(tools_text) >= HISTORY_MIN_CHARS:
+        earlier = text[len(tools_text):len(text) - len(render_messages(fresh[-1:]))]
+        if len(earlier) >= HISTORY_MIN_CHARS:  # a long chat: its history is kept
+            same = unchanged or ((known is None or known.unchanged) and fresh[:-1] == rest[:-1])
+            # Unchanged messages are kept as they were decoded, not as normalization's copies.
+            history = KnownHistory(tuple((messages if same else normalized)[:-1]), earlier, same)
     return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged,
-                         prompt_chars=len(text), sequences=_choices(body))
+                         prompt_chars=len(text), sequences=_choices(body), history=history)

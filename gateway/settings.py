@@ -233,6 +233,12 @@ class GatewaySettings:
     max_body_bytes: int = field(
         default=8 * 1024 * 1024, metadata=_help("largest request body accepted (413 above)")
     )
+    chat_history_bytes: int = field(
+        default=32 * 1024 * 1024,
+        metadata=_help("long chats remembered so that their next turn is decoded from its new "
+                       "messages on: at most this many bytes of bodies, in this process's "
+                       "memory only (0: off)"),
+    )
     max_attempts: int = field(
         default=3, metadata=_help("workers tried per request before giving up")
     )
@@ -483,6 +489,8 @@ class GatewaySettings:
             raise ValueError("body_timeout_s and queue_timeout_s must be positive")
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
+        if self.chat_history_bytes < 0:
+            raise ValueError("chat_history_bytes must be >= 0")
         self.fingerprint_options()  # validates the block settings
         self._tokenizer_options("")  # validates the tokenizer settings, file or not
         if self.chat_template != "reference" and not Path(self.chat_template).is_file():

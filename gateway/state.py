@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.backends.base import Backend
+from gateway.chat_histories import ChatHistories
 from gateway.guard import UpstreamGuard
 from gateway.kvevents.source import ExactSource
 from gateway.normal_texts import NormalTexts
@@ -36,6 +37,8 @@ class GatewayState:
     prewarmer: PreWarmer
     # Long prompt texts already found normal, by keyed hash per tenant (gateway.normalize).
     normal_texts: NormalTexts = field(default_factory=NormalTexts)
+    # Long chats by the bytes that carried them, per tenant (gateway.chat_histories).
+    chat_histories: ChatHistories = field(default_factory=ChatHistories)
 
     def backend_for(self, worker: Worker) -> Backend:
         backend = self.backends.get(worker.kind)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.api import STATE
 from gateway.app import create_app as create_gateway
@@ -254,3 +256,35 @@ async def test_long_texts_found_normal_are_remembered_per_tenant(
         await ask(globex)
         await ask(acme, salt="s1")
         assert (len(texts), texts.hits) == (3, 1)  # another tenant, another salt: their own
+
+
+async def test_a_long_chats_next_turn_is_decoded_from_its_new_messages_per_tenant(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(workers=1, api_key=KEYS)
+    state = cluster.runners["gateway"].app[STATE]
+    histories = state.chat_histories
+    # An agent's history: long enough to be remembered (tens of kilobytes).
+    history: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "You are a coding agent."}]
+    for i in range(120):
+        history.append({"role": "user", "content": f"Step {i}: " + "read the next file. " * 20})
+        history.append({"role": "assistant", "content": f"Done with step {i}."})
+    assert len(json.dumps(history)) > histories.min_bytes
+
+    async def ask(api: openai.AsyncOpenAI, messages: list[ChatCompletionMessageParam]) -> str:
+        done = await api.chat.completions.create(model=MODEL, max_tokens=2, messages=messages)
+        assert done.choices[0].message.content is not None
+        return done.choices[0].message.content
+
+    async with client(cluster.base_url, "sk-acme-1") as acme, \
+            client(cluster.base_url, "sk-globex-1") as globex:
+        await ask(acme, history)
+        assert (len(histories), histories.hits) == (1, 0)
+        turn: list[ChatCompletionMessageParam] = [
+            *history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "on"}]
+        await ask(acme, turn)
+        assert histories.hits == 1  # the client's second turn: joined to its first
+        assert len(histories) == 1  # and its entry replaced the first turn's
+        await ask(globex, turn)
+        assert (len(histories), histories.hits) == (2, 1)  # another tenant: its own

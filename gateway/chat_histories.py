@@ -1,0 +1,235 @@
+"""Long chats already decoded and checked, found again by the bytes that carried them.
+
+A chat client or an agent sends its whole conversation on every turn: the body of the next
+turn is this turn's, byte for byte, up to where the new messages begin. An agent's body holds
+thousands of messages (a megabyte at 200k tokens), and decoding, checking, normalizing and
+rendering each of them again is most of what such a request costs the gateway.
+:class:`ChatHistories` remembers, for a long chat, where in its body the last message began
+(the *end* of its history), a keyed hash of the bytes before it, and the messages before it,
+as decoded and as :func:`gateway.openai_schema.parse_chat` left them. A later body that starts
+with the same bytes is decoded from the end on only:
+
+* **Where the end is.** It is where the last message's first key begins, the last such bytes
+  in the body. That the bytes before it are the body up to that message, inside
+  ``messages``, is checked by decoding them closed there (``...,`` -> ``...]}``): the result
+  must be the body's keys before ``messages`` and its messages but the last. For a body that
+  was itself joined, only the bytes after its joined history are decoded so.
+* **Joining.** The bytes before the end are the earlier body's, so a JSON parser reaches the
+  end in the same state: inside the top-level object with the same keys and values, inside
+  ``messages``, after the same messages and a comma. What follows is decoded as
+  ``{"\\u0000m":[0,`` + the rest of the body, which a parser reads exactly as it reads that
+  rest in place (an object and an array open at the seam, a value due after a comma): its
+  array but the 0 is the new messages, its other keys the body's keys after ``messages``. A
+  body is joined only when none of those repeats a key before the messages (the decoder lets
+  the last of repeated keys win), none is spelled like the seam's key, and none is
+  ``cache_salt`` (so an entry is never used across salts).
+* **Checks.** The rest is checked for depth as :func:`gateway.openai_schema.decode_json_object`
+  checks a whole body (the history passed that check when it came first). A rest that does
+  not decode or check is decoded again as a whole body, which raises the client's error as
+  it would have.
+
+The decoded body is the one :func:`gateway.openai_schema.decode_json_object` returns for the
+same bytes (the tests compare them on every shape of body they build). Entries are scoped by
+tenant and normalization options: one tenant's chats never make another's faster. They hold
+decoded messages (prompt text) in this process's memory only, never in a log, a response or
+the store, bounded by the bytes of the bodies they stand for; the one used least recently goes
+first, and a chat's next turn replaces the entry it was joined to.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import xxhash
+
+from gateway.openai_schema import KnownHistory, decode_json_object, too_deep
+
+# The seam: the rest of a body decodes as the array of this key, which no client key is
+# allowed to be spelled like (a NUL in a JSON string can only be written this way).
+_SEAM_KEY = "\x00m"
+_SEAM = b'{"\\u0000m":[0,'
+_SEAM_KEY_BYTES = b'\\u0000m"'
+# Entries are found by a hash of a body's first bytes, then told apart by the bytes just
+# before their end (a comparison), and only then hashed up to their end.
+_ANCHOR_BYTES = 1024
+_GUARD_BYTES = 32
+_SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Entry:
+    end: int  # where the body's last message began
+    guard: bytes  # the bytes just before ``end``
+    digest: int  # keyed hash of the body before ``end``
+    anchor: int
+    head: dict[str, Any]  # the body's keys before "messages"
+    messages: tuple[Any, ...]  # the messages before ``end``, as decoded
+    known: KnownHistory
+
+
+class ChatHistories:
+    """Recent long chats by tenant, for :meth:`decode` to skip the part already seen."""
+
+    def __init__(self, max_bytes: int = 64 << 20, min_bytes: int = 32 << 10,
+                 per_anchor: int = 256) -> None:
+        self.max_bytes = max_bytes  # the bodies' bytes the entries stand for, at most
+        self.min_bytes = min_bytes  # shorter bodies are decoded whole
+        self.per_anchor = per_anchor
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by digest, least recent first
+        self._anchors: dict[int, list[_Entry]] = {}
+        self._bytes = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def seed(tenant: str, options: object) -> int:
+        """The scope of one tenant under one set of normalization options."""
+        return xxhash.xxh3_64_intdigest(tenant.encode("utf-8", "surrogatepass"),
+                                        seed=hash(options) & _SEED_MASK)
+
+    def decode(self, raw: bytes, seed: int) -> tuple[dict[str, Any], Known | None]:
+        """The body of ``raw`` as :func:`decode_json_object` decodes it (the same object, the
+        same errors), and what an earlier body of scope ``seed`` that carried the same bytes
+        up to one of its messages tells of it (None: nothing)."""
+        if len(raw) >= self.min_bytes and self._anchors:
+            entries = self._anchors.get(
+                xxhash.xxh3_64_intdigest(memoryview(raw)[:_ANCHOR_BYTES], seed=seed))
+            for entry in reversed(entries or ()):  # the most recent first
+                end = entry.end
+                if (end < len(raw) and raw[end - _GUARD_BYTES:end] == entry.guard
+                        and xxhash.xxh3_64_intdigest(memoryview(raw)[:end], seed=seed)
+                        == entry.digest):
+                    body = _joined(raw, entry)
+                    if body is None:
+                        break
+                    self._entries.move_to_end(entry.digest)
+                    self.hits += 1
+                    return body, Known(entry)
+        return decode_json_object(raw), None
+
+    def remember(self, raw: bytes, seed: int, body: dict[str, Any], history: KnownHistory,
+                 joined: Known | None = None) -> None:
+        """Keep ``history`` (``body``'s messages but its last, as parsed) for a later body of
+        scope ``seed`` that starts with the same bytes up to where ``body``'s last message
+        begins. ``joined``: what :meth:`decode` found for ``body``."""
+        if len(raw) < self.min_bytes:
+            return
+        messages = body.get("messages")
+        if not isinstance(messages, list) or len(history.normalized) != len(messages) - 1:
+            return
+        head: dict[str, Any] = {}
+        for key, value in body.items():
+            if key == "messages":
+                break
+            head[key] = value
+        if "cache_salt" in body and "cache_salt" not in head:
+            return  # a salt after the messages: no later body would be joined
+        last = messages[-1]
+        first_key = next(iter(last), None) if isinstance(last, dict) else None
+        if not isinstance(first_key, str):
+            return
+        # The last message begins with its first key: the last such bytes in the body. That
+        # they begin exactly that message, inside "messages", is checked by decoding what
+        # comes before them, closed there.
+        base = joined.entry if joined is not None else None
+        end = raw.rfind(b"{" + orjson.dumps(first_key), base.end if base else 0)
+        if end < _ANCHOR_BYTES or (base is not None and end <= base.end):
+            return
+        if base is None:
+            closed = _closed(raw[:end])
+            expected = {**head, "messages": messages[:-1]}
+        else:  # only the bytes after the joined history: its own end was checked so
+            closed = _closed(_SEAM + raw[base.end:end])
+            expected = {_SEAM_KEY: [0, *messages[len(base.messages):-1]]}
+        if closed != expected:
+            return
+        view = memoryview(raw)
+        self._add(_Entry(
+            end=end, guard=raw[end - _GUARD_BYTES:end],
+            digest=xxhash.xxh3_64_intdigest(view[:end], seed=seed),
+            anchor=xxhash.xxh3_64_intdigest(view[:_ANCHOR_BYTES], seed=seed),
+            head=head, messages=tuple(messages[:-1]), known=history,
+        ), replaces=base)
+
+    def _add(self, entry: _Entry, replaces: _Entry | None) -> None:
+        # A chat's next turn replaces the entry its body was joined to: its latest is kept.
+        for old in (self._entries.get(entry.digest), replaces):
+            if old is not None and self._entries.get(old.digest) is old:
+                self._evict(old)
+        self._entries[entry.digest] = entry
+        same = self._anchors.setdefault(entry.anchor, [])
+        same.append(entry)
+        self._bytes += entry.end
+        if len(same) > self.per_anchor:
+            self._evict(same[0])
+        while self._bytes > self.max_bytes:
+            self._evict(next(iter(self._entries.values())))
+
+    def _evict(self, entry: _Entry) -> None:
+        del self._entries[entry.digest]
+        self._bytes -= entry.end
+        same = self._anchors[entry.anchor]
+        same.remove(entry)
+        if not same:
+            del self._anchors[entry.anchor]
+
+
+class Known:
+    """What :meth:`ChatHistories.decode` found for a body: its leading messages as parsed."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: _Entry) -> None:
+        self.entry = entry
+
+    @property
+    def history(self) -> KnownHistory:
+        return self.entry.known
+
+
+def _closed(document: bytes) -> Any:
+    """``document`` (ending after an array element and its comma) with that array and the
+    object around it closed, decoded (None where it does not decode)."""
+    stripped = document.rstrip(b" \t\r\n")
+    if not stripped.endswith(b","):
+        return None
+    try:
+        return orjson.loads(stripped[:-1] + b"]}")
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _rest(raw: bytes, end: int, head: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
+    """The messages and the keys of ``raw`` after ``end``, decoded on their own (None where
+    they do not decode, or the join could differ from decoding ``raw`` whole)."""
+    tail = raw[end:]
+    if _SEAM_KEY_BYTES in tail:
+        return None
+    document = _SEAM + tail
+    try:
+        value = orjson.loads(document)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    seam = value.pop(_SEAM_KEY, None)
+    if not isinstance(seam, list) or "messages" in value or any(k in head for k in value):
+        return None
+    messages = seam[1:]  # the end follows a comma: so does the rest, after the seam's 0
+    if too_deep(document, {_SEAM_KEY: messages, **value}):
+        return None
+    return messages, value
+
+
+def _joined(raw: bytes, entry: _Entry) -> dict[str, Any] | None:
+    """The body of ``raw``, whose bytes before ``entry.end`` are those of ``entry``'s body."""
+    rest = _rest(raw, entry.end, entry.head)
+    if rest is None or "cache_salt" in rest[1]:
+        return None
+    messages, after = rest
+    return {**entry.head, "messages": [*entry.messages, *messages], **after}
