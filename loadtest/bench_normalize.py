@@ -124,23 +124,48 @@ def agent_messages(rng: random.Random, messages: int = 0, chars: int = 0) -> lis
     return out
 
 
-def transcript(messages: int, seed: int = 0) -> bytes:
-    """A chat body of a system prompt and ``messages`` more (:func:`agent_messages`)."""
+def transcript(messages: int, seed: int = 0, turn: int = 0) -> bytes:
+    """A chat body of a system prompt and ``messages`` more (:func:`agent_messages`); with
+    ``turn``, that many more in turn, as an agent's next turn sends them."""
     system = {"role": "system", "content": "You are a coding agent."}
     return orjson.dumps({"model": "m", "messages": [
-        system, *agent_messages(random.Random(seed), messages=messages)]})
+        system, *agent_messages(random.Random(seed), messages=messages + turn)]})
 
 
-def _transcript_row(raw: bytes, runs: int, settings: GatewaySettings) -> dict[str, float]:
+def _transcript_row(raw: bytes, runs: int, settings: GatewaySettings,
+                    earlier: bytes) -> dict[str, float]:
     opts, fp_opts = settings.normalize_options(), settings.fingerprint_options()
     namespace = Namespace(tenant="t", model="m", cache_salt="")
     body = decode_json_object(raw)
     text = parse_chat(body, opts).fingerprint_text
-    return {
+    row = {
         "decode": _median_ms(lambda: decode_json_object(raw), runs),
         "parse_chat": _median_ms(lambda: parse_chat(body, opts), runs),
         "fingerprint": _median_ms(lambda: fingerprint(text, namespace, fp_opts), runs),
     }
+    try:
+        from gateway.chat_histories import ChatHistories
+    except ImportError:  # a checkout from before chat histories
+        return row
+    opts_seed = ChatHistories.seed("t", opts)
+    first = decode_json_object(earlier)
+    parsed = parse_chat(first, opts)
+    if parsed.history is None:  # too short to be remembered
+        return row
+    times = []
+    for _ in range(runs):
+        histories = ChatHistories()
+        histories.remember(earlier, opts_seed, first, parsed.history)
+        start = time.perf_counter()
+        # What a next turn costs the gateway's chat route: decode, parse, remember.
+        turn, found = histories.decode(raw, opts_seed)
+        done = parse_chat(turn, opts, None, found.history if found else None)
+        if found is None or done.history is None:
+            raise RuntimeError("the next turn was not joined to the first")
+        histories.remember(raw, opts_seed, turn, done.history, found)
+        times.append(time.perf_counter() - start)
+    row["next turn: decode + parse_chat"] = statistics.median(times) * 1e3
+    return row
 
 
 def measure_transcripts(sizes: list[int], runs: int) -> dict[str, dict[str, float]]:
@@ -148,8 +173,9 @@ def measure_transcripts(sizes: list[int], runs: int) -> dict[str, dict[str, floa
     settings = GatewaySettings()
     out = {}
     for size in sizes:
-        raw = transcript(size)
-        out[f"{size} messages ({len(raw) // 1024} KiB)"] = _transcript_row(raw, runs, settings)
+        raw = transcript(size, turn=2)
+        out[f"{size} messages ({len(raw) // 1024} KiB)"] = _transcript_row(
+            raw, runs, settings, transcript(size))
     return out
 
 
@@ -178,11 +204,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(to_markdown(result, args.chars))
     if chats:
-        parts = list(next(iter(chats.values())))
-        print("\nAgent transcripts, ms (medians):\n")
+        parts = list(dict.fromkeys(p for row in chats.values() for p in row))
+        print("\nAgent transcripts, ms (medians; - : too short to be remembered):\n")
         print("| transcript | " + " | ".join(parts) + " |\n|---|" + "---:|" * len(parts))
         for name, row in chats.items():
-            print(f"| {name} | " + " | ".join(f"{row[p]:.3f}" for p in parts) + " |")
+            cells = (f"{row[p]:.3f}" if p in row else "-" for p in parts)
+            print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -53,3 +53,12 @@ def test_a_transcript_alternates_tool_calls_and_their_results() -> None:
     assert all(call in rendered for call in calls)
     rows = measure_transcripts([6], runs=1)
     assert set(next(iter(rows.values()))) == {"decode", "parse_chat", "fingerprint"}
+
+
+def test_a_long_transcripts_next_turn_is_timed_as_the_gateway_joins_it() -> None:
+    earlier, turn = decode_json_object(transcript(200)), decode_json_object(transcript(200, turn=2))
+    assert turn["messages"][:-2] == earlier["messages"]
+    rows = measure_transcripts([6, 200], runs=1)
+    short, long = rows.values()
+    assert "next turn: decode + parse_chat" not in short  # too short to be remembered
+    assert long["next turn: decode + parse_chat"] > 0
