@@ -150,8 +150,8 @@ def _transcript_row(raw: bytes, runs: int, settings: GatewaySettings,
     opts_seed = ChatHistories.seed("t", opts)
     first = decode_json_object(earlier)
     parsed = parse_chat(first, opts)
-    if parsed.history is None:  # too short to be remembered
-        return row
+    if parsed.history is None or len(earlier) < ChatHistories().min_bytes:
+        return row  # too short to be remembered
     times = []
     for _ in range(runs):
         histories = ChatHistories()
