@@ -12,8 +12,10 @@ with the same bytes is decoded from the end on only:
 * **Where the end is.** It is where the last message's first key begins, the last such bytes
   in the body. That the bytes before it are the body up to that message, inside
   ``messages``, is checked by decoding them closed there (``...,`` -> ``...]}``): the result
-  must be the body's keys before ``messages`` and its messages but the last. For a body that
-  was itself joined, only the bytes after its joined history are decoded so.
+  must be the body's keys before ``messages`` and its messages but the last. A chat's first
+  body is checked so when a later body is found by it (a long chat sent once costs no second
+  decoding); a body that was itself joined is checked when it is remembered, and only in the
+  bytes after the history it was joined to.
 * **Joining.** The bytes before the end are the earlier body's, so a JSON parser reaches the
   end in the same state: inside the top-level object with the same keys and values, inside
   ``messages``, after the same messages and a comma. What follows is decoded as
@@ -59,7 +61,7 @@ _GUARD_BYTES = 32
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class _Entry:
     end: int  # where the body's last message began
     guard: bytes  # the bytes just before ``end``
@@ -68,6 +70,8 @@ class _Entry:
     head: dict[str, Any]  # the body's keys before "messages"
     messages: tuple[Any, ...]  # the messages before ``end``, as decoded
     known: KnownHistory
+    # That ``end`` is where a message of "messages" begins, checked (:func:`_begins_message`).
+    checked: bool
 
 
 class ChatHistories:
@@ -104,6 +108,11 @@ class ChatHistories:
                 if (end < len(raw) and raw[end - _GUARD_BYTES:end] == entry.guard
                         and xxhash.xxh3_64_intdigest(memoryview(raw)[:end], seed=seed)
                         == entry.digest):
+                    if not entry.checked:
+                        if not _begins_message(raw, entry):
+                            self._evict(entry)
+                            break
+                        entry.checked = True
                     body = _joined(raw, entry)
                     if body is None:
                         break
@@ -140,20 +149,19 @@ class ChatHistories:
         end = raw.rfind(b"{" + orjson.dumps(first_key), base.end if base else 0)
         if end < _ANCHOR_BYTES or (base is not None and end <= base.end):
             return
-        if base is None:
-            closed = _closed(raw[:end])
-            expected = {**head, "messages": messages[:-1]}
-        else:  # only the bytes after the joined history: its own end was checked so
+        if base is not None:  # only the bytes after the joined history: its end was checked
             closed = _closed(_SEAM + raw[base.end:end])
-            expected = {_SEAM_KEY: [0, *messages[len(base.messages):-1]]}
-        if closed != expected:
-            return
+            if closed != {_SEAM_KEY: [0, *messages[len(base.messages):-1]]}:
+                return
         view = memoryview(raw)
         self._add(_Entry(
             end=end, guard=raw[end - _GUARD_BYTES:end],
             digest=xxhash.xxh3_64_intdigest(view[:end], seed=seed),
             anchor=xxhash.xxh3_64_intdigest(view[:_ANCHOR_BYTES], seed=seed),
             head=head, messages=tuple(messages[:-1]), known=history,
+            # A chat's first body is checked when a next turn comes: most long chats have one,
+            # and one that has none costs no second decoding.
+            checked=base is not None,
         ), replaces=base)
 
     def _add(self, entry: _Entry, replaces: _Entry | None) -> None:
@@ -190,6 +198,14 @@ class Known:
     @property
     def history(self) -> KnownHistory:
         return self.entry.known
+
+
+def _begins_message(raw: bytes, entry: _Entry) -> bool:
+    """Whether ``raw`` up to ``entry.end`` (the bytes of ``entry``'s body up to there) is that
+    body up to one of its messages, inside "messages": decoded closed there, it is the body's
+    keys before "messages" and the messages before the end."""
+    closed = _closed(raw[:entry.end])
+    return bool(closed == {**entry.head, "messages": list(entry.messages)})
 
 
 def _closed(document: bytes) -> Any:

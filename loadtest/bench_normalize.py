@@ -27,7 +27,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -133,7 +133,7 @@ def transcript(messages: int, seed: int = 0, turn: int = 0) -> bytes:
 
 
 def _transcript_row(raw: bytes, runs: int, settings: GatewaySettings,
-                    earlier: bytes) -> dict[str, float]:
+                    earlier: Sequence[bytes]) -> dict[str, float]:
     opts, fp_opts = settings.normalize_options(), settings.fingerprint_options()
     namespace = Namespace(tenant="t", model="m", cache_salt="")
     body = decode_json_object(raw)
@@ -148,20 +148,22 @@ def _transcript_row(raw: bytes, runs: int, settings: GatewaySettings,
     except ImportError:  # a checkout from before chat histories
         return row
     opts_seed = ChatHistories.seed("t", opts)
-    first = decode_json_object(earlier)
-    parsed = parse_chat(first, opts)
-    if parsed.history is None or len(earlier) < ChatHistories().min_bytes:
-        return row  # too short to be remembered
     times = []
     for _ in range(runs):
         histories = ChatHistories()
-        histories.remember(earlier, opts_seed, first, parsed.history)
+        # The turns before: the first body (remembered), the next one (joined to it).
+        for before in earlier:
+            body, found = histories.decode(before, opts_seed)
+            parsed = parse_chat(body, opts, None, found.history if found else None)
+            if parsed.history is None or len(before) < histories.min_bytes:
+                return row  # too short to be remembered
+            histories.remember(before, opts_seed, body, parsed.history, found)
         start = time.perf_counter()
         # What a next turn costs the gateway's chat route: decode, parse, remember.
         turn, found = histories.decode(raw, opts_seed)
         done = parse_chat(turn, opts, None, found.history if found else None)
         if found is None or done.history is None:
-            raise RuntimeError("the next turn was not joined to the first")
+            raise RuntimeError("the next turn was not joined to the one before")
         histories.remember(raw, opts_seed, turn, done.history, found)
         times.append(time.perf_counter() - start)
     row["next turn: decode + parse_chat"] = statistics.median(times) * 1e3
@@ -173,9 +175,9 @@ def measure_transcripts(sizes: list[int], runs: int) -> dict[str, dict[str, floa
     settings = GatewaySettings()
     out = {}
     for size in sizes:
-        raw = transcript(size, turn=2)
+        raw = transcript(size, turn=4)
         out[f"{size} messages ({len(raw) // 1024} KiB)"] = _transcript_row(
-            raw, runs, settings, transcript(size))
+            raw, runs, settings, [transcript(size), transcript(size, turn=2)])
     return out
 
 

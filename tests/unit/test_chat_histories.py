@@ -261,3 +261,24 @@ def test_entries_are_bounded_by_the_bytes_they_stand_for() -> None:
     assert len(histories) == 3  # the two seen least recently went
     assert check_same(chats[0], raw) is None
     assert check_same(chats[4], raw) is not None
+
+
+@pytest.mark.parametrize("rest", [
+    b'{"role":"user","content":"q"}],"x":[{"role":"user","content":"q"}],"x":5}',
+    b'{"role":"user","content":"q"}],"y":[{"role":"user","content":"q"},[{"role":"user"}]]}',
+    b'{"role":"user","content":"q"}],"x":[{"role":"user","content":"q"}]}',
+    b'{"role":"user","content":"q"}, {"role":"tool","content":"r"},'
+    b'{ "role":"user","content":"s"}]}',
+])
+def test_a_joined_body_built_to_mislead_its_own_end_is_decoded_right(rest: bytes) -> None:
+    gateway = Gateway()
+    check_same(gateway, BASE)
+    assert BASE.endswith(b"]}")
+    joined = BASE[:-2] + b"," + rest  # the first body's messages, and more
+    assert check_same(gateway, joined) is not None  # joined to the first body
+    for later in ends(gateway.histories):
+        for tail in (b'{"role":"user","content":"new"}]}',
+                     b'{"role":"user","content":"new"}],"x":[]}',
+                     b'{"role":"user","content":"new"}]],"y":2}',
+                     joined[later:]):
+            check_same(gateway, joined[:later] + tail)
