@@ -68,7 +68,7 @@ from gateway.store.redis import RedisStore, is_redis_url
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
 from gateway.telemetry.access_log import AccessLog
-from gateway.telemetry.metrics import TokenizerCollector
+from gateway.telemetry.metrics import MemoCollector, TokenizerCollector
 from gateway.telemetry.middleware import TELEMETRY_KEY, add_request_id, begin, sent_bytes
 from gateway.telemetry.record import Telemetry
 from gateway.warmup import WarmupManager, WarmupOptions
@@ -353,6 +353,7 @@ def create_app(
             )),
         chat_histories=ChatHistories(max_bytes=settings.chat_history_bytes),
     )
+    metrics.registry.register(MemoCollector(state.normal_texts, state.chat_histories))
     lifecycle = CacheLifecycle(pool, backend_for, warmup)
     telemetry = Telemetry(
         metrics=metrics,

@@ -90,6 +90,11 @@ class ChatHistories:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the bodies the entries stand for (up to their ends)."""
+        return self._bytes
+
     @staticmethod
     def seed(tenant: str, options: object) -> int:
         """The scope of one tenant under one set of normalization options."""

@@ -15,7 +15,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.chat_histories import ChatHistories
 from gateway.kvevents.tokenize import PromptTokenizer
+from gateway.normal_texts import NormalTexts
 from gateway.pool import WorkerPool
 from gateway.telemetry.counters import LabelledCounter, LabelledHistogram
 
@@ -79,6 +81,32 @@ class _StateCollector(Collector):
         info.add_metric([], {"version": build_version(),
                              "python": platform.python_version()})
         yield from (up, outages, info)
+
+
+class MemoCollector(Collector):
+    """What the gateway remembers of long prompts, read at scrape time: texts found normal
+    (:mod:`gateway.normal_texts`) and long chats (:mod:`gateway.chat_histories`)."""
+
+    def __init__(self, texts: NormalTexts, chats: ChatHistories) -> None:
+        self._texts = texts
+        self._chats = chats
+
+    def collect(self) -> Iterator[Metric]:
+        texts, chats = self._texts, self._chats
+        text_hits = CounterMetricFamily(
+            "gateway_normal_text_hits", "long texts not checked again: found normal before")
+        text_hits.add_metric([], texts.hits)
+        chat_hits = CounterMetricFamily(
+            "gateway_chat_history_hits",
+            "long chats decoded from their new messages on: joined to a remembered history")
+        chat_hits.add_metric([], chats.hits)
+        entries = GaugeMetricFamily("gateway_chat_histories", "long chats remembered")
+        entries.add_metric([], len(chats))
+        held = GaugeMetricFamily(
+            "gateway_chat_history_bytes",
+            "bytes of the bodies the remembered histories stand for (--chat-history-bytes)")
+        held.add_metric([], chats.held_bytes)
+        yield from (text_hits, chat_hits, entries, held)
 
 
 class TokenizerCollector(Collector):

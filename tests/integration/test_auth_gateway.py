@@ -288,3 +288,7 @@ async def test_a_long_chats_next_turn_is_decoded_from_its_new_messages_per_tenan
         assert len(histories) == 1  # and its entry replaced the first turn's
         await ask(globex, turn)
         assert (len(histories), histories.hits) == (2, 1)  # another tenant: its own
+    async with aiohttp.ClientSession() as http, http.get(cluster.gateway_url + "/metrics") as r:
+        exposition = await r.text()
+    assert "gateway_chat_history_hits_total 1.0" in exposition
+    assert "gateway_chat_histories 2.0" in exposition
