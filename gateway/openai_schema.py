@@ -120,6 +120,21 @@ def forwarded_body(parsed: ParsedRequest, raw: bytes) -> dict[str, Any]:
     return ClientJSON(parsed.body, raw) if parsed.unchanged else parsed.body
 
 
+def with_fields(body: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` with ``fields`` set (a new object; ``body`` is not changed). A client's body
+    that has none of them keeps its bytes: the fields are written in front of its own keys,
+    so a long body is not encoded again for one field (vLLM's ``cache_salt``). Where it has
+    one already, the whole body is encoded again: a key sent twice would leave the winner to
+    the worker's parser."""
+    if isinstance(body, ClientJSON) and not any(key in body for key in fields):
+        raw = body.raw
+        start = len(raw) - len(raw.lstrip())
+        if raw[start:start + 1] == b"{" and body:  # an object with keys: one comma after ours
+            head = orjson.dumps(dict(fields))[:-1] + b","
+            return ClientJSON({**fields, **body}, raw[:start] + head + raw[start + 1:])
+    return {**body, **fields}
+
+
 def encode_body(body: Mapping[str, Any]) -> bytes:
     """JSON bytes of an upstream body: the client's own for a :class:`ClientJSON`."""
     if isinstance(body, ClientJSON):

@@ -41,7 +41,7 @@ from gateway.backends.kinds import BackendKind, BackendOptions
 from gateway.contracts import engine_metrics as metric
 from gateway.contracts.headers import NAMESPACE_HEADER
 from gateway.contracts.kv_keys import engine_namespace
-from gateway.openai_schema import encode_body
+from gateway.openai_schema import encode_body, with_fields
 from gateway.routing.types import Worker
 
 ENGINE_METRICS = (
@@ -230,11 +230,12 @@ class OpenAIHTTPBackend:
         namespace = request.namespace
         strip_usage = False
         if self._namespace_in_body:
+            fields: dict[str, Any] = {}
             if namespace:
                 # What our worker makes of header + salt, so both kinds key a request alike.
                 salt = body.get("cache_salt")
-                body = {**body, "cache_salt": engine_namespace(
-                    namespace, salt if isinstance(salt, str) else "")}
+                fields["cache_salt"] = engine_namespace(
+                    namespace, salt if isinstance(salt, str) else "")
             # vLLM reports cached tokens only in usage: have every stream end with it, and
             # hold that event back when the client did not ask for it.
             options = body.get("stream_options")
@@ -242,8 +243,10 @@ class OpenAIHTTPBackend:
                 isinstance(options, dict) and options.get("include_usage") is True
             ):
                 extra = options if isinstance(options, dict) else {}
-                body = {**body, "stream_options": {**extra, "include_usage": True}}
+                fields["stream_options"] = {**extra, "include_usage": True}
                 strip_usage = True
+            if fields:
+                body = with_fields(body, fields)
         elif namespace:
             headers[NAMESPACE_HEADER] = namespace
         data = encode_body(body)

@@ -64,6 +64,12 @@ async def test_vllm_target_chat_completions_streaming_and_tenant_salt(
             model=MODEL, prompt=PROMPT, max_tokens=1)
         other = await b.completions.with_raw_response.create(
             model=MODEL, prompt=PROMPT, max_tokens=1)
+        # A prompt normalization leaves alone goes out as the client's bytes, the tenant's
+        # salt written in front of them: isolated the same way.
+        clean = PROMPT.replace("tandem", "folding").rstrip()  # a prompt no tenant sent yet
+        await a.completions.create(model=MODEL, prompt=clean, max_tokens=1)
+        clean_again = (await a.completions.create(model=MODEL, prompt=clean, max_tokens=1)).usage
+        clean_other = (await b.completions.create(model=MODEL, prompt=clean, max_tokens=1)).usage
     assert first.headers["x-route-worker"] == worker_url.removeprefix("http://")
     usage_again = again.parse().usage
     usage_other = other.parse().usage
@@ -74,6 +80,12 @@ async def test_vllm_target_chat_completions_streaming_and_tenant_salt(
     # Another tenant: its cache_salt differs, so it shares no KV block with tenant A.
     assert usage_other.prompt_tokens_details is not None
     assert usage_other.prompt_tokens_details.cached_tokens == 0
+    assert clean_again is not None
+    assert clean_again.prompt_tokens_details is not None
+    assert (clean_again.prompt_tokens_details.cached_tokens or 0) > 0
+    assert clean_other is not None
+    assert clean_other.prompt_tokens_details is not None
+    assert clean_other.prompt_tokens_details.cached_tokens == 0
     async with aiohttp.ClientSession() as http, http.get(
         cluster.gateway_url + "/admin/workers"
     ) as r:

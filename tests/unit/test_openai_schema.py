@@ -19,6 +19,7 @@ from gateway.openai_schema import (
     forwarded_body,
     parse_chat,
     parse_completion,
+    with_fields,
 )
 
 OPTS = NormalizeOptions()
@@ -398,3 +399,29 @@ def test_forwarded_body_is_the_client_bytes_only_when_unchanged() -> None:
     body = forwarded_body(parsed, dirty.encode())
     assert not isinstance(body, ClientJSON)
     assert json.loads(encode_body(body))["messages"][0]["content"] == "hi there"
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m",  "messages": [{"role": "user", "content": "hi"}], "x_ext": 1.50}',
+    b' \n{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}\n',
+])
+def test_fields_set_on_a_client_body_keep_its_bytes(raw: bytes) -> None:
+    body = forwarded_body(parse_chat(decode_json_object(raw), NormalizeOptions()), raw)
+    fields = {"cache_salt": "t\u00e9nant/\"x\"", "stream_options": {"include_usage": True}}
+    edited = with_fields(body, fields)
+    assert isinstance(edited, ClientJSON)
+    assert edited == {**json.loads(raw), **fields}
+    assert json.loads(encode_body(edited)) == edited
+    assert raw.strip()[1:] in encode_body(edited)  # the client's bytes, not encoded again
+    assert encode_body(body) == raw  # the client's body is left as it was
+
+
+def test_a_field_the_client_set_is_replaced_by_encoding_the_body_again() -> None:
+    raw = b'{"model":"m","cache_salt":"mine","messages":[{"role":"user","content":"hi"}]}'
+    body = forwarded_body(parse_chat(decode_json_object(raw), NormalizeOptions()), raw)
+    edited = with_fields(body, {"cache_salt": "tenant"})
+    assert not isinstance(edited, ClientJSON)  # never the same key twice in one body
+    assert json.loads(encode_body(edited))["cache_salt"] == "tenant"
+    plain = with_fields({"model": "m"}, {"cache_salt": "t"})
+    assert not isinstance(plain, ClientJSON)
+    assert plain == {"model": "m", "cache_salt": "t"}
