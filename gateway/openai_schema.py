@@ -40,6 +40,9 @@ class KnownHistory:
     normalized: tuple[dict[str, Any], ...]
     text: str  # their rendering (gateway.normalize.render_messages)
     unchanged: bool  # normalization left every one of them as it was sent
+    # Where normalization changed one: their JSON as a worker gets it, comma-separated (the
+    # inside of the array), so that a later turn's body is not encoded again whole.
+    encoded: bytes | None = None
 
 
 # Chats whose messages render to fewer characters are checked again rather than remembered.
@@ -133,6 +136,21 @@ def with_fields(body: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str,
             head = orjson.dumps(dict(fields))[:-1] + b","
             return ClientJSON({**fields, **body}, raw[:start] + head + raw[start + 1:])
     return {**body, **fields}
+
+
+_MESSAGES_MARK = "\x00messages"
+
+
+def _encoded(body: Mapping[str, Any], history: bytes, last: Any) -> bytes:
+    """The JSON of a chat ``body`` whose messages but the last are encoded as ``history``
+    (comma-separated), as ``orjson.dumps(body)`` writes it: the rest of the body is encoded
+    around a mark that stands for the messages."""
+    around = orjson.dumps({**body, "messages": _MESSAGES_MARK})
+    mark = orjson.dumps(_MESSAGES_MARK)
+    if around.count(mark) != 1:  # the mark's text in another field too
+        return orjson.dumps(body)
+    before, after = around.split(mark)
+    return b"".join((before, b"[", history, b",", orjson.dumps(last), b"]", after))
 
 
 def encode_body(body: Mapping[str, Any]) -> bytes:
@@ -321,7 +339,16 @@ def parse_chat(
         earlier = text[len(tools_text):len(text) - len(render_messages(fresh[-1:]))]
         if len(earlier) >= HISTORY_MIN_CHARS:  # a long chat: its history is kept
             same = unchanged or ((known is None or known.unchanged) and fresh[:-1] == rest[:-1])
+            encoded = None
+            if not same:  # the worker gets the history as normalized: keep it encoded
+                if known is not None and known.encoded is not None:
+                    encoded = (known.encoded + b"," + orjson.dumps(fresh[:-1])[1:-1]
+                               if len(fresh) > 1 else known.encoded)
+                else:
+                    encoded = orjson.dumps(normalized[:-1])[1:-1]
+                forwarded = ClientJSON(forwarded, _encoded(forwarded, encoded, normalized[-1]))
             # Unchanged messages are kept as they were decoded, not as normalization's copies.
-            history = KnownHistory(tuple((messages if same else normalized)[:-1]), earlier, same)
+            history = KnownHistory(tuple((messages if same else normalized)[:-1]), earlier, same,
+                                   encoded)
     return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged,
                          prompt_chars=len(text), sequences=_choices(body), history=history)

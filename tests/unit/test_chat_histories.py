@@ -17,6 +17,7 @@ from gateway.openai_schema import (
     MAX_JSON_DEPTH,
     ParsedRequest,
     decode_json_object,
+    encode_body,
     parse_chat,
 )
 
@@ -80,6 +81,8 @@ def check_same(gateway: Gateway, raw: bytes) -> Known | None:
     assert list(body) == list(expected_body)  # the keys in the body's order
     assert parsed.fingerprint_text == parsed_whole.fingerprint_text
     assert parsed.body == parsed_whole.body
+    # What the worker gets, byte for byte (a history normalization changed: kept encoded).
+    assert encode_body(parsed.body) == orjson.dumps(dict(parsed_whole.body))
     assert (parsed.unchanged, parsed.prompt_chars, parsed.model, parsed.stream,
             parsed.max_tokens, parsed.cache_salt) == (
         parsed_whole.unchanged, parsed_whole.prompt_chars, parsed_whole.model,
@@ -138,6 +141,13 @@ def test_normalization_is_kept_for_the_history_and_done_for_new_messages() -> No
     found = check_same(gateway, orjson.dumps({"model": "m", "messages": ragged + clean_tail}))
     assert found is not None
     assert not found.history.unchanged
+    assert found.history.encoded is not None  # the worker's JSON of the normalized history
+    for more in (10, 11, 40):  # later turns: the encoded history grows with them
+        longer = ragged + HISTORY[300:320 + more]
+        assert check_same(gateway, orjson.dumps({"model": "m", "messages": longer})) is not None
+    # The body's own text holding the mark the encoding stands the messages for.
+    marked = {"model": "m", "messages": ragged, "user": "\x00messages"}
+    check_same(gateway, orjson.dumps(marked))
     # A history normalization left alone, and a new message it changes.
     gateway = Gateway()
     check_same(gateway, orjson.dumps({"model": "m", "messages": HISTORY[:300]}))
