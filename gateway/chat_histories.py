@@ -33,8 +33,9 @@ with the same bytes is decoded from the end on only:
 The decoded body is the one :func:`gateway.openai_schema.decode_json_object` returns for the
 same bytes (the tests compare them on every shape of body they build). Entries are scoped by
 tenant and normalization options: one tenant's chats never make another's faster. They hold
-decoded messages (prompt text) in this process's memory only, never in a log, a response or
-the store, bounded by the bytes of the bodies they stand for; the one used least recently goes
+decoded messages (prompt text; and where normalization changed them, their JSON as the worker
+gets it) in this process's memory only, never in a log, a response or the store, bounded by
+the bytes of the bodies they stand for; the one used least recently goes
 first, and a chat's next turn replaces the entry it was joined to.
 """
 
