@@ -333,22 +333,27 @@ def parse_chat(
         forwarded = dict(body)
         forwarded["messages"] = normalized
     tools_text = render_tools(tools)
-    text = render_messages(fresh, tools_text + known.text if known is not None else tools_text)
+    earlier = ""
+    if known is None:
+        text = render_messages(fresh, tools_text)
+        if len(text) - len(tools_text) >= HISTORY_MIN_CHARS:  # perhaps a long chat's history
+            earlier = text[len(tools_text):len(text) - len(render_messages(fresh[-1:]))]
+    else:  # the history's text, then the whole text: a long text is copied twice, not thrice
+        earlier = render_messages(fresh[:-1], known.text)
+        text = "".join((tools_text, earlier, render_messages(fresh[-1:])))
     history = None
-    if len(text) - len(tools_text) >= HISTORY_MIN_CHARS:
-        earlier = text[len(tools_text):len(text) - len(render_messages(fresh[-1:]))]
-        if len(earlier) >= HISTORY_MIN_CHARS:  # a long chat: its history is kept
-            same = unchanged or ((known is None or known.unchanged) and fresh[:-1] == rest[:-1])
-            encoded = None
-            if not same:  # the worker gets the history as normalized: keep it encoded
-                if known is not None and known.encoded is not None:
-                    encoded = (known.encoded + b"," + orjson.dumps(fresh[:-1])[1:-1]
-                               if len(fresh) > 1 else known.encoded)
-                else:
-                    encoded = orjson.dumps(normalized[:-1])[1:-1]
-                forwarded = ClientJSON(forwarded, _encoded(forwarded, encoded, normalized[-1]))
-            # Unchanged messages are kept as they were decoded, not as normalization's copies.
-            history = KnownHistory(tuple((messages if same else normalized)[:-1]), earlier, same,
-                                   encoded)
+    if len(earlier) >= HISTORY_MIN_CHARS:  # a long chat: its history is kept
+        same = unchanged or ((known is None or known.unchanged) and fresh[:-1] == rest[:-1])
+        encoded = None
+        if not same:  # the worker gets the history as normalized: keep it encoded
+            if known is not None and known.encoded is not None:
+                encoded = (known.encoded + b"," + orjson.dumps(fresh[:-1])[1:-1]
+                           if len(fresh) > 1 else known.encoded)
+            else:
+                encoded = orjson.dumps(normalized[:-1])[1:-1]
+            forwarded = ClientJSON(forwarded, _encoded(forwarded, encoded, normalized[-1]))
+        # Unchanged messages are kept as they were decoded, not as normalization's copies.
+        history = KnownHistory(tuple((messages if same else normalized)[:-1]), earlier, same,
+                               encoded)
     return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged,
                          prompt_chars=len(text), sequences=_choices(body), history=history)
