@@ -133,7 +133,7 @@ def transcript(messages: int, seed: int = 0, turn: int = 0) -> bytes:
 
 
 def _transcript_row(raw: bytes, runs: int, settings: GatewaySettings,
-                    earlier: Sequence[bytes]) -> dict[str, float]:
+                    earlier: Sequence[bytes], turns: Sequence[bytes]) -> dict[str, float]:
     opts, fp_opts = settings.normalize_options(), settings.fingerprint_options()
     namespace = Namespace(tenant="t", model="m", cache_salt="")
     body = decode_json_object(raw)
@@ -148,24 +148,22 @@ def _transcript_row(raw: bytes, runs: int, settings: GatewaySettings,
     except ImportError:  # a checkout from before chat histories
         return row
     opts_seed = ChatHistories.seed("t", opts)
+    histories = ChatHistories()
     times = []
-    for _ in range(runs):
-        histories = ChatHistories()
-        # The turns before: the first body (remembered), the next one (joined to it).
-        for before in earlier:
-            body, found = histories.decode(before, opts_seed)
-            parsed = parse_chat(body, opts, None, found.history if found else None)
-            if parsed.history is None or len(before) < histories.min_bytes:
-                return row  # too short to be remembered
-            histories.remember(before, opts_seed, body, parsed.history, found)
+    # An agent's turns, two messages more each: the first two are not timed (the first body
+    # is remembered, the second checks where its history ends).
+    for i, turn_raw in enumerate([*earlier, *turns]):
         start = time.perf_counter()
-        # What a next turn costs the gateway's chat route: decode, parse, remember.
-        turn, found = histories.decode(raw, opts_seed)
+        # What a turn costs the gateway's chat route: decode, parse, remember.
+        turn, found = histories.decode(turn_raw, opts_seed)
         done = parse_chat(turn, opts, None, found.history if found else None)
-        if found is None or done.history is None:
-            raise RuntimeError("the next turn was not joined to the one before")
-        histories.remember(raw, opts_seed, turn, done.history, found)
-        times.append(time.perf_counter() - start)
+        if done.history is None or len(turn_raw) < histories.min_bytes:
+            return row  # too short to be remembered
+        histories.remember(turn_raw, opts_seed, turn, done.history, found)
+        if i >= len(earlier):
+            if found is None:
+                raise RuntimeError("a next turn was not joined to the one before")
+            times.append(time.perf_counter() - start)
     row["next turn: decode + parse_chat"] = statistics.median(times) * 1e3
     return row
 
@@ -175,9 +173,10 @@ def measure_transcripts(sizes: list[int], runs: int) -> dict[str, dict[str, floa
     settings = GatewaySettings()
     out = {}
     for size in sizes:
-        raw = transcript(size, turn=4)
+        raw = transcript(size)
         out[f"{size} messages ({len(raw) // 1024} KiB)"] = _transcript_row(
-            raw, runs, settings, [transcript(size), transcript(size, turn=2)])
+            raw, runs, settings, [raw, transcript(size, turn=2)],
+            [transcript(size, turn=2 * i) for i in range(2, runs + 2)])
     return out
 
 
