@@ -40,7 +40,10 @@ One run, one set of workers:
    lines of 4-16 words, some indented, as code, documents and agent contexts are;
    ``--long-text words`` as one line of words (what the figures before it used, which spared
    every step that looks at line ends); ``--long-text ragged`` as lines a quarter of which end
-   in spaces (a re-rendered context: the normalization rewrites it).
+   in spaces (a re-rendered context: the normalization rewrites it). ``--long-text
+   transcript`` sends an agent transcript of that many characters of tool results with a new
+   question in each request, ``transcript-turns`` the transcript two messages longer in each
+   request, as an agent's loop sends it.
 
 Medians over the repetitions, and each figure as a ratio to sglang-router's, so the numbers can
 be compared on a noisy shared machine. Every other target's CPU per request is also given as a
@@ -105,6 +108,7 @@ from loadtest.peers import (
 from loadtest.workloads import system_prompt, words
 
 TRANSCRIPT = "transcript"  # --long-text: an agent transcript instead of one long text
+TURNS = "transcript-turns"  # --long-text: an agent's turns, each two messages more
 FLOOR = "floor"  # loadtest.floor_proxy: a bare aiohttp relay, the floor for a Python router
 # The floors (loadtest.floor_proxy), each with its server and client: aiohttp's server and
 # client; aiohttp's server and the gateway's relay client; a bare protocol and that client.
@@ -335,6 +339,15 @@ def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
     ``long_text`` ``transcript``, sharing an agent transcript (tool calls and results) of
     that many characters of results instead."""
     rng = random.Random(config.seed + chars)
+    if config.long_text == TURNS:
+        # The same transcript, continued: request i carries its first turns and 2 i more
+        # messages (a tool call and its result), as an agent's loop sends them.
+        first = len(agent_messages(random.Random(config.seed + chars), chars=chars))
+        turns = agent_messages(rng, messages=first + 2 * config.long_requests, chars=chars)
+        agent = {"role": "system", "content": "You are a coding agent."}
+        return [json.dumps({"model": MODEL, "max_tokens": 1, "temperature": 0,
+                            "messages": [agent, *turns[:first + 2 * i]]}).encode()
+                for i in range(config.long_requests)]
     transcript = config.long_text == TRANSCRIPT
     history = agent_messages(rng, chars=chars) if transcript else []
     shared = "You are a coding agent." if transcript else long_text(rng, chars, config.long_text)
@@ -778,12 +791,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--long-unique", action="store_true",
                    help="give each long request a system prompt of its own (nothing in it was "
                         "seen before), instead of one they share")
-    p.add_argument("--long-text", choices=(*LONG_TEXTS, TRANSCRIPT), default="lines",
+    p.add_argument("--long-text", choices=(*LONG_TEXTS, TRANSCRIPT, TURNS), default="lines",
                    help="the long prompts' text: lines of words (as code and documents), one "
                         "line of words, lines a quarter of which end in spaces, lines with "
                         "typographic quotes and dashes or with emoji, or lines of CJK; or an "
                         "agent transcript: tool calls and their results, that many "
-                        "characters of them")
+                        "characters of them, the same in every request or (transcript-turns) "
+                        "two messages longer in each, as an agent's loop sends them")
     p.add_argument("--long-reps", type=int, default=1,
                    help="rounds over the long sizes (targets rotated); medians reported")
     p.add_argument("--idle-s", type=float, default=10.0,

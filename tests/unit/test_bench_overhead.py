@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -179,3 +180,13 @@ def test_transcript_bodies_share_an_agent_history_of_the_size_asked() -> None:
     results = [m["content"] for m in first if m["role"] == "tool"]
     assert sum(map(len, results)) >= 20_000
     assert len(first) > 60
+
+
+def test_transcript_turns_grow_by_a_tool_call_and_its_result() -> None:
+    config = OverheadConfig(long_requests=3, long_text="transcript-turns")
+    turns = [json.loads(b)["messages"] for b in long_bodies(config, 20_000)]
+    for earlier, later in itertools.pairwise(turns):
+        assert later[:len(earlier)] == earlier  # each turn carries the one before
+        assert [m["role"] for m in later[len(earlier):]] == ["assistant", "tool"]
+    results = [m["content"] for m in turns[0] if m["role"] == "tool"]
+    assert sum(map(len, results)) >= 20_000
