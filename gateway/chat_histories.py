@@ -78,7 +78,7 @@ class _Entry:
 class ChatHistories:
     """Recent long chats by tenant, for :meth:`decode` to skip the part already seen."""
 
-    def __init__(self, max_bytes: int = 64 << 20, min_bytes: int = 32 << 10,
+    def __init__(self, max_bytes: int = 32 << 20, min_bytes: int = 32 << 10,
                  per_anchor: int = 256) -> None:
         self.max_bytes = max_bytes  # the bodies' bytes the entries stand for, at most
         self.min_bytes = min_bytes  # shorter bodies are decoded whole
