@@ -43,7 +43,8 @@ STATE = web.AppKey("state", GatewayState)
 T = TypeVar("T")
 
 Parser = Callable[
-    [dict[str, Any], NormalizeOptions, TextScope | None, KnownHistory | None], ParsedRequest
+    [dict[str, Any], NormalizeOptions, TextScope | None, KnownHistory | None, bool],
+    ParsedRequest,
 ]
 
 
@@ -90,17 +91,18 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
 
 async def prepare(
     app: web.Application, body: dict[str, Any], parse: Parser, path: str, identity: Identity,
-    known: KnownHistory | None = None,
+    known: KnownHistory | None = None, keep_history: bool = False,
 ) -> tuple[ParsedRequest, RouteRequest, str]:
     """Validate a completion request of ``identity`` to ``app`` and build what routing needs,
     and the request's cache namespace (raises 4xx errors). ``known``: the leading messages of
-    a chat as an earlier request's parse left them (:mod:`gateway.chat_histories`)."""
+    a chat as an earlier request's parse left them; ``keep_history``: keep a long chat's for
+    a later one (:mod:`gateway.chat_histories`)."""
     state = app[STATE]
     settings = state.settings
     salt = body.get("cache_salt")
     # Long texts found normal are remembered per tenant and cache salt: never across them.
     seen = state.normal_texts.scope(identity.tenant_id, salt if isinstance(salt, str) else "")
-    parsed = parse(body, settings.normalize_options(), seen, known)
+    parsed = parse(body, settings.normalize_options(), seen, known, keep_history)
     models = state.pool.models()
     if parsed.model not in models:
         if not state.pool.any_healthy():
@@ -146,17 +148,18 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
     raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     identity = request.get(IDENTITY_KEY) or ANONYMOUS
     histories = state.chat_histories
+    scope = found = None
     if parse is parse_chat and histories.max_bytes and len(raw) >= histories.min_bytes:
         # A long chat's turn decodes and checks only what its last turn did not carry.
         scope = histories.seed(identity.tenant_id, settings.normalize_options())
         body, found = histories.decode(raw, scope)
-        parsed, route_request, namespace = await prepare(
-            app, body, parse, path, identity, found.history if found is not None else None)
-        if parsed.history is not None:
-            histories.remember(raw, scope, body, parsed.history, found)
     else:
         body = decode_json_object(raw)
-        parsed, route_request, namespace = await prepare(app, body, parse, path, identity)
+    parsed, route_request, namespace = await prepare(
+        app, body, parse, path, identity, found.history if found is not None else None,
+        keep_history=scope is not None)
+    if scope is not None and parsed.history is not None:
+        histories.remember(raw, scope, body, parsed.history, found)
     tenant = identity.tenant_id
     record = record_of(request)
     record.parsed(

@@ -28,7 +28,6 @@ def char_width(text: str) -> int:
     return (sys.getsizeof(text) - _COMPACT_HEADER) // (len(text) + 1)
 
 
-
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
 

@@ -67,7 +67,8 @@ class ParsedRequest:
     sequences: int = 1
     """Outputs the worker generates: prompts x ``n``."""
     history: KnownHistory | None = None
-    """A long chat's messages but its last, as checked (None for other requests)."""
+    """A long chat's messages but its last, as checked, where the parser was asked to keep
+    them (None for other requests)."""
 
 
 # The deepest nesting orjson encodes (it refuses 255 levels): a body the gateway may encode
@@ -234,7 +235,7 @@ def _is_token_list(value: Any) -> bool:
 
 def parse_completion(
     body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None,
-    known: KnownHistory | None = None,
+    known: KnownHistory | None = None, keep_history: bool = False,
 ) -> ParsedRequest:
     """``POST /v1/completions``: ``prompt`` is a string, strings, token ids or lists of ids."""
     model, stream, max_tokens, salt = _common(body)
@@ -301,13 +302,14 @@ def _check_message(i: int, message: Any) -> None:
 
 def parse_chat(
     body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None,
-    known: KnownHistory | None = None,
+    known: KnownHistory | None = None, keep_history: bool = False,
 ) -> ParsedRequest:
     """``POST /v1/chat/completions``: ``messages`` is a non-empty list of role/content objects.
 
     ``known``: the first ``len(known.normalized)`` messages are those an earlier request
     carried in the same bytes, as this parser left them then; only the rest are checked,
-    normalized and rendered."""
+    normalized and rendered. ``keep_history``: a long chat's messages but its last are kept
+    (``ParsedRequest.history``) for a later turn."""
     model, stream, max_tokens, salt = _common(body)
     messages = body.get("messages")
     if messages is None:
@@ -336,13 +338,13 @@ def parse_chat(
     earlier = ""
     if known is None:
         text = render_messages(fresh, tools_text)
-        if len(text) - len(tools_text) >= HISTORY_MIN_CHARS:  # perhaps a long chat's history
+        if keep_history and len(text) - len(tools_text) >= HISTORY_MIN_CHARS:
             earlier = text[len(tools_text):len(text) - len(render_messages(fresh[-1:]))]
     else:  # the history's text, then the whole text: a long text is copied twice, not thrice
         earlier = render_messages(fresh[:-1], known.text)
         text = "".join((tools_text, earlier, render_messages(fresh[-1:])))
     history = None
-    if len(earlier) >= HISTORY_MIN_CHARS:  # a long chat: its history is kept
+    if keep_history and len(earlier) >= HISTORY_MIN_CHARS:  # a long chat: its history is kept
         same = unchanged or ((known is None or known.unchanged) and fresh[:-1] == rest[:-1])
         encoded = None
         if not same:  # the worker gets the history as normalized: keep it encoded

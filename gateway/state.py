@@ -35,7 +35,7 @@ class GatewayState:
     guard: UpstreamGuard
     warmup: WarmupManager
     prewarmer: PreWarmer
-    # Long prompt texts already found normal, by keyed hash per tenant (gateway.normalize).
+    # Long prompt texts already found normal, by keyed hash per tenant (gateway.normal_texts).
     normal_texts: NormalTexts = field(default_factory=NormalTexts)
     # Long chats by the bytes that carried them, per tenant (gateway.chat_histories).
     chat_histories: ChatHistories = field(default_factory=ChatHistories)

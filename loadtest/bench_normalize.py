@@ -156,7 +156,8 @@ def _transcript_row(raw: bytes, runs: int, settings: GatewaySettings,
         start = time.perf_counter()
         # What a turn costs the gateway's chat route: decode, parse, remember.
         turn, found = histories.decode(turn_raw, opts_seed)
-        done = parse_chat(turn, opts, None, found.history if found else None)
+        done = parse_chat(turn, opts, None, found.history if found else None,
+                          keep_history=True)
         if done.history is None or len(turn_raw) < histories.min_bytes:
             return row  # too short to be remembered
         histories.remember(turn_raw, opts_seed, turn, done.history, found)

@@ -52,7 +52,8 @@ class Gateway:
 
     def send(self, raw: bytes) -> tuple[dict[str, Any], ParsedRequest, Known | None]:
         body, found = self.histories.decode(raw, self.seed)
-        parsed = parse_chat(body, OPTS, None, found.history if found is not None else None)
+        parsed = parse_chat(body, OPTS, None, found.history if found is not None else None,
+                            keep_history=True)
         if parsed.history is not None:
             self.histories.remember(raw, self.seed, body, parsed.history, found)
         return body, parsed, found
