@@ -333,9 +333,10 @@ def worker_size_args(config: OverheadConfig) -> list[str]:
             "--cache-blocks", str(max(4096, 2 * (longest // 16 + 1)))]
 
 
-def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
+def long_bodies(config: OverheadConfig, chars: int, rep: int = 0) -> list[bytes]:
     """``long_requests`` chat bodies sharing one system prompt of ``chars`` characters, or
-    (``long_unique``) each with its own, which begins with the request's number; with
+    (``long_unique``) each with its own, which begins with the round ``rep`` and the
+    request's number, so that no round sends a prompt an earlier one did; with
     ``long_text`` ``transcript``, sharing an agent transcript (tool calls and results) of
     that many characters of results instead."""
     rng = random.Random(config.seed + chars)
@@ -355,7 +356,7 @@ def long_bodies(config: OverheadConfig, chars: int) -> list[bytes]:
     def system(i: int) -> str:
         if not config.long_unique:
             return shared
-        return f"Agent {i}." if transcript else f"Document {i}.\n{shared}"
+        return f"Agent {rep}.{i}." if transcript else f"Document {rep}.{i}.\n{shared}"
 
     return [
         json.dumps({
@@ -589,6 +590,8 @@ async def long_prompts(session: aiohttp.ClientSession, config: OverheadConfig,
     if sizes and config.idle_s > 0:
         await idle_cpu(targets, results, config.idle_s)
     for rep in range(config.long_reps):
+        if config.long_unique and rep > 0:  # prompts no round has sent
+            sizes = {chars: long_bodies(config, chars, rep) for chars in config.long_chars}
         for chars, bodies in sizes.items():
             for t in _rotated(targets, rep):
                 print(f"[bench] long prompts, {chars} chars, round {rep + 1}: {t.name} ...",

@@ -170,6 +170,9 @@ def test_long_requests_share_one_system_prompt_unless_each_has_its_own() -> None
         systems = [json.loads(b)["messages"][0]["content"] for b in long_bodies(config, 5_000)]
         assert len(set(systems)) == (3 if unique else 1)
         assert all(len(text) >= 5_000 for text in systems)
+        # A later round sends prompts of its own, or the same one again.
+        later = {json.loads(b)["messages"][0]["content"] for b in long_bodies(config, 5_000, 1)}
+        assert later.isdisjoint(systems) if unique else later == set(systems)
 
 
 def test_transcript_bodies_share_an_agent_history_of_the_size_asked() -> None:
