@@ -362,6 +362,33 @@ def test_every_rewritten_character_is_found_in_text_of_any_width(opts: Normalize
         assert normalize_text(text, rules) is text
 
 
+@pytest.mark.parametrize("filler", ["\u2019quoted\u2019 ", "emoji \U0001f600 ", "\ud800 lone "])
+def test_a_long_mostly_ascii_text_is_checked_by_its_non_ascii_characters(filler: str) -> None:
+    # Long texts that are mostly ASCII are checked on their non-ASCII characters alone:
+    # every rewritten character is found wherever it sits, whatever else the text holds.
+    rules = NormalizeOptions(newlines=False, trailing_whitespace=False,
+                             line_trailing_whitespace=False)
+    table = _translation_table(rules.unicode_spaces, rules.invisible)
+    ascii_part = "plain words " * 1000
+    for cp in table:
+        for text in (ascii_part + filler + chr(cp) + ascii_part,
+                     chr(cp) + filler + ascii_part,
+                     ascii_part + filler + "\u00e9" + chr(cp)):
+            assert normalize_text(text, rules) == _translated(text, rules), (filler, hex(cp))
+    untouched = ascii_part + filler + "\u4e2d\u00e9\u200d" + ascii_part
+    assert normalize_text(untouched, rules) is untouched
+
+
+def test_a_text_whose_samples_mislead_is_checked_whole() -> None:
+    # ASCII where the samples are taken, CJK and one NBSP between them: dense text takes
+    # the regex over the whole text, sparse the non-ASCII characters; both find the NBSP.
+    cjk = "".join(chr(0x4E00 + i % 2000) for i in range(6000))
+    for middle in (cjk + "\u00a0" + cjk, "x" * 3000 + "\u00a0" + cjk):
+        text = "a" * 3000 + middle[: len(middle) // 2] + "b" * 2048 + middle[len(middle) // 2:]
+        text += "c" * 3000
+        assert normalize_text(text) == text.replace("\u00a0", " ")
+
+
 def test_the_width_read_from_a_text_never_understates_it() -> None:
     for text, width in (("caf\u00e9", 1), ("\u2019", 2), ("\U0001f600", 4)):
         assert _char_width(text * 50) == width
