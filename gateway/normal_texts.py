@@ -3,12 +3,14 @@
 :func:`gateway.normalize.normalize_text` checks every text against its rules; a context
 re-sent turn after turn (a system prompt, a tool list, a conversation's history, a shared
 document) would be checked again on every request. :class:`NormalTexts` remembers the long
-texts the rules left as they were, so that such a text costs one hash.
+texts the rules left as they were, so that such a text costs one hash, and a text that
+extends one of them is checked past it only.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -29,6 +31,8 @@ def char_width(text: str) -> int:
 
 
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
+# Texts remembered per opening, and how many of them a longer text is compared with.
+_TEXTS_PER_OPENING = 4
 
 
 class NormalTexts:
@@ -38,16 +42,24 @@ class NormalTexts:
     A context re-sent turn after turn (a system prompt, a tool list, a conversation's
     history, a shared document) is checked once; after that it costs the gateway one hash, at
     memory speed, instead of the rules' checks (1 ns a character on ASCII text, 5 on text
-    that is not). Keys are scoped (:meth:`scope`: the tenant and its cache salt), so one tenant's
-    texts never make another's faster. A collision could only leave a text as the client
-    wrote it. Bounded: the key seen least recently goes first.
+    that is not). A text that begins with a remembered one and goes on (a completions
+    agent's next prompt: its last prompt and more) is checked from that text's last line
+    on: a few hashes at memory speed and the rules on what is new. Keys are scoped
+    (:meth:`scope`: the tenant and its cache salt, and the rules), so one tenant's texts never
+    make another's faster. A collision could only leave a text as the client wrote it.
+    Bounded: the key (and the opening) seen least recently goes first.
     """
 
     def __init__(self, capacity: int = 4096, min_chars: int = 8192) -> None:
         self.capacity = capacity
         self.min_chars = min_chars  # shorter texts are checked faster than hashed
         self._keys: dict[int, None] = {}
+        # A text's opening (a keyed hash of its first min_chars characters) -> the remembered
+        # texts that open so, as (stored bytes, key), newest first: a prompt that extends one
+        # of them (a completions agent's next turn) is checked past it only.
+        self._openings: dict[int, tuple[tuple[int, int], ...]] = {}
         self.hits = 0
+        self.prefix_hits = 0
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -64,10 +76,22 @@ class NormalTexts:
         self.hits += 1
         return True
 
-    def add(self, key: int) -> None:
+    def add(self, key: int, opening: int | None = None, stored: int = 0) -> None:
+        """Remember ``key``; with ``opening``, also as a text of ``stored`` bytes that a
+        longer text may begin with."""
         self._keys[key] = None
         if len(self._keys) > self.capacity:
             del self._keys[next(iter(self._keys))]
+        if opening is not None:
+            texts = self._openings.pop(opening, ())
+            self._openings[opening] = ((stored, key), *texts[:_TEXTS_PER_OPENING - 1])
+            if len(self._openings) > self.capacity:
+                del self._openings[next(iter(self._openings))]
+
+    def begun(self, opening: int) -> tuple[tuple[int, int], ...]:
+        """The remembered texts that open with ``opening``, as (stored bytes, key), newest
+        first."""
+        return self._openings.get(opening, ())
 
 
 class TextScope:
@@ -81,15 +105,47 @@ class TextScope:
         self._names = names
         self._seed = -1
 
-    def key(self, text: str, opts: NormalizeOptions) -> int:
+    def look(self, text: str, opts: NormalizeOptions) -> Look:
+        """Whether ``text`` (at least ``min_chars`` long) is remembered under ``opts``, else
+        how much of it is: the longest remembered text it begins with. Reads the text as
+        CPython stores it where it can (a copy at memory speed), freed on return."""
         if self._seed < 0:
             self._seed = xxhash.xxh3_64_intdigest(
                 "\x1f".join(self._names).encode("utf-8", "surrogatepass"))
-        # Encoded as CPython stores the text where it can: a copy at memory speed.
         if text.isascii():
             data = text.encode("ascii")
         else:
             width = char_width(text)
             codec = "latin-1" if width == 1 else "utf-16-le" if width < 4 else "utf-32-le"
             data = text.encode(codec, "surrogatepass")
-        return xxhash.xxh3_64_intdigest(data, seed=self._seed ^ hash(opts) & _SEED_MASK)
+        seed = self._seed ^ hash(opts) & _SEED_MASK
+        key = xxhash.xxh3_64_intdigest(data, seed=seed)
+        texts = self.texts
+        if texts.known(key):
+            return Look(key, 0, len(data), known=True, prefix=len(text))
+        width = len(data) // len(text)
+        view = memoryview(data)
+        opening = xxhash.xxh3_64_intdigest(view[:texts.min_chars * width], seed=seed)
+        prefix = 0
+        for size, other in sorted(texts.begun(opening), reverse=True):
+            if size < len(data) and xxhash.xxh3_64_intdigest(view[:size], seed=seed) == other:
+                texts.prefix_hits += 1
+                prefix = size // width
+                break
+        return Look(key, opening, len(data), known=False, prefix=prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class Look:
+    """What :meth:`TextScope.look` found of a text: its key, the key of its opening, its size
+    as stored, whether it is remembered, else the characters it begins with that are."""
+
+    key: int
+    opening: int
+    size: int
+    known: bool
+    prefix: int
+
+    def remember(self, texts: NormalTexts) -> None:
+        """Remember the text, found normal."""
+        texts.add(self.key, self.opening, self.size)

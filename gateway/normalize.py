@@ -188,14 +188,27 @@ def normalize_text(
     if seen is None or len(text) < seen.texts.min_chars:
         out = _normalized(text, opts)
     else:
-        key = seen.key(text, opts)
-        if seen.texts.known(key):
+        look = seen.look(text, opts)
+        if look.known:
             out = text
         else:
-            out = _normalized(text, opts)
+            out = _normalized_past(text, opts, look.prefix)
             if out is text:  # every rule returns the text itself when it changes nothing
-                seen.texts.add(key)
+                look.remember(seen.texts)
     return out.rstrip() if opts.trailing_whitespace else out
+
+
+def _normalized_past(text: str, opts: NormalizeOptions, known: int) -> str:
+    """:func:`_normalized` of ``text`` whose first ``known`` characters are a text it left as
+    it was. Every rule is local to a character or a line, and only the last line of that
+    text can change with what follows it (its end was not a line's end there), so the rules
+    start from that line."""
+    if known == 0:
+        return _normalized(text, opts)
+    start = text.rfind("\n", 0, known) + 1
+    rest = text[start:]
+    out = _normalized(rest, opts)
+    return text if out is rest else text[:start] + out
 
 
 def _normalized(text: str, opts: NormalizeOptions) -> str:

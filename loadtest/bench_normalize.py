@@ -7,6 +7,8 @@ also the long prompts of ``loadtest.bench_overhead --long-text``), in ms, median
 
 * ``rules``: :func:`gateway.normalize.normalize_text`, the text seen for the first time;
 * ``rules, seen``: the same text again, remembered (:class:`gateway.normal_texts.NormalTexts`);
+* ``next turn``, ``next turn, seen``: the rules on texts that each add a line to the one
+  before (a completions agent's turns), without and with the memo;
 * ``fingerprint``: :func:`gateway.fingerprint.fingerprint` of the normalized text.
 
 and on agent transcripts of ``--messages`` messages (a tool call, then its result of a few
@@ -93,6 +95,17 @@ def _row(text: str, runs: int, settings: GatewaySettings) -> dict[str, float]:
         normalize.normalize_text(text, opts, texts.scope("t", ""))
         row["rules, seen"] = _median_ms(
             lambda: normalize.normalize_text(text, opts, texts.scope("t", "")), runs)
+        # An agent's turns: each text the one before and a line more, checked whole, then
+        # with the memo (which begins from the turn before where it can).
+        turns = [text]
+        for i in range(runs):
+            turns.append(f"{turns[-1]}\nturn {i}: {text[:100]}")
+        whole, memo = iter(turns[1:]), iter(turns[1:])
+        row["next turn"] = _median_ms(lambda: normalize.normalize_text(next(whole), opts), runs)
+        chain = NormalTexts()
+        normalize.normalize_text(text, opts, chain.scope("t", ""))
+        row["next turn, seen"] = _median_ms(
+            lambda: normalize.normalize_text(next(memo), opts, chain.scope("t", "")), runs)
     row["fingerprint"] = _median_ms(lambda: fingerprint(normal, namespace, fp_opts), runs)
     return row
 

@@ -96,6 +96,10 @@ class MemoCollector(Collector):
         text_hits = CounterMetricFamily(
             "gateway_normal_text_hits", "long texts not checked again: found normal before")
         text_hits.add_metric([], texts.hits)
+        prefix_hits = CounterMetricFamily(
+            "gateway_normal_text_prefix_hits",
+            "long texts checked past the longest text found normal before that they begin with")
+        prefix_hits.add_metric([], texts.prefix_hits)
         chat_hits = CounterMetricFamily(
             "gateway_chat_history_hits",
             "long chats decoded from their new messages on: joined to a remembered history")
@@ -106,7 +110,7 @@ class MemoCollector(Collector):
             "gateway_chat_history_bytes",
             "bytes of the bodies the remembered histories stand for (--chat-history-bytes)")
         held.add_metric([], chats.held_bytes)
-        yield from (text_hits, chat_hits, entries, held)
+        yield from (text_hits, prefix_hits, chat_hits, entries, held)
 
 
 class TokenizerCollector(Collector):

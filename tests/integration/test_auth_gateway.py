@@ -258,6 +258,32 @@ async def test_long_texts_found_normal_are_remembered_per_tenant(
         assert (len(texts), texts.hits) == (3, 1)  # another tenant, another salt: their own
 
 
+async def test_a_completions_agents_next_prompt_is_checked_past_its_last_per_tenant(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(workers=1, api_key=KEYS)
+    texts = cluster.runners["gateway"].app[STATE].normal_texts
+    prompt = "\n".join(f"Step {i}: read \u201cfile {i}\u201d." for i in range(400))
+    assert len(prompt) >= texts.min_chars
+
+    async def ask(api: openai.AsyncOpenAI, text: str) -> None:
+        done = await api.completions.create(model=MODEL, max_tokens=2, prompt=text)
+        assert done.choices[0].text is not None
+
+    # The next turn ends the last prompt's line in spaces: the rules still see that line.
+    turn = prompt + "  \nStep 400: done.\u00a0"
+    async with client(cluster.base_url, "sk-acme-1") as acme, \
+            client(cluster.base_url, "sk-globex-1") as globex:
+        await ask(acme, prompt)
+        await ask(acme, turn)
+        assert texts.prefix_hits == 1  # checked from the line the last prompt ended in
+        await ask(globex, turn)
+        assert texts.prefix_hits == 1  # another tenant: checked whole
+    async with aiohttp.ClientSession() as http, http.get(cluster.gateway_url + "/metrics") as r:
+        exposition = await r.text()
+    assert "gateway_normal_text_prefix_hits_total 1.0" in exposition
+
+
 async def test_a_long_chats_next_turn_is_decoded_from_its_new_messages_per_tenant(
     start_cluster: StartCluster,
 ) -> None:

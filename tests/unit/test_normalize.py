@@ -478,3 +478,44 @@ def test_a_long_text_ending_in_whitespace_is_remembered_and_trimmed() -> None:
     for _ in range(2):
         assert normalize_text(text, DEFAULT, texts.scope("t", "")) == _LONG["bmp"]
     assert (len(texts), texts.hits) == (1, 1)
+
+
+@pytest.mark.parametrize("width", list(_LONG))
+def test_a_text_that_extends_a_remembered_one_is_checked_past_it(width: str) -> None:
+    # A completions agent's next turn: the last prompt and more. The rules start from the
+    # remembered text's last line, whose end may now be a line's end.
+    for known_end, more in (("", "\nnext line"),
+                            ("  ", "\nthe last line ended in spaces"),
+                            ("\n\n", "a new paragraph \nwith a ragged line"),
+                            (" tail", "\u00a0with NBSP\u200b and\r\nCRLF"),
+                            ("", "\U0001f600 wider now")):
+        texts = NormalTexts(min_chars=1000)
+        scope = texts.scope("t", "")
+        first = _LONG[width] + known_end
+        assert normalize_text(first, DEFAULT, scope) == normalize_text(first)
+        assert len(texts) == 1
+        longer = first + more
+        assert normalize_text(longer, DEFAULT, scope) == normalize_text(longer), (known_end, more)
+        wider = _char_width(longer) > _char_width(first)  # stored otherwise: compared whole
+        assert texts.prefix_hits == (0 if wider else 1), (known_end, more)
+
+
+def test_a_text_that_parts_from_a_remembered_one_is_checked_whole() -> None:
+    texts = NormalTexts(min_chars=1000)
+    scope = texts.scope("t", "")
+    first = _LONG["ascii"]
+    normalize_text(first, DEFAULT, scope)
+    # The same length and more, but one character changed well inside the remembered text.
+    parted = first[:500] + "\u00a0" + first[501:] + "\nmore"
+    assert normalize_text(parted, DEFAULT, scope) == parted.replace("\u00a0", " ")
+    # Another tenant, or other rules, never begin from this tenant's texts.
+    assert normalize_text(first + "  \nmore", DEFAULT, texts.scope("u", "")) == first + "\nmore"
+    other = NormalizeOptions(line_trailing_whitespace=False)
+    assert normalize_text(first + "  \nmore", other, scope) == first + "  \nmore"
+    assert texts.prefix_hits == 0
+    # Each extension is remembered in turn: the next one begins from the longest.
+    second = first + "\nsecond"
+    normalize_text(second, DEFAULT, scope)
+    third = second + "  \nthird"
+    assert normalize_text(third, DEFAULT, scope) == second + "\nthird"
+    assert texts.prefix_hits == 2
