@@ -73,7 +73,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,7 @@ from loadtest.workloads import system_prompt, words
 
 TRANSCRIPT = "transcript"  # --long-text: an agent transcript instead of one long text
 TURNS = "transcript-turns"  # --long-text: an agent's turns, each two messages more
+COMPLETIONS = "completions"  # --long-api: prompts that each extend the one before
 FLOOR = "floor"  # loadtest.floor_proxy: a bare aiohttp relay, the floor for a Python router
 # The floors (loadtest.floor_proxy), each with its server and client: aiohttp's server and
 # client; aiohttp's server and the gateway's relay client; a bare protocol and that client.
@@ -148,6 +149,9 @@ class OverheadConfig:
     long_reps: int = 1  # rounds over every size, targets in rotating order; medians reported
     long_text: str = "lines"  # one of LONG_TEXTS: how the long prompts' text is laid out
     long_unique: bool = False  # each long request with a system prompt of its own
+    # "chat", or "completions": an agent's loop over /v1/completions, each prompt the one
+    # before and a line more
+    long_api: str = "chat"
     # Seconds with no requests before the long prompts, to measure what each router spends
     # per second on its own (health probes, timers): a long request that takes the worker
     # 0.2 s is charged 0.2 s of it.
@@ -336,10 +340,23 @@ def worker_size_args(config: OverheadConfig) -> list[str]:
 def long_bodies(config: OverheadConfig, chars: int, rep: int = 0) -> list[bytes]:
     """``long_requests`` chat bodies sharing one system prompt of ``chars`` characters, or
     (``long_unique``) each with its own, which begins with the round ``rep`` and the
-    request's number, so that no round sends a prompt an earlier one did; with
+    request's number, so that no round sends a prompt an earlier one did; with ``long_api``
+    ``completions``, completions bodies whose prompts each add a line to the one before (the
+    first the long text, after the round's number with ``long_unique``); with
     ``long_text`` ``transcript``, sharing an agent transcript (tool calls and results) of
     that many characters of results instead."""
     rng = random.Random(config.seed + chars)
+    if config.long_api == COMPLETIONS:
+        if config.long_text not in LONG_TEXTS:
+            raise ValueError(f"--long-api completions takes a text layout, one of {LONG_TEXTS}")
+        prompt = (f"Document {rep}.\n" if config.long_unique else "") + long_text(
+            rng, chars, config.long_text)
+        bodies = []
+        for i in range(config.long_requests):
+            bodies.append(json.dumps({"model": MODEL, "max_tokens": 1, "temperature": 0,
+                                      "prompt": prompt}).encode())
+            prompt += f"\nTurn {i}: {words(rng, 12)}"
+        return bodies
     if config.long_text == TURNS:
         # The same transcript, continued: request i carries its first turns and 2 i more
         # messages (a tool call and its result), as an agent's loop sends them.
@@ -598,7 +615,11 @@ async def long_prompts(session: aiohttp.ClientSession, config: OverheadConfig,
                       file=sys.stderr, flush=True)
                 ours = t.name.startswith("ours")
                 before = await decision_totals(session, t) if ours else (0.0, 0)
-                one = await throughput(session, t, bodies, 1, Counter())
+                target = t
+                if config.long_api == COMPLETIONS:
+                    target = replace(t, url=t.url.replace(
+                        "/v1/chat/completions", "/v1/completions"))
+                one = await throughput(session, target, bodies, 1, Counter())
                 result = results[t.name]
                 result.long_cpu_runs.setdefault(chars, []).append(one.cpu_s_per_1k)
                 result.long_errors += one.errors
@@ -658,8 +679,12 @@ def long_table(result: OverheadResult) -> list[str]:
     sizes = sorted({s for t in result.targets for s in t.long_cpu_runs})
     if not sizes:
         return []
-    lines = ["", f"Long prompts: {c.long_requests} sequential chat requests "
-             f"{'each with its own' if c.long_unique else 'sharing one'} system prompt of "
+    what = (f"completions requests, each prompt the one before and a line more, the first "
+            f"{'new in each round' if c.long_unique else 'the same in each round'}, of"
+            if c.long_api == COMPLETIONS else
+            f"chat requests {'each with its own' if c.long_unique else 'sharing one'} "
+            "system prompt of")
+    lines = ["", f"Long prompts: {c.long_requests} sequential {what} "
              f"the given size ({c.long_text}), {c.long_reps} round(s); "
              "router CPU ms per "
              "request, median (each round):", "",
@@ -801,6 +826,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "agent transcript: tool calls and their results, that many "
                         "characters of them, the same in every request or (transcript-turns) "
                         "two messages longer in each, as an agent's loop sends them")
+    p.add_argument("--long-api", choices=("chat", COMPLETIONS), default="chat",
+                   help="chat requests, or an agent's loop over /v1/completions: each prompt "
+                        "the one before and a line more (the first the long text)")
     p.add_argument("--long-reps", type=int, default=1,
                    help="rounds over the long sizes (targets rotated); medians reported")
     p.add_argument("--idle-s", type=float, default=10.0,
@@ -838,7 +866,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gateway_args=tuple(args.gateway_arg), request_logs=args.request_logs,
         long_chars=tuple(int(c) for c in args.long.split(",") if c.strip()),
         long_requests=args.long_requests, long_reps=args.long_reps, idle_s=args.idle_s,
-        long_text=args.long_text, long_unique=args.long_unique,
+        long_text=args.long_text, long_unique=args.long_unique, long_api=args.long_api,
         stream=StreamConfig(tokens=args.stream_tokens, requests=args.stream_requests,
                             concurrency=args.stream_concurrency, reps=args.stream_reps),
         decode_ms=args.decode_ms,

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from loadtest.bench_overhead import (
     OverheadConfig,
@@ -173,6 +176,18 @@ def test_long_requests_share_one_system_prompt_unless_each_has_its_own() -> None
         # A later round sends prompts of its own, or the same one again.
         later = {json.loads(b)["messages"][0]["content"] for b in long_bodies(config, 5_000, 1)}
         assert later.isdisjoint(systems) if unique else later == set(systems)
+
+
+def test_completions_turns_each_extend_the_prompt_before() -> None:
+    config = OverheadConfig(long_requests=4, long_api="completions", long_unique=True)
+    prompts = [json.loads(b)["prompt"] for b in long_bodies(config, 5_000)]
+    assert len(prompts[0]) >= 5_000
+    for before, after in itertools.pairwise(prompts):
+        assert after.startswith(before + "\nTurn ")
+    later = [json.loads(b)["prompt"] for b in long_bodies(config, 5_000, 1)]
+    assert not later[0].startswith(prompts[0][:20])  # a round of its own
+    with pytest.raises(ValueError, match="text layout"):
+        long_bodies(dataclasses.replace(config, long_text="transcript"), 5_000)
 
 
 def test_transcript_bodies_share_an_agent_history_of_the_size_asked() -> None:
