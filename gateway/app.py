@@ -38,6 +38,7 @@ from gateway.kvevents.source import ExactSource
 from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.lifecycle import CacheLifecycle
 from gateway.limits import LIMITS_KEY, Limits
+from gateway.normal_texts import NormalTexts
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.procs import peer_dir
@@ -352,6 +353,7 @@ def create_app(
                 fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
             )),
         chat_histories=ChatHistories(max_bytes=settings.chat_history_bytes),
+        normal_texts=NormalTexts(rewritten_bytes=settings.normal_text_bytes),
     )
     metrics.registry.register(MemoCollector(state.normal_texts, state.chat_histories))
     lifecycle = CacheLifecycle(pool, backend_for, warmup)

@@ -31,38 +31,53 @@ def char_width(text: str) -> int:
 
 
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _bytes(text: str) -> int:
+    """About the bytes CPython stores ``text``'s characters in."""
+    return len(text) * (1 if text.isascii() else char_width(text))
 # Texts remembered per opening, and how many of them a longer text is compared with.
 _TEXTS_PER_OPENING = 4
 
 
 class NormalTexts:
     """Long texts the rules left as they were, remembered by a keyed 64-bit hash of each
-    (never the text), so that a text sent again is not checked again.
+    (never the text), so that a text sent again is not checked again; and, within a budget of
+    characters, long texts the rules rewrote, with what they made of them.
 
     A context re-sent turn after turn (a system prompt, a tool list, a conversation's
     history, a shared document) is checked once; after that it costs the gateway one hash, at
     memory speed, instead of the rules' checks (1 ns a character on ASCII text, 5 on text
     that is not). A text that begins with a remembered one and goes on (a completions
     agent's next prompt: its last prompt and more) is checked from that text's last line
-    on: a few hashes at memory speed and the rules on what is new. Keys are scoped
-    (:meth:`scope`: the tenant and its cache salt, and the rules), so one tenant's texts never
-    make another's faster. A collision could only leave a text as the client wrote it.
-    Bounded: the key (and the opening) seen least recently goes first.
+    on: a few hashes at memory speed and the rules on what is new. A context re-rendered with
+    spaces at the ends of its lines is rewritten by the rules on every request; the rewritten
+    text is kept (``rewritten_bytes``, in the process's memory only, like the request), so
+    that it is rewritten once. Keys are scoped (:meth:`scope`: the tenant and its cache salt,
+    and the rules), so one tenant's texts never make another's faster. A collision could
+    only leave a text as the client wrote it, or give it another text's rewriting. Bounded:
+    the key (the opening, the rewritten text) seen least recently goes first.
     """
 
-    def __init__(self, capacity: int = 4096, min_chars: int = 8192) -> None:
+    def __init__(self, capacity: int = 4096, min_chars: int = 8192,
+                 rewritten_bytes: int = 32 << 20) -> None:
         self.capacity = capacity
         self.min_chars = min_chars  # shorter texts are checked faster than hashed
+        self.rewritten_bytes = rewritten_bytes
         self._keys: dict[int, None] = {}
         # A text's opening (a keyed hash of its first min_chars characters) -> the remembered
-        # texts that open so, as (stored bytes, key), newest first: a prompt that extends one
-        # of them (a completions agent's next turn) is checked past it only.
-        self._openings: dict[int, tuple[tuple[int, int], ...]] = {}
+        # texts that open so, as (stored bytes, key, rewritten), newest first: a prompt that
+        # extends one of them (a completions agent's next turn) is checked past it only.
+        self._openings: dict[int, tuple[tuple[int, int, bool], ...]] = {}
+        # Key of a text the rules rewrote -> (what they made of it, the length of the part
+        # made of the text's lines before its last one).
+        self._rewritten: dict[int, tuple[str, int]] = {}
+        self.held_bytes = 0
         self.hits = 0
         self.prefix_hits = 0
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._keys) + len(self._rewritten)
 
     def scope(self, *names: str) -> TextScope:
         """The keys of one scope (e.g. a tenant and its cache salt)."""
@@ -76,6 +91,15 @@ class NormalTexts:
         self.hits += 1
         return True
 
+    def rewriting(self, key: int, hit: bool = True) -> tuple[str, int] | None:
+        """What the rules made of the text of ``key`` and the length of its part before the
+        text's last line, if remembered (``hit``: counted as a text not checked again)."""
+        found = self._rewritten.pop(key, None)
+        if found is not None:
+            self._rewritten[key] = found  # most recently seen last
+            self.hits += hit
+        return found
+
     def add(self, key: int, opening: int | None = None, stored: int = 0) -> None:
         """Remember ``key``; with ``opening``, also as a text of ``stored`` bytes that a
         longer text may begin with."""
@@ -83,14 +107,35 @@ class NormalTexts:
         if len(self._keys) > self.capacity:
             del self._keys[next(iter(self._keys))]
         if opening is not None:
-            texts = self._openings.pop(opening, ())
-            self._openings[opening] = ((stored, key), *texts[:_TEXTS_PER_OPENING - 1])
-            if len(self._openings) > self.capacity:
-                del self._openings[next(iter(self._openings))]
+            self._opened(opening, stored, key, False)
 
-    def begun(self, opening: int) -> tuple[tuple[int, int], ...]:
-        """The remembered texts that open with ``opening``, as (stored bytes, key), newest
-        first."""
+    def add_rewritten(self, key: int, opening: int, stored: int, rewritten: str,
+                      head: int) -> None:
+        """Remember that the rules made ``rewritten`` of the text of ``key`` (``stored``
+        bytes, opening with ``opening``), ``head`` characters of it from the lines before the
+        text's last one; not if it alone is over the budget."""
+        size = _bytes(rewritten)
+        if size > self.rewritten_bytes:
+            return
+        old = self._rewritten.pop(key, None)
+        if old is not None:
+            self.held_bytes -= _bytes(old[0])
+        self._rewritten[key] = (rewritten, head)
+        self.held_bytes += size
+        while self.held_bytes > self.rewritten_bytes or len(self._rewritten) > self.capacity:
+            text, _ = self._rewritten.pop(next(iter(self._rewritten)))
+            self.held_bytes -= _bytes(text)
+        self._opened(opening, stored, key, True)
+
+    def _opened(self, opening: int, stored: int, key: int, rewritten: bool) -> None:
+        texts = self._openings.pop(opening, ())
+        self._openings[opening] = ((stored, key, rewritten), *texts[:_TEXTS_PER_OPENING - 1])
+        if len(self._openings) > self.capacity:
+            del self._openings[next(iter(self._openings))]
+
+    def begun(self, opening: int) -> tuple[tuple[int, int, bool], ...]:
+        """The remembered texts that open with ``opening``, as (stored bytes, key,
+        rewritten), newest first."""
         return self._openings.get(opening, ())
 
 
@@ -123,29 +168,45 @@ class TextScope:
         texts = self.texts
         if texts.known(key):
             return Look(key, 0, len(data), known=True, prefix=len(text))
+        rewriting = texts.rewriting(key)
+        if rewriting is not None:
+            return Look(key, 0, len(data), known=True, prefix=len(text), output=rewriting[0])
         width = len(data) // len(text)
         view = memoryview(data)
         opening = xxhash.xxh3_64_intdigest(view[:texts.min_chars * width], seed=seed)
-        prefix = 0
-        for size, other in sorted(texts.begun(opening), reverse=True):
-            if size < len(data) and xxhash.xxh3_64_intdigest(view[:size], seed=seed) == other:
-                texts.prefix_hits += 1
-                prefix = size // width
-                break
-        return Look(key, opening, len(data), known=False, prefix=prefix)
+        for size, other, rewritten in sorted(texts.begun(opening), reverse=True):
+            if size >= len(data) or xxhash.xxh3_64_intdigest(view[:size], seed=seed) != other:
+                continue
+            head = None
+            if rewritten:
+                earlier = texts.rewriting(other, hit=False)
+                if earlier is None:
+                    continue  # its rewriting is no longer held
+                head = earlier[0][:earlier[1]]
+            texts.prefix_hits += 1
+            return Look(key, opening, len(data), known=False, prefix=size // width, head=head)
+        return Look(key, opening, len(data), known=False, prefix=0)
 
 
 @dataclass(frozen=True, slots=True)
 class Look:
     """What :meth:`TextScope.look` found of a text: its key, the key of its opening, its size
-    as stored, whether it is remembered, else the characters it begins with that are."""
+    as stored, whether it is remembered (``output``: what the rules made of it, if they
+    rewrote it), else the characters it begins with that are (``head``: what the rules made
+    of that text's lines before its last one, if they rewrote it)."""
 
     key: int
     opening: int
     size: int
     known: bool
     prefix: int
+    output: str | None = None
+    head: str | None = None
 
-    def remember(self, texts: NormalTexts) -> None:
-        """Remember the text, found normal."""
-        texts.add(self.key, self.opening, self.size)
+    def remember(self, texts: NormalTexts, rewritten: str | None = None, head: int = 0) -> None:
+        """Remember the text, found normal, or (``rewritten``) what the rules made of it,
+        ``head`` characters of it from the text's lines before its last one."""
+        if rewritten is None:
+            texts.add(self.key, self.opening, self.size)
+        else:
+            texts.add_rewritten(self.key, self.opening, self.size, rewritten, head)

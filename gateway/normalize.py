@@ -190,25 +190,36 @@ def normalize_text(
     else:
         look = seen.look(text, opts)
         if look.known:
-            out = text
+            out = text if look.output is None else look.output
         else:
-            out = _normalized_past(text, opts, look.prefix)
+            out = _normalized_past(text, opts, look.prefix, look.head)
             if out is text:  # every rule returns the text itself when it changes nothing
                 look.remember(seen.texts)
+            else:
+                look.remember(seen.texts, out, len(out) - _last_line_normalized(text, opts))
     return out.rstrip() if opts.trailing_whitespace else out
 
 
-def _normalized_past(text: str, opts: NormalizeOptions, known: int) -> str:
-    """:func:`_normalized` of ``text`` whose first ``known`` characters are a text it left as
-    it was. Every rule is local to a character or a line, and only the last line of that
-    text can change with what follows it (its end was not a line's end there), so the rules
-    start from that line."""
+def _normalized_past(text: str, opts: NormalizeOptions, known: int, head: str | None) -> str:
+    """:func:`_normalized` of ``text`` whose first ``known`` characters are a text the rules
+    have seen: ``head`` is what they made of that text's lines before its last one (None:
+    they left the text as it was). Every rule is local to a character or a line, and only
+    the last line of that text can change with what follows it (its end was not a line's end
+    there), so the rules start from that line."""
     if known == 0:
         return _normalized(text, opts)
     start = text.rfind("\n", 0, known) + 1
     rest = text[start:]
     out = _normalized(rest, opts)
+    if head is not None:
+        return head + out
     return text if out is rest else text[:start] + out
+
+
+def _last_line_normalized(text: str, opts: NormalizeOptions) -> int:
+    """The length of what the rules make of ``text``'s last line (after its last newline):
+    what they make of the whole text ends with it, every rule being local to a line."""
+    return len(_normalized(text[text.rfind("\n") + 1:], opts))
 
 
 def _normalized(text: str, opts: NormalizeOptions) -> str:
@@ -223,8 +234,14 @@ def _normalized(text: str, opts: NormalizeOptions) -> str:
     if (opts.line_trailing_whitespace and "\n" in text
             and _BLANK_LINE_END.search(text) is not None):
         # One pass over the lines: linear in the text whatever it holds (a regex over runs of
-        # spaces backtracks quadratically on a long run that does not end a line).
-        text = "\n".join(line.rstrip(" \t") for line in text.split("\n"))
+        # spaces backtracks quadratically on a long run that does not end a line). The last
+        # line does not end in a newline: its end is the text's (``trailing_whitespace``), so
+        # what the rule makes of a line never depends on other lines.
+        lines = text.split("\n")
+        last = lines.pop()
+        lines = [line.rstrip(" \t") for line in lines]
+        lines.append(last)
+        text = "\n".join(lines)
     return text
 
 

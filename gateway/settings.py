@@ -239,6 +239,13 @@ class GatewaySettings:
                        "messages on: at most this many bytes of bodies, in this process's "
                        "memory only (0: off)"),
     )
+    normal_text_bytes: int = field(
+        default=32 * 1024 * 1024,
+        metadata=_help("long prompt texts the normalization rules rewrote (lines ending in "
+                       "spaces, CRLF, ...) remembered with what they made of them, so that a "
+                       "text re-sent or extended is rewritten once: at most this many bytes, "
+                       "in this process's memory only (0: off)"),
+    )
     max_attempts: int = field(
         default=3, metadata=_help("workers tried per request before giving up")
     )
@@ -491,6 +498,8 @@ class GatewaySettings:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         if self.chat_history_bytes < 0:
             raise ValueError("chat_history_bytes must be >= 0")
+        if self.normal_text_bytes < 0:
+            raise ValueError("normal_text_bytes must be >= 0")
         self.fingerprint_options()  # validates the block settings
         self._tokenizer_options("")  # validates the tokenizer settings, file or not
         if self.chat_template != "reference" and not Path(self.chat_template).is_file():

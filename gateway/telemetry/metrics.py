@@ -100,6 +100,11 @@ class MemoCollector(Collector):
             "gateway_normal_text_prefix_hits",
             "long texts checked past the longest text found normal before that they begin with")
         prefix_hits.add_metric([], texts.prefix_hits)
+        rewritten = GaugeMetricFamily(
+            "gateway_normal_text_rewritten_bytes",
+            "bytes of long texts the rules rewrote, remembered as rewritten "
+            "(--normal-text-bytes)")
+        rewritten.add_metric([], texts.held_bytes)
         chat_hits = CounterMetricFamily(
             "gateway_chat_history_hits",
             "long chats decoded from their new messages on: joined to a remembered history")
@@ -110,7 +115,7 @@ class MemoCollector(Collector):
             "gateway_chat_history_bytes",
             "bytes of the bodies the remembered histories stand for (--chat-history-bytes)")
         held.add_metric([], chats.held_bytes)
-        yield from (text_hits, prefix_hits, chat_hits, entries, held)
+        yield from (text_hits, prefix_hits, rewritten, chat_hits, entries, held)
 
 
 class TokenizerCollector(Collector):

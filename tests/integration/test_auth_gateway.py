@@ -279,9 +279,20 @@ async def test_a_completions_agents_next_prompt_is_checked_past_its_last_per_ten
         assert texts.prefix_hits == 1  # checked from the line the last prompt ended in
         await ask(globex, turn)
         assert texts.prefix_hits == 1  # another tenant: checked whole
+        # The turn was rewritten (a line's spaces, an NBSP): kept with its rewriting, the
+        # next turn is rewritten past it.
+        assert texts.held_bytes > len(prompt)
+        await ask(acme, turn + "\nStep 401:  \nok")
+        assert texts.prefix_hits == 2
     async with aiohttp.ClientSession() as http, http.get(cluster.gateway_url + "/metrics") as r:
         exposition = await r.text()
-    assert "gateway_normal_text_prefix_hits_total 1.0" in exposition
+    assert "gateway_normal_text_prefix_hits_total 2.0" in exposition
+    assert "gateway_normal_text_rewritten_bytes 0.0" not in exposition
+    # --normal-text-bytes 0 keeps no rewritten text.
+    bare = await start_cluster(workers=1, normal_text_bytes=0)
+    async with client(bare.base_url, "unused") as anyone:
+        await ask(anyone, turn)
+    assert bare.runners["gateway"].app[STATE].normal_texts.held_bytes == 0
 
 
 async def test_a_long_chats_next_turn_is_decoded_from_its_new_messages_per_tenant(

@@ -13,6 +13,7 @@ from gateway.normalize import (
     NormalizeOptions,
     _rewrites,
     _translation_table,
+    normalize_content,
     normalize_messages,
     normalize_text,
     prepare,
@@ -424,16 +425,65 @@ def test_a_long_normal_text_is_checked_once_per_scope(width: str) -> None:
     assert (len(texts), texts.hits) == (4, 1)
 
 
-def test_texts_the_rules_change_short_texts_and_no_scope_are_not_remembered() -> None:
+def test_short_texts_and_texts_without_a_scope_are_not_remembered() -> None:
     texts = NormalTexts(min_chars=1000)
     scope = texts.scope("t", "")
-    ragged = "line with a trailing space \n" * 100
     for _ in range(2):
-        assert normalize_text(ragged, DEFAULT, scope) == "line with a trailing space\n" * 99 + (
-            "line with a trailing space")
-    assert normalize_text("short and normal", DEFAULT, scope) == "short and normal"
-    assert normalize_text(_LONG["ascii"], DEFAULT) is _LONG["ascii"]
+        assert normalize_text("short and normal", DEFAULT, scope) == "short and normal"
+        assert normalize_text("short, ragged \nx", DEFAULT, scope) == "short, ragged\nx"
+        assert normalize_text(_LONG["ascii"], DEFAULT) is _LONG["ascii"]
     assert (len(texts), texts.hits) == (0, 0)
+
+
+@pytest.mark.parametrize("width", list(_LONG))
+def test_a_long_text_the_rules_rewrite_is_rewritten_once(width: str) -> None:
+    # A context re-rendered with spaces at its lines' ends, and other rewrites.
+    texts = NormalTexts(min_chars=1000)
+    ragged = _LONG[width].replace("\n", " \t\n", 50).replace("\n", "\r\n", 3) + "\u00a0 "
+    expected = normalize_text(ragged)
+    assert expected != ragged
+    first = normalize_text(ragged, DEFAULT, texts.scope("t", ""))
+    again = normalize_text(ragged, DEFAULT, texts.scope("t", ""))
+    assert first == again == expected
+    assert (len(texts), texts.hits) == (1, 1)
+    assert texts.held_bytes >= len(expected)
+    # Another tenant rewrites it itself.
+    assert normalize_text(ragged, DEFAULT, texts.scope("u", "")) == expected
+    assert (len(texts), texts.hits) == (2, 1)
+
+
+@pytest.mark.parametrize("width", list(_LONG))
+def test_a_text_that_extends_a_rewritten_one_is_rewritten_past_it(width: str) -> None:
+    for first, more in (
+            (_LONG[width].replace("\n", "  \n", 40), "\nnormal from here"),
+            (_LONG[width].replace("\n", "  \n", 40) + "  ", "\nthe last line ended in spaces"),
+            (_LONG[width] + " \r\nragged last lines \n\u00a0", " end\n  \nmore \n"),
+            ("x" * 1200 + "\u2028" + _LONG[width] + "\u3000", "\u2029 tail")):
+        texts = NormalTexts(min_chars=1000)
+        scope = texts.scope("t", "")
+        assert normalize_text(first, DEFAULT, scope) == normalize_text(first)
+        turns = [first + more, first + more + more, first + more + more + "\n" + first]
+        for turn in turns:
+            assert normalize_text(turn, DEFAULT, scope) == normalize_text(turn), (first, more)
+        assert texts.prefix_hits == 3
+
+
+def test_rewritten_texts_are_held_within_their_budget() -> None:
+    texts = NormalTexts(min_chars=1000, rewritten_bytes=5000)
+    scope = texts.scope("t", "")
+    a, b = ("a  \n" * 800, "b  \n" * 800)  # 3,200 characters, 1,600 rewritten
+    for text in (a, b, a):
+        normalize_text(text, DEFAULT, scope)
+    assert len(texts) == 2
+    assert texts.held_bytes == 3200
+    normalize_text("c  \n" * 2000, DEFAULT, scope)  # 4,000 rewritten: only it fits
+    assert len(texts) == 1
+    assert texts.held_bytes == 4000
+    longer = a + "more  \n"  # a's rewriting is gone: the rules run on the whole text
+    assert normalize_text(longer, DEFAULT, scope) == "a\n" * 800 + "more"
+    assert texts.prefix_hits == 0
+    normalize_text("d  \n" * 3000, DEFAULT, scope)  # over the budget alone: not held
+    assert texts.held_bytes == 1605  # the longer a's "a\n" * 800 + "more\n": c made room
 
 
 def test_normal_texts_keep_the_most_recently_seen() -> None:
@@ -519,3 +569,16 @@ def test_a_text_that_parts_from_a_remembered_one_is_checked_whole() -> None:
     third = second + "  \nthird"
     assert normalize_text(third, DEFAULT, scope) == second + "\nthird"
     assert texts.prefix_hits == 2
+
+
+def test_the_line_rule_leaves_the_last_line_to_the_end_of_text_rule() -> None:
+    # What the line rule makes of a line never depends on other lines: the last line ends
+    # where the text does, which is trailing_whitespace's.
+    keep_end = NormalizeOptions(trailing_whitespace=False)
+    assert normalize_text("a  \nb  ", keep_end) == "a\nb  "
+    assert normalize_text("a\nb  ", keep_end) == "a\nb  "
+    assert normalize_text("a  \nb  ") == "a\nb"
+    # Text parts render as one text: spaces before the next part's text are not a line's end.
+    parts = normalize_content([{"type": "text", "text": "x  \ny  "},
+                               {"type": "text", "text": "z"}], DEFAULT)
+    assert "".join(p["text"] for p in parts) == "x\ny  z"
