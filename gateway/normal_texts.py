@@ -36,6 +36,8 @@ _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
 def _bytes(text: str) -> int:
     """About the bytes CPython stores ``text``'s characters in."""
     return len(text) * (1 if text.isascii() else char_width(text))
+
+
 # Texts remembered per opening, and how many of them a longer text is compared with.
 _TEXTS_PER_OPENING = 4
 
@@ -43,7 +45,7 @@ _TEXTS_PER_OPENING = 4
 class NormalTexts:
     """Long texts the rules left as they were, remembered by a keyed 64-bit hash of each
     (never the text), so that a text sent again is not checked again; and, within a budget of
-    characters, long texts the rules rewrote, with what they made of them.
+    bytes, long texts the rules rewrote, with what they made of them.
 
     A context re-sent turn after turn (a system prompt, a tool list, a conversation's
     history, a shared document) is checked once; after that it costs the gateway one hash, at
@@ -51,12 +53,13 @@ class NormalTexts:
     that is not). A text that begins with a remembered one and goes on (a completions
     agent's next prompt: its last prompt and more) is checked from that text's last line
     on: a few hashes at memory speed and the rules on what is new. A context re-rendered with
-    spaces at the ends of its lines is rewritten by the rules on every request; the rewritten
-    text is kept (``rewritten_bytes``, in the process's memory only, like the request), so
-    that it is rewritten once. Keys are scoped (:meth:`scope`: the tenant and its cache salt,
-    and the rules), so one tenant's texts never make another's faster. A collision could
-    only leave a text as the client wrote it, or give it another text's rewriting. Bounded:
-    the key (the opening, the rewritten text) seen least recently goes first.
+    spaces at the ends of its lines was rewritten by the rules on every request; such a text
+    is kept with its rewriting (``rewritten_bytes`` of both, in the process's memory only,
+    like the request), so that it is rewritten once, and its rewriting is used only for that
+    very text or one that begins with it (compared, not only hashed). Keys are scoped
+    (:meth:`scope`: the tenant and its cache salt, and the rules), so one tenant's texts never
+    make another's faster. A collision of keys could only leave a text as the client wrote
+    it. Bounded: the key (the opening, the rewritten text) seen least recently goes first.
     """
 
     def __init__(self, capacity: int = 4096, min_chars: int = 8192,
@@ -69,9 +72,11 @@ class NormalTexts:
         # texts that open so, as (stored bytes, key, rewritten), newest first: a prompt that
         # extends one of them (a completions agent's next turn) is checked past it only.
         self._openings: dict[int, tuple[tuple[int, int, bool], ...]] = {}
-        # Key of a text the rules rewrote -> (what they made of it, the length of the part
-        # made of the text's lines before its last one).
-        self._rewritten: dict[int, tuple[str, int]] = {}
+        # Key of a text the rules rewrote -> the text, what they made of it, and the length of
+        # the part of that made of the text's lines before its last one. The text is compared
+        # before its rewriting is used: a key's collision must not hand a request another
+        # request's text.
+        self._rewritten: dict[int, tuple[str, str, int]] = {}
         self.held_bytes = 0
         self.hits = 0
         self.prefix_hits = 0
@@ -91,14 +96,20 @@ class NormalTexts:
         self.hits += 1
         return True
 
-    def rewriting(self, key: int, hit: bool = True) -> tuple[str, int] | None:
-        """What the rules made of the text of ``key`` and the length of its part before the
-        text's last line, if remembered (``hit``: counted as a text not checked again)."""
-        found = self._rewritten.pop(key, None)
-        if found is not None:
-            self._rewritten[key] = found  # most recently seen last
-            self.hits += hit
-        return found
+    def rewriting(self, key: int, text: str, whole: bool = True) -> tuple[str, int] | None:
+        """What the rules made of the remembered text of ``key`` and the length of its part
+        before that text's last line, if ``text`` is that text (``whole``: a request's text
+        sent again, counted as a text not checked again) or begins with it."""
+        found = self._rewritten.get(key)
+        if found is None:
+            return None
+        original, rewritten, head = found
+        if not (text == original if whole else text.startswith(original)):
+            return None
+        del self._rewritten[key]
+        self._rewritten[key] = found  # most recently seen last
+        self.hits += whole
+        return rewritten, head
 
     def add(self, key: int, opening: int | None = None, stored: int = 0) -> None:
         """Remember ``key``; with ``opening``, also as a text of ``stored`` bytes that a
@@ -109,22 +120,22 @@ class NormalTexts:
         if opening is not None:
             self._opened(opening, stored, key, False)
 
-    def add_rewritten(self, key: int, opening: int, stored: int, rewritten: str,
+    def add_rewritten(self, key: int, opening: int, stored: int, text: str, rewritten: str,
                       head: int) -> None:
-        """Remember that the rules made ``rewritten`` of the text of ``key`` (``stored``
+        """Remember that the rules made ``rewritten`` of ``text`` (key ``key``, ``stored``
         bytes, opening with ``opening``), ``head`` characters of it from the lines before the
-        text's last one; not if it alone is over the budget."""
-        size = _bytes(rewritten)
+        text's last one; not if the two alone are over the budget."""
+        size = _bytes(text) + _bytes(rewritten)
         if size > self.rewritten_bytes:
             return
         old = self._rewritten.pop(key, None)
         if old is not None:
-            self.held_bytes -= _bytes(old[0])
-        self._rewritten[key] = (rewritten, head)
+            self.held_bytes -= _bytes(old[0]) + _bytes(old[1])
+        self._rewritten[key] = (text, rewritten, head)
         self.held_bytes += size
         while self.held_bytes > self.rewritten_bytes or len(self._rewritten) > self.capacity:
-            text, _ = self._rewritten.pop(next(iter(self._rewritten)))
-            self.held_bytes -= _bytes(text)
+            gone = self._rewritten.pop(next(iter(self._rewritten)))
+            self.held_bytes -= _bytes(gone[0]) + _bytes(gone[1])
         self._opened(opening, stored, key, True)
 
     def _opened(self, opening: int, stored: int, key: int, rewritten: bool) -> None:
@@ -168,7 +179,7 @@ class TextScope:
         texts = self.texts
         if texts.known(key):
             return Look(key, 0, len(data), known=True, prefix=len(text))
-        rewriting = texts.rewriting(key)
+        rewriting = texts.rewriting(key, text)
         if rewriting is not None:
             return Look(key, 0, len(data), known=True, prefix=len(text), output=rewriting[0])
         width = len(data) // len(text)
@@ -179,9 +190,9 @@ class TextScope:
                 continue
             head = None
             if rewritten:
-                earlier = texts.rewriting(other, hit=False)
+                earlier = texts.rewriting(other, text, whole=False)
                 if earlier is None:
-                    continue  # its rewriting is no longer held
+                    continue  # its rewriting is no longer held (or another text's key)
                 head = earlier[0][:earlier[1]]
             texts.prefix_hits += 1
             return Look(key, opening, len(data), known=False, prefix=size // width, head=head)
@@ -203,10 +214,11 @@ class Look:
     output: str | None = None
     head: str | None = None
 
-    def remember(self, texts: NormalTexts, rewritten: str | None = None, head: int = 0) -> None:
-        """Remember the text, found normal, or (``rewritten``) what the rules made of it,
+    def remember(self, texts: NormalTexts, text: str, rewritten: str | None = None,
+                 head: int = 0) -> None:
+        """Remember ``text``, found normal, or (``rewritten``) what the rules made of it,
         ``head`` characters of it from the text's lines before its last one."""
         if rewritten is None:
             texts.add(self.key, self.opening, self.size)
         else:
-            texts.add_rewritten(self.key, self.opening, self.size, rewritten, head)
+            texts.add_rewritten(self.key, self.opening, self.size, text, rewritten, head)

@@ -194,9 +194,10 @@ def normalize_text(
         else:
             out = _normalized_past(text, opts, look.prefix, look.head)
             if out is text:  # every rule returns the text itself when it changes nothing
-                look.remember(seen.texts)
+                look.remember(seen.texts, text)
             else:
-                look.remember(seen.texts, out, len(out) - _last_line_normalized(text, opts))
+                look.remember(seen.texts, text, out,
+                              len(out) - _last_line_normalized(text, opts))
     return out.rstrip() if opts.trailing_whitespace else out
 
 

@@ -469,21 +469,35 @@ def test_a_text_that_extends_a_rewritten_one_is_rewritten_past_it(width: str) ->
 
 
 def test_rewritten_texts_are_held_within_their_budget() -> None:
-    texts = NormalTexts(min_chars=1000, rewritten_bytes=5000)
+    texts = NormalTexts(min_chars=1000, rewritten_bytes=10_000)
     scope = texts.scope("t", "")
-    a, b = ("a  \n" * 800, "b  \n" * 800)  # 3,200 characters, 1,600 rewritten
+    a, b = ("a  \n" * 800, "b  \n" * 800)  # 3,200 characters, 1,600 rewritten: 4,800 held
     for text in (a, b, a):
         normalize_text(text, DEFAULT, scope)
     assert len(texts) == 2
-    assert texts.held_bytes == 3200
-    normalize_text("c  \n" * 2000, DEFAULT, scope)  # 4,000 rewritten: only it fits
+    assert texts.held_bytes == 9600  # b, then a again
+    normalize_text("c  \n" * 1500, DEFAULT, scope)  # 6,000 + 3,000: only it fits
     assert len(texts) == 1
-    assert texts.held_bytes == 4000
+    assert texts.held_bytes == 9000
     longer = a + "more  \n"  # a's rewriting is gone: the rules run on the whole text
     assert normalize_text(longer, DEFAULT, scope) == "a\n" * 800 + "more"
     assert texts.prefix_hits == 0
+    assert texts.held_bytes == 3207 + 1605  # the longer a; c made room
     normalize_text("d  \n" * 3000, DEFAULT, scope)  # over the budget alone: not held
-    assert texts.held_bytes == 1605  # the longer a's "a\n" * 800 + "more\n": c made room
+    assert texts.held_bytes == 3207 + 1605
+
+
+def test_a_rewriting_is_used_only_for_the_text_it_was_made_of() -> None:
+    # Keys that collide (forced here) never hand a request another text's rewriting.
+    texts = NormalTexts(min_chars=1000)
+    scope = texts.scope("t", "")
+    mine, other = "mine  \n" * 200, "other  \n" * 200
+    look = scope.look(mine, DEFAULT)
+    texts.add_rewritten(look.key, look.opening, look.size, other, "LEAKED", 0)
+    assert normalize_text(mine + "more", DEFAULT, scope) == "mine\n" * 200 + "more"
+    assert texts.prefix_hits == 0
+    assert normalize_text(mine, DEFAULT, scope) == "mine\n" * 199 + "mine"
+    assert texts.hits == 0
 
 
 def test_normal_texts_keep_the_most_recently_seen() -> None:
