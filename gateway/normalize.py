@@ -196,8 +196,8 @@ def normalize_text(
             if out is text:  # every rule returns the text itself when it changes nothing
                 look.remember(seen.texts, text)
             else:
-                look.remember(seen.texts, text, out,
-                              len(out) - _last_line_normalized(text, opts))
+                head = len(out) - _last_line_normalized(text, opts) if "\n" in text else 0
+                look.remember(seen.texts, text, out, head)
     return out.rstrip() if opts.trailing_whitespace else out
 
 
@@ -219,7 +219,8 @@ def _normalized_past(text: str, opts: NormalizeOptions, known: int, head: str | 
 
 def _last_line_normalized(text: str, opts: NormalizeOptions) -> int:
     """The length of what the rules make of ``text``'s last line (after its last newline):
-    what they make of the whole text ends with it, every rule being local to a line."""
+    what they make of the whole text ends with it, every rule being local to a line. (The
+    caller passes a text with a newline: of one line, all of it is the last.)"""
     return len(_normalized(text[text.rfind("\n") + 1:], opts))
 
 

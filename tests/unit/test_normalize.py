@@ -458,7 +458,8 @@ def test_a_text_that_extends_a_rewritten_one_is_rewritten_past_it(width: str) ->
             (_LONG[width].replace("\n", "  \n", 40), "\nnormal from here"),
             (_LONG[width].replace("\n", "  \n", 40) + "  ", "\nthe last line ended in spaces"),
             (_LONG[width] + " \r\nragged last lines \n\u00a0", " end\n  \nmore \n"),
-            ("x" * 1200 + "\u2028" + _LONG[width] + "\u3000", "\u2029 tail")):
+            ("x" * 1200 + "\u2028" + _LONG[width] + "\u3000", "\u2029 tail"),
+            ("one line\u00a0" * 150, " and more\u00a0 \nnext")):
         texts = NormalTexts(min_chars=1000)
         scope = texts.scope("t", "")
         assert normalize_text(first, DEFAULT, scope) == normalize_text(first)
