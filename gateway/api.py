@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.auth import ANONYMOUS, AUTH_KEY, IDENTITY_KEY, Identity
 from gateway.backends.base import UpstreamRequest
 from gateway.errors import ModelNotFound, NoWorkerAvailable, PayloadTooLarge, RequestTimeout
-from gateway.fingerprint import Namespace, fingerprint
+from gateway.fingerprint import Namespace
 from gateway.limits import LIMITS_KEY
 from gateway.misses import prompt_head_hash
 from gateway.normal_texts import TextScope
@@ -130,10 +130,11 @@ async def prepare(
             prompt_tokens = tokenized.tokens
     else:
         # The model's version is part of the namespace: prefixes of an old model never match.
-        key = fingerprint(parsed.fingerprint_text,
-                          Namespace(tenant=tenant, model=state.pool.model_identity(parsed.model),
-                                    cache_salt=parsed.cache_salt),
-                          settings.fingerprint_options())
+        key = state.fingerprints.fingerprint(
+            parsed.fingerprint_text,
+            Namespace(tenant=tenant, model=state.pool.model_identity(parsed.model),
+                      cache_salt=parsed.cache_salt),
+            settings.fingerprint_options())
     route_request = RouteRequest(
         key=key, model=parsed.model, cost_tokens=cost, prompt_tokens=prompt_tokens,
         block_tokens=block_tokens,

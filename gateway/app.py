@@ -355,7 +355,8 @@ def create_app(
         chat_histories=ChatHistories(max_bytes=settings.chat_history_bytes),
         normal_texts=NormalTexts(rewritten_bytes=settings.normal_text_bytes),
     )
-    metrics.registry.register(MemoCollector(state.normal_texts, state.chat_histories))
+    metrics.registry.register(
+        MemoCollector(state.normal_texts, state.chat_histories, state.fingerprints))
     lifecycle = CacheLifecycle(pool, backend_for, warmup)
     telemetry = Telemetry(
         metrics=metrics,

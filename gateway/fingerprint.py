@@ -153,9 +153,12 @@ class PrefixKey:
 
 
 def fingerprint(
-    text: str, namespace: Namespace, opts: FingerprintOptions = FingerprintOptions()
+    text: str, namespace: Namespace, opts: FingerprintOptions = FingerprintOptions(),
+    prior: PrefixKey | None = None,
 ) -> PrefixKey:
-    """Fingerprint ``text`` (already normalized) within ``namespace``."""
+    """Fingerprint ``text`` (already normalized) within ``namespace``. ``prior``: the key, in
+    the same namespace and options, of a text that ``text`` begins with; its checkpoints that
+    are also ``text``'s are taken as they are, and only the rest of ``text`` is hashed."""
     size = opts.block_chars
     full = min(len(text) // size, opts.max_blocks)
     seed = namespace.seed()
@@ -164,18 +167,32 @@ def fingerprint(
         blocks = [hash_fn(text.encode("utf-8"), seed=seed)] if text else []
         anchor = blocks[0] if blocks else seed
         return PrefixKey(tuple(blocks), anchor, len(text), (1,) if blocks else ())
-    depths = checkpoint_depths(full, opts)
+    all_depths = depths = checkpoint_depths(full, opts)
     blocks = []
     h = seed
     start = 0
+    if prior is not None and prior.depths:
+        # Checkpoint positions depend only on the depth, the last one (the prompt's end) aside.
+        kept = 0
+        for old, new in zip(prior.depths[:-1], depths, strict=False):
+            if old != new:
+                break
+            kept += 1
+        if kept:
+            blocks = list(prior.blocks[:kept])
+            h = blocks[-1]
+            start = depths[kept - 1] * size
+            depths = depths[kept:]
     if text.isascii():  # one character is one byte: slice the encoded text without copying
         end = full * size
-        # Encoded whole unless that would encode more than a block past the last full one: a
-        # slice first would copy the prompt once more.
-        data = memoryview((text if len(text) - end < size else text[:end]).encode("ascii"))
+        # Encoded whole unless that would encode more than a block past the last full one, or
+        # the part a prior key covers: a slice first would copy the prompt once more.
+        base = start
+        whole = base == 0 and len(text) - end < size
+        data = memoryview((text if whole else text[base:end]).encode("ascii"))
         for d in depths:
             end = d * size
-            h = hash_fn(data[start:end], seed=h)
+            h = hash_fn(data[start - base:end - base], seed=h)
             blocks.append(h)
             start = end
     else:
@@ -185,5 +202,5 @@ def fingerprint(
             blocks.append(h)
             start = end
     # The deepest checkpoint within the first anchor_blocks blocks (the last, if fewer).
-    anchor = blocks[max(0, bisect.bisect_right(depths, opts.anchor_blocks) - 1)]
-    return PrefixKey(tuple(blocks), anchor, len(text), tuple(depths))
+    anchor = blocks[max(0, bisect.bisect_right(all_depths, opts.anchor_blocks) - 1)]
+    return PrefixKey(tuple(blocks), anchor, len(text), tuple(all_depths))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from gateway.backends.base import Backend
 from gateway.chat_histories import ChatHistories
+from gateway.fingerprint_memo import FingerprintMemo
 from gateway.guard import UpstreamGuard
 from gateway.kvevents.source import ExactSource
 from gateway.normal_texts import NormalTexts
@@ -39,6 +40,8 @@ class GatewayState:
     normal_texts: NormalTexts = field(default_factory=NormalTexts)
     # Long chats by the bytes that carried them, per tenant (gateway.chat_histories).
     chat_histories: ChatHistories = field(default_factory=ChatHistories)
+    # Keys of long prompts per namespace, for their next turns (gateway.fingerprint_memo).
+    fingerprints: FingerprintMemo = field(default_factory=FingerprintMemo)
 
     def backend_for(self, worker: Worker) -> Backend:
         backend = self.backends.get(worker.kind)

@@ -9,7 +9,9 @@ also the long prompts of ``loadtest.bench_overhead --long-text``), in ms, median
 * ``rules, seen``: the same text again, remembered (:class:`gateway.normal_texts.NormalTexts`);
 * ``next turn``, ``next turn, seen``: the rules on texts that each add a line to the one
   before (a completions agent's turns), without and with the memo;
-* ``fingerprint``: :func:`gateway.fingerprint.fingerprint` of the normalized text.
+* ``fingerprint``: :func:`gateway.fingerprint.fingerprint` of the normalized text;
+  ``fingerprint, next turn``: of texts that each add a line to the one before, hashed past it
+  (:class:`gateway.fingerprint_memo.FingerprintMemo`).
 
 and on agent transcripts of ``--messages`` messages (a tool call, then its result of a few
 lines, in turn; :func:`transcript`): the body's JSON decoding, :func:`parse_chat` (validation,
@@ -107,6 +109,20 @@ def _row(text: str, runs: int, settings: GatewaySettings) -> dict[str, float]:
         row["next turn, seen"] = _median_ms(
             lambda: normalize.normalize_text(next(memo), opts, chain.scope("t", "")), runs)
     row["fingerprint"] = _median_ms(lambda: fingerprint(normal, namespace, fp_opts), runs)
+    try:  # a checkout from before it has none
+        from gateway.fingerprint_memo import FingerprintMemo
+    except ImportError:
+        return row
+    # The fingerprint of an agent's turns, each the one before and a line more (normalized
+    # beforehand), hashed past the turn before.
+    normal_turns = [normal]
+    for i in range(runs):
+        normal_turns.append(f"{normal_turns[-1]}\nturn {i}: {normal[:100]}")
+    keys = FingerprintMemo()
+    keys.fingerprint(normal, namespace, fp_opts)
+    later = iter(normal_turns[1:])
+    row["fingerprint, next turn"] = _median_ms(
+        lambda: keys.fingerprint(next(later), namespace, fp_opts), runs)
     return row
 
 

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from gateway.chat_histories import ChatHistories
+from gateway.fingerprint_memo import FingerprintMemo
 from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.normal_texts import NormalTexts
 from gateway.pool import WorkerPool
@@ -87,9 +88,11 @@ class MemoCollector(Collector):
     """What the gateway remembers of long prompts, read at scrape time: texts found normal
     (:mod:`gateway.normal_texts`) and long chats (:mod:`gateway.chat_histories`)."""
 
-    def __init__(self, texts: NormalTexts, chats: ChatHistories) -> None:
+    def __init__(self, texts: NormalTexts, chats: ChatHistories,
+                 fingerprints: FingerprintMemo) -> None:
         self._texts = texts
         self._chats = chats
+        self._fingerprints = fingerprints
 
     def collect(self) -> Iterator[Metric]:
         texts, chats = self._texts, self._chats
@@ -115,7 +118,11 @@ class MemoCollector(Collector):
             "gateway_chat_history_bytes",
             "bytes of the bodies the remembered histories stand for (--chat-history-bytes)")
         held.add_metric([], chats.held_bytes)
-        yield from (text_hits, prefix_hits, rewritten, chat_hits, entries, held)
+        chains = CounterMetricFamily(
+            "gateway_fingerprint_prefix_hits",
+            "long prompts hashed past the prompt before them (an agent's next turn)")
+        chains.add_metric([], self._fingerprints.hits)
+        yield from (text_hits, prefix_hits, rewritten, chat_hits, entries, held, chains)
 
 
 class TokenizerCollector(Collector):

@@ -287,6 +287,8 @@ async def test_a_completions_agents_next_prompt_is_checked_past_its_last_per_ten
     async with aiohttp.ClientSession() as http, http.get(cluster.gateway_url + "/metrics") as r:
         exposition = await r.text()
     assert "gateway_normal_text_prefix_hits_total 2.0" in exposition
+    # Each of acme's turns was also hashed past the one before (globex's was not).
+    assert "gateway_fingerprint_prefix_hits_total 2.0" in exposition
     assert "gateway_normal_text_rewritten_bytes 0.0" not in exposition
     # --normal-text-bytes 0 keeps no rewritten text.
     bare = await start_cluster(workers=1, normal_text_bytes=0)
