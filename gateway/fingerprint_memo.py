@@ -10,24 +10,26 @@ begins with one of those texts (compared, not hashed: a memcmp) takes that key's
 and hashes only what follows. The keys are the same as :func:`fingerprint`'s.
 
 Per namespace (tenant, model, cache salt): one tenant's prompts never make another's faster.
-The texts are held in this process's memory only, within ``max_chars`` characters.
+The texts are held in this process's memory only, within ``max_bytes`` (as CPython stores
+them; often the very strings the request's parse made, kept a little longer).
 """
 
 from __future__ import annotations
 
 from gateway.fingerprint import FingerprintOptions, Namespace, PrefixKey, fingerprint
+from gateway.normal_texts import char_width
 
 # Texts kept per namespace and opening: an agent's last turn, and one other it forked from.
 _PER_OPENING = 2
 
 
 class FingerprintMemo:
-    def __init__(self, max_chars: int = 32 << 20, min_chars: int = 8192) -> None:
-        self.max_chars = max_chars
+    def __init__(self, max_bytes: int = 32 << 20, min_chars: int = 8192) -> None:
+        self.max_bytes = max_bytes
         self.min_chars = min_chars
         self._texts: dict[tuple[int, FingerprintOptions, int],
                           tuple[tuple[str, PrefixKey], ...]] = {}
-        self.held_chars = 0
+        self.held_bytes = 0
         self.hits = 0
 
     def __len__(self) -> int:
@@ -36,7 +38,7 @@ class FingerprintMemo:
     def fingerprint(self, text: str, namespace: Namespace,
                     opts: FingerprintOptions) -> PrefixKey:
         """:func:`fingerprint` of ``text``, hashed past the longest kept text it begins with."""
-        if len(text) < self.min_chars or not self.max_chars:
+        if len(text) < self.min_chars or not self.max_bytes:
             return fingerprint(text, namespace, opts)
         opening = (namespace.seed(), opts, hash(text[:self.min_chars]))
         kept = self._texts.pop(opening, ())
@@ -51,9 +53,13 @@ class FingerprintMemo:
         # this one), nor one it equals.
         others = tuple((t, k) for t, k in kept if not text.startswith(t))
         now = ((text, key), *others)[:_PER_OPENING]
-        self.held_chars += sum(len(t) for t, _ in now) - sum(len(t) for t, _ in kept)
+        self.held_bytes += _bytes(now) - _bytes(kept)
         self._texts[opening] = now
-        while self.held_chars > self.max_chars and self._texts:
-            oldest = self._texts.pop(next(iter(self._texts)))
-            self.held_chars -= sum(len(t) for t, _ in oldest)
+        while self.held_bytes > self.max_bytes and self._texts:
+            self.held_bytes -= _bytes(self._texts.pop(next(iter(self._texts))))
         return key
+
+
+def _bytes(kept: tuple[tuple[str, PrefixKey], ...]) -> int:
+    """About the bytes CPython stores the kept texts' characters in."""
+    return sum(len(t) * (1 if t.isascii() else char_width(t)) for t, _ in kept)

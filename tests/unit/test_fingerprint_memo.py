@@ -60,17 +60,20 @@ def test_the_memo_gives_fingerprint_s_keys_turn_after_turn() -> None:
 
 
 def test_the_memo_holds_its_texts_within_its_budget() -> None:
-    memo = FingerprintMemo(max_chars=5000, min_chars=100)
+    memo = FingerprintMemo(max_bytes=5000, min_chars=100)
     texts = [_text(2000, seed, "abc ") for seed in range(4)]
     for text in texts:
         memo.fingerprint(text, NS, SMALL)
-    assert memo.held_chars <= 5000
+    assert memo.held_bytes <= 5000
     assert len(memo) == 2  # the two latest
     # A text's next turn replaces it; short texts are not kept.
     memo.fingerprint(texts[-1] + "more", NS, SMALL)
-    assert (len(memo), memo.held_chars, memo.hits) == (2, 4004, 1)
+    assert (len(memo), memo.held_bytes, memo.hits) == (2, 4004, 1)
     memo.fingerprint("short", NS, SMALL)
     assert len(memo) == 2
-    off = FingerprintMemo(max_chars=0, min_chars=100)
+    wide = FingerprintMemo(min_chars=100)
+    wide.fingerprint("\u2019" * 1000, NS, SMALL)  # stored two bytes a character
+    assert wide.held_bytes == 2000
+    off = FingerprintMemo(max_bytes=0, min_chars=100)
     assert off.fingerprint(texts[0], NS, SMALL) == fingerprint(texts[0], NS, SMALL)
     assert len(off) == 0
