@@ -96,33 +96,29 @@ class MemoCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         texts, chats = self._texts, self._chats
-        text_hits = CounterMetricFamily(
-            "gateway_normal_text_hits", "long texts not checked again: found normal before")
-        text_hits.add_metric([], texts.hits)
-        prefix_hits = CounterMetricFamily(
-            "gateway_normal_text_prefix_hits",
-            "long texts checked past the longest text found normal before that they begin with")
-        prefix_hits.add_metric([], texts.prefix_hits)
-        rewritten = GaugeMetricFamily(
-            "gateway_normal_text_rewritten_bytes",
-            "bytes of long texts the rules rewrote, remembered as rewritten "
-            "(--normal-text-bytes)")
-        rewritten.add_metric([], texts.held_bytes)
-        chat_hits = CounterMetricFamily(
-            "gateway_chat_history_hits",
-            "long chats decoded from their new messages on: joined to a remembered history")
-        chat_hits.add_metric([], chats.hits)
-        entries = GaugeMetricFamily("gateway_chat_histories", "long chats remembered")
-        entries.add_metric([], len(chats))
-        held = GaugeMetricFamily(
-            "gateway_chat_history_bytes",
-            "bytes of the bodies the remembered histories stand for (--chat-history-bytes)")
-        held.add_metric([], chats.held_bytes)
-        chains = CounterMetricFamily(
-            "gateway_fingerprint_prefix_hits",
-            "long prompts hashed past the prompt before them (an agent's next turn)")
-        chains.add_metric([], self._fingerprints.hits)
-        yield from (text_hits, prefix_hits, rewritten, chat_hits, entries, held, chains)
+        for family, name, help_text, value in (
+            (CounterMetricFamily, "gateway_normal_text_hits",
+             "long texts not checked again: found normal before", texts.hits),
+            (CounterMetricFamily, "gateway_normal_text_prefix_hits",
+             "long texts checked past the longest text found normal before that they begin "
+             "with", texts.prefix_hits),
+            (GaugeMetricFamily, "gateway_normal_text_rewritten_bytes",
+             "bytes of long texts the rules rewrote, remembered as rewritten "
+             "(--normal-text-bytes)", texts.held_bytes),
+            (CounterMetricFamily, "gateway_chat_history_hits",
+             "long chats decoded from their new messages on: joined to a remembered history",
+             chats.hits),
+            (GaugeMetricFamily, "gateway_chat_histories", "long chats remembered", len(chats)),
+            (GaugeMetricFamily, "gateway_chat_history_bytes",
+             "bytes of the bodies the remembered histories stand for (--chat-history-bytes)",
+             chats.held_bytes),
+            (CounterMetricFamily, "gateway_fingerprint_prefix_hits",
+             "long prompts hashed past the prompt before them (an agent's next turn)",
+             self._fingerprints.hits),
+        ):
+            metric = family(name, help_text)
+            metric.add_metric([], value)
+            yield metric
 
 
 class TokenizerCollector(Collector):
