@@ -17,7 +17,7 @@ them; often the very strings the request's parse made, kept a little longer).
 from __future__ import annotations
 
 from gateway.fingerprint import FingerprintOptions, Namespace, PrefixKey, fingerprint
-from gateway.normal_texts import char_width
+from gateway.normal_texts import stored_bytes
 
 # Texts kept per namespace and opening: an agent's last turn, and one other it forked from.
 _PER_OPENING = 2
@@ -62,4 +62,4 @@ class FingerprintMemo:
 
 def _bytes(kept: tuple[tuple[str, PrefixKey], ...]) -> int:
     """About the bytes CPython stores the kept texts' characters in."""
-    return sum(len(t) * (1 if t.isascii() else char_width(t)) for t, _ in kept)
+    return sum(stored_bytes(t) for t, _ in kept)

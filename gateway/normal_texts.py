@@ -33,7 +33,7 @@ def char_width(text: str) -> int:
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
 
-def _bytes(text: str) -> int:
+def stored_bytes(text: str) -> int:
     """About the bytes CPython stores ``text``'s characters in."""
     return len(text) * (1 if text.isascii() else char_width(text))
 
@@ -125,17 +125,17 @@ class NormalTexts:
         """Remember that the rules made ``rewritten`` of ``text`` (key ``key``, ``stored``
         bytes, opening with ``opening``), ``head`` characters of it from the lines before the
         text's last one; not if the two alone are over the budget."""
-        size = _bytes(text) + _bytes(rewritten)
+        size = stored_bytes(text) + stored_bytes(rewritten)
         if size > self.rewritten_bytes:
             return
         old = self._rewritten.pop(key, None)
         if old is not None:
-            self.held_bytes -= _bytes(old[0]) + _bytes(old[1])
+            self.held_bytes -= stored_bytes(old[0]) + stored_bytes(old[1])
         self._rewritten[key] = (text, rewritten, head)
         self.held_bytes += size
         while self.held_bytes > self.rewritten_bytes or len(self._rewritten) > self.capacity:
             gone = self._rewritten.pop(next(iter(self._rewritten)))
-            self.held_bytes -= _bytes(gone[0]) + _bytes(gone[1])
+            self.held_bytes -= stored_bytes(gone[0]) + stored_bytes(gone[1])
         self._opened(opening, stored, key, True)
 
     def _opened(self, opening: int, stored: int, key: int, rewritten: bool) -> None:
