@@ -260,6 +260,10 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "kind": s.worker.kind,
                 "engine_metrics": dict(s.engine_metrics),
                 "scraped_at": s.scraped_at,  # the gateway's monotonic clock, seconds
+                # The engine's mean time to first token for the requests it started between
+                # its last two scrapes (null: it does not say); under quick_first_token_s
+                # the hard load bound does not apply to it.
+                "first_token_s": s.first_token_s,
                 # The prefix index's model of its cache: size (0 = unknown) and blocks held.
                 "capacity_blocks": s.capacity_blocks,
                 "modelled_blocks": state.index.held_blocks(s.worker.id),

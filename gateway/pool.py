@@ -13,7 +13,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.backends.registry import kind_of_url
-from gateway.contracts.engine_metrics import QUEUE_TIME_COUNT, QUEUE_TIME_SUM, RUNNING, WAITING
+from gateway.contracts.engine_metrics import (
+    FIRST_TOKEN_TIME_COUNT,
+    FIRST_TOKEN_TIME_SUM,
+    QUEUE_TIME_COUNT,
+    QUEUE_TIME_SUM,
+    RUNNING,
+    WAITING,
+)
 from gateway.kvevents.endpoints import EventEndpoints, split_url
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.ring import Ring
@@ -60,6 +67,10 @@ class WorkerState:
     # admission (vLLM's request_queue_time histogram); None: the engine does not say.
     queue_s: float | None = None
     queue_seen: tuple[float, float] = (0.0, 0.0)  # that histogram's sum and count, last scrape
+    # Mean seconds to the first token of the requests its engine started since the scrape
+    # before (vLLM's time_to_first_token histogram); None: the engine does not say.
+    first_token_s: float | None = None
+    first_token_seen: tuple[float, float] = (0.0, 0.0)
     events: EventEndpoints | None = None  # where its engine publishes KV events
     predictions: int = 0  # responses whose cached tokens the gateway had predicted
     predicted_exactly: int = 0  # ... and got exactly right
@@ -105,23 +116,40 @@ class WorkerState:
             worker = dataclasses.replace(worker, weight=worker.weight * self.ramp)
         return WorkerView(worker, self.healthy and not self.held_out, requests, tokens,
                           self.inflight_prefill, tuple(self.inflight_prompts.values()),
-                          self.waiting_requests())
+                          self.waiting_requests(), self.first_token_s)
 
 
-def _note_queue_time(state: WorkerState, metrics: Mapping[str, float]) -> None:
-    """The mean admission wait of the requests the engine admitted since the last scrape;
-    with none admitted, 0 if none waits either, else unchanged."""
-    total, count = metrics.get(QUEUE_TIME_SUM), metrics.get(QUEUE_TIME_COUNT)
-    if total is None or count is None:
-        return
-    seen_total, seen_count = state.queue_seen
-    state.queue_seen = (total, count)
+def _mean_since(seen: tuple[float, float], total: float, count: float
+                ) -> tuple[bool, float | None]:
+    """Whether a histogram (its ``total`` sum and ``count`` now, ``seen`` at the scrape before)
+    says something new, and what: the mean of the observations since, or None when its
+    counters went back (the engine restarted)."""
+    seen_total, seen_count = seen
     if count > seen_count and total >= seen_total:
-        state.queue_s = (total - seen_total) / (count - seen_count)
-    elif count < seen_count or total < seen_total:  # the engine restarted: counters reset
-        state.queue_s = None
-    elif not metrics.get(WAITING, 0.0):
-        state.queue_s = 0.0
+        return True, (total - seen_total) / (count - seen_count)
+    if count < seen_count or total < seen_total:
+        return True, None
+    return False, None
+
+
+def _note_engine_times(state: WorkerState, metrics: Mapping[str, float]) -> None:
+    """The mean admission wait and time to first token of the requests the engine took since
+    the last scrape. With none taken, the admission wait is 0 if none waits either, and both
+    are otherwise unchanged."""
+    total, count = metrics.get(QUEUE_TIME_SUM), metrics.get(QUEUE_TIME_COUNT)
+    if total is not None and count is not None:
+        changed, mean = _mean_since(state.queue_seen, total, count)
+        state.queue_seen = (total, count)
+        if changed:
+            state.queue_s = mean
+        elif not metrics.get(WAITING, 0.0):
+            state.queue_s = 0.0
+    total, count = metrics.get(FIRST_TOKEN_TIME_SUM), metrics.get(FIRST_TOKEN_TIME_COUNT)
+    if total is not None and count is not None:
+        changed, mean = _mean_since(state.first_token_seen, total, count)
+        state.first_token_seen = (total, count)
+        if changed:
+            state.first_token_s = mean
 
 
 class WorkerPool:
@@ -284,7 +312,7 @@ class WorkerPool:
         if metrics is not None:
             state.engine_metrics = dict(metrics)
             state.scraped_at = time.monotonic()
-            _note_queue_time(state, metrics)
+            _note_engine_times(state, metrics)
             running = int(metrics.get(RUNNING, 0.0))
             if metrics.get(WAITING, 0.0) > 0 and running >= 1:
                 state.slots = running  # full: what it runs now is its limit now

@@ -129,6 +129,12 @@ class GatewaySettings:
                        "extends a prompt it holds) when the session routed at least half a "
                        "worker's share recently (0: never)"),
     )
+    quick_first_token_s: float = field(
+        default=_POLICY.quick_first_token_s,
+        metadata=_help("cache_aware: a worker whose engine reports a mean time to first token "
+                       "under this many seconds for its recent requests is exempt from the hard "
+                       "load bound (0: never)"),
+    )
     store: str = field(
         default="memory://",
         metadata=_help("metadata store: memory:// (embedded, one process) or redis://host:port/db"),

@@ -52,6 +52,8 @@ ENGINE_METRICS = (
     metric.total(metric.PREFIX_CACHE_HITS),
     metric.QUEUE_TIME_SUM,
     metric.QUEUE_TIME_COUNT,
+    metric.FIRST_TOKEN_TIME_SUM,
+    metric.FIRST_TOKEN_TIME_COUNT,
 )
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
 _CACHE_INFO = re.compile(rf"^{re.escape(metric.CACHE_CONFIG_INFO)}\{{(?P<labels>[^}}]*)\}}",

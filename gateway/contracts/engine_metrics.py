@@ -11,6 +11,10 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"  # labels block_size, num_gpu_block
 QUEUE_TIME = "vllm:request_queue_time_seconds"
 QUEUE_TIME_SUM = QUEUE_TIME + "_sum"
 QUEUE_TIME_COUNT = QUEUE_TIME + "_count"
+# Histogram: seconds from each request's arrival to its first token.
+FIRST_TOKEN_TIME = "vllm:time_to_first_token_seconds"
+FIRST_TOKEN_TIME_SUM = FIRST_TOKEN_TIME + "_sum"
+FIRST_TOKEN_TIME_COUNT = FIRST_TOKEN_TIME + "_count"
 
 
 def total(counter: str) -> str:

@@ -44,6 +44,9 @@ class WorkerView:
     # ``num_requests_waiting`` at the last scrape): queueing that prefill tokens do not show,
     # e.g. an engine whose running slots are all taken by cached requests decoding.
     waiting_requests: int = 0
+    # Mean seconds to the first token of the requests its engine started lately (vLLM's
+    # ``time_to_first_token`` histogram between two scrapes); None: the engine does not say.
+    first_token_s: float | None = None
     id: str = field(init=False)  # = worker.id; a plain attribute, read on every decision
 
     def __post_init__(self) -> None:

@@ -67,6 +67,13 @@ in admission order (prefill is compute bound: a worker's uncached tokens queue u
 prefill: queue + prefill wait + prefill), then decode takes ``SimCosts.decode_seconds(output)``
 and runs alongside other requests' decode without slowing them.
 
+**Health probes.** Every ``probe_interval_s`` of simulated time (the gateway's
+``health_interval_s``) the gateway reads each worker's engine metrics, as its health probes
+scrape vLLM's ``/metrics``: the running and waiting requests, and the sums and counts of the
+admission-wait and time-to-first-token histograms (from each request's arrival at the worker;
+counted when it is admitted, its first token's time known then). A live replay gives the live
+run's scrapes instead (``scrape_log``).
+
 Default costs (:data:`DEFAULT_COSTS`): 100 us per uncached prompt token (10k tokens/s of prefill
 per worker), 2.5 us per cached token (the 1:40 ratio of ``SimCosts``' defaults), 5 ms per output
 token (``SimCosts``' default). On the conversation trace (3.4 requests/s, ~12k prompt tokens
@@ -88,6 +95,14 @@ from typing import Literal
 
 import xxhash
 
+from gateway.contracts.engine_metrics import (
+    FIRST_TOKEN_TIME_COUNT,
+    FIRST_TOKEN_TIME_SUM,
+    QUEUE_TIME_COUNT,
+    QUEUE_TIME_SUM,
+    RUNNING,
+    WAITING,
+)
 from gateway.fingerprint import FingerprintOptions, PrefixKey, checkpoint_depths
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
@@ -178,6 +193,10 @@ class SimConfig:
     # its instant as the live gateway's health probe gave it: a worker's view counts its
     # engine's running and waiting requests at the last scrape (WorkerState.view).
     scrape_log: tuple[tuple[float, str, Mapping[str, float]], ...] = ()
+    # Without a scrape_log, the gateway scrapes every simulated worker's engine metrics this
+    # often (simulated seconds; 0: never), as its health probes do.
+    probe_interval_s: float = field(
+        default_factory=lambda: _gateway_default("health_interval_s"))
     # A live run's pre-warms, per request by position in the trace: the worker the gateway
     # pre-warmed its prefix on at its decision ("" for none). Given (a tuple as long as the
     # trace), they are placed at those decisions and the pre-warmer decides none of its own:
@@ -204,9 +223,10 @@ class SimConfig:
         if self.worker_names and len(set(self.worker_names)) != self.workers:
             raise ValueError("worker_names must name each worker once")
         if min(self.route_delay_s, self.relay_delay_s, self.rebalance_interval_s,
-               self.key_blocks_per_block, self.private_blocks) < 0:
+               self.key_blocks_per_block, self.private_blocks, self.probe_interval_s) < 0:
             raise ValueError("route_delay_s, relay_delay_s, rebalance_interval_s, "
-                             "key_blocks_per_block and private_blocks must be >= 0")
+                             "key_blocks_per_block, private_blocks and probe_interval_s "
+                             "must be >= 0")
 
 
 def gateway_key(key: PrefixKey, per_block: int,
@@ -302,6 +322,7 @@ class _Job:
     pooled_blocks: int = 0  # with loss_breakdown: what one pooled LRU would reuse
     best_blocks: int = 0  # ... and the most any worker held when it was routed
     private: Sequence[int] = ()  # hashes of its private blocks (SimConfig.private_blocks)
+    arrived: float = 0.0  # when it reached the worker (the engine's histograms count from here)
 
 
 class _Telemetry:
@@ -322,8 +343,8 @@ class _Telemetry:
 
 class _SimWorker:
     __slots__ = (
-        "blocks", "cache", "matched_blocks", "max_queue", "prefill_free_at", "queue", "routed",
-        "running", "worker",
+        "blocks", "cache", "first_token_s", "matched_blocks", "max_queue", "prefill_free_at",
+        "queue", "queue_s", "routed", "running", "started", "worker",
     )
 
     def __init__(self, worker: Worker, cache: PrefixCache) -> None:
@@ -336,6 +357,18 @@ class _SimWorker:
         self.blocks = 0
         self.matched_blocks = 0
         self.max_queue = 0
+        # The engine's histograms: requests admitted, and the sums of their admission waits
+        # and times to first token.
+        self.started = 0
+        self.queue_s = 0.0
+        self.first_token_s = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """What the engine's ``/metrics`` says now, as the gateway's probe reads it."""
+        return {RUNNING: float(self.running), WAITING: float(len(self.queue)),
+                QUEUE_TIME_SUM: self.queue_s, QUEUE_TIME_COUNT: float(self.started),
+                FIRST_TOKEN_TIME_SUM: self.first_token_s,
+                FIRST_TOKEN_TIME_COUNT: float(self.started)}
 
     def result(self) -> WorkerResult:
         return WorkerResult(self.worker.id, self.routed, self.blocks, self.matched_blocks,
@@ -382,6 +415,8 @@ class ClusterSim:
                 self._at(at, functools.partial(self._apply_logged, logged))
         for at, name, metrics in config.scrape_log:
             self._at(at, functools.partial(self._scraped, name, metrics))
+        self._next_probe = (config.probe_interval_s
+                            if config.probe_interval_s and not config.scrape_log else math.inf)
         self._inflight = 0
         self._last_decision = -math.inf  # the gateway decides in the order requests reach it
         self._ttft: list[float] = []
@@ -456,7 +491,7 @@ class ClusterSim:
         w.routed += 1
         w.queue.append(_Job(req, str(req.index), issued, attempt,
                             None if hold is None else now + hold, pos,
-                            pooled_blocks=pooled, best_blocks=best))
+                            pooled_blocks=pooled, best_blocks=best, arrived=now))
         w.max_queue = max(w.max_queue, len(w.queue))
         if self.router.uses_prefix_index:  # as the gateway does after each decision
             logged = self.config.prewarm_log
@@ -479,7 +514,7 @@ class ClusterSim:
         self._prewarms += 1
         w = self.workers[wid]
         w.queue.append(_Job(replace(req, output_tokens=1), f"prewarm-{self.prewarmer.sent}",
-                            now, None, None if hold is None else now + hold))
+                            now, None, None if hold is None else now + hold, arrived=now))
         self._pump(w, now)
 
     def _settle(self, job: _Job) -> None:
@@ -490,6 +525,11 @@ class ClusterSim:
 
     def _scraped(self, name: str, metrics: Mapping[str, float], now: float) -> None:
         self.pool.mark_up(name, frozenset(), metrics)
+
+    def _probe(self) -> None:
+        """One round of the gateway's health probes: every engine's metrics."""
+        for wid, w in self.workers.items():
+            self.pool.mark_up(wid, frozenset(), w.metrics())
 
     def _apply_logged(self, action: RebalanceAction, now: float) -> None:
         self._rebalance_actions[action.action] += 1
@@ -537,6 +577,9 @@ class ClusterSim:
                 w.prefill_free_at = first_token
             if job.attempt is not None:
                 self._ttft.append(first_token - job.issued)
+            w.started += 1
+            w.queue_s += now - job.arrived
+            w.first_token_s += first_token - job.arrived
             if self.config.streaming and job.attempt is not None:
                 self._at(first_token, functools.partial(self._first_token, job.attempt))
             # The engine frees the blocks when its own work is done; the gateway settles the
@@ -590,6 +633,9 @@ class ClusterSim:
             while self._next_rebalance <= min(t_event, t_arrival) < math.inf:
                 self._rebalance()
                 self._next_rebalance += cfg.rebalance_interval_s
+            while self._next_probe <= min(t_event, t_arrival) < math.inf:
+                self._probe()
+                self._next_probe += cfg.probe_interval_s
             if events and t_event <= t_arrival:
                 now, _, action = heapq.heappop(events)
                 action(now)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 
@@ -97,3 +99,35 @@ async def test_vllm_target_chat_completions_streaming_and_tenant_salt(
     assert view["capacity_blocks"] > 0
     assert 0 < view["modelled_blocks"] <= view["capacity_blocks"]
     assert view["input_tokens"] > 0
+
+
+async def test_the_gateway_learns_how_quickly_each_engine_starts_its_requests(
+    start_cluster: StartCluster,
+) -> None:
+    """The reference worker's ``vllm:time_to_first_token_seconds`` histogram, scraped by the
+    health probes, becomes the worker's mean time to first token in ``/admin/workers``: the
+    mean of the requests it started between two scrapes."""
+    cluster = await start_cluster(workers=1, health_interval_s=0.1, warmup=False)
+    async with aiohttp.ClientSession() as http:
+        async def view() -> dict[str, object]:
+            async with http.get(cluster.gateway_url + "/admin/workers") as r:
+                worker: dict[str, object] = (await r.json())["workers"][0]
+                return worker
+
+        before = await view()
+        assert before["first_token_s"] is None  # it started nothing yet
+        async with openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k") as oa:
+            for i in range(3):
+                await oa.completions.create(model=MODEL, prompt=f"{i} {PROMPT}", max_tokens=2)
+        for _ in range(100):
+            after = await view()
+            metrics = after["engine_metrics"]
+            assert isinstance(metrics, dict)
+            if metrics.get("vllm:time_to_first_token_seconds_count", 0) >= 3:
+                break
+            await asyncio.sleep(0.05)
+        first_token_s = after["first_token_s"]
+        assert isinstance(first_token_s, float)
+        assert isinstance(metrics, dict)
+        total = metrics["vllm:time_to_first_token_seconds_sum"]
+        assert 0.0 < first_token_s <= total  # the mean of what it started since a scrape

@@ -404,3 +404,40 @@ def test_chosen_worker_within_load_bound(policy: str, c: float) -> None:
             ]
             assert decision.match_blocks == max(matches.get(v.id, 0) for v in eligible)
     assert some_over_bound >= 30
+
+
+# -- cache_aware's hard bound guards only engines that make requests wait ----------------------
+
+
+@pytest.mark.parametrize(("first_token_s", "quick_s", "expect_kept"), [
+    (None, 0.02, False),  # the engine does not say: bounded
+    (0.5, 0.02, False),  # its requests wait half a second for a first token: bounded
+    (0.005, 0.02, True),  # they start within 5 ms: no bound, the holder keeps its prefix
+    (0.005, 0.0, False),  # the exemption off
+])
+def test_cache_aware_bounds_a_holder_only_where_requests_wait(
+    first_token_s: float | None, quick_s: float, expect_kept: bool
+) -> None:
+    # w2 holds the whole prompt with 3,000 tokens in flight; the others 100 each. The hard
+    # bound (3 x mean, with the 8 held blocks' tokens as credit) is far below 3,000.
+    views = tuple(
+        WorkerView(Worker(v.id, v.worker.url), inflight_requests=v.inflight_requests,
+                   inflight_tokens=v.inflight_tokens,
+                   first_token_s=first_token_s if v.id == "w2" else 0.005)
+        for v in _views({"w0": 100, "w1": 100, "w2": 3000, "w3": 100})
+    )
+    snap = _snapshot(views, {"w2": 8})
+    engine = build_engine("cache_aware", PolicyOptions(quick_first_token_s=quick_s))
+    decision = engine.route(RouteRequest(key=_key(), model=MODEL, cost_tokens=100,
+                                         prompt_tokens=128), snap)
+    if expect_kept:
+        assert (decision.worker_id, decision.match_blocks) == ("w2", 8)
+        assert decision.reason.startswith("prefix_hit"), decision.reason
+    else:
+        assert decision.worker_id != "w2"
+        assert "bounded_load" in decision.reason, decision.reason
+
+
+def test_quick_first_token_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="quick_first_token_s"):
+        PolicyOptions(quick_first_token_s=-1.0)

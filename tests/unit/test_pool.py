@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
 
@@ -126,3 +128,23 @@ def test_an_engine_that_turns_its_queue_over_in_milliseconds_has_nobody_waiting(
     assert scrape(0.0, 60.2, 300.0) == 0
     assert scrape(4.0, 60.2, 300.0) == 0  # the queue emptied in between: 0 until admissions
     assert scrape(4.0, 0.9, 3.0) == 4  # counters went back: a restart, no mean known yet
+
+
+def test_the_time_to_first_token_is_the_mean_of_the_requests_started_since_the_last_scrape(
+) -> None:
+    pool = WorkerPool([URL], PrefixIndex())
+
+    def scrape(total: float | None, count: float | None) -> float | None:
+        metrics = {"vllm:num_requests_running": 1.0}
+        if total is not None and count is not None:
+            metrics |= {"vllm:time_to_first_token_seconds_sum": total,
+                        "vllm:time_to_first_token_seconds_count": count}
+        pool.mark_up(WID, frozenset({"m"}), metrics)
+        return pool.snapshot(0.0).workers[0].first_token_s
+
+    assert scrape(None, None) is None  # the engine does not say
+    assert scrape(0.5, 100.0) == 0.005  # every request it started, 5 ms each
+    assert scrape(20.5, 200.0) == 0.2  # the next 100: 0.2 s each
+    assert scrape(20.5, 200.0) == 0.2  # none started since: unchanged
+    assert scrape(0.01, 1.0) is None  # counters went back: a restart, nothing known
+    assert scrape(0.03, 3.0) == pytest.approx(0.01)

@@ -429,3 +429,26 @@ def test_an_engine_scrape_counts_in_the_worker_view_from_its_instant() -> None:
     plain = ClusterSim(base)
     plain.run(reqs)
     assert plain.pool.get("a").view().inflight_requests == 0
+
+
+def test_the_gateway_probes_the_simulated_engines_for_their_times_to_first_token() -> None:
+    # One worker, 100 us per uncached token: two 1,024-token prompts sent at 0 s prefill one
+    # after the other (first tokens at 0.1024 and 0.2048 s, both admitted at once); a third
+    # comes at 2 s. The probe at 1 s reads the engine's histograms, as the gateway's health
+    # probe reads vLLM's: a mean time to first token of 0.1536 s and no admission wait.
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0)
+    reqs = trace([1, 2], [3, 4], [5, 6])
+    reqs[2] = dataclasses.replace(reqs[2], arrival_s=2.0)
+    reqs[1] = dataclasses.replace(reqs[1], arrival_s=0.0)
+    base = config(1, 16, "least_load", mode="replay", concurrency=None, costs=costs,
+                  probe_interval_s=1.0, prewarm=False)
+    sim = ClusterSim(base)
+    sim.run(reqs)
+    state = sim.pool.get(sim.pool.states()[0].worker.id)
+    assert state.first_token_s == pytest.approx(0.1536)
+    assert state.queue_s == 0.0
+    assert state.view().first_token_s == state.first_token_s
+    unprobed = ClusterSim(dataclasses.replace(base, probe_interval_s=0.0))
+    unprobed.run(reqs)
+    assert unprobed.pool.states()[0].first_token_s is None

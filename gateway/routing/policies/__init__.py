@@ -29,7 +29,10 @@ skipping any with far more in flight. Placement stays tied to the anchor, so rep
 agree, and both the request counts and the caches' eviction even out. The hard
 bound is a loose guard, ``cache_aware_load_factor`` (3 x mean): an instantaneous token bound of
 1.25 x mean sends away a quarter of the hits on real traffic, while the cost and the ring
-choices already keep the cumulative load within 1.1 x mean (BENCHMARKS.md).
+choices already keep the cumulative load within 1.1 x mean (BENCHMARKS.md). It guards only
+workers whose engines make requests wait: one that reports giving its recent requests their
+first token within ``quick_first_token_s`` (20 ms) on average is exempt, since a request
+diverted from it would lose its cache hit and start no sooner.
 A request that *branches off a shared trunk* (its deepest known prefix is a prompt others went
 on past along other paths, e.g. an agent's tool and system prompt, and it is less than half of
 the request) is a new placement: its holders that already have more than ``branch_guard``
@@ -117,12 +120,16 @@ class PolicyOptions:
     # session's next turn, when the session routed at least half a worker's share: one long
     # session cannot make a worker's load. 0: never.
     volume_guard: float = 1.2
+    # cache_aware: a worker whose engine's recent requests got their first token within this
+    # many seconds on average is exempt from the hard bound (tokens in flight there make
+    # nobody wait as long as a prefill elsewhere takes); gateway.pool.QUEUE_FLOOR_S. 0: never.
+    quick_first_token_s: float = 0.02
 
     def __post_init__(self) -> None:
         if min(self.load_floor_requests, self.hot_threshold, self.candidate_limit,
-               self.min_match_blocks, self.branch_guard) < 0:
+               self.min_match_blocks, self.branch_guard, self.quick_first_token_s) < 0:
             raise ValueError("load_floor_requests, hot_threshold, candidate_limit, "
-                             "min_match_blocks and branch_guard must be >= 0")
+                             "min_match_blocks, branch_guard and quick_first_token_s must be >= 0")
         if self.volume_guard != 0 and self.volume_guard < 1:
             raise ValueError("volume_guard must be 0 (off) or >= 1")
 
@@ -150,7 +157,7 @@ def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEng
             )
             guard = BoundedLoadFilter(
                 opts.cache_aware_load_factor, opts.load_floor_requests, opts.hot_load_factor,
-                match_credit=True,
+                match_credit=True, quick_s=opts.quick_first_token_s,
             )
             profile = Profile(
                 name, (*base, guard), ((scorer, 1.0),), SpreadPicker(

@@ -27,6 +27,14 @@ history. Requests that share that part (a hot prompt piling up there) get no suc
 so the guard still spreads a hot spot. The credit is not given to a request placed past a
 shared trunk (``Context.branch_anchor``) or to a hot prefix (whose tight bound is meant to
 spread it).
+
+With ``quick_s`` (``cache_aware``'s guard) the bound applies only where tokens in flight make
+requests wait. A worker whose engine gave the requests it started since the scrape before
+their first token within ``quick_s`` on average (vLLM's ``time_to_first_token`` histogram) is
+never over it: however many tokens it has in flight, a request sent there starts sooner than
+one that must redo its prefill elsewhere, and diverting it would only trade a cache hit for
+nothing. An engine that does not report the histogram, or has not started a request since it
+came up, is bounded as before.
 """
 
 from __future__ import annotations
@@ -64,16 +72,17 @@ class BoundedLoadFilter:
 
     def __init__(
         self, c: float = 1.25, floor_requests: float = 0.0, hot_c: float | None = None,
-        match_credit: bool = False,
+        match_credit: bool = False, quick_s: float = 0.0,
     ) -> None:
         if c < 1.0 or (hot_c is not None and hot_c < 1.0):
             raise ValueError("the load bound factors must be >= 1")
-        if floor_requests < 0.0:
-            raise ValueError("floor_requests must be >= 0")
+        if floor_requests < 0.0 or quick_s < 0.0:
+            raise ValueError("floor_requests and quick_s must be >= 0")
         self.c = c
         self.floor_requests = floor_requests
         self.hot_c = hot_c  # the factor for hot prefixes (Context.hot), if different
         self.match_credit = match_credit
+        self.quick_s = quick_s  # engines this quick to a first token are not bounded
 
     def apply(self, ctx: Context, candidates: Sequence[WorkerView]) -> list[WorkerView]:
         if ctx.pool_load is not None:  # the engine narrowed the candidates: use the whole pool
@@ -92,8 +101,12 @@ class BoundedLoadFilter:
                   and not ctx.hot and ctx.branch_anchor is None else 0.0)
         matches = ctx.matches
         floor = self.floor_requests * cost
+        quick = self.quick_s
         kept: list[WorkerView] = []
         for w in candidates:
+            if quick and w.first_token_s is not None and w.first_token_s < quick:
+                kept.append(w)  # no bound: requests start there at once
+                continue
             # load_bound(c, total, cost, share, floor_requests), inline: once per candidate.
             bound = max(c * (w.worker.weight / weight_sum) * (total + cost), floor)
             if credit and (held := matches.get(w.id, 0)):
