@@ -59,6 +59,7 @@ class WorkerState:
     models: frozenset[str] = field(default_factory=frozenset)
     engine_metrics: Mapping[str, float] = field(default_factory=dict)  # scraped from /metrics
     scraped_at: float = 0.0  # when (monotonic clock) engine_metrics were scraped; 0: never
+    own_at_scrape: int = 0  # requests this gateway had in flight there when they were
     # Requests its engine runs at once, learned from a scrape that showed requests waiting for
     # admission (the running count then is the engine's limit; vLLM's depends on what fits in
     # its KV cache, so a later scrape running more raises it); 0 = not seen full yet.
@@ -99,18 +100,23 @@ class WorkerState:
         return scraped
 
     def view(self) -> WorkerView:
-        """The router's view: what gateways have in flight there, or what the engine itself
-        reports (vLLM's running + waiting requests at the last scrape, in tokens at this
-        gateway's mean request cost), whichever is larger. The engine's own count sees load
-        that no gateway replica shares with us: clients that bypass the gateway, other
-        gateways on another store."""
+        """The router's view: what this gateway has in flight there now, plus the load from
+        elsewhere. That is what the other gateway replicas have in flight there (through the
+        store), or what the engine itself reported beyond this gateway's own requests at the
+        last scrape (vLLM's running + waiting requests, in tokens at this gateway's mean
+        request cost), whichever is larger: the engine's count sees load that no replica
+        shares with us (clients that bypass the gateway, other gateways on another store).
+        Only the part beyond our own counts: a scrape is seconds old, and the requests of
+        ours it saw have mostly finished since (counting them again until the next scrape
+        made a worker that was busy when it was scraped look busy for seconds after)."""
         tokens = self.inflight_tokens + self.remote_tokens
         requests = self.inflight_requests
         engine = self.engine_metrics
         if engine:
             queued = engine.get(RUNNING, 0.0) + engine.get(WAITING, 0.0)
-            requests = max(requests, int(queued))
-            tokens = max(tokens, int(queued * self.mean_cost_tokens))
+            elsewhere = max(0, int(queued) - self.own_at_scrape)
+            requests += elsewhere
+            tokens = max(tokens, self.inflight_tokens + int(elsewhere * self.mean_cost_tokens))
         worker = self.worker
         if self.ramp != 1.0:
             worker = dataclasses.replace(worker, weight=worker.weight * self.ramp)
@@ -312,6 +318,7 @@ class WorkerPool:
         if metrics is not None:
             state.engine_metrics = dict(metrics)
             state.scraped_at = time.monotonic()
+            state.own_at_scrape = state.inflight_requests
             _note_engine_times(state, metrics)
             running = int(metrics.get(RUNNING, 0.0))
             if metrics.get(WAITING, 0.0) > 0 and running >= 1:

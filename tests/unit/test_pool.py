@@ -36,8 +36,17 @@ def test_engine_metrics_reveal_load_no_replica_shared() -> None:
     assert _view_load(pool) == (5, 1000)  # 5 requests the gateway never sent, at 200 each
     pool.acquire(WID, 200)
     pool.acquire(WID, 200)
+    # Ours add to what the engine ran for others; in tokens, the other replicas' count is
+    # larger than the engine's estimate: it wins.
     pool.set_remote_load({WID: 1000})
-    assert _view_load(pool) == (5, 1400)  # gateways' own count is larger now: it wins
+    assert _view_load(pool) == (7, 1400)
+    # The next scrape sees our 2 among its 3: one request comes from elsewhere now.
+    pool.mark_up(WID, frozenset({"m"}), {"vllm:num_requests_running": 3.0})
+    pool.set_remote_load({WID: 0})
+    assert _view_load(pool) == (3, 600)
+    pool.release(WID, 200)
+    pool.release(WID, 200)  # ours finished: the scrape's count of them is not load any more
+    assert _view_load(pool) == (1, 200)
 
 
 def test_waiting_requests_follow_the_gateways_count_once_the_engine_was_seen_full() -> None:
