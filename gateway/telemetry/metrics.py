@@ -54,6 +54,11 @@ class _PoolCollector(Collector):
         matched = CounterMetricFamily("gateway_worker_matched_tokens",
                                       "prompt tokens the worker served from its prefix cache",
                                       labels=["worker"])
+        first_token = GaugeMetricFamily(
+            "gateway_worker_engine_first_token_seconds",
+            "mean time to first token the worker's engine reported for the requests it started "
+            "between its last two scrapes (absent: it does not say); under quick_first_token_s "
+            "cache_aware's hard load bound spares it", labels=["worker"])
         for state in self._pool.states():
             wid = [state.worker.id]
             healthy.add_metric(wid, 1.0 if state.healthy else 0.0)
@@ -61,7 +66,9 @@ class _PoolCollector(Collector):
             tokens.add_metric(wid, state.inflight_tokens)
             inputs.add_metric(wid, state.input_tokens)
             matched.add_metric(wid, state.matched_tokens)
-        yield from (healthy, inflight, tokens, inputs, matched)
+            if state.first_token_s is not None:
+                first_token.add_metric(wid, state.first_token_s)
+        yield from (healthy, inflight, tokens, inputs, matched, first_token)
 
 
 class _StateCollector(Collector):

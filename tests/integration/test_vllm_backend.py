@@ -131,3 +131,9 @@ async def test_the_gateway_learns_how_quickly_each_engine_starts_its_requests(
         assert isinstance(metrics, dict)
         total = metrics["vllm:time_to_first_token_seconds_sum"]
         assert 0.0 < first_token_s <= total  # the mean of what it started since a scrape
+        async with http.get(cluster.gateway_url + "/metrics") as r:
+            page = await r.text()
+        wid = cluster.worker_urls[0].removeprefix("http://")
+        gauge = f'gateway_worker_engine_first_token_seconds{{worker="{wid}"}} '
+        assert any(line.startswith(gauge) and float(line.split()[-1]) > 0.0
+                   for line in page.splitlines()), page[:2000]
