@@ -13,7 +13,9 @@ so one trace block, synthesized as ``--block-chars`` characters of text
 router in turn: the gateway with each ``--policy``, then, with ``--peers``, sglang-router and
 smg in cache_aware mode (:mod:`loadtest.peers`). Between routers every worker's cache is
 flushed (``POST /admin/flush``), so each router starts from the same empty fleet; the workers
-keep their ports, so every gateway run has the same ring. ``--repeat R`` restarts the whole
+keep their ports, so every gateway run has the same ring. Before the first router, each fresh
+worker answers a few of the trace's first requests sent to it directly (``Fleet.warm``), so
+that no router meets workers answering their first requests. ``--repeat R`` restarts the whole
 fleet R times and reports the median of each metric per router.
 
 Per router, from what the workers report in every reply (``x-cache-*``), as
@@ -219,6 +221,8 @@ class RunResult:
     # on the decision instants: the view of a worker counts its engine's running and waiting
     # requests at the last scrape (gateway.pool.WorkerState.view).
     engine_scrapes: list[dict[str, Any]] = field(default_factory=list)
+    # Requests the fleet's workers answered directly before its first router ran (Fleet.warm).
+    warmed: int = 0
     # The model@version our gateway fingerprinted prompts under (/admin/workers namespaces):
     # what the simulator needs to route on the gateway's own keys.
     namespace_model: str = ""
@@ -234,6 +238,9 @@ class RunResult:
 
 
 # -- the fleet -----------------------------------------------------------------------------
+
+
+WARM_REQUESTS_PER_WORKER = 8  # sent to each fresh worker before the first router's run
 
 
 class Fleet:
@@ -279,6 +286,19 @@ class Fleet:
     async def restart(self, i: int) -> None:
         await self.stop(i)
         await self.start(i)
+
+    async def warm(self, session: aiohttp.ClientSession, bodies: Sequence[dict[str, Any]],
+                   concurrency: int) -> int:
+        """Each worker's first requests, sent to it directly before any router's run (the
+        flush before each run empties their blocks): a fresh worker process answers its first
+        requests several times slower (code paths and memory touched for the first time), and
+        only the first router of each fleet, always ours, would pay for that (its slowest
+        requests came in the first 20 ms of short runs, at 90-100 ms upstream). The requests
+        answered."""
+        first = bodies[:WARM_REQUESTS_PER_WORKER * len(self.urls)]
+        replies = await replay(session, [url + COMPLETIONS_PATH for url in self.urls], first,
+                               concurrency)
+        return sum(1 for reply in replies if reply.status == 200)
 
     async def flush(self, session: aiohttp.ClientSession,
                     urls: Sequence[str] | None = None) -> None:
@@ -712,6 +732,8 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
     ids = [url.removeprefix("http://") for url in fleet.urls]
     try:
         async with fleet.running():
+            async with aiohttp.ClientSession() as session:
+                warmed = await fleet.warm(session, bodies, config.concurrency)
             evented = [f"ours+{view}:{p}" for view in ("events", "hybrid") for p in policies
                        ] if config.kv_events else []
             for router in [*(f"ours:{p}" for p in policies), *evented, *peers]:
@@ -741,6 +763,7 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                       f"{res.routed_max_over_mean:.2f}, p50 {res.p50_ms:.0f} ms, "
                       f"{res.seconds:.0f}s, errors {res.errors}{agree}", file=sys.stderr,
                       flush=True)
+                res.warmed = warmed
                 results.append(res)
     finally:
         await asyncio.to_thread(shutil.rmtree, logs, True)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loadtest.replay import WARM_REQUESTS_PER_WORKER
 from loadtest.tiny_tokenizer import train
 from loadtest.traces import to_mooncake_lines
 from tests.integration.test_loadtest import _run_loadtest
@@ -53,6 +54,9 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
         # many as the gateway counted.
         assert len(run["prewarmed_to"]) == 60
         assert sum(1 for w in run["prewarmed_to"] if w) == run["prewarms"]
+    # Each fresh worker answered its first requests, sent to it directly, before the first
+    # router's run.
+    assert all(run["warmed"] == 2 * WARM_REQUESTS_PER_WORKER for run in report["runs"])
     assert rows["ours:round_robin"]["requests_max_over_mean"] == 1.0
     # A worker holds 20 blocks: two prompts. Round-robin gives each worker all four (they
     # evict each other); affinity keeps each prompt on one worker.
