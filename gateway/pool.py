@@ -59,7 +59,7 @@ class WorkerState:
     models: frozenset[str] = field(default_factory=frozenset)
     engine_metrics: Mapping[str, float] = field(default_factory=dict)  # scraped from /metrics
     scraped_at: float = 0.0  # when (monotonic clock) engine_metrics were scraped; 0: never
-    own_at_scrape: int = 0  # requests this gateway had in flight there when they were
+    own_at_scrape: int = 0  # requests this gateway had in flight there at that scrape
     # Requests its engine runs at once, learned from a scrape that showed requests waiting for
     # admission (the running count then is the engine's limit; vLLM's depends on what fits in
     # its KV cache, so a later scrape running more raises it); 0 = not seen full yet.
