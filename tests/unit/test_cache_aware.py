@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import pytest
@@ -117,6 +118,12 @@ def test_hot_prefix_holder_gets_the_tight_bound_and_spreads() -> None:
     hot = build_engine("cache_aware", PolicyOptions(hot_threshold=8.0)).route(request, snap)
     assert hot.worker_id != "w2"
     assert hot.reason.startswith("diverted: w2 bounded_load")
+    # The same on engines that start requests at once: whoever turned the rule on asked for
+    # hot prefixes to spread by count, so the quick engines' exemption does not apply to them.
+    quick = tuple(dataclasses.replace(v, first_token_s=0.001) for v in views)
+    quick_snap = Snapshot(quick, index.at(0.0), RING)
+    engine = build_engine("cache_aware", PolicyOptions(hot_threshold=8.0))
+    assert engine.route(request, quick_snap).reason.startswith("diverted: w2 bounded_load")
 
 
 def _spread(prefill: Mapping[str, int], held: Mapping[str, int], prompt: int,

@@ -34,7 +34,8 @@ their first token within ``quick_s`` on average (vLLM's ``time_to_first_token`` 
 never over it: however many tokens it has in flight, a request sent there starts sooner than
 one that must redo its prefill elsewhere, and diverting it would only trade a cache hit for
 nothing. An engine that does not report the histogram, or has not started a request since it
-came up, is bounded as before.
+came up, is bounded as before, and so is a hot prefix (``hot_threshold``, off by default), whose
+tight bound exists to spread it by request count.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ class BoundedLoadFilter:
                   and not ctx.hot and ctx.branch_anchor is None else 0.0)
         matches = ctx.matches
         floor = self.floor_requests * cost
-        quick = self.quick_s
+        # A hot prefix (hot_threshold, off by default) keeps its tight bound: whoever turned
+        # that rule on asked for hot prefixes to spread by their request count.
+        quick = 0.0 if ctx.hot else self.quick_s
         kept: list[WorkerView] = []
         for w in candidates:
             if quick and w.first_token_s is not None and w.first_token_s < quick:
