@@ -1,9 +1,10 @@
 """The live status page: ``GET /ui`` (one self-contained HTML file: inline CSS and JS, no CDN,
 no external fonts) and ``GET /ui/data`` (the JSON it polls every two seconds).
 
-The page shows the workers (health, load, modelled cache fill, hit rate, misses), the hit rate
-and latency over the last ten minutes, routing decisions by kind, the recent misses with their
-diagnosed cause, and the rebalancer's actions. No prompt text is ever part of the data.
+The page shows the workers (health, load, modelled cache fill, hit rate, their engine's time to
+first token, misses), the hit rate and latency over the last ten minutes, routing decisions by
+kind, the recent misses with their diagnosed cause, and the rebalancer's actions. No prompt
+text is ever part of the data.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ async def data(request: web.Request) -> web.Response:
             "cache_fill": held / capacity if capacity else None,
             "held_blocks": held,
             "hit_rate": s.matched_tokens / s.input_tokens if s.input_tokens else None,
+            # The engine's mean time to first token between its last two scrapes (None: it
+            # does not say); under quick_first_token_s cache_aware's hard bound spares it.
+            "first_token_ms": None if s.first_token_s is None else 1e3 * s.first_token_s,
             "misses": sum(by_worker.get(wid, {}).values()),
             "last_error": s.last_error,
         })

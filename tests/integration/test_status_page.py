@@ -8,6 +8,7 @@ that is set.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -58,7 +59,8 @@ async def test_status_page_renders_workers_charts_and_misses(
     from selenium.webdriver.support.ui import WebDriverWait
 
     assert isinstance(browser, WebDriver)
-    cluster = await start_cluster(workers=3)
+    # Probes often enough that the engines' time to first token is known when the page loads.
+    cluster = await start_cluster(workers=3, health_interval_s=0.2)
     async with aiohttp.ClientSession() as http:
         for i in range(6):
             async with http.post(cluster.gateway_url + "/v1/completions", json={
@@ -75,6 +77,14 @@ async def test_status_page_renders_workers_charts_and_misses(
             assert r.status == 200
         async with http.get(cluster.gateway_url + "/ui") as r:
             html = await r.text()
+        for _ in range(100):  # until a probe after the requests read the holder's histogram
+            async with http.get(cluster.gateway_url + "/ui/data") as r:
+                data = await r.json()
+            first_token_ms = {w["id"]: w["first_token_ms"] for w in data["workers"]}
+            if first_token_ms[holder] is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert first_token_ms[holder] > 0
     # Self-contained: no script, style, font or image from anywhere else.
     assert "https://" not in html
     assert html.count("http://") == html.count('"http://www.w3.org/2000/svg"')
@@ -85,14 +95,13 @@ async def test_status_page_renders_workers_charts_and_misses(
         WebDriverWait(browser, 30).until(
             lambda d: d.find_elements(By.CSS_SELECTOR, "#workers tbody tr[data-worker]"))
 
-    import asyncio
-
     await asyncio.to_thread(load)
     rows = browser.find_elements(By.CSS_SELECTOR, "#workers tbody tr[data-worker]")
     assert {r.get_attribute("data-worker") for r in rows} == {
         u.removeprefix("http://") for u in cluster.worker_urls}
     holder_row = browser.find_element(By.CSS_SELECTOR, f'#workers tr[data-worker="{holder}"]')
     assert "healthy" in holder_row.text
+    assert " ms" in holder_row.text  # the engine's time to first token, as the probe read it
     assert browser.find_element(By.ID, "kpi-requests").text == "7"
     assert browser.find_element(By.ID, "kpi-workers").text == "3 / 3"
     assert browser.find_element(By.ID, "kpi-hit").text.endswith("%")
