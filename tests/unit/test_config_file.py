@@ -103,3 +103,17 @@ def test_examples_load_and_show_the_defaults(
     rendered = example(cls, "title", "X_")
     for key in re.findall(r"^# ([a-z_]+) = ", text, re.MULTILINE):
         assert f"# {key} = " in rendered
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "title", "env_prefix"),
+    [("gateway", GatewaySettings, "Gateway settings: python -m gateway --config gateway.toml",
+      "GATEWAY_"),
+     ("worker", WorkerSettings,
+      "Reference worker settings: python -m worker --config worker.toml", "WORKER_")],
+)
+def test_examples_list_every_setting(name: str, cls: type, title: str, env_prefix: str) -> None:
+    """The examples are example()'s output: a setting added without them fails here (write
+    them again with gateway.contracts.config_file.example)."""
+    text = (ROOT / "infra" / "config" / f"{name}.example.toml").read_text()
+    assert text == example(cls, title, env_prefix)
