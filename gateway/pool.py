@@ -125,37 +125,36 @@ class WorkerState:
                           self.waiting_requests(), self.first_token_s)
 
 
-def _mean_since(seen: tuple[float, float], total: float, count: float
-                ) -> tuple[bool, float | None]:
-    """Whether a histogram (its ``total`` sum and ``count`` now, ``seen`` at the scrape before)
-    says something new, and what: the mean of the observations since, or None when its
-    counters went back (the engine restarted)."""
+def _mean_since(metrics: Mapping[str, float], sum_name: str, count_name: str,
+                seen: tuple[float, float]) -> tuple[tuple[float, float], bool, float | None]:
+    """A histogram of the scrape (its ``sum_name`` and ``count_name`` samples; ``seen``: both
+    at the scrape before): the pair to keep for the next scrape, whether it says something new,
+    and what: the mean of the observations since, or None when its counters went back (the
+    engine restarted). Not reported: nothing new, and ``seen`` kept."""
+    total, count = metrics.get(sum_name), metrics.get(count_name)
+    if total is None or count is None:
+        return seen, False, None
     seen_total, seen_count = seen
     if count > seen_count and total >= seen_total:
-        return True, (total - seen_total) / (count - seen_count)
-    if count < seen_count or total < seen_total:
-        return True, None
-    return False, None
+        return (total, count), True, (total - seen_total) / (count - seen_count)
+    return (total, count), count < seen_count or total < seen_total, None
 
 
 def _note_engine_times(state: WorkerState, metrics: Mapping[str, float]) -> None:
     """The mean admission wait and time to first token of the requests the engine took since
     the last scrape. With none taken, the admission wait is 0 if none waits either, and both
     are otherwise unchanged."""
-    total, count = metrics.get(QUEUE_TIME_SUM), metrics.get(QUEUE_TIME_COUNT)
-    if total is not None and count is not None:
-        changed, mean = _mean_since(state.queue_seen, total, count)
-        state.queue_seen = (total, count)
-        if changed:
-            state.queue_s = mean
-        elif not metrics.get(WAITING, 0.0):
-            state.queue_s = 0.0
-    total, count = metrics.get(FIRST_TOKEN_TIME_SUM), metrics.get(FIRST_TOKEN_TIME_COUNT)
-    if total is not None and count is not None:
-        changed, mean = _mean_since(state.first_token_seen, total, count)
-        state.first_token_seen = (total, count)
-        if changed:
-            state.first_token_s = mean
+    reported = QUEUE_TIME_SUM in metrics and QUEUE_TIME_COUNT in metrics
+    state.queue_seen, changed, mean = _mean_since(
+        metrics, QUEUE_TIME_SUM, QUEUE_TIME_COUNT, state.queue_seen)
+    if changed:
+        state.queue_s = mean
+    elif reported and not metrics.get(WAITING, 0.0):
+        state.queue_s = 0.0
+    state.first_token_seen, changed, mean = _mean_since(
+        metrics, FIRST_TOKEN_TIME_SUM, FIRST_TOKEN_TIME_COUNT, state.first_token_seen)
+    if changed:
+        state.first_token_s = mean
 
 
 class WorkerPool:
