@@ -149,11 +149,16 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
     raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     identity = request.get(IDENTITY_KEY) or ANONYMOUS
     histories = state.chat_histories
-    scope = found = None
+    prompts = state.prompt_histories
+    scope = found = prompt_scope = known_prompt = None
     if parse is parse_chat and histories.max_bytes and len(raw) >= histories.min_bytes:
         # A long chat's turn decodes and checks only what its last turn did not carry.
         scope = histories.seed(identity.tenant_id, settings.normalize_options())
         body, found = histories.decode(raw, scope)
+    elif parse is parse_completion and prompts.max_bytes and len(raw) >= prompts.min_bytes:
+        # A long prompt's next turn decodes only what it adds to the last.
+        prompt_scope = prompts.seed(identity.tenant_id, settings.normalize_options())
+        body, known_prompt = prompts.decode(raw, prompt_scope)
     else:
         body = decode_json_object(raw)
     parsed, route_request, namespace = await prepare(
@@ -161,6 +166,8 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
         keep_history=scope is not None)
     if scope is not None and parsed.history is not None:
         histories.remember(raw, scope, body, parsed.history, found)
+    elif prompt_scope is not None:
+        prompts.remember(raw, prompt_scope, body, known_prompt)
     tenant = identity.tenant_id
     record = record_of(request)
     record.parsed(

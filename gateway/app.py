@@ -42,6 +42,7 @@ from gateway.normal_texts import NormalTexts
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.procs import peer_dir
+from gateway.prompt_histories import PromptHistories
 from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.resources import (
     BACKENDS_KEY,
@@ -353,10 +354,12 @@ def create_app(
                 fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
             )),
         chat_histories=ChatHistories(max_bytes=settings.chat_history_bytes),
+        prompt_histories=PromptHistories(max_bytes=settings.chat_history_bytes),
         normal_texts=NormalTexts(rewritten_bytes=settings.normal_text_bytes),
     )
     metrics.registry.register(
-        MemoCollector(state.normal_texts, state.chat_histories, state.fingerprints))
+        MemoCollector(state.normal_texts, state.chat_histories, state.prompt_histories,
+                      state.fingerprints))
     lifecycle = CacheLifecycle(pool, backend_for, warmup)
     telemetry = Telemetry(
         metrics=metrics,

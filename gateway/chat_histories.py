@@ -23,7 +23,8 @@ with the same bytes is decoded from the end on only:
   rest in place (an object and an array open at the seam, a value due after a comma): its
   array but the 0 is the new messages, its other keys the body's keys after ``messages``. A
   body is joined only when none of those repeats a key before the messages (the decoder lets
-  the last of repeated keys win), none is spelled like the seam's key, and none is
+  the last of repeated keys win), the rest writes no NUL character (``\\u0000``: the seam's
+  key can be spelled only with it, in more ways than one), and none of its keys is
   ``cache_salt`` (so an entry is never used across salts).
 * **Checks.** The rest is checked for depth as :func:`gateway.openai_schema.decode_json_object`
   checks a whole body (the history passed that check when it came first). A rest that does
@@ -41,89 +42,66 @@ first, and a chat's next turn replaces the entry it was joined to.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import xxhash
 
+from gateway.body_prefixes import ANCHOR_BYTES, BodyPrefixes, Prefix, marks, scope
 from gateway.openai_schema import KnownHistory, decode_json_object, too_deep
 
 # The seam: the rest of a body decodes as the array of this key, which no client key is
-# allowed to be spelled like (a NUL in a JSON string can only be written this way).
+# allowed to be spelled like (a NUL in a JSON string can only be written as an escape, and a
+# rest with that escape anywhere is decoded as a whole body instead).
 _SEAM_KEY = "\x00m"
 _SEAM = b'{"\\u0000m":[0,'
-_SEAM_KEY_BYTES = b'\\u0000m"'
-# Entries are found by a hash of a body's first bytes, then told apart by the bytes just
-# before their end (a comparison), and only then hashed up to their end.
-_ANCHOR_BYTES = 1024
-_GUARD_BYTES = 32
-_SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
+_NUL_ESCAPE = b"\\u0000"
 
 
 @dataclass(slots=True, eq=False)
-class _Entry:
-    end: int  # where the body's last message began
-    guard: bytes  # the bytes just before ``end``
-    digest: int  # keyed hash of the body before ``end``
-    anchor: int
+class _Entry(Prefix):
+    # ``end``: where the body's last message began
     head: dict[str, Any]  # the body's keys before "messages"
     messages: tuple[Any, ...]  # the messages before ``end``, as decoded
     known: KnownHistory
-    # That ``end`` is where a message of "messages" begins, checked (:func:`_begins_message`).
-    checked: bool
 
 
 class ChatHistories:
     """Recent long chats by tenant, for :meth:`decode` to skip the part already seen."""
 
+    seed = staticmethod(scope)
+
     def __init__(self, max_bytes: int = 32 << 20, min_bytes: int = 32 << 10,
                  per_anchor: int = 256) -> None:
         self.max_bytes = max_bytes  # the bodies' bytes the entries stand for, at most
         self.min_bytes = min_bytes  # shorter bodies are decoded whole
-        self.per_anchor = per_anchor
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by digest, least recent first
-        self._anchors: dict[int, list[_Entry]] = {}
-        self._bytes = 0
-        self.hits = 0
+        self._store: BodyPrefixes[_Entry] = BodyPrefixes(max_bytes, per_anchor)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._store)
+
+    @property
+    def hits(self) -> int:
+        return self._store.hits
 
     @property
     def held_bytes(self) -> int:
         """Bytes of the bodies the entries stand for (up to their ends)."""
-        return self._bytes
-
-    @staticmethod
-    def seed(tenant: str, options: object) -> int:
-        """The scope of one tenant under one set of normalization options."""
-        return xxhash.xxh3_64_intdigest(tenant.encode("utf-8", "surrogatepass"),
-                                        seed=hash(options) & _SEED_MASK)
+        return self._store.held_bytes
 
     def decode(self, raw: bytes, seed: int) -> tuple[dict[str, Any], Known | None]:
         """The body of ``raw`` as :func:`decode_json_object` decodes it (the same object, the
         same errors), and what an earlier body of scope ``seed`` that carried the same bytes
         up to one of its messages tells of it (None: nothing)."""
-        if len(raw) >= self.min_bytes and self._anchors:
-            entries = self._anchors.get(
-                xxhash.xxh3_64_intdigest(memoryview(raw)[:_ANCHOR_BYTES], seed=seed))
-            for entry in reversed(entries or ()):  # the most recent first
-                end = entry.end
-                if (end < len(raw) and raw[end - _GUARD_BYTES:end] == entry.guard
-                        and xxhash.xxh3_64_intdigest(memoryview(raw)[:end], seed=seed)
-                        == entry.digest):
-                    if not entry.checked:
-                        if not _begins_message(raw, entry):
-                            self._evict(entry)
-                            break
-                        entry.checked = True
-                    body = _joined(raw, entry)
-                    if body is None:
-                        break
-                    self._entries.move_to_end(entry.digest)
-                    self.hits += 1
+        entry = self._store.find(raw, seed) if len(raw) >= self.min_bytes else None
+        if entry is not None:
+            if not entry.checked and not _begins_message(raw, entry):
+                self._store.evict(entry)
+            else:
+                entry.checked = True
+                body = _joined(raw, entry)
+                if body is not None:
+                    self._store.used(entry)
                     return body, Known(entry)
         return decode_json_object(raw), None
 
@@ -153,44 +131,20 @@ class ChatHistories:
         # comes before them, closed there.
         base = joined.entry if joined is not None else None
         end = raw.rfind(b"{" + orjson.dumps(first_key), base.end if base else 0)
-        if end < _ANCHOR_BYTES or (base is not None and end <= base.end):
+        if end < ANCHOR_BYTES or (base is not None and end <= base.end):
             return
         if base is not None:  # only the bytes after the joined history: its end was checked
             closed = _closed(_SEAM + raw[base.end:end])
             if closed != {_SEAM_KEY: [0, *messages[len(base.messages):-1]]}:
                 return
-        view = memoryview(raw)
-        self._add(_Entry(
-            end=end, guard=raw[end - _GUARD_BYTES:end],
-            digest=xxhash.xxh3_64_intdigest(view[:end], seed=seed),
-            anchor=xxhash.xxh3_64_intdigest(view[:_ANCHOR_BYTES], seed=seed),
-            head=head, messages=tuple(messages[:-1]), known=history,
+        guard, digest, anchor = marks(raw, end, seed)
+        self._store.add(_Entry(
+            end=end, guard=guard, digest=digest, anchor=anchor,
             # A chat's first body is checked when a next turn comes: most long chats have one,
             # and one that has none costs no second decoding.
             checked=base is not None,
+            head=head, messages=tuple(messages[:-1]), known=history,
         ), replaces=base)
-
-    def _add(self, entry: _Entry, replaces: _Entry | None) -> None:
-        # A chat's next turn replaces the entry its body was joined to: its latest is kept.
-        for old in (self._entries.get(entry.digest), replaces):
-            if old is not None and self._entries.get(old.digest) is old:
-                self._evict(old)
-        self._entries[entry.digest] = entry
-        same = self._anchors.setdefault(entry.anchor, [])
-        same.append(entry)
-        self._bytes += entry.end
-        if len(same) > self.per_anchor:
-            self._evict(same[0])
-        while self._bytes > self.max_bytes:
-            self._evict(next(iter(self._entries.values())))
-
-    def _evict(self, entry: _Entry) -> None:
-        del self._entries[entry.digest]
-        self._bytes -= entry.end
-        same = self._anchors[entry.anchor]
-        same.remove(entry)
-        if not same:
-            del self._anchors[entry.anchor]
 
 
 class Known:
@@ -230,7 +184,7 @@ def _rest(raw: bytes, end: int, head: dict[str, Any]) -> tuple[list[Any], dict[s
     """The messages and the keys of ``raw`` after ``end``, decoded on their own (None where
     they do not decode, or the join could differ from decoding ``raw`` whole)."""
     tail = raw[end:]
-    if _SEAM_KEY_BYTES in tail:
+    if _NUL_ESCAPE in tail:
         return None
     document = _SEAM + tail
     try:

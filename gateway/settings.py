@@ -242,8 +242,9 @@ class GatewaySettings:
     chat_history_bytes: int = field(
         default=32 * 1024 * 1024,
         metadata=_help("long chats remembered so that their next turn is decoded from its new "
-                       "messages on: at most this many bytes of bodies, in this process's "
-                       "memory only (0: off)"),
+                       "messages on, and long completions prompts so that their next turn is "
+                       "decoded from what it adds: at most this many bytes of bodies each, in "
+                       "this process's memory only (0: off)"),
     )
     normal_text_bytes: int = field(
         default=32 * 1024 * 1024,

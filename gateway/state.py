@@ -16,6 +16,7 @@ from gateway.kvevents.source import ExactSource
 from gateway.normal_texts import NormalTexts
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer
+from gateway.prompt_histories import PromptHistories
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
 from gateway.session import RoutingSession
@@ -40,6 +41,8 @@ class GatewayState:
     normal_texts: NormalTexts = field(default_factory=NormalTexts)
     # Long chats by the bytes that carried them, per tenant (gateway.chat_histories).
     chat_histories: ChatHistories = field(default_factory=ChatHistories)
+    # Long completions prompts by the bytes that carried them (gateway.prompt_histories).
+    prompt_histories: PromptHistories = field(default_factory=PromptHistories)
     # Keys of long prompts per namespace, for their next turns (gateway.fingerprint_memo).
     fingerprints: FingerprintMemo = field(default_factory=FingerprintMemo)
 

@@ -20,6 +20,7 @@ from gateway.fingerprint_memo import FingerprintMemo
 from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.normal_texts import NormalTexts
 from gateway.pool import WorkerPool
+from gateway.prompt_histories import PromptHistories
 from gateway.telemetry.counters import LabelledCounter, LabelledHistogram
 
 # Seconds: from a few milliseconds (cache hits on a small model) to minutes (long generations).
@@ -93,12 +94,14 @@ class _StateCollector(Collector):
 
 class MemoCollector(Collector):
     """What the gateway remembers of long prompts, read at scrape time: texts found normal
-    (:mod:`gateway.normal_texts`) and long chats (:mod:`gateway.chat_histories`)."""
+    (:mod:`gateway.normal_texts`), long chats (:mod:`gateway.chat_histories`) and long
+    completions prompts (:mod:`gateway.prompt_histories`)."""
 
-    def __init__(self, texts: NormalTexts, chats: ChatHistories,
+    def __init__(self, texts: NormalTexts, chats: ChatHistories, prompts: PromptHistories,
                  fingerprints: FingerprintMemo) -> None:
         self._texts = texts
         self._chats = chats
+        self._prompts = prompts
         self._fingerprints = fingerprints
 
     def collect(self) -> Iterator[Metric]:
@@ -119,6 +122,12 @@ class MemoCollector(Collector):
             (GaugeMetricFamily, "gateway_chat_history_bytes",
              "bytes of the bodies the remembered histories stand for (--chat-history-bytes)",
              chats.held_bytes),
+            (CounterMetricFamily, "gateway_prompt_history_hits",
+             "long completions prompts decoded from what they add on: joined to a remembered "
+             "prompt", self._prompts.hits),
+            (GaugeMetricFamily, "gateway_prompt_history_bytes",
+             "bytes of the bodies the remembered prompts stand for (--chat-history-bytes)",
+             self._prompts.held_bytes),
             (CounterMetricFamily, "gateway_fingerprint_prefix_hits",
              "long prompts hashed past the prompt before them (an agent's next turn)",
              self._fingerprints.hits),

@@ -331,3 +331,35 @@ async def test_a_long_chats_next_turn_is_decoded_from_its_new_messages_per_tenan
         exposition = await r.text()
     assert "gateway_chat_history_hits_total 1.0" in exposition
     assert "gateway_chat_histories 2.0" in exposition
+
+
+async def test_a_long_completions_prompts_next_turn_is_decoded_from_what_it_adds_per_tenant(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(workers=1, api_key=KEYS)
+    prompts = cluster.runners["gateway"].app[STATE].prompt_histories
+    # An agent's context as one text, long enough to be remembered (tens of kilobytes), with
+    # what the client's JSON escapes: quotes, backslashes, typeset characters.
+    prompt = "\n".join(f'Step {i}: read "src\\f{i}.py" \u2014 ok.' for i in range(1500))
+    assert len(prompt) > prompts.min_bytes
+
+    async def ask(api: openai.AsyncOpenAI, text: str) -> None:
+        done = await api.completions.create(model=MODEL, max_tokens=2, prompt=text)
+        assert done.choices[0].text is not None
+
+    async with client(cluster.base_url, "sk-acme-1") as acme, \
+            client(cluster.base_url, "sk-globex-1") as globex:
+        await ask(acme, prompt)
+        assert (len(prompts), prompts.hits) == (1, 0)
+        turn = prompt + '\nStep 1500: "done"'
+        await ask(acme, turn)
+        assert (len(prompts), prompts.hits) == (1, 1)  # joined, and its entry replaced
+        await ask(globex, turn)
+        assert (len(prompts), prompts.hits) == (2, 1)  # another tenant: its own
+        await ask(acme, "X" + turn[1:])  # an edit in the part seen: decoded whole
+        assert prompts.hits == 1
+    async with aiohttp.ClientSession() as http, http.get(cluster.gateway_url + "/metrics") as r:
+        exposition = await r.text()
+    assert "gateway_prompt_history_hits_total 1.0" in exposition
+    # The joined turn was hashed past the prompt before it, as a turn decoded whole is.
+    assert "gateway_fingerprint_prefix_hits_total 1.0" in exposition

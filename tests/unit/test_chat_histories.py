@@ -93,7 +93,7 @@ def check_same(gateway: Gateway, raw: bytes) -> Known | None:
 
 def ends(histories: ChatHistories) -> list[int]:
     """Where the remembered histories end in their bodies."""
-    return [entry.end for entry in histories._entries.values()]
+    return [entry.end for entry in histories._store]
 
 
 def dumps(body: dict[str, Any], style: str = "compact") -> bytes:
@@ -210,6 +210,9 @@ BASE = orjson.dumps({"model": "m", "messages": HISTORY[:300]})
     b'{"role":"user","content":"hi"}],"messages":[]}',  # the messages again
     b'{"role":"user","content":"hi"}],"\\u0000m":[1]}',  # the seam's own key
     b'{"role":"user","content":"hi"}],"x":{"\\u0000m":[1]}}',
+    # the seam's key spelled otherwise: a NUL has one escape, its other characters many
+    b'{"role":"user","content":"hi"}],"\\u0000\\u006d":[1,{"role":"user","content":"x"}]}',
+    b'{"role":"user","content":"hi"}],"\\u0000\\u006D":[1,{"role":"user","content":"x"}]}',
     b'{"role":"user","content":"hi"}]}  \n',
     b'{"role":"user","content":"hi"}',  # cut short
     b'{"role":"user","content":"hi"}]}]',  # more after the body

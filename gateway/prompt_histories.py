@@ -1,0 +1,206 @@
+"""Long completions prompts already decoded, found again by the bytes that carried them.
+
+An agent that speaks ``/v1/completions`` sends its whole context as one ``prompt`` string on
+every turn: the next body is this turn's, byte for byte, up to where the prompt text grows.
+At 200k tokens the string is most of a megabyte, and decoding it again is most of what such a
+request costs the gateway past its bytes on the wire. :class:`PromptHistories` remembers, for
+a long body whose prompt is a string, where in its bytes that string closes (the *end*), a
+keyed hash of the bytes before it, the body's keys before ``prompt`` and the prompt as
+decoded. A later body that starts with the same bytes is decoded from the end on only:
+
+* **Where the end is.** The closing quote of the prompt: the first ``"`` after the string's
+  opening that no odd run of backslashes escapes, searched from where the text's length puts
+  the earliest possible close (every character takes at least one byte), so a mostly plain
+  text costs a few comparisons. A first body's end is checked when a later body is found by
+  it, by decoding the bytes before it closed there (``...`` -> ``..."}``): the result must be
+  the body's keys before ``prompt`` and the prompt. A body that was itself joined needs no
+  check: the bytes between its entry's end and its own are the string its join decoded.
+* **Joining.** The bytes before the end are the earlier body's, so a JSON parser reaches the
+  end in the same state: inside the top-level object after the same keys, inside the prompt
+  string after the same characters (a string can be cut wherever a character ends). What
+  follows is decoded as ``{"\\u0000p":"`` + the rest of the body: its seam string is what the
+  prompt adds, its other keys the body's keys after ``prompt``. A body is joined only when
+  none of those repeats a key before the prompt or the prompt itself (the decoder lets the
+  last of repeated keys win) and the rest writes no NUL character (``\\u0000``: the seam's key
+  can be spelled only with it).
+* **Checks.** The rest is checked for depth as :func:`gateway.openai_schema.decode_json_object`
+  checks a whole body. A rest that does not decode or check is decoded again as a whole body,
+  which raises the client's error as it would have.
+
+The decoded body is the one :func:`gateway.openai_schema.decode_json_object` returns for the
+same bytes (the tests compare them on every shape of body they build). What happens to the
+prompt next (normalization, the fingerprint) is remembered per namespace elsewhere
+(:mod:`gateway.normal_texts`, :mod:`gateway.fingerprint_memo`). Entries are scoped by tenant
+and normalization options and hold prompt text in this process's memory only, never in a log,
+a response or the store, bounded by the bytes of the bodies they stand for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.body_prefixes import ANCHOR_BYTES, BodyPrefixes, Prefix, marks, scope
+from gateway.openai_schema import decode_json_object, too_deep
+
+_SEAM_KEY = "\x00p"
+_SEAM = b'{"\\u0000p":"'
+_NUL_ESCAPE = b"\\u0000"
+_PROMPT_KEY = b'"prompt"'
+_BEFORE_KEY = frozenset(b"{, \t\r\n")
+_WHITESPACE = b" \t\r\n"
+_QUOTE = 0x22
+_BACKSLASH = 0x5C
+
+
+@dataclass(slots=True, eq=False)
+class _Entry(Prefix):
+    # ``end``: where the body's prompt string closes
+    head: dict[str, Any]  # the body's keys before "prompt"
+    text: str  # the prompt, as decoded
+
+
+class PromptHistories:
+    """Recent long completions prompts by tenant, for :meth:`decode` to skip the part already
+    seen."""
+
+    seed = staticmethod(scope)
+
+    def __init__(self, max_bytes: int = 32 << 20, min_bytes: int = 32 << 10,
+                 per_anchor: int = 256) -> None:
+        self.max_bytes = max_bytes  # the bodies' bytes the entries stand for, at most
+        self.min_bytes = min_bytes  # shorter bodies are decoded whole
+        self._store: BodyPrefixes[_Entry] = BodyPrefixes(max_bytes, per_anchor)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    @property
+    def hits(self) -> int:
+        return self._store.hits
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the bodies the entries stand for (up to their ends)."""
+        return self._store.held_bytes
+
+    def decode(self, raw: bytes, seed: int) -> tuple[dict[str, Any], KnownPrompt | None]:
+        """The body of ``raw`` as :func:`decode_json_object` decodes it (the same object, the
+        same errors), and the earlier body of scope ``seed`` whose prompt it extends (None:
+        none found)."""
+        entry = self._store.find(raw, seed) if len(raw) >= self.min_bytes else None
+        if entry is not None:
+            if not entry.checked and not _closes_prompt(raw, entry):
+                self._store.evict(entry)
+            else:
+                entry.checked = True
+                body = _joined(raw, entry)
+                if body is not None:
+                    self._store.used(entry)
+                    return body, KnownPrompt(entry)
+        return decode_json_object(raw), None
+
+    def remember(self, raw: bytes, seed: int, body: dict[str, Any],
+                 joined: KnownPrompt | None = None) -> None:
+        """Keep ``body``'s prompt for a later body of scope ``seed`` that starts with the same
+        bytes up to where the prompt string closes. ``joined``: what :meth:`decode` found."""
+        text = body.get("prompt")
+        if len(raw) < self.min_bytes or not isinstance(text, str):
+            return
+        base = joined.entry if joined is not None else None
+        if base is not None:
+            head = base.head
+            # The prompt goes on from the base's end, a byte at least for each new character.
+            end = _closing_quote(raw, base.end + len(text) - len(base.text))
+        else:
+            head = {}
+            for key, value in body.items():
+                if key == "prompt":
+                    break
+                head[key] = value
+            opening = _string_after_key(raw)
+            end = _closing_quote(raw, opening + len(text)) if opening > 0 else -1
+        if end < ANCHOR_BYTES or (base is not None and end < base.end):
+            return
+        guard, digest, anchor = marks(raw, end, seed)
+        self._store.add(_Entry(
+            end=end, guard=guard, digest=digest, anchor=anchor,
+            # A first body is checked when a next turn comes; a joined one was, by its join.
+            checked=base is not None, head=head, text=text,
+        ), replaces=base)
+
+
+class KnownPrompt:
+    """What :meth:`PromptHistories.decode` found for a body: the earlier prompt it extends."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: _Entry) -> None:
+        self.entry = entry
+
+
+def _string_after_key(raw: bytes) -> int:
+    """Where the value of the first ``"prompt"`` key in ``raw`` begins, inside its string
+    (-1: not a string there). A wrong guess is caught by :func:`_closes_prompt`."""
+    key = raw.find(_PROMPT_KEY)
+    if key < 1 or raw[key - 1] not in _BEFORE_KEY:
+        return -1
+    i = key + len(_PROMPT_KEY)
+    size = len(raw)
+    while i < size and raw[i] in _WHITESPACE:
+        i += 1
+    if i >= size or raw[i] != ord(":"):
+        return -1
+    i += 1
+    while i < size and raw[i] in _WHITESPACE:
+        i += 1
+    return i + 1 if i < size and raw[i] == _QUOTE else -1
+
+
+def _closing_quote(raw: bytes, start: int) -> int:
+    """The first ``"`` at or after ``start`` that no backslash escapes: a run of backslashes
+    before it is even (escapes never end in a backslash but for the pair ``\\\\``)."""
+    pos = start
+    while (quote := raw.find(b'"', pos)) >= 0:
+        k = quote
+        while k > 0 and raw[k - 1] == _BACKSLASH:
+            k -= 1
+        if (quote - k) % 2 == 0:
+            return quote
+        pos = quote + 1
+    return -1
+
+
+def _closes_prompt(raw: bytes, entry: _Entry) -> bool:
+    """Whether ``raw`` up to ``entry.end`` (the bytes of ``entry``'s body up to there) is that
+    body up to its prompt's closing quote: decoded closed there, it is the body's keys before
+    ``prompt`` and the prompt."""
+    try:
+        closed = orjson.loads(raw[:entry.end] + b'"}')
+    except orjson.JSONDecodeError:
+        return False
+    return bool(closed == {**entry.head, "prompt": entry.text})
+
+
+def _joined(raw: bytes, entry: _Entry) -> dict[str, Any] | None:
+    """The body of ``raw``, whose bytes before ``entry.end`` are those of ``entry``'s body
+    (None where the rest does not decode, or the join could differ from decoding it whole)."""
+    tail = raw[entry.end:]
+    if _NUL_ESCAPE in tail:
+        return None
+    document = _SEAM + tail
+    try:
+        value = orjson.loads(document)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    more = value.pop(_SEAM_KEY, None)
+    head = entry.head
+    if not isinstance(more, str) or "prompt" in value or any(k in head for k in value):
+        return None
+    if too_deep(document, value):
+        return None
+    return {**head, "prompt": entry.text + more, **value}

@@ -1,0 +1,226 @@
+"""Long completions prompts decoded from what they add on (gateway.prompt_histories): the body
+and the errors are those of decoding the whole body, on every shape of body."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.errors import InvalidRequest
+from gateway.normalize import NormalizeOptions
+from gateway.openai_schema import MAX_JSON_DEPTH, decode_json_object
+from gateway.prompt_histories import KnownPrompt, PromptHistories
+
+OPTS = NormalizeOptions()
+
+
+def context(lines: int = 1200) -> str:
+    """An agent's context as one text: lines of code and prose, quotes and a typeset dash."""
+    out = []
+    for i in range(lines):
+        if i % 5 == 0:
+            out.append(f'    path = "src/f{i}.py"  # a \\ backslash and a "quote"')
+        elif i % 7 == 0:
+            out.append(f"Step {i} \u2014 read \u201cfile {i}\u201d \U0001f600")
+        else:
+            out.append(f"line {i} of the context, with words enough to fill it")
+    return "\n".join(out)
+
+
+PROMPT = context()  # about 60k characters: a long prompt
+
+
+class Gateway:
+    """What the gateway's completions route does with a body (gateway.api): decode with the
+    memo, remember what it decoded."""
+
+    def __init__(self, histories: PromptHistories | None = None, tenant: str = "t") -> None:
+        self.histories = histories if histories is not None else PromptHistories(min_bytes=1024)
+        self.seed = self.histories.seed(tenant, OPTS)
+
+    def send(self, raw: bytes) -> tuple[dict[str, Any], KnownPrompt | None]:
+        body, found = self.histories.decode(raw, self.seed)
+        self.histories.remember(raw, self.seed, body, found)
+        return body, found
+
+
+def check_same(gateway: Gateway, raw: bytes) -> KnownPrompt | None:
+    """``raw`` through the memo gives what decoding it whole gives."""
+    try:
+        expected = decode_json_object(raw)
+    except InvalidRequest as exc:
+        error = exc
+    else:
+        body, found = gateway.send(raw)
+        assert body == expected
+        assert list(body) == list(expected)  # the keys in the body's order
+        return found
+    with pytest.raises(InvalidRequest) as raised:
+        gateway.send(raw)
+    assert (str(raised.value), raised.value.param) == (str(error), error.param)
+    return None
+
+
+def ends(histories: PromptHistories) -> list[int]:
+    """Where the remembered prompts close in their bodies."""
+    return [entry.end for entry in histories._store]
+
+
+def dumps(body: dict[str, Any], style: str) -> bytes:
+    if style == "spaced":  # the standard library's defaults: spaces, every non-ASCII escaped
+        return json.dumps(body).encode()
+    return orjson.dumps(body)  # compact, UTF-8
+
+
+@pytest.mark.parametrize("style", ["compact", "spaced"])
+@pytest.mark.parametrize("order", ["prompt last", "prompt second", "prompt first"])
+def test_each_turn_is_decoded_from_what_it_adds(style: str, order: str) -> None:
+    gateway = Gateway()
+
+    def body(prompt: str) -> bytes:
+        fields: dict[str, Any] = {"model": "m", "max_tokens": 4, "temperature": 0}
+        if order == "prompt last":
+            return dumps({**fields, "prompt": prompt}, style)
+        if order == "prompt second":  # as the openai client writes it
+            return dumps({"model": "m", "prompt": prompt, "max_tokens": 4, "stream": False},
+                         style)
+        return dumps({"prompt": prompt, **fields}, style)
+
+    prompt = PROMPT
+    assert check_same(gateway, body(prompt)) is None  # a first body: decoded whole
+    for turn in range(6):
+        # What each turn adds ends in every way a string can be cut before: a quote, a
+        # backslash, an escaped control character, a character outside the BMP.
+        prompt += ["\nok \"done\"", "\n\\", "\tand\n", "\U0001f600", " \u201cq\u201d", "."][turn]
+        assert check_same(gateway, body(prompt)) is not None, turn
+        assert len(gateway.histories) == 1  # each turn replaces the entry it was joined to
+    assert gateway.histories.hits == 6
+
+
+def test_the_same_body_again_is_found_and_keeps_one_entry() -> None:
+    gateway = Gateway()
+    raw = orjson.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 1})
+    assert check_same(gateway, raw) is None
+    assert check_same(gateway, raw) is not None
+    assert check_same(gateway, raw) is not None
+    assert (len(gateway.histories), gateway.histories.hits) == (1, 2)
+
+
+def test_short_bodies_and_prompts_that_are_not_text_are_not_remembered() -> None:
+    gateway = Gateway(PromptHistories(min_bytes=1 << 20))
+    check_same(gateway, orjson.dumps({"model": "m", "prompt": PROMPT}))
+    gateway = Gateway()
+    check_same(gateway, orjson.dumps({"model": "m", "prompt": [PROMPT]}))
+    check_same(gateway, orjson.dumps({"model": "m", "prompt": list(range(20000))}))
+    assert len(gateway.histories) == 0
+
+
+def test_an_edit_inside_the_prompt_is_not_joined() -> None:
+    gateway = Gateway()
+    check_same(gateway, orjson.dumps({"model": "m", "prompt": PROMPT}))
+    edited = PROMPT[:40000] + "X" + PROMPT[40001:] + " more"
+    assert check_same(gateway, orjson.dumps({"model": "m", "prompt": edited})) is None
+    # ...nor a prompt that stops short of the last one.
+    assert check_same(gateway, orjson.dumps({"model": "m", "prompt": PROMPT[:-1]})) is None
+
+
+def test_tenants_and_options_do_not_share_entries() -> None:
+    histories = PromptHistories(min_bytes=1024)
+    acme, globex = Gateway(histories, "acme"), Gateway(histories, "globex")
+    check_same(acme, orjson.dumps({"model": "m", "prompt": PROMPT}))
+    assert check_same(globex, orjson.dumps({"model": "m", "prompt": PROMPT + "!"})) is None
+    assert check_same(acme, orjson.dumps({"model": "m", "prompt": PROMPT + "!"})) is not None
+    other = PromptHistories.seed("acme", NormalizeOptions(line_trailing_whitespace=False))
+    assert other != acme.seed
+
+
+BASE = orjson.dumps({"model": "m", "max_tokens": 1, "prompt": PROMPT})
+
+
+@pytest.mark.parametrize("tail", [
+    # the rest of a body after the base's prompt, as bytes
+    b' and more"}',
+    b'"}  \n',
+    b'","stream":true,"stop":["\\n"]}',
+    b' and more","model":"n"}',  # a key before the prompt again
+    b' and more","prompt":"x"}',  # the prompt again
+    b' and more","\\u0000p":"x"}',  # the seam's own key
+    b' and more","\\u0000\\u0070":"x"}',  # spelled otherwise
+    b' and more \\u0000 a NUL"}',  # a NUL in the text: decoded whole
+    b' and more',  # cut short
+    b' and more"}]',  # more after the body
+    b' and more", "max_tokens": 0}',  # a field a parse would refuse: decoded alike
+    b' \xff"}',  # not UTF-8
+    b' \\ud800 a lone surrogate"}',
+    b'\\',
+    b'"',
+    b'"}' + b" " * 3,
+    b' and more","x":' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}",
+    b' and more","x":' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}",
+])
+def test_any_rest_decodes_as_the_whole_body_does(tail: bytes) -> None:
+    gateway = Gateway()
+    check_same(gateway, BASE)
+    [end] = ends(gateway.histories)
+    assert BASE[end:] == b'"}'
+    check_same(gateway, BASE[:end] + tail)
+    check_same(gateway, BASE)  # the entry still serves its own prompt
+
+
+@pytest.mark.parametrize("body", [
+    # "prompt" inside a value before the key, or as a key of a nested object.
+    b'{"model":"say \\"prompt\\": \\"x","prompt":"%s"}',
+    b'{"extra":{"prompt":"short"},"prompt":"%s"}',
+    b'{"a \\"prompt":"x","prompt":"%s"}',
+    # Two "prompt" keys: the last wins.
+    b'{"model":"m","prompt":"a","prompt":"%s"}',
+    b'{"model":"m","prompt":"%s","prompt":"%s"}',
+    # The key written with an escape, or spaced out.
+    b'{"model":"m","pr\\u006fmpt":"%s"}',
+    b'{"model":"m" , "prompt" :\n "%s"}',
+])
+def test_bodies_built_to_mislead_the_end_are_decoded_right(body: bytes) -> None:
+    text = orjson.dumps(PROMPT)[1:-1]
+    raw = body.replace(b"%s", text)
+    gateway = Gateway()
+    check_same(gateway, raw)
+    for more in (b" one", b" two"):
+        # The next turns: the last prompt string of the body grows.
+        cut = raw.rindex(b'"}')
+        raw = raw[:cut] + more + raw[cut:]
+        check_same(gateway, raw)
+
+
+def test_a_misplaced_end_is_evicted_when_checked() -> None:
+    # The first "prompt" key belongs to a nested object: the end found from it does not close
+    # the body's prompt, which the check on the next turn finds.
+    gateway = Gateway()
+    text = orjson.dumps(PROMPT)[1:-1]
+    raw = b'{"extra":{"prompt":"' + text + b'"},"prompt":"' + text + b'"}'
+    check_same(gateway, raw)
+    assert len(gateway.histories) == 1
+    [first] = list(gateway.histories._store)
+    end = first.end
+    assert raw[end:].startswith(b'"},"prompt"')  # the nested prompt's close
+    assert check_same(gateway, raw[:end] + b' x' + raw[end:]) is None
+    # The entry failed its check and went; the body decoded whole stands in its place,
+    # unchecked, as any first body.
+    [entry] = list(gateway.histories._store)
+    assert entry is not first
+    assert not entry.checked
+
+
+def test_entries_are_bounded_by_the_bytes_they_stand_for() -> None:
+    raw = orjson.dumps({"model": "m", "prompt": PROMPT})
+    histories = PromptHistories(max_bytes=3 * len(raw), min_bytes=1024)
+    gateway = Gateway(histories)
+    for i in range(5):
+        check_same(gateway, orjson.dumps({"model": "m", "prompt": f"{i}" + PROMPT}))
+    assert len(histories) == 3
+    assert histories.held_bytes <= 3 * len(raw)
+    # The oldest went first: the first prompt is no longer known, the last is.
+    assert check_same(gateway, orjson.dumps({"model": "m", "prompt": "0" + PROMPT + "!"})) is None
+    assert check_same(gateway, orjson.dumps({"model": "m", "prompt": "4" + PROMPT + "!"}))
