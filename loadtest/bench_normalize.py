@@ -54,7 +54,7 @@ def long_text(rng: random.Random, chars: int, layout: str) -> str:
     model's answers and most edited prose are), or an emoji (``emoji``: characters beyond
     the Basic Multilingual Plane); or lines of 10-40 CJK ideographs (``cjk``)."""
     if layout == "words":
-        return words(rng, chars // 3 + 1)[:chars]
+        return _whole_last_line(words(rng, chars // 3 + 1)[:chars])
     if layout not in LONG_TEXTS:
         raise ValueError(f"unknown long text layout {layout!r}; one of {LONG_TEXTS}")
     lines, size = [], 0
@@ -71,7 +71,16 @@ def long_text(rng: random.Random, chars: int, layout: str) -> str:
             line += rng.choice((" \U0001f600", " \U0001f44d", " \U0001f680"))
         lines.append(line)
         size += len(line) + 1
-    return "\n".join(lines)[:chars]
+    text = "\n".join(lines)[:chars]
+    return text if layout == "ragged" else _whole_last_line(text)
+
+
+def _whole_last_line(text: str) -> str:
+    """``text`` with the whitespace a cut may leave at its end written as dots: a next turn's
+    newline would make it a line ending in spaces, which the rules trim (only ``ragged`` text
+    is meant to be rewritten)."""
+    kept = text.rstrip()
+    return kept + "." * (len(text) - len(kept))
 
 
 def _median_ms(run: Callable[[], object], runs: int) -> float:

@@ -31,6 +31,14 @@ def test_long_texts_have_the_size_and_the_line_ends_asked_for() -> None:
     assert ragged != texts["ragged"]
     assert " \n" not in ragged
 
+    # ...also once a next turn adds a line: no other layout ends its last line in a space,
+    # wherever the size cuts it.
+    for seed in range(40):
+        for layout in LONG_TEXTS:
+            if layout != "ragged":
+                turn = long_text(random.Random(seed), 3_000 + seed, layout) + "\nTurn 1: ok"
+                assert normalize_text(turn) == turn, (seed, layout)
+
 
 def test_the_bench_times_every_layout_and_the_remembered_text() -> None:
     result = measure(chars=20_000, runs=2)
