@@ -42,16 +42,15 @@ class FingerprintMemo:
             return fingerprint(text, namespace, opts)
         opening = (namespace.seed(), opts, hash(text[:self.min_chars]))
         kept = self._texts.pop(opening, ())
-        prior = None
-        for earlier, key in kept:
-            if len(earlier) <= len(text) and text.startswith(earlier):
-                prior = key
-                break
+        # Which kept texts this one begins with (each compared once: a memcmp of up to the
+        # whole prompt).
+        begins = [len(earlier) <= len(text) and text.startswith(earlier) for earlier, _ in kept]
+        prior = next((key for (_, key), yes in zip(kept, begins, strict=True) if yes), None)
         key = fingerprint(text, namespace, opts, prior)
         self.hits += prior is not None
         # This text first; a kept text it extends is no longer needed (the next turn extends
         # this one), nor one it equals.
-        others = tuple((t, k) for t, k in kept if not text.startswith(t))
+        others = tuple(pair for pair, yes in zip(kept, begins, strict=True) if not yes)
         now = ((text, key), *others)[:_PER_OPENING]
         self.held_bytes += _bytes(now) - _bytes(kept)
         self._texts[opening] = now
