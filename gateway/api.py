@@ -18,7 +18,7 @@ from gateway.fingerprint import Namespace
 from gateway.limits import LIMITS_KEY
 from gateway.misses import prompt_head_hash
 from gateway.normal_texts import TextScope
-from gateway.normalize import NormalizeOptions
+from gateway.normalize import NormalizeOptions, NormalPrefix
 from gateway.openai_schema import (
     KnownHistory,
     ParsedRequest,
@@ -43,7 +43,8 @@ STATE = web.AppKey("state", GatewayState)
 T = TypeVar("T")
 
 Parser = Callable[
-    [dict[str, Any], NormalizeOptions, TextScope | None, KnownHistory | None, bool],
+    [dict[str, Any], NormalizeOptions, TextScope | None, KnownHistory | NormalPrefix | None,
+     bool],
     ParsedRequest,
 ]
 
@@ -91,12 +92,13 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
 
 async def prepare(
     app: web.Application, body: dict[str, Any], parse: Parser, path: str, identity: Identity,
-    known: KnownHistory | None = None, keep_history: bool = False,
+    known: KnownHistory | NormalPrefix | None = None, keep_history: bool = False,
 ) -> tuple[ParsedRequest, RouteRequest, str]:
     """Validate a completion request of ``identity`` to ``app`` and build what routing needs,
     and the request's cache namespace (raises 4xx errors). ``known``: the leading messages of
-    a chat as an earlier request's parse left them; ``keep_history``: keep a long chat's for
-    a later one (:mod:`gateway.chat_histories`)."""
+    a chat, or the text a completions prompt begins with, as an earlier request's parse left
+    them; ``keep_history``: keep a long chat's or prompt's for a later one
+    (:mod:`gateway.chat_histories`, :mod:`gateway.prompt_histories`)."""
     state = app[STATE]
     settings = state.settings
     salt = body.get("cache_salt")
@@ -161,13 +163,18 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
         body, known_prompt = prompts.decode(raw, prompt_scope)
     else:
         body = decode_json_object(raw)
+    known: KnownHistory | NormalPrefix | None = None
+    if found is not None:
+        known = found.history
+    elif known_prompt is not None:
+        known = known_prompt.normal
     parsed, route_request, namespace = await prepare(
-        app, body, parse, path, identity, found.history if found is not None else None,
-        keep_history=scope is not None)
+        app, body, parse, path, identity, known,
+        keep_history=scope is not None or prompt_scope is not None)
     if scope is not None and parsed.history is not None:
         histories.remember(raw, scope, body, parsed.history, found)
     elif prompt_scope is not None:
-        prompts.remember(raw, prompt_scope, body, known_prompt)
+        prompts.remember(raw, prompt_scope, body, known_prompt, parsed.normal)
     tenant = identity.tenant_id
     record = record_of(request)
     record.parsed(

@@ -201,6 +201,33 @@ def normalize_text(
     return out.rstrip() if opts.trailing_whitespace else out
 
 
+@dataclass(frozen=True, slots=True)
+class NormalPrefix:
+    """What the rules made of a text, for a later text that begins with it (an agent's next
+    turn): its length in characters, and ``head``, what they made of its lines before its
+    last one (None: they left the whole text as it was)."""
+
+    chars: int
+    head: str | None
+
+
+def normalize_after(text: str, opts: NormalizeOptions,
+                    known: NormalPrefix) -> tuple[str, NormalPrefix]:
+    """:func:`normalize_text` of ``text``, whose first ``known.chars`` characters are the text
+    ``known`` was made of (the caller's word: a long prompt's earlier turn, found by the bytes
+    that carried it), and what a later text that begins with this one needs. The rules run
+    from that text's last line on (:func:`_normalized_past`); no memo is read or written."""
+    if not opts.enabled:
+        return text, NormalPrefix(len(text), None)
+    out = _normalized_past(text, opts, known.chars, known.head)
+    if out is text:
+        after = NormalPrefix(len(text), None)
+    else:
+        last = _last_line_normalized(text, opts) if "\n" in text else len(out)
+        after = NormalPrefix(len(text), out[:len(out) - last])
+    return (out.rstrip() if opts.trailing_whitespace else out), after
+
+
 def _normalized_past(text: str, opts: NormalizeOptions, known: int, head: str | None) -> str:
     """:func:`_normalized` of ``text`` whose first ``known`` characters are a text the rules
     have seen: ``head`` is what they made of that text's lines before its last one (None:

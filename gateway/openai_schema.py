@@ -19,6 +19,8 @@ from gateway.errors import InvalidRequest
 from gateway.normal_texts import TextScope
 from gateway.normalize import (
     NormalizeOptions,
+    NormalPrefix,
+    normalize_after,
     normalize_messages,
     normalize_text,
     render_messages,
@@ -69,6 +71,9 @@ class ParsedRequest:
     history: KnownHistory | None = None
     """A long chat's messages but its last, as checked, where the parser was asked to keep
     them (None for other requests)."""
+    normal: NormalPrefix | None = None
+    """What normalization made of a completions prompt that is one text, where the parser was
+    asked to keep it and knows it (None for other requests)."""
 
 
 # The deepest nesting orjson encodes (it refuses 255 levels): a body the gateway may encode
@@ -235,9 +240,14 @@ def _is_token_list(value: Any) -> bool:
 
 def parse_completion(
     body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None,
-    known: KnownHistory | None = None, keep_history: bool = False,
+    known: KnownHistory | NormalPrefix | None = None, keep_history: bool = False,
 ) -> ParsedRequest:
-    """``POST /v1/completions``: ``prompt`` is a string, strings, token ids or lists of ids."""
+    """``POST /v1/completions``: ``prompt`` is a string, strings, token ids or lists of ids.
+
+    ``known`` (a :class:`NormalPrefix`): the prompt is a string that begins with the text an
+    earlier request's prompt was, as this parser normalized it then; the rules run past it
+    only. ``keep_history``: a prompt that is one string keeps what normalization made of it
+    (``ParsedRequest.normal``) for a later turn, where the parser knows it."""
     model, stream, max_tokens, salt = _common(body)
     if "prompt" not in body or body["prompt"] is None:
         raise InvalidRequest("missing required parameter 'prompt'", param="prompt",
@@ -246,8 +256,15 @@ def parse_completion(
     forwarded = dict(body)
     chars = ids = 0
     count = 1
+    normal = None
     if isinstance(prompt, str):
-        forwarded["prompt"] = text = normalize_text(prompt, opts, seen)
+        if isinstance(known, NormalPrefix) and known.chars <= len(prompt):
+            text, normal = normalize_after(prompt, opts, known)
+        else:
+            text = normalize_text(prompt, opts, seen)
+            if keep_history and text is prompt:  # the rules left it as it was
+                normal = NormalPrefix(len(prompt), None)
+        forwarded["prompt"] = text
         chars = len(text)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         forwarded["prompt"] = normalized = [normalize_text(p, opts, seen) for p in prompt]
@@ -266,7 +283,8 @@ def parse_completion(
     unchanged = forwarded["prompt"] == prompt
     return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged,
                          prompt_chars=chars, prompt_token_ids=ids,
-                         sequences=count * _choices(body))
+                         sequences=count * _choices(body),
+                         normal=normal if keep_history else None)
 
 
 _ROLE_LIST = ", ".join(sorted(CHAT_ROLES))
@@ -302,7 +320,7 @@ def _check_message(i: int, message: Any) -> None:
 
 def parse_chat(
     body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None,
-    known: KnownHistory | None = None, keep_history: bool = False,
+    known: KnownHistory | NormalPrefix | None = None, keep_history: bool = False,
 ) -> ParsedRequest:
     """``POST /v1/chat/completions``: ``messages`` is a non-empty list of role/content objects.
 
@@ -317,6 +335,8 @@ def parse_chat(
                              code="missing_required_parameter")
     if not (isinstance(messages, list) and len(messages) > 0):
         raise _invalid("'messages' must be a non-empty list", "messages")
+    if not isinstance(known, KnownHistory):  # a completions prompt's: not a chat's
+        known = None
     done = len(known.normalized) if known is not None else 0
     if done >= len(messages):  # a known history is a strict prefix of the messages
         known, done = None, 0

@@ -21,16 +21,22 @@ decoded. A later body that starts with the same bytes is decoded from the end on
   follows is decoded as ``{"\\u0000p":"`` + the rest of the body: its seam string is what the
   prompt adds, its other keys the body's keys after ``prompt``. A body is joined only when
   none of those repeats a key before the prompt or the prompt itself (the decoder lets the
-  last of repeated keys win) and the rest writes no NUL character (``\\u0000``: the seam's key
-  can be spelled only with it).
+  last of repeated keys win) or is ``cache_salt`` (a body with a salt after its prompt is not
+  remembered either, so an entry is never used across salts), and the rest writes no NUL
+  character (``\\u0000``: the seam's key can be spelled only with it).
+* **Normalization.** An entry also keeps what the rules made of its prompt
+  (:class:`gateway.normalize.NormalPrefix`: nothing, or its lines but the last as rewritten),
+  where the parse knew it: a first prompt the rules left as it was, and every prompt joined
+  to such an entry. A joined prompt is then normalized from the earlier prompt's last line on
+  (:func:`gateway.normalize.normalize_after`), without hashing the whole text to find it in
+  :mod:`gateway.normal_texts`.
 * **Checks.** The rest is checked for depth as :func:`gateway.openai_schema.decode_json_object`
   checks a whole body. A rest that does not decode or check is decoded again as a whole body,
   which raises the client's error as it would have.
 
 The decoded body is the one :func:`gateway.openai_schema.decode_json_object` returns for the
-same bytes (the tests compare them on every shape of body they build). What happens to the
-prompt next (normalization, the fingerprint) is remembered per namespace elsewhere
-(:mod:`gateway.normal_texts`, :mod:`gateway.fingerprint_memo`). Entries are scoped by tenant
+same bytes, and the normalized prompt the one :func:`gateway.normalize.normalize_text` makes
+(the tests compare them on every shape of body they build). Entries are scoped by tenant
 and normalization options and hold prompt text in this process's memory only, never in a log,
 a response or the store, bounded by the bytes of the bodies they stand for.
 """
@@ -43,6 +49,7 @@ from typing import Any
 import orjson
 
 from gateway.body_prefixes import ANCHOR_BYTES, BodyPrefixes, Prefix, marks, scope
+from gateway.normalize import NormalPrefix
 from gateway.openai_schema import decode_json_object, too_deep
 
 _SEAM_KEY = "\x00p"
@@ -60,6 +67,7 @@ class _Entry(Prefix):
     # ``end``: where the body's prompt string closes
     head: dict[str, Any]  # the body's keys before "prompt"
     text: str  # the prompt, as decoded
+    normal: NormalPrefix | None  # what normalization made of it, where the parse knows
 
 
 class PromptHistories:
@@ -103,9 +111,10 @@ class PromptHistories:
         return decode_json_object(raw), None
 
     def remember(self, raw: bytes, seed: int, body: dict[str, Any],
-                 joined: KnownPrompt | None = None) -> None:
+                 joined: KnownPrompt | None = None, normal: NormalPrefix | None = None) -> None:
         """Keep ``body``'s prompt for a later body of scope ``seed`` that starts with the same
-        bytes up to where the prompt string closes. ``joined``: what :meth:`decode` found."""
+        bytes up to where the prompt string closes. ``joined``: what :meth:`decode` found;
+        ``normal``: what normalization made of the prompt, if known."""
         text = body.get("prompt")
         if len(raw) < self.min_bytes or not isinstance(text, str):
             return
@@ -120,6 +129,8 @@ class PromptHistories:
                 if key == "prompt":
                     break
                 head[key] = value
+            if "cache_salt" in body and "cache_salt" not in head:
+                return  # a salt after the prompt: no later body would be joined
             opening = _string_after_key(raw)
             end = _closing_quote(raw, opening + len(text)) if opening > 0 else -1
         if end < ANCHOR_BYTES or (base is not None and end < base.end):
@@ -128,7 +139,7 @@ class PromptHistories:
         self._store.add(_Entry(
             end=end, guard=guard, digest=digest, anchor=anchor,
             # A first body is checked when a next turn comes; a joined one was, by its join.
-            checked=base is not None, head=head, text=text,
+            checked=base is not None, head=head, text=text, normal=normal,
         ), replaces=base)
 
 
@@ -139,6 +150,11 @@ class KnownPrompt:
 
     def __init__(self, entry: _Entry) -> None:
         self.entry = entry
+
+    @property
+    def normal(self) -> NormalPrefix | None:
+        """What normalization made of the earlier prompt (None: not known)."""
+        return self.entry.normal
 
 
 def _string_after_key(raw: bytes) -> int:
@@ -199,7 +215,8 @@ def _joined(raw: bytes, entry: _Entry) -> dict[str, Any] | None:
         return None
     more = value.pop(_SEAM_KEY, None)
     head = entry.head
-    if not isinstance(more, str) or "prompt" in value or any(k in head for k in value):
+    if (not isinstance(more, str) or "prompt" in value or "cache_salt" in value
+            or any(k in head for k in value)):
         return None
     if too_deep(document, value):
         return None

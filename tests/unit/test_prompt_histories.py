@@ -11,7 +11,14 @@ import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.normalize import NormalizeOptions
-from gateway.openai_schema import MAX_JSON_DEPTH, decode_json_object
+from gateway.openai_schema import (
+    MAX_JSON_DEPTH,
+    ParsedRequest,
+    decode_json_object,
+    encode_body,
+    forwarded_body,
+    parse_completion,
+)
 from gateway.prompt_histories import KnownPrompt, PromptHistories
 
 OPTS = NormalizeOptions()
@@ -35,28 +42,43 @@ PROMPT = context()  # about 60k characters: a long prompt
 
 class Gateway:
     """What the gateway's completions route does with a body (gateway.api): decode with the
-    memo, remember what it decoded."""
+    memo, parse with what it found, remember what the parse kept."""
 
-    def __init__(self, histories: PromptHistories | None = None, tenant: str = "t") -> None:
+    def __init__(self, histories: PromptHistories | None = None, tenant: str = "t",
+                 opts: NormalizeOptions = OPTS) -> None:
         self.histories = histories if histories is not None else PromptHistories(min_bytes=1024)
-        self.seed = self.histories.seed(tenant, OPTS)
+        self.opts = opts
+        self.seed = self.histories.seed(tenant, opts)
 
-    def send(self, raw: bytes) -> tuple[dict[str, Any], KnownPrompt | None]:
+    def send(self, raw: bytes) -> tuple[dict[str, Any], ParsedRequest, KnownPrompt | None]:
         body, found = self.histories.decode(raw, self.seed)
-        self.histories.remember(raw, self.seed, body, found)
-        return body, found
+        parsed = parse_completion(body, self.opts, None,
+                                  found.normal if found is not None else None,
+                                  keep_history=True)
+        self.histories.remember(raw, self.seed, body, found, parsed.normal)
+        return body, parsed, found
+
+
+def whole(raw: bytes, opts: NormalizeOptions) -> tuple[dict[str, Any], ParsedRequest]:
+    body = decode_json_object(raw)
+    return body, parse_completion(body, opts)
 
 
 def check_same(gateway: Gateway, raw: bytes) -> KnownPrompt | None:
-    """``raw`` through the memo gives what decoding it whole gives."""
+    """``raw`` through the memo gives what decoding and parsing it whole gives."""
     try:
-        expected = decode_json_object(raw)
+        expected, parsed_whole = whole(raw, gateway.opts)
     except InvalidRequest as exc:
         error = exc
     else:
-        body, found = gateway.send(raw)
+        body, parsed, found = gateway.send(raw)
         assert body == expected
         assert list(body) == list(expected)  # the keys in the body's order
+        assert parsed.fingerprint_text == parsed_whole.fingerprint_text
+        assert parsed.body == parsed_whole.body
+        assert parsed.unchanged == parsed_whole.unchanged
+        assert encode_body(forwarded_body(parsed, raw)) == encode_body(
+            forwarded_body(parsed_whole, raw))  # what the worker gets, byte for byte
         return found
     with pytest.raises(InvalidRequest) as raised:
         gateway.send(raw)
@@ -173,8 +195,8 @@ def test_any_rest_decodes_as_the_whole_body_does(tail: bytes) -> None:
 @pytest.mark.parametrize("body", [
     # "prompt" inside a value before the key, or as a key of a nested object.
     b'{"model":"say \\"prompt\\": \\"x","prompt":"%s"}',
-    b'{"extra":{"prompt":"short"},"prompt":"%s"}',
-    b'{"a \\"prompt":"x","prompt":"%s"}',
+    b'{"model":"m","extra":{"prompt":"short"},"prompt":"%s"}',
+    b'{"model":"m","a \\"prompt":"x","prompt":"%s"}',
     # Two "prompt" keys: the last wins.
     b'{"model":"m","prompt":"a","prompt":"%s"}',
     b'{"model":"m","prompt":"%s","prompt":"%s"}',
@@ -199,7 +221,7 @@ def test_a_misplaced_end_is_evicted_when_checked() -> None:
     # the body's prompt, which the check on the next turn finds.
     gateway = Gateway()
     text = orjson.dumps(PROMPT)[1:-1]
-    raw = b'{"extra":{"prompt":"' + text + b'"},"prompt":"' + text + b'"}'
+    raw = b'{"model":"m","extra":{"prompt":"' + text + b'"},"prompt":"' + text + b'"}'
     check_same(gateway, raw)
     assert len(gateway.histories) == 1
     [first] = list(gateway.histories._store)
@@ -224,3 +246,56 @@ def test_entries_are_bounded_by_the_bytes_they_stand_for() -> None:
     # The oldest went first: the first prompt is no longer known, the last is.
     assert check_same(gateway, orjson.dumps({"model": "m", "prompt": "0" + PROMPT + "!"})) is None
     assert check_same(gateway, orjson.dumps({"model": "m", "prompt": "4" + PROMPT + "!"}))
+
+
+@pytest.mark.parametrize("first", ["normal", "rewritten"])
+def test_a_joined_prompt_is_normalized_from_the_last_prompts_last_line(first: str) -> None:
+    # Each turn adds what the rules rewrite, or what makes them rewrite the line before: a
+    # line ending in spaces, CRLF and a lone CR, a space the rules unify, an invisible
+    # character, spaces at the very end, a line of spaces only, text with no newline.
+    gateway = Gateway()
+    prompt = PROMPT if first == "normal" else PROMPT + "  \nragged line  "
+    found = []
+    for more in ["\nplain", "  ", "\nnext", " line\u00a0ends\r", "\nafter a CR\r\n",
+                 "crlf\u200b and  ", "   ", "\n   \n", "x", "\tq\t"]:
+        found.append(check_same(gateway, orjson.dumps({"model": "m", "prompt": prompt})))
+        prompt += more
+    found.append(check_same(gateway, orjson.dumps({"model": "m", "prompt": prompt})))
+    assert found[0] is None
+    assert all(f is not None for f in found[1:])  # every later turn joined
+    # A first prompt the rules left as it was gives each later turn the rules past it only.
+    second = found[1]
+    assert second is not None
+    assert (second.normal is not None) is (first == "normal")
+    assert gateway.histories.hits == len(found) - 1
+
+
+@pytest.mark.parametrize("opts", [
+    NormalizeOptions(line_trailing_whitespace=False),
+    NormalizeOptions(trailing_whitespace=False),
+    NormalizeOptions(enabled=False),
+])
+def test_turns_normalize_alike_under_other_options(opts: NormalizeOptions) -> None:
+    gateway = Gateway(opts=opts)
+    prompt = PROMPT
+    for more in ["  \nnext  ", "\r\nb\u00a0 ", "\n\n  "]:
+        check_same(gateway, orjson.dumps({"model": "m", "prompt": prompt}))
+        prompt += more
+    assert check_same(gateway, orjson.dumps({"model": "m", "prompt": prompt})) is not None
+
+
+def test_a_cache_salt_is_never_crossed() -> None:
+    gateway = Gateway()
+    # A salt after the prompt: not remembered (a later body could carry another).
+    check_same(gateway, orjson.dumps({"model": "m", "prompt": PROMPT, "cache_salt": "a"}))
+    assert len(gateway.histories) == 0
+    # A salt before it is in the bytes compared: the same salt joins, another does not.
+    check_same(gateway, orjson.dumps({"model": "m", "cache_salt": "a", "prompt": PROMPT}))
+    assert check_same(gateway, orjson.dumps(
+        {"model": "m", "cache_salt": "a", "prompt": PROMPT + "!"})) is not None
+    assert check_same(gateway, orjson.dumps(
+        {"model": "m", "cache_salt": "b", "prompt": PROMPT + "!!"})) is None
+    # ...and a rest that adds a salt is decoded whole.
+    check_same(gateway, orjson.dumps({"model": "m", "prompt": PROMPT}))
+    assert check_same(gateway, orjson.dumps(
+        {"model": "m", "prompt": PROMPT + "?", "cache_salt": "c"})) is None
