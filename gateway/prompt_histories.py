@@ -8,13 +8,16 @@ a long body whose prompt is a string, where in its bytes that string closes (the
 keyed hash of the bytes before it, the body's keys before ``prompt`` and the prompt as
 decoded. A later body that starts with the same bytes is decoded from the end on only:
 
-* **Where the end is.** The closing quote of the prompt: the first ``"`` after the string's
-  opening that no odd run of backslashes escapes, searched from where the text's length puts
-  the earliest possible close (every character takes at least one byte), so a mostly plain
-  text costs a few comparisons. A first body's end is checked when a later body is found by
-  it, by decoding the bytes before it closed there (``...`` -> ``..."}``): the result must be
-  the body's keys before ``prompt`` and the prompt. A body that was itself joined needs no
-  check: the bytes between its entry's end and its own are the string its join decoded.
+* **Where the end is.** The closing quote of the prompt: first where the body's keys after
+  the prompt, written as the common encoders write them (compact, or Python's spaced
+  default), end the body; else the first ``"`` that no odd run of backslashes escapes,
+  searched from where the text's length puts the earliest possible close (a byte at least
+  per character), looking at a few hundred quotes at most, so that a prompt of escaped
+  quotes costs no scan per quote (such a body is simply not remembered). A first body's end
+  is checked when a later body is found by it, by decoding the bytes before it closed there
+  (``...`` -> ``..."}``): the result must be the body's keys before ``prompt`` and the
+  prompt. A joined body's end is checked when it is remembered, by decoding only the bytes
+  between its entry's end and its own: they must be what its prompt adds.
 * **Joining.** The bytes before the end are the earlier body's, so a JSON parser reaches the
   end in the same state: inside the top-level object after the same keys, inside the prompt
   string after the same characters (a string can be cut wherever a character ends). What
@@ -43,6 +46,7 @@ a response or the store, bounded by the bytes of the bodies they stand for.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +63,9 @@ _PROMPT_KEY = b'"prompt"'
 _BEFORE_KEY = frozenset(b"{, \t\r\n")
 _WHITESPACE = b" \t\r\n"
 _QUOTE = 0x22
-_BACKSLASH = 0x5C
+# Quotes the search for a prompt's end looks at: this many, and one more per so many bytes.
+_SCAN_QUOTES = 256
+_SCAN_BYTES_PER_QUOTE = 4096
 
 
 @dataclass(slots=True, eq=False)
@@ -119,21 +125,20 @@ class PromptHistories:
         if len(raw) < self.min_bytes or not isinstance(text, str):
             return
         base = joined.entry if joined is not None else None
+        head, after = _around_prompt(body)
         if base is not None:
             head = base.head
-            # The prompt goes on from the base's end, a byte at least for each new character.
-            end = _closing_quote(raw, base.end + len(text) - len(base.text))
+            # The prompt goes on from the base's end, a byte at least for each new character;
+            # what it adds is checked to be the bytes up to the end (a decoding of them only).
+            end = _prompt_end(raw, after, base.end + len(text) - len(base.text))
+            if end < base.end or not _encodes_string(raw[base.end:end], text[len(base.text):]):
+                return
         else:
-            head = {}
-            for key, value in body.items():
-                if key == "prompt":
-                    break
-                head[key] = value
-            if "cache_salt" in body and "cache_salt" not in head:
+            if "cache_salt" in after:
                 return  # a salt after the prompt: no later body would be joined
             opening = _string_after_key(raw)
-            end = _closing_quote(raw, opening + len(text)) if opening > 0 else -1
-        if end < ANCHOR_BYTES or (base is not None and end < base.end):
+            end = _prompt_end(raw, after, opening + len(text)) if opening > 0 else -1
+        if end < ANCHOR_BYTES:
             return
         guard, digest, anchor = marks(raw, end, seed)
         self._store.add(_Entry(
@@ -175,18 +180,82 @@ def _string_after_key(raw: bytes) -> int:
     return i + 1 if i < size and raw[i] == _QUOTE else -1
 
 
-def _closing_quote(raw: bytes, start: int) -> int:
-    """The first ``"`` at or after ``start`` that no backslash escapes: a run of backslashes
-    before it is even (escapes never end in a backslash but for the pair ``\\\\``)."""
+def _around_prompt(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``body``'s keys before ``prompt``, and after it."""
+    head: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    into = head
+    for key, value in body.items():
+        if key == "prompt":
+            into = after
+        else:
+            into[key] = value
+    return head, after
+
+
+def _prompt_end(raw: bytes, after: dict[str, Any], start: int) -> int:
+    """Where the prompt string closes in ``raw`` (-1: not found), at or after ``start``.
+    First where the keys after the prompt, written as the common encoders write them, end
+    the body; else the first ``"`` from ``start`` on that no backslash escapes, among at
+    most a few hundred (a client's prompt of escaped quotes must not cost a scan per quote).
+    A wrong guess is caught where the end is used (:func:`_closes_prompt`, or the caller's
+    decoding of what a joined prompt adds)."""
+    size = len(raw.rstrip(_WHITESPACE))
+    for tail in _tails(after):
+        end = size - len(tail) - 1
+        if end >= start and raw[end] == _QUOTE and raw.endswith(tail, 0, size):
+            return end
+    return _closing_quote(raw, start, _SCAN_QUOTES + len(raw) // _SCAN_BYTES_PER_QUOTE)
+
+
+def _tails(after: dict[str, Any]) -> tuple[bytes, ...]:
+    """The bytes after a prompt's closing quote, for the keys ``after`` it, compact (orjson,
+    JavaScript, most clients) and spaced (Python's ``json`` by default)."""
+    if not after:
+        return (b"}",)
+    try:
+        compact = orjson.dumps(after)
+        spaced = json.dumps(after).encode()
+    except (TypeError, ValueError, orjson.JSONEncodeError):
+        return ()
+    return b"," + compact[1:], b", " + spaced[1:]
+
+
+def _closing_quote(raw: bytes, start: int, quotes: int) -> int:
+    """The first ``"`` at or after ``start`` that no backslash escapes (a run of backslashes
+    before it is even: escapes never end in a backslash but for the pair ``\\\\``), looking
+    at ``quotes`` of them at most (-1: none found)."""
     pos = start
-    while (quote := raw.find(b'"', pos)) >= 0:
-        k = quote
-        while k > 0 and raw[k - 1] == _BACKSLASH:
-            k -= 1
-        if (quote - k) % 2 == 0:
+    for _ in range(quotes):
+        quote = raw.find(b'"', pos)
+        if quote < 0:
+            return -1
+        if _backslashes_before(raw, quote) % 2 == 0:
             return quote
         pos = quote + 1
     return -1
+
+
+def _backslashes_before(raw: bytes, at: int) -> int:
+    """The length of the run of backslashes that ends just before ``at`` (looked at 64 bytes
+    at a time, in C)."""
+    run = 0
+    while at > 0:
+        window = raw[max(0, at - 64):at]
+        kept = len(window.rstrip(b"\\"))
+        run += len(window) - kept
+        if kept:
+            return run
+        at -= len(window)
+    return run
+
+
+def _encodes_string(content: bytes, text: str) -> bool:
+    """Whether ``content`` is the inside of a JSON string that decodes to ``text``."""
+    try:
+        return bool(orjson.loads(b'"' + content + b'"') == text)
+    except orjson.JSONDecodeError:
+        return False
 
 
 def _closes_prompt(raw: bytes, entry: _Entry) -> bool:

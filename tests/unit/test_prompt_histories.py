@@ -19,7 +19,7 @@ from gateway.openai_schema import (
     forwarded_body,
     parse_completion,
 )
-from gateway.prompt_histories import KnownPrompt, PromptHistories
+from gateway.prompt_histories import KnownPrompt, PromptHistories, _encodes_string
 
 OPTS = NormalizeOptions()
 
@@ -221,7 +221,10 @@ def test_a_misplaced_end_is_evicted_when_checked() -> None:
     # the body's prompt, which the check on the next turn finds.
     gateway = Gateway()
     text = orjson.dumps(PROMPT)[1:-1]
-    raw = b'{"model":"m","extra":{"prompt":"' + text + b'"},"prompt":"' + text + b'"}'
+    # After the prompt, a number written as no common encoder writes it: the end is searched
+    # for from the first "prompt" key.
+    raw = (b'{"model":"m","extra":{"prompt":"' + text + b'"},"prompt":"' + text
+           + b'","temperature":1e0}')
     check_same(gateway, raw)
     assert len(gateway.histories) == 1
     [first] = list(gateway.histories._store)
@@ -299,3 +302,41 @@ def test_a_cache_salt_is_never_crossed() -> None:
     check_same(gateway, orjson.dumps({"model": "m", "prompt": PROMPT}))
     assert check_same(gateway, orjson.dumps(
         {"model": "m", "prompt": PROMPT + "?", "cache_salt": "c"})) is None
+
+
+ODD_TAIL = b'","temperature":1e0}'  # no common encoder writes 1.0 so: the end is searched for
+
+
+@pytest.mark.parametrize("tail", [b'"}', b'","max_tokens":1}', b'", "max_tokens": 1}',
+                                  b'"}\n', ODD_TAIL])
+def test_the_end_is_found_whatever_follows_the_prompt(tail: bytes) -> None:
+    gateway = Gateway()
+    # The prompt ends in a run of backslashes (escaped, an even run before the close).
+    prompt = PROMPT + "\\" * 301
+    raw = b'{"model":"m","prompt":"' + orjson.dumps(prompt)[1:-1] + tail
+    check_same(gateway, raw)
+    [end] = ends(gateway.histories)
+    assert raw[end:] == tail
+    cut = len(raw) - len(tail)
+    assert check_same(gateway, raw[:cut] + b"more" + raw[cut:]) is not None
+
+
+def test_a_prompt_of_escaped_quotes_gives_up_the_search() -> None:
+    # Past the earliest possible close, ten thousand escaped quotes: more than the search
+    # looks at, so the body is not remembered (and costs no scan per quote).
+    gateway = Gateway()
+    prompt = "x" * 40_000 + '"' * 20_000
+    check_same(gateway, b'{"model":"m","prompt":' + orjson.dumps(prompt)[:-1] + ODD_TAIL)
+    assert len(gateway.histories) == 0
+    # Written as the client's encoder writes the keys after it, the end is where they begin.
+    check_same(gateway, orjson.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}))
+    assert len(gateway.histories) == 1
+
+
+def test_what_a_joined_prompt_adds_must_be_the_bytes_up_to_its_end() -> None:
+    # The check on a joined body's end: the bytes from its entry's end to its own decode,
+    # as a string's inside, to exactly what the prompt adds.
+    assert _encodes_string(b'more \\"q\\" \\u00e9', 'more "q" \u00e9')
+    assert not _encodes_string(b'more"', "more")  # past the close
+    assert not _encodes_string(b'mor', "more")  # short of it
+    assert not _encodes_string(b'more\\', "more\\")  # inside an escape
