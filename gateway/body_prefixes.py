@@ -16,9 +16,9 @@ used least recently goes first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import xxhash
 
@@ -118,3 +118,47 @@ class BodyPrefixes(Generic[P]):
         same.remove(entry)
         if not same:
             del self._anchors[entry.anchor]
+
+
+class BodyMemo(Generic[P]):
+    """What a memo of long bodies of one kind shares: its store, its bounds and how a body
+    is found by an entry, checked and joined to it (:meth:`_found`)."""
+
+    seed = staticmethod(scope)
+
+    def __init__(self, max_bytes: int = 32 << 20, min_bytes: int = 32 << 10,
+                 per_anchor: int = 256) -> None:
+        self.max_bytes = max_bytes  # the bodies' bytes the entries stand for, at most
+        self.min_bytes = min_bytes  # shorter bodies are decoded whole
+        self._store: BodyPrefixes[P] = BodyPrefixes(max_bytes, per_anchor)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    @property
+    def hits(self) -> int:
+        return self._store.hits
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the bodies the entries stand for (up to their ends)."""
+        return self._store.held_bytes
+
+    def _found(self, raw: bytes, seed: int, check: Callable[[bytes, P], bool],
+               join: Callable[[bytes, P], dict[str, Any] | None],
+               ) -> tuple[dict[str, Any], P] | None:
+        """The body of ``raw`` joined to the entry of scope ``seed`` it begins with, and that
+        entry (None: none, or the join could differ from decoding it whole). An entry not yet
+        checked is checked against ``raw`` first (``check``), and dropped if it fails."""
+        entry = self._store.find(raw, seed) if len(raw) >= self.min_bytes else None
+        if entry is None:
+            return None
+        if not entry.checked and not check(raw, entry):
+            self._store.evict(entry)
+            return None
+        entry.checked = True
+        body = join(raw, entry)
+        if body is None:
+            return None
+        self._store.used(entry)
+        return body, entry

@@ -47,7 +47,7 @@ from typing import Any
 
 import orjson
 
-from gateway.body_prefixes import ANCHOR_BYTES, BodyPrefixes, Prefix, marks, scope
+from gateway.body_prefixes import ANCHOR_BYTES, BodyMemo, Prefix, marks
 from gateway.openai_schema import KnownHistory, decode_json_object, too_deep
 
 # The seam: the rest of a body decodes as the array of this key, which no client key is
@@ -66,43 +66,16 @@ class _Entry(Prefix):
     known: KnownHistory
 
 
-class ChatHistories:
+class ChatHistories(BodyMemo[_Entry]):
     """Recent long chats by tenant, for :meth:`decode` to skip the part already seen."""
-
-    seed = staticmethod(scope)
-
-    def __init__(self, max_bytes: int = 32 << 20, min_bytes: int = 32 << 10,
-                 per_anchor: int = 256) -> None:
-        self.max_bytes = max_bytes  # the bodies' bytes the entries stand for, at most
-        self.min_bytes = min_bytes  # shorter bodies are decoded whole
-        self._store: BodyPrefixes[_Entry] = BodyPrefixes(max_bytes, per_anchor)
-
-    def __len__(self) -> int:
-        return len(self._store)
-
-    @property
-    def hits(self) -> int:
-        return self._store.hits
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the bodies the entries stand for (up to their ends)."""
-        return self._store.held_bytes
 
     def decode(self, raw: bytes, seed: int) -> tuple[dict[str, Any], Known | None]:
         """The body of ``raw`` as :func:`decode_json_object` decodes it (the same object, the
         same errors), and what an earlier body of scope ``seed`` that carried the same bytes
         up to one of its messages tells of it (None: nothing)."""
-        entry = self._store.find(raw, seed) if len(raw) >= self.min_bytes else None
-        if entry is not None:
-            if not entry.checked and not _begins_message(raw, entry):
-                self._store.evict(entry)
-            else:
-                entry.checked = True
-                body = _joined(raw, entry)
-                if body is not None:
-                    self._store.used(entry)
-                    return body, Known(entry)
+        found = self._found(raw, seed, _begins_message, _joined)
+        if found is not None:
+            return found[0], Known(found[1])
         return decode_json_object(raw), None
 
     def remember(self, raw: bytes, seed: int, body: dict[str, Any], history: KnownHistory,

@@ -52,7 +52,7 @@ from typing import Any
 
 import orjson
 
-from gateway.body_prefixes import ANCHOR_BYTES, BodyPrefixes, Prefix, marks, scope
+from gateway.body_prefixes import ANCHOR_BYTES, BodyMemo, Prefix, marks
 from gateway.normalize import NormalPrefix
 from gateway.openai_schema import decode_json_object, too_deep
 
@@ -76,44 +76,17 @@ class _Entry(Prefix):
     normal: NormalPrefix | None  # what normalization made of it, where the parse knows
 
 
-class PromptHistories:
+class PromptHistories(BodyMemo[_Entry]):
     """Recent long completions prompts by tenant, for :meth:`decode` to skip the part already
     seen."""
-
-    seed = staticmethod(scope)
-
-    def __init__(self, max_bytes: int = 32 << 20, min_bytes: int = 32 << 10,
-                 per_anchor: int = 256) -> None:
-        self.max_bytes = max_bytes  # the bodies' bytes the entries stand for, at most
-        self.min_bytes = min_bytes  # shorter bodies are decoded whole
-        self._store: BodyPrefixes[_Entry] = BodyPrefixes(max_bytes, per_anchor)
-
-    def __len__(self) -> int:
-        return len(self._store)
-
-    @property
-    def hits(self) -> int:
-        return self._store.hits
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the bodies the entries stand for (up to their ends)."""
-        return self._store.held_bytes
 
     def decode(self, raw: bytes, seed: int) -> tuple[dict[str, Any], KnownPrompt | None]:
         """The body of ``raw`` as :func:`decode_json_object` decodes it (the same object, the
         same errors), and the earlier body of scope ``seed`` whose prompt it extends (None:
         none found)."""
-        entry = self._store.find(raw, seed) if len(raw) >= self.min_bytes else None
-        if entry is not None:
-            if not entry.checked and not _closes_prompt(raw, entry):
-                self._store.evict(entry)
-            else:
-                entry.checked = True
-                body = _joined(raw, entry)
-                if body is not None:
-                    self._store.used(entry)
-                    return body, KnownPrompt(entry)
+        found = self._found(raw, seed, _closes_prompt, _joined)
+        if found is not None:
+            return found[0], KnownPrompt(found[1])
         return decode_json_object(raw), None
 
     def remember(self, raw: bytes, seed: int, body: dict[str, Any],
