@@ -15,9 +15,11 @@ decoded. A later body that starts with the same bytes is decoded from the end on
   per character), looking at a few hundred quotes at most, so that a prompt of escaped
   quotes costs no scan per quote (such a body is simply not remembered). A first body's end
   is checked when a later body is found by it, by decoding the bytes before it closed there
-  (``...`` -> ``..."}``): the result must be the body's keys before ``prompt`` and the
-  prompt. A joined body's end is checked when it is remembered, by decoding only the bytes
-  between its entry's end and its own: they must be what its prompt adds.
+  with a mark added to the string it cuts (``...`` -> ``...~"}``): the result must be the
+  body's keys before ``prompt`` and the prompt with the mark (without the mark, a key
+  repeated after the prompt with the value it had before would pass for it). A joined
+  body's end is checked when it is remembered, by decoding only the bytes between its
+  entry's end and its own: they must be what its prompt adds.
 * **Joining.** The bytes before the end are the earlier body's, so a JSON parser reaches the
   end in the same state: inside the top-level object after the same keys, inside the prompt
   string after the same characters (a string can be cut wherever a character ends). What
@@ -63,6 +65,9 @@ _PROMPT_KEY = b'"prompt"'
 _BEFORE_KEY = frozenset(b"{, \t\r\n")
 _WHITESPACE = b" \t\r\n"
 _QUOTE = 0x22
+# Added to the string cut at an end being checked (:func:`_closes_prompt`).
+_MARK = b"~"
+_MARK_TEXT = "~"
 # Quotes the search for a prompt's end looks at: this many, and one more per so many bytes.
 _SCAN_QUOTES = 256
 _SCAN_BYTES_PER_QUOTE = 4096
@@ -233,13 +238,17 @@ def _encodes_string(content: bytes, text: str) -> bool:
 
 def _closes_prompt(raw: bytes, entry: _Entry) -> bool:
     """Whether ``raw`` up to ``entry.end`` (the bytes of ``entry``'s body up to there) is that
-    body up to its prompt's closing quote: decoded closed there, it is the body's keys before
-    ``prompt`` and the prompt."""
+    body up to its prompt's closing quote: decoded closed there with a mark added to the
+    string cut there, it is the body's keys before ``prompt`` and the prompt with the mark.
+    The mark makes sure the string cut there is the prompt: without it, a key repeated after
+    the prompt with the value it already had (``..."prompt":"...","model":"m"}``, whose end
+    the keys after the prompt put at the close of the repeated value) decodes closed there
+    to the same object."""
     try:
-        closed = orjson.loads(raw[:entry.end] + b'"}')
+        closed = orjson.loads(raw[:entry.end] + _MARK + b'"}')
     except orjson.JSONDecodeError:
         return False
-    return bool(closed == {**entry.head, "prompt": entry.text})
+    return bool(closed == {**entry.head, "prompt": entry.text + _MARK_TEXT})
 
 
 def _joined(raw: bytes, entry: _Entry) -> dict[str, Any] | None:

@@ -216,6 +216,23 @@ def test_bodies_built_to_mislead_the_end_are_decoded_right(body: bytes) -> None:
         check_same(gateway, raw)
 
 
+@pytest.mark.parametrize("grown", [b" x", b"\xc2\xa0x"])  # plain, or text the rules rewrite
+@pytest.mark.parametrize("repeated", [b'"model":"m"', b'"user":"u"'])
+def test_a_key_repeated_after_the_prompt_with_the_same_value_is_not_taken_for_it(
+    grown: bytes, repeated: bytes
+) -> None:
+    # The repeated key's value closes the body where a prompt with no keys after it would, and
+    # decoded closed there the body is the same object: only a mark added to the string cut
+    # there tells that string from the prompt.
+    text = orjson.dumps(PROMPT)[1:-1]
+    raw = b'{"model":"m","user":"u","max_tokens":4,"prompt":"' + text + b'",' + repeated + b"}"
+    gateway = Gateway()
+    check_same(gateway, raw)
+    cut = raw.rindex(b'"}')
+    # The next body grows the repeated value, not the prompt.
+    check_same(gateway, raw[:cut] + grown + raw[cut:])
+
+
 def test_a_misplaced_end_is_evicted_when_checked() -> None:
     # The first "prompt" key belongs to a nested object: the end found from it does not close
     # the body's prompt, which the check on the next turn finds.
