@@ -26,6 +26,7 @@ The replay protocol (a ROUTER socket beside the PUB): a client sends ``[b"", sta
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +135,10 @@ def decode_event(raw: Any) -> Event | None:
         tokens = v[2]
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise WireError("token_ids must be an array of ints")
+        try:  # msgpack carries unsigned 64-bit ints too: the block keys hash signed ones
+            array("q", tokens)
+        except OverflowError:
+            raise WireError("token_ids must be signed 64-bit ints") from None
         size = v[3]
         if not isinstance(size, int) or size < 1:
             raise WireError("block_size must be a positive int")

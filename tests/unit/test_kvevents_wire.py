@@ -91,6 +91,9 @@ def test_unknown_event_types_are_skipped() -> None:
         msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, "not tokens", 16]]]),
         msgspec.msgpack.encode([1.0, [["BlockStored", [1.5], None, [1], 16]]]),
         msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1], 0]]]),
+        # A token id past a signed 64-bit int (msgpack's uint64): the block keys cannot hash it.
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [2**63] + [1] * 15, 16]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1] * 15 + [2**64 - 1], 16]]]),
         msgspec.msgpack.encode([1.0, [[1, 2]]]),
     ],
 )
