@@ -54,35 +54,45 @@ class HealthChecker:
         # Some probe came back in time: the gateway's loop ran, a timeout is the worker's.
         loop_ran = not all(probe.timed_out for probe in probes)
         for s, probe in zip(workers, probes, strict=True):
-            wid = s.worker.id
-            timed_out_before = wid in self._timed_out
-            if probe.timed_out:
-                self._timed_out.add(wid)
-            else:
-                self._timed_out.discard(wid)
-            queries = probe.metrics.get(metric.total(metric.PREFIX_CACHE_QUERIES))
-            if self._misses.probed(s.worker.id, queries):
-                log.warning("worker %s restarted (its cache counters went back); its cache is "
-                            "cold", s.worker.id)
-                state.index.forget_worker(s.worker.id)
-            if probe.healthy:
-                state.pool.mark_up(s.worker.id, probe.models, probe.metrics)
-                if state.pool.set_versions(s.worker.id, probe.versions):
-                    self._lifecycle.version_changed(s.worker)
-                capacity = probe.metrics.get(CACHE_CAPACITY_TOKENS, 0.0)
-                if capacity > 0:  # the index models the worker's cache at its real size
-                    blocks = max(1, int(capacity / state.settings.tokens_per_block()))
-                    state.pool.set_capacity(s.worker.id, blocks)
-            elif probe.timed_out and state.guard.liveness.heard_since(s.worker.id, alive_since):
-                log.info("worker %s: health probe timed out, but it keeps answering requests; "
-                         "kept in the pool", s.worker.id)
-            elif probe.timed_out and not timed_out_before and s.healthy and not loop_ran:
-                log.info("worker %s: every probe of the round timed out (the gateway stalled?); "
-                         "out if its next one does too", s.worker.id)
-            else:
-                state.pool.mark_down(s.worker.id, probe.error)
-                # Requests waiting on it for a first byte go elsewhere now.
-                state.guard.ejections.eject(s.worker.id, probe.error)
+            try:
+                self._take(s.worker, s.healthy, probe, alive_since, loop_ran)
+            except Exception:  # one worker's odd answer must not cost the others their round
+                log.exception("health of worker %s: its probe's answer could not be applied",
+                              s.worker.id)
+
+    def _take(self, worker: Worker, healthy: bool, probe: WorkerProbe, alive_since: float,
+              loop_ran: bool) -> None:
+        """Update the pool with what ``worker`` (``healthy`` before this round) answered."""
+        state = self._state
+        wid = worker.id
+        timed_out_before = wid in self._timed_out
+        if probe.timed_out:
+            self._timed_out.add(wid)
+        else:
+            self._timed_out.discard(wid)
+        queries = probe.metrics.get(metric.total(metric.PREFIX_CACHE_QUERIES))
+        if self._misses.probed(wid, queries):
+            log.warning("worker %s restarted (its cache counters went back); its cache is "
+                        "cold", wid)
+            state.index.forget_worker(wid)
+        if probe.healthy:
+            state.pool.mark_up(wid, probe.models, probe.metrics)
+            if state.pool.set_versions(wid, probe.versions):
+                self._lifecycle.version_changed(worker)
+            capacity = probe.metrics.get(CACHE_CAPACITY_TOKENS, 0.0)
+            if capacity > 0:  # the index models the worker's cache at its real size
+                blocks = max(1, int(capacity / state.settings.tokens_per_block()))
+                state.pool.set_capacity(wid, blocks)
+        elif probe.timed_out and state.guard.liveness.heard_since(wid, alive_since):
+            log.info("worker %s: health probe timed out, but it keeps answering requests; "
+                     "kept in the pool", wid)
+        elif probe.timed_out and not timed_out_before and healthy and not loop_ran:
+            log.info("worker %s: every probe of the round timed out (the gateway stalled?); "
+                     "out if its next one does too", wid)
+        else:
+            state.pool.mark_down(wid, probe.error)
+            # Requests waiting on it for a first byte go elsewhere now.
+            state.guard.ejections.eject(wid, probe.error)
 
     async def run(self) -> None:
         """Probe every ``health_interval_s`` until cancelled."""

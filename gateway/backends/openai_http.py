@@ -23,6 +23,7 @@ gauges and counters (``vllm:num_requests_running``, ``..._waiting``, ``vllm:kv_c
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
@@ -64,14 +65,18 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 def parse_engine_metrics(text: str) -> dict[str, float]:
     """Sum each of :data:`ENGINE_METRICS` over its label sets in a Prometheus text page, and
     the KV cache capacity (``num_gpu_blocks x block_size`` of ``vllm:cache_config_info``) as
-    :data:`~gateway.backends.base.CACHE_CAPACITY_TOKENS`."""
+    :data:`~gateway.backends.base.CACHE_CAPACITY_TOKENS`. A sample that is not a finite
+    number is left out (one engine's ``NaN`` or ``+Inf`` must not reach the pool's load, nor
+    an infinite cache size the health round, which converts it to blocks)."""
     out: dict[str, float] = {}
     for name, value in _SAMPLE.findall(text):
         if name in ENGINE_METRICS:
             try:
-                out[name] = out.get(name, 0.0) + float(value)
+                sample = float(value)
             except ValueError:
                 continue
+            if math.isfinite(sample):  # a NaN or an infinity would poison the load's sums
+                out[name] = out.get(name, 0.0) + sample
     info = _CACHE_INFO.search(text)
     if info is not None:
         labels = dict(_LABEL.findall(info.group("labels")))
@@ -79,7 +84,7 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             capacity = float(labels["num_gpu_blocks"]) * float(labels["block_size"])
         except (KeyError, ValueError):
             capacity = 0.0
-        if capacity > 0:
+        if 0 < capacity < math.inf:  # an infinite size cannot be modelled in blocks
             out[CACHE_CAPACITY_TOKENS] = capacity
     return out
 

@@ -259,3 +259,56 @@ async def test_a_round_of_timed_out_probes_keeps_the_pool_and_two_in_a_row_empty
             assert pool.healthy_ids() == {b_id}
     finally:
         await runner.cleanup()
+
+
+def _odd_engine() -> web.Application:
+    """An engine that answers its probes but whose metrics page carries samples that are not
+    finite numbers and a cache size that overflows a float."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=(
+            'vllm:num_requests_running{engine="0"} 3.0\n'
+            'vllm:num_requests_running{engine="1"} NaN\n'
+            "vllm:num_requests_waiting +Inf\n"
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="1e308"} 1.0\n'))
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def test_an_engine_with_odd_metrics_costs_no_other_worker_its_health_round(
+    processes: Processes,
+) -> None:
+    """Its samples that are not finite are left out, and the round goes on to the workers
+    after it: a worker found down comes back with its next answered probe. (The overflowing
+    cache size once raised in the round, before the workers after it were updated.)"""
+    odd_port = free_port()
+    odd = await serve(_odd_engine(), odd_port)
+    odd_url = f"http://127.0.0.1:{odd_port}"
+    ok_url, ok = await processes.worker()
+    odd_id, ok_id = odd_url.removeprefix("http://"), ok_url.removeprefix("http://")
+    port = free_port()
+    app = create_gateway(GatewaySettings(port=port, worker=(odd_url, ok_url),
+                                         health_interval_s=3600.0))
+    runner = await serve(app, port)
+    try:
+        pool, health = app[STATE].pool, app[HEALTH_KEY]
+        assert pool.healthy_ids() == {odd_id, ok_id}
+        assert pool.get(odd_id).engine_metrics == {"vllm:num_requests_running": 3.0}
+        async with _stopped(ok):
+            await health.probe_all()  # the odd engine answered in time: a timeout is ok's
+            assert pool.healthy_ids() == {odd_id}
+        await health.probe_all()
+        assert pool.healthy_ids() == {odd_id, ok_id}
+    finally:
+        await runner.cleanup()
+        await odd.cleanup()

@@ -28,6 +28,16 @@ def test_engine_metrics_page_gives_load_and_cache_capacity() -> None:
     assert "cache_capacity_tokens" not in parse_engine_metrics(
         'vllm:cache_config_info{block_size="16"} 1.0\n'
     )
+    # Samples that are not finite numbers are left out; so is a size that overflows.
+    odd = parse_engine_metrics(
+        'vllm:num_requests_running{engine="0"} 3.0\n'
+        'vllm:num_requests_running{engine="1"} NaN\n'
+        "vllm:num_requests_waiting +Inf\n"
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="1e308"} 1.0\n'
+    )
+    assert odd == {"vllm:num_requests_running": 3.0}
+    assert parse_engine_metrics(
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="inf"} 1.0\n') == {}
 
 
 def test_cache_stats_come_from_usage_in_bodies_and_streams() -> None:
