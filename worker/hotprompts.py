@@ -98,7 +98,7 @@ def export_handler(settings: WorkerSettings) -> Callable[[web.Request], Awaitabl
             raise ApiError("exporting prompts needs an admin secret on this worker "
                            "(--admin-token or --api-key)", status=403, code="forbidden")
         raw = request.query.get("limit", "64")
-        if not raw.isdigit() or not 1 <= int(raw) <= _MAX_LIMIT:
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= _MAX_LIMIT:
             raise ApiError(f"'limit' must be an integer from 1 to {_MAX_LIMIT}", param="limit",
                            code="invalid_value")
         data = request.app[HOT_PROMPTS_KEY].hottest(int(raw), time.monotonic())

@@ -50,6 +50,13 @@ _MAX_HEAD = 64 * 1024  # bytes of one response head (status line and headers)
 _HIGH_WATER = 1 << 20  # body bytes waiting for the caller before reading pauses
 _LOW_WATER = 1 << 18  # ... and below which it resumes
 _NO_BODY = frozenset({204, 304})
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+
+
+def _is_digits(text: str) -> bool:
+    """Whether ``text`` is ASCII digits only (``str.isdigit`` also takes other scripts' digits
+    and superscripts, which ``int`` then refuses or reads)."""
+    return text.isascii() and text.isdigit()
 
 # Body framings.
 _LENGTH, _CHUNKED, _UNTIL_CLOSE = 0, 1, 2
@@ -204,7 +211,7 @@ class _Connection(asyncio.Protocol):
             del self._buf[: end + 4]
             version, _, rest = lines[0].partition(" ")
             code = rest[:3]
-            if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+            if not version.startswith("HTTP/1.") or len(code) != 3 or not _is_digits(code):
                 raise _BadReply(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
             status = int(code)
             if 100 <= status < 200:  # an interim reply (100 Continue, 103 Early Hints)
@@ -234,7 +241,7 @@ class _Connection(asyncio.Protocol):
             self._framing = _CHUNKED
         elif lengths:
             value = lengths.pop()
-            if lengths or not value.isdigit():
+            if lengths or not _is_digits(value):
                 raise _BadReply("malformed Content-Length")
             self._framing, self._left = _LENGTH, int(value)
         else:
@@ -285,10 +292,11 @@ class _Connection(asyncio.Protocol):
             self._buf = bytearray()
             if state == _SIZE:
                 size = line.split(b";", 1)[0].strip()
-                try:
-                    self._left = int(size, 16)
-                except ValueError:
-                    raise _BadReply(f"malformed chunk size {size[:20]!r}") from None
+                # Hex digits only (RFC 9112's 1*HEXDIG): int() also takes a sign, "0x" and
+                # "_", and a negative size would walk the parser back over bytes it read.
+                if not size or len(size) > 16 or size.strip(_HEX_DIGITS):
+                    raise _BadReply(f"malformed chunk size {size[:20]!r}")
+                self._left = int(size, 16)
                 self._chunk_state = _DATA if self._left else _TRAILER
             elif state == _DATA_END:
                 if line:

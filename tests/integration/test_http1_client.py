@@ -184,6 +184,11 @@ async def test_a_new_connection_closed_before_a_reply_is_unavailable(serve: Serv
     pytest.param([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n"],
                  "Transfer-Encoding", id="not-chunked"),
     pytest.param([b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000], "too large", id="huge-head"),
+    # Digits of other scripts, which str.isdigit takes (latin-1: a superscript two).
+    pytest.param([b"HTTP/1.1 2\xb20 OK\r\n\r\n"], "not an HTTP/1.1 status line",
+                 id="status-not-ascii"),
+    pytest.param([b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n"], "Content-Length",
+                 id="length-not-ascii"),
 ])
 async def test_malformed_heads_are_unavailable(serve: Serve, pieces: list[bytes],
                                                message: str) -> None:
@@ -201,6 +206,12 @@ async def test_malformed_heads_are_unavailable(serve: Serve, pieces: list[bytes]
                  id="short-chunk"),
     pytest.param([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"],
                  id="bad-chunk-size"),
+    # Sizes int() reads but HTTP does not allow; a negative one once sent the parser back over
+    # what it had read, forever (the gateway's event loop with it).
+    *(pytest.param([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc",
+                    b"<sleep 0.05>", b"\r\n" + size + b"\nh", b"ello0\r\n\r\n"],
+                   id=f"chunk-size-{size.decode()}")
+      for size in (b"-1", b"-100000", b"+3", b"0x3", b"1_0", b"1" * 17)),
 ])
 async def test_a_reply_broken_mid_body_raises(serve: Serve, pieces: list[bytes]) -> None:
     server = await serve(lambda c, n, body: pieces)

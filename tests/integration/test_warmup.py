@@ -238,10 +238,10 @@ async def test_gateways_sharing_a_store_warm_a_joining_worker_once(fleet: Fleet)
         assert await direct_hit(new, t) > 0
 
 
-async def hot_prompts(worker: str, key: str = "") -> tuple[int, Any]:
+async def hot_prompts(worker: str, key: str = "", query: str = "") -> tuple[int, Any]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession() as http, http.get(
-            worker + "/admin/hot-prompts", headers=headers) as r:
+            worker + "/admin/hot-prompts" + query, headers=headers) as r:
         return r.status, await r.json()
 
 
@@ -260,6 +260,10 @@ async def test_a_joining_worker_is_warmed_from_its_peers_hottest_prompts(fleet: 
     status, body = await hot_prompts(serving[0])
     assert status == 401  # no secret, no prompt text
     assert "policy" not in str(body)
+    # A limit in digits of another script (a superscript two) is a 400, not the worker's 500.
+    for query in ("?limit=%C2%B2", "?limit=0", "?limit=x"):
+        status, body = await hot_prompts(serving[0], key, query)
+        assert (status, body["error"]["param"]) == (400, "limit")
     exported = [e for w in serving for e in (await hot_prompts(w, key))[1]["data"]]
     assert {e["namespace"] for e in exported} == {namespace_of(t) for t in range(3)}
     assert all(e["uses"] >= 1 for e in exported)
