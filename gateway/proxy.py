@@ -211,6 +211,15 @@ async def dispatch(
     )
 
 
+def _usage(input_tokens: int, matched_tokens: int) -> CacheUsage | None:
+    """A worker's report as the routing takes it: none without prompt tokens, and cached
+    tokens within ``[0, input_tokens]`` (a report outside it is a worker's bug, and must not
+    drive the capacity fit or the hit counters past what can be)."""
+    if input_tokens <= 0:
+        return None
+    return CacheUsage(input_tokens, min(max(matched_tokens, 0), input_tokens))
+
+
 def stats_from_headers(reply: UpstreamReply) -> CacheUsage | None:
     """What our worker reused, from its ``x-cache-*`` headers."""
     headers = reply.headers
@@ -218,13 +227,11 @@ def stats_from_headers(reply: UpstreamReply) -> CacheUsage | None:
         input_tokens = int(headers.get(INPUT_TOKENS_HEADER, "0"))
     except ValueError:
         return None
-    if not input_tokens:
-        return None
     try:
         matched = int(headers.get(MATCHED_TOKENS_HEADER, "0"))
     except ValueError:
         matched = 0
-    return CacheUsage(input_tokens, matched)
+    return _usage(input_tokens, matched)
 
 
 def stats_from_usage(payload: bytes) -> CacheUsage | None:
@@ -241,7 +248,7 @@ def stats_from_usage(payload: bytes) -> CacheUsage | None:
             cached = int(details.get("cached_tokens") or 0)
         except (ValueError, AttributeError, TypeError):
             return None
-        return CacheUsage(prompt, cached) if prompt > 0 else None
+        return _usage(prompt, cached)
     return None
 
 

@@ -49,6 +49,14 @@ def test_cache_stats_come_from_usage_in_bodies_and_streams() -> None:
               b'"prompt_tokens_details": null}}\n\ndata: [DONE]\n\n')
     assert stats_from_usage(stream) == CacheUsage(50, 0)
     assert stats_from_usage(b'{"choices": []}') is None
+    # A report outside what can be: cached tokens kept within [0, prompt tokens].
+    def cached(tokens: int) -> bytes:
+        return (b'{"usage": {"prompt_tokens": 50, "prompt_tokens_details": {"cached_tokens": '
+                + str(tokens).encode() + b"}}}")
+
+    assert stats_from_usage(cached(80)) == CacheUsage(50, 50)
+    assert stats_from_usage(cached(-3)) == CacheUsage(50, 0)
+    assert stats_from_usage(b'{"usage": {"prompt_tokens": -50}}') is None
     assert stats_from_usage(b"data: {not json, \"usage\"}\n\n") is None
 
 
