@@ -232,6 +232,11 @@ class StoreSync:
                 continue
             except Exception:
                 log.exception("store sync step %s failed", getattr(fn, "__name__", fn))
+                # A step that fails the same way each time must not spin (the stream reader's
+                # interval is 0) nor flood the log.
+                stop_if_cancelled()
+                await asyncio.sleep(max(every_s, 1.0))
+                continue
             stop_if_cancelled()
             await asyncio.sleep(every_s)
 

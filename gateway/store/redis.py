@@ -76,6 +76,21 @@ def _unpack(raw: bytes) -> tuple[int, ...]:
     return struct.unpack(f"<{len(raw) // 8}Q", raw)
 
 
+# What an assignment entry that another writer (another version, a hand-made XADD) laid out
+# otherwise raises as it is read.
+_UNREADABLE = (KeyError, TypeError, ValueError, struct.error)
+
+
+def _assignment(fields: Mapping[Any, Any]) -> Assignment | None:
+    """An assignment from a stream entry's fields (None: not one this version can read)."""
+    try:
+        f = {_s(k): v for k, v in fields.items()}
+        depths = _unpack(f["d"]) if "d" in f else ()
+        return Assignment(_s(f["o"]), _s(f["w"]), _unpack(f["b"]), depths)
+    except _UNREADABLE:  # UnicodeDecodeError is a ValueError
+        return None
+
+
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -95,6 +110,7 @@ class RedisStore:
         self._stream_maxlen = stream_maxlen
         self._client: aioredis.Redis | None = None
         self._reader: aioredis.Redis | None = None  # blocking stream reads get their own
+        self.unreadable = 0  # assignment entries skipped: not laid out as this version writes
 
     @property
     def url(self) -> str:
@@ -171,10 +187,12 @@ class RedisStore:
             out: list[Assignment] = []
             for _stream, entries in reply or []:  # [(stream, [(id, fields), ...])]
                 for entry_id, fields in entries:
-                    last = _s(entry_id)
-                    f = {_s(k): v for k, v in fields.items()}
-                    depths = _unpack(f["d"]) if "d" in f else ()
-                    out.append(Assignment(_s(f["o"]), _s(f["w"]), _unpack(f["b"]), depths))
+                    last = _s(entry_id)  # past an entry that does not read, too
+                    assignment = _assignment(fields)
+                    if assignment is None:
+                        self.unreadable += 1
+                    else:
+                        out.append(assignment)
             return last, out
 
         return await self._call(op)
@@ -188,10 +206,13 @@ class RedisStore:
             oldest = f"{max(0, int((time.time() - max_age_s) * 1000))}-0"
             # Stream ids start with their time in ms: the newest ``limit`` since ``oldest``.
             rows: Any = await self._r.xrevrange(key, max=cursor, min=oldest, count=limit)
-            out = [
-                Assignment(_s(f[b"o"]), _s(f[b"w"]), _unpack(f[b"b"]))
-                for _id, f in reversed(rows)
-            ]
+            out = []
+            for _id, fields in reversed(rows):
+                assignment = _assignment(fields)
+                if assignment is None:
+                    self.unreadable += 1
+                else:
+                    out.append(assignment)
             return cursor, out
 
         return await self._call(op)

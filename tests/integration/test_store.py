@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+import redis.asyncio as redis_asyncio
 
 from gateway.store.base import (
     Assignment,
@@ -108,6 +109,33 @@ async def test_redis_shares_assignments_and_load_between_replicas(
     await b.publish_load("gb", {"w1": 7}, ttl_s=5)
     assert await b.read_load(exclude_origin="gb") == {"w1": 100, "w2": 5}
     assert await a.read_load(exclude_origin="ga") == {"w1": 7}
+    await a.close()
+    await b.close()
+
+
+async def test_assignment_entries_another_writer_laid_out_are_skipped(
+    redis_server: RedisServer,
+) -> None:
+    """An entry this version cannot read (another version's fields, a hand-made XADD, a
+    packed list cut short) is passed over and counted: the reader's cursor moves past it, so
+    one such entry cannot stop every gateway's stream, nor make it read the entry forever."""
+    a, b = RedisStore(redis_server.url, prefix="u"), RedisStore(redis_server.url, prefix="u")
+    await a.start()
+    await b.start()
+    cursor, _ = await b.read_assignments("", block_s=0.05)
+    await a.publish_assignments([Assignment("ga", "w1", (1, 2))])
+    raw = redis_asyncio.from_url(redis_server.url)
+    await raw.xadd("u:assignments", {"origin": "gx", "worker": "w9"})  # other field names
+    await raw.xadd("u:assignments", {"o": "gx", "w": "w9", "b": b"\x01" * 12})  # cut short
+    await raw.xadd("u:assignments", {"o": b"\xff", "w": "w9", "b": b"\x01" * 8})  # not UTF-8
+    await a.publish_assignments([Assignment("ga", "w2", (3,))])
+    cursor, seen = await b.read_assignments(cursor, block_s=1.0)
+    assert seen == [Assignment("ga", "w1", (1, 2)), Assignment("ga", "w2", (3,))]
+    assert b.unreadable == 3
+    assert (await b.read_assignments(cursor, block_s=0.05))[1] == []  # past them for good
+    _, recent = await b.recent_assignments(max_age_s=60, limit=100)
+    assert recent == seen
+    await raw.aclose()
     await a.close()
     await b.close()
 
