@@ -128,13 +128,13 @@ async def test_assignment_entries_another_writer_laid_out_are_skipped(
     await raw.xadd("u:assignments", {"origin": "gx", "worker": "w9"})  # other field names
     await raw.xadd("u:assignments", {"o": "gx", "w": "w9", "b": b"\x01" * 12})  # cut short
     await raw.xadd("u:assignments", {"o": b"\xff", "w": "w9", "b": b"\x01" * 8})  # not UTF-8
-    await a.publish_assignments([Assignment("ga", "w2", (3,))])
+    await a.publish_assignments([Assignment("ga", "w2", (3, 4), (64, 96))])  # with depths
     cursor, seen = await b.read_assignments(cursor, block_s=1.0)
-    assert seen == [Assignment("ga", "w1", (1, 2)), Assignment("ga", "w2", (3,))]
+    assert seen == [Assignment("ga", "w1", (1, 2)), Assignment("ga", "w2", (3, 4), (64, 96))]
     assert b.unreadable == 3
     assert (await b.read_assignments(cursor, block_s=0.05))[1] == []  # past them for good
     _, recent = await b.recent_assignments(max_age_s=60, limit=100)
-    assert recent == seen
+    assert recent == seen  # the depths too, as an index rebuilt at start records them
     await raw.aclose()
     await a.close()
     await b.close()
