@@ -56,6 +56,9 @@ ENGINE_METRICS = (
     metric.FIRST_TOKEN_TIME_SUM,
     metric.FIRST_TOKEN_TIME_COUNT,
 )
+# Bytes of an unfinished stream event past which it is relayed as it is: no usage report is
+# that long.
+_MAX_PENDING_EVENT = 1 << 20
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
 _CACHE_INFO = re.compile(rf"^{re.escape(metric.CACHE_CONFIG_INFO)}\{{(?P<labels>[^}}]*)\}}",
                          re.MULTILINE)
@@ -134,18 +137,28 @@ class HTTPReply:
         return self._stripped() if self._strip_usage else self._response.chunks()
 
     async def _stripped(self) -> AsyncIterator[bytes]:
-        pending = b""
+        """The stream's events as they complete, the usage-only one withheld. What waits for
+        its event's end is kept in one growing buffer and searched only where it grew, and
+        passed on once it is longer than any usage report (a worker that never ends an event
+        must not make the relay quadratic, nor hold the stream back)."""
+        pending = bytearray()
         async for chunk in self._response.chunks():
+            start = max(0, len(pending) - 1)  # an event's end may span two chunks
             pending += chunk
-            end = pending.rfind(b"\n\n")
+            end = pending.rfind(b"\n\n", start)
             if end < 0:
+                if len(pending) > _MAX_PENDING_EVENT:
+                    out = bytes(pending)
+                    pending.clear()
+                    yield out
                 continue
-            ready, pending = pending[: end + 2], pending[end + 2 :]
+            ready = bytes(pending[: end + 2])
+            del pending[: end + 2]
             out = self._without_usage(ready)
             if out:
                 yield out
         if pending:
-            yield self._without_usage(pending) or b""
+            yield self._without_usage(bytes(pending)) or b""
 
     def _without_usage(self, events: bytes) -> bytes:
         if b'"usage"' not in events:

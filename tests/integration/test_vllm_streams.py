@@ -19,21 +19,24 @@ from tests.conftest import MODEL, StartCluster, free_port, serve
 
 
 class VLLMLike:
-    def __init__(self) -> None:
+    def __init__(self, long_text: int = 0) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.long_text = long_text  # characters of one more token event, sent in pieces
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for word in ("alpha", " beta", " gamma"):
+        words = ["alpha", " beta", " gamma"] + (["x" * self.long_text] if self.long_text else [])
+        for word in words:
             chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
                      "choices": [{"index": 0, "text": word, "finish_reason": None}]}
             # Event boundaries and network chunks need not coincide.
             data = f"data: {json.dumps(chunk)}\n\n".encode()
             await response.write(data[:7])
-            await response.write(data[7:])
+            for at in range(7, len(data), 1 << 16):
+                await response.write(data[at:at + (1 << 16)])
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
                      "choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 3,
@@ -98,5 +101,31 @@ async def test_vllm_streams_report_hits_without_changing_what_the_client_sees(
         # Both streams were seen by telemetry, the one whose client did not ask included.
         assert view["input_tokens"] == 80
         assert view["matched_tokens"] == 64
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_event_longer_than_any_usage_report_is_relayed_whole(
+    start_cluster: StartCluster,
+) -> None:
+    """An event of 3 MiB, sent in 64 KiB pieces (the relay passes on what waits for an
+    event's end once it is longer than a usage report could be): the client gets it whole,
+    and the usage event after it is still held back."""
+    upstream = VLLMLike(long_text=3 << 20)
+    port = free_port()
+    runner = await serve(upstream.app(), port)
+    try:
+        cluster = await start_cluster(workers=0, worker=(f"vllm+http://127.0.0.1:{port}",))
+        async with aiohttp.ClientSession() as http, http.post(
+            cluster.gateway_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "p", "max_tokens": 4, "stream": True},
+        ) as r:
+            raw = await r.read()
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        assert len(events) == 5  # four tokens and [DONE]
+        assert json.loads(events[3].removeprefix(b"data: "))["choices"][0]["text"] == (
+            "x" * (3 << 20))
+        assert b"usage" not in raw
     finally:
         await runner.cleanup()
