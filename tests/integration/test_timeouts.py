@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -20,6 +20,8 @@ from aiohttp import web
 
 from gateway.api import STATE
 from gateway.app import create_app as create_gateway
+from gateway.health import HealthChecker
+from gateway.pool import WorkerPool
 from gateway.resources import HEALTH_KEY
 from gateway.settings import GatewaySettings
 from tests.conftest import (
@@ -47,6 +49,19 @@ async def _stopped(proc: asyncio.subprocess.Process) -> AsyncIterator[None]:
     finally:
         os.kill(proc.pid, signal.SIGCONT)
 
+
+
+@contextlib.asynccontextmanager
+async def _probed_by_hand(*workers: str) -> AsyncIterator[tuple[WorkerPool, HealthChecker]]:
+    """A gateway over ``workers`` whose probe rounds the test drives (the background round
+    waits an hour): its pool and its health checker, after the start-up round."""
+    port = free_port()
+    app = create_gateway(GatewaySettings(port=port, worker=workers, health_interval_s=3600.0))
+    runner = await serve(app, port)
+    try:
+        yield app[STATE].pool, app[HEALTH_KEY]
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture
@@ -177,14 +192,30 @@ async def test_bad_timeout_settings_are_refused() -> None:
 
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _engine(routes: dict[tuple[str, str], Handler]) -> web.Application:
+    """An engine that answers its health and model probes, and ``routes`` ((method, path) to
+    handler)."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    for (method, path), handler in routes.items():
+        app.router.add_route(method, path, handler)
+    return app
+
+
 def _silent_streamer(release: asyncio.Event) -> web.Application:
     """A worker that answers probes and sends a stream's headers at once (as engines do),
     then nothing until ``release``."""
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -193,11 +224,7 @@ def _silent_streamer(release: asyncio.Event) -> web.Application:
         await release.wait()
         return response
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat)
-    return app
+    return _engine({("POST", "/v1/chat/completions"): chat})
 
 
 async def test_a_stream_with_headers_but_no_first_chunk_is_rerouted(
@@ -239,13 +266,7 @@ async def test_a_round_of_timed_out_probes_keeps_the_pool_and_two_in_a_row_empty
     once."""
     (a_url, a), (b_url, b) = two_workers
     a_id, b_id = a_url.removeprefix("http://"), b_url.removeprefix("http://")
-    port = free_port()
-    # Probe rounds are driven by hand: the background round waits an hour.
-    app = create_gateway(GatewaySettings(port=port, worker=(a_url, b_url),
-                                         health_interval_s=3600.0))
-    runner = await serve(app, port)
-    try:
-        pool, health = app[STATE].pool, app[HEALTH_KEY]
+    async with _probed_by_hand(a_url, b_url) as (pool, health):
         assert pool.healthy_ids() == {a_id, b_id}  # the start-up round
         async with _stopped(a), _stopped(b):
             await health.probe_all()
@@ -257,19 +278,11 @@ async def test_a_round_of_timed_out_probes_keeps_the_pool_and_two_in_a_row_empty
         async with _stopped(a):
             await health.probe_all()
             assert pool.healthy_ids() == {b_id}
-    finally:
-        await runner.cleanup()
 
 
 def _odd_engine() -> web.Application:
     """An engine that answers its probes but whose metrics page carries samples that are not
     finite numbers and a cache size that overflows a float."""
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=(
@@ -278,11 +291,7 @@ def _odd_engine() -> web.Application:
             "vllm:num_requests_waiting +Inf\n"
             'vllm:cache_config_info{block_size="16",num_gpu_blocks="1e308"} 1.0\n'))
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics)
-    return app
+    return _engine({("GET", "/metrics"): metrics})
 
 
 async def test_an_engine_with_odd_metrics_costs_no_other_worker_its_health_round(
@@ -296,19 +305,14 @@ async def test_an_engine_with_odd_metrics_costs_no_other_worker_its_health_round
     odd_url = f"http://127.0.0.1:{odd_port}"
     ok_url, ok = await processes.worker()
     odd_id, ok_id = odd_url.removeprefix("http://"), ok_url.removeprefix("http://")
-    port = free_port()
-    app = create_gateway(GatewaySettings(port=port, worker=(odd_url, ok_url),
-                                         health_interval_s=3600.0))
-    runner = await serve(app, port)
     try:
-        pool, health = app[STATE].pool, app[HEALTH_KEY]
-        assert pool.healthy_ids() == {odd_id, ok_id}
-        assert pool.get(odd_id).engine_metrics == {"vllm:num_requests_running": 3.0}
-        async with _stopped(ok):
-            await health.probe_all()  # the odd engine answered in time: a timeout is ok's
-            assert pool.healthy_ids() == {odd_id}
-        await health.probe_all()
-        assert pool.healthy_ids() == {odd_id, ok_id}
+        async with _probed_by_hand(odd_url, ok_url) as (pool, health):
+            assert pool.healthy_ids() == {odd_id, ok_id}
+            assert pool.get(odd_id).engine_metrics == {"vllm:num_requests_running": 3.0}
+            async with _stopped(ok):
+                await health.probe_all()  # the odd engine answered in time: a timeout is ok's
+                assert pool.healthy_ids() == {odd_id}
+            await health.probe_all()
+            assert pool.healthy_ids() == {odd_id, ok_id}
     finally:
-        await runner.cleanup()
         await odd.cleanup()

@@ -8,14 +8,16 @@ worker does not have.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import openai
 from aiohttp import web
 
-from tests.conftest import MODEL, StartCluster, free_port, serve
+from tests.conftest import MODEL, Cluster, StartCluster, free_port, serve
 
 
 class VLLMLike:
@@ -66,20 +68,33 @@ class VLLMLike:
         return app
 
 
+@contextlib.asynccontextmanager
+async def _in_front_of(upstream: VLLMLike, start_cluster: StartCluster) -> AsyncIterator[Cluster]:
+    """A gateway whose one worker is ``upstream`` (as ``vllm+http://``)."""
+    port = free_port()
+    runner = await serve(upstream.app(), port)
+    try:
+        yield await start_cluster(workers=0, worker=(f"vllm+http://127.0.0.1:{port}",))
+    finally:
+        await runner.cleanup()
+
+
+async def _streamed(gateway_url: str, max_tokens: int) -> tuple[bytes, list[bytes]]:
+    """A streamed completion through the gateway: the bytes, and its events."""
+    async with aiohttp.ClientSession() as http, http.post(
+        gateway_url + "/v1/completions",
+        json={"model": MODEL, "prompt": "p", "max_tokens": max_tokens, "stream": True},
+    ) as r:
+        raw = await r.read()
+    return raw, [e for e in raw.split(b"\n\n") if e]
+
+
 async def test_vllm_streams_report_hits_without_changing_what_the_client_sees(
     start_cluster: StartCluster,
 ) -> None:
     upstream = VLLMLike()
-    port = free_port()
-    runner = await serve(upstream.app(), port)
-    try:
-        cluster = await start_cluster(workers=0, worker=(f"vllm+http://127.0.0.1:{port}",))
-        async with aiohttp.ClientSession() as http, http.post(
-            cluster.gateway_url + "/v1/completions",
-            json={"model": MODEL, "prompt": "p", "max_tokens": 3, "stream": True},
-        ) as r:
-            raw = await r.read()
-        events = [e for e in raw.split(b"\n\n") if e]
+    async with _in_front_of(upstream, start_cluster) as cluster:
+        raw, events = await _streamed(cluster.gateway_url, max_tokens=3)
         assert events[-1] == b"data: [DONE]"
         assert len(events) == 4  # three tokens and [DONE]: no usage event
         assert b"usage" not in raw
@@ -101,8 +116,6 @@ async def test_vllm_streams_report_hits_without_changing_what_the_client_sees(
         # Both streams were seen by telemetry, the one whose client did not ask included.
         assert view["input_tokens"] == 80
         assert view["matched_tokens"] == 64
-    finally:
-        await runner.cleanup()
 
 
 async def test_an_event_longer_than_any_usage_report_is_relayed_whole(
@@ -111,21 +124,10 @@ async def test_an_event_longer_than_any_usage_report_is_relayed_whole(
     """An event of 3 MiB, sent in 64 KiB pieces (the relay passes on what waits for an
     event's end once it is longer than a usage report could be): the client gets it whole,
     and the usage event after it is still held back."""
-    upstream = VLLMLike(long_text=3 << 20)
-    port = free_port()
-    runner = await serve(upstream.app(), port)
-    try:
-        cluster = await start_cluster(workers=0, worker=(f"vllm+http://127.0.0.1:{port}",))
-        async with aiohttp.ClientSession() as http, http.post(
-            cluster.gateway_url + "/v1/completions",
-            json={"model": MODEL, "prompt": "p", "max_tokens": 4, "stream": True},
-        ) as r:
-            raw = await r.read()
-        events = [e for e in raw.split(b"\n\n") if e]
+    async with _in_front_of(VLLMLike(long_text=3 << 20), start_cluster) as cluster:
+        raw, events = await _streamed(cluster.gateway_url, max_tokens=4)
         assert events[-1] == b"data: [DONE]"
         assert len(events) == 5  # four tokens and [DONE]
         assert json.loads(events[3].removeprefix(b"data: "))["choices"][0]["text"] == (
             "x" * (3 << 20))
         assert b"usage" not in raw
-    finally:
-        await runner.cleanup()
