@@ -377,13 +377,23 @@ class Http1Reply:
             await conn.wait_body(self._client.read_timeout_s)
 
     async def read(self) -> bytes:
+        """The whole body, at most the client's ``max_reply_bytes`` (:class:`UpstreamBrokeOff`
+        past them: a worker that never ends its reply must not fill the gateway's memory)."""
         parts = []
+        size = 0
+        limit = self._client.max_reply_bytes
         conn = self._conn
         while conn is not None and conn.chunks:  # what is there already, without awaiting
             parts.append(conn.take())
+            size += len(parts[-1])
         if conn is None or not conn.done:
             async for chunk in self:
                 parts.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    break
+        if size > limit:
+            raise UpstreamBrokeOff(f"the reply is longer than {limit} bytes")
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
@@ -408,9 +418,13 @@ class Http1Client:
     """Keep-alive connections to workers, per origin; :meth:`post` sends one request."""
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float,
-                 idle_timeout_s: float = 4.0, max_idle_per_origin: int = 256) -> None:
+                 idle_timeout_s: float = 4.0, max_idle_per_origin: int = 256,
+                 max_reply_bytes: int = 1 << 30) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        # A whole reply read at once (not a stream, which is relayed as it comes) is at most
+        # this long: far past any completion, logprobs of a long prompt included.
+        self.max_reply_bytes = max_reply_bytes
         self.idle_timeout_s = idle_timeout_s
         self._max_idle = max_idle_per_origin
         self._idle: dict[_Origin, deque[tuple[float, _Connection]]] = {}
@@ -511,6 +525,9 @@ class Http1Client:
             return conn, True, conn.send(head, body)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[_Sent] = loop.create_future()
+        if self._closed:  # no connection will be handed to it: it would wait forever
+            waiter.set_exception(BackendUnavailable("the client was closed"))
+            return waiter
         self._waiting.setdefault(origin, deque()).append((waiter, head, body))
         self._connecting[origin] = self._connecting.get(origin, 0) + 1
         task = loop.create_task(self._connect_for_line(origin))

@@ -406,3 +406,40 @@ async def test_a_failed_connect_spares_a_request_another_connect_will_serve(serv
     reply_a.release()
     reply_b.release()
     client.close()
+
+
+@pytest.mark.parametrize("pieces", [
+    pytest.param([b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\n\r\n" + b"x" * 4096],
+                 id="length"),
+    pytest.param([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                  *[b"400\r\n" + b"x" * 1024 + b"\r\n"] * 4, b"0\r\n\r\n"], id="chunked"),
+    pytest.param([b"HTTP/1.0 200 OK\r\n\r\n" + b"x" * 4096, b"<close>"], id="until-close"),
+])
+async def test_a_whole_reply_past_the_limit_breaks_off(serve: Serve, pieces: list[bytes]) -> None:
+    """A worker that never ends its reply must not fill the gateway's memory: read whole, a
+    reply is at most ``max_reply_bytes``; a stream is relayed as it comes, whatever its
+    length."""
+    server = await serve(lambda c, n, body: pieces)
+    small = Http1Client(1.0, 5.0, max_reply_bytes=4000)
+    reply = await small.post(server.url, {}, b"{}")
+    with pytest.raises(UpstreamBrokeOff, match="longer than 4000 bytes"):
+        await reply.read()
+    reply.release()
+    big = Http1Client(1.0, 5.0, max_reply_bytes=4096)
+    reply = await big.post(server.url, {}, b"{}")
+    assert await reply.read() == b"x" * 4096
+    reply.release()
+    streamed = await small.post(server.url, {}, b"{}")
+    assert b"".join([chunk async for chunk in streamed.chunks()]) == b"x" * 4096
+    streamed.release()
+    small.close()
+    big.close()
+
+
+async def test_a_request_after_close_is_unavailable_at_once(serve: Serve) -> None:
+    """(It waited forever for a connection the closed client would never hand it.)"""
+    server = await serve(lambda c, n, body: _ok(b"{}"))
+    client = _client()
+    client.close()
+    with pytest.raises(BackendUnavailable, match="closed"):
+        await asyncio.wait_for(client.post(server.url, {}, b"{}"), 5)
