@@ -75,9 +75,11 @@ class _PoolCollector(Collector):
 class _StateCollector(Collector):
     """Store health and build information, read at scrape time."""
 
-    def __init__(self, store_up: Callable[[], bool], store_outages: Callable[[], int]) -> None:
+    def __init__(self, store_up: Callable[[], bool], store_outages: Callable[[], int],
+                 store_unreadable: Callable[[], int]) -> None:
         self._store_up = store_up
         self._store_outages = store_outages
+        self._store_unreadable = store_unreadable
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("gateway_store_up",
@@ -86,10 +88,14 @@ class _StateCollector(Collector):
         outages = CounterMetricFamily("gateway_store_outages",
                                       "times the metadata store became unreachable")
         outages.add_metric([], self._store_outages())
+        unreadable = CounterMetricFamily(
+            "gateway_store_unreadable_entries",
+            "entries of the store's assignment stream this version could not read (skipped)")
+        unreadable.add_metric([], self._store_unreadable())
         info = InfoMetricFamily("gateway_build", "version of the gateway and its Python")
         info.add_metric([], {"version": build_version(),
                              "python": platform.python_version()})
-        yield from (up, outages, info)
+        yield from (up, outages, unreadable, info)
 
 
 class MemoCollector(Collector):
@@ -172,6 +178,7 @@ class GatewayMetrics:
     def __init__(self, pool: WorkerPool) -> None:
         self._store_up: Callable[[], bool] = lambda: True
         self._store_outages: Callable[[], int] = lambda: 0
+        self._store_unreadable: Callable[[], int] = lambda: 0
         self.registry = CollectorRegistry()
         registry = self.registry
         # The request path's metrics (gateway.telemetry.counters: no lock or validation per
@@ -224,8 +231,11 @@ class GatewayMetrics:
         )
         self.registry.register(_PoolCollector(pool))
         self.registry.register(
-            _StateCollector(lambda: self._store_up(), lambda: self._store_outages()))
+            _StateCollector(lambda: self._store_up(), lambda: self._store_outages(),
+                            lambda: self._store_unreadable()))
 
-    def watch_store(self, up: Callable[[], bool], outages: Callable[[], int]) -> None:
-        """Where ``gateway_store_up`` and ``gateway_store_outages`` read from at scrape time."""
-        self._store_up, self._store_outages = up, outages
+    def watch_store(self, up: Callable[[], bool], outages: Callable[[], int],
+                    unreadable: Callable[[], int] = lambda: 0) -> None:
+        """Where ``gateway_store_up``, ``gateway_store_outages`` and
+        ``gateway_store_unreadable_entries`` read from at scrape time."""
+        self._store_up, self._store_outages, self._store_unreadable = up, outages, unreadable

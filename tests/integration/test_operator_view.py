@@ -129,6 +129,7 @@ async def test_metrics_latency_errors_build_and_store(start_cluster: StartCluste
     assert total('gateway_upstream_duration_seconds_count{policy="cache_aware"') == 2
     assert samples['gateway_errors_total{code="model_not_found",status="404"}'] == 1
     assert samples["gateway_store_up"] == 1
+    assert samples["gateway_store_unreadable_entries_total"] == 0
     assert any(k.startswith("gateway_build_info{") for k in samples)
     assert total("gateway_predicted_cached_tokens_total{") == 0  # both were cold
 

@@ -261,3 +261,27 @@ async def test_gateway_starts_and_serves_with_redis_down(processes: Processes) -
             view = await r.json()
     assert statuses == [200] * 10
     assert view["store_available"] is False
+
+
+async def test_an_assignment_entry_the_gateway_cannot_read_is_counted_and_passed_over(
+    processes: Processes, redis_server: RedisServer
+) -> None:
+    """One malformed entry in the store's stream (another version's fields) is skipped: the
+    gateway counts it in /metrics and goes on taking in the entries after it."""
+    url, _ = await processes.worker()
+    gateway = await processes.gateway("--store", redis_server.url, "--worker", url)
+    raw = aioredis.from_url(redis_server.url)
+    try:
+        await raw.xadd("affinity:assignments", {"origin": "elsewhere", "worker": "w9"})
+
+        async def counted() -> bool:
+            async with aiohttp.ClientSession() as http, http.get(gateway + "/metrics") as r:
+                text = await r.text()
+            return "gateway_store_unreadable_entries_total 1.0" in text
+
+        await _until(counted)
+        async with aiohttp.ClientSession() as http:
+            status, _ = await _chat(http, gateway, "still answering")
+        assert status == 200
+    finally:
+        await raw.aclose()
