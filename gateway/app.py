@@ -331,7 +331,7 @@ def create_app(
     warmup.exact = exact
     sync_health = sync.health
     metrics.watch_store(lambda: sync_health.available, lambda: sync_health.outages,
-                        lambda: int(getattr(store, "unreadable", 0)))  # a Redis store counts
+                        lambda: store.unreadable)
     state = GatewayState(
         settings=settings,
         pool=pool,

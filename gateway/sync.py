@@ -224,21 +224,18 @@ class StoreSync:
 
     async def _loop(self, fn: Callable[[], Awaitable[None]], every_s: float) -> None:
         while True:
+            pause = every_s
             try:
                 await self._guard(fn)
             except StoreUnavailable:
-                stop_if_cancelled()
-                await asyncio.sleep(max(every_s, 0.5))
-                continue
+                pause = max(every_s, 0.5)
             except Exception:
                 log.exception("store sync step %s failed", getattr(fn, "__name__", fn))
                 # A step that fails the same way each time must not spin (the stream reader's
                 # interval is 0) nor flood the log.
-                stop_if_cancelled()
-                await asyncio.sleep(max(every_s, 1.0))
-                continue
+                pause = max(every_s, 1.0)
             stop_if_cancelled()
-            await asyncio.sleep(every_s)
+            await asyncio.sleep(pause)
 
     # -- the loops ----------------------------------------------------------------------------
     async def sync_membership(self) -> None:

@@ -82,6 +82,10 @@ class Telemetry:
 
 
 class MetadataStore(Protocol):
+    # Assignment entries this store read and skipped, not laid out as this version writes
+    # them (only a store shared with other writers meets any).
+    unreadable: int
+
     @property
     def url(self) -> str: ...
 

@@ -174,6 +174,8 @@ class HubServer:
 class HubStore:
     """A process's connection to the hub: the :class:`MetadataStore` protocol over the socket."""
 
+    unreadable = 0  # the hub holds only what its processes wrote
+
     def __init__(self, url: str, *, call_timeout_s: float = 5.0) -> None:
         if not url.startswith(SCHEME):
             raise ValueError(f"a hub URL looks like {SCHEME}/path/to/socket, got {url!r}")

@@ -16,6 +16,8 @@ from gateway.store.base import (
 
 
 class MemoryStore:
+    unreadable = 0  # it holds only what this process wrote
+
     def __init__(self) -> None:
         self._workers: dict[str, tuple[WorkerRecord, float]] = {}
         self._workers_hits: dict[str, HitCounters] = {}

@@ -110,7 +110,7 @@ class RedisStore:
         self._stream_maxlen = stream_maxlen
         self._client: aioredis.Redis | None = None
         self._reader: aioredis.Redis | None = None  # blocking stream reads get their own
-        self.unreadable = 0  # assignment entries skipped: not laid out as this version writes
+        self.unreadable = 0  # see MetadataStore.unreadable
 
     @property
     def url(self) -> str:
