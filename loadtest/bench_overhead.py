@@ -12,7 +12,8 @@ One run, one set of workers:
    smg (``cache_aware``) where they are installed. The floors (:data:`FLOORS`,
    :mod:`loadtest.floor_proxy`) show what a Python relay costs by part: ``floor`` is
    aiohttp's server and client (run by default), ``floor-h1`` aiohttp's server with the
-   gateway's relay client, ``floor-lean`` a bare protocol server with that client.
+   gateway's relay client, ``floor-low`` aiohttp's low-level server (no application) with
+   that client, ``floor-lean`` a bare protocol server with that client.
 2. **Throughput**, ``--reps`` repetitions: each target in turn (the order rotates every
    repetition) gets the same ``--requests`` chat requests at ``--concurrency``: ``--prefixes``
    shared system prompts of about 2,000 characters, each with its own short user question.
@@ -116,6 +117,7 @@ FLOOR = "floor"  # loadtest.floor_proxy: a bare aiohttp relay, the floor for a P
 FLOORS: dict[str, tuple[str, ...]] = {
     FLOOR: (),
     "floor-h1": ("--client", "http1"),
+    "floor-low": ("--client", "http1", "--server", "lowlevel"),
     "floor-lean": ("--client", "http1", "--server", "protocol"),
 }
 ROUTERS = ("ours", *FLOORS, *PEERS)

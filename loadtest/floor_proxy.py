@@ -9,6 +9,8 @@ benchmark shows what each costs on its own:
   ``--server protocol``: a bare ``asyncio.Protocol`` that reads a request line, headers and a
   ``Content-Length`` body, and writes one reply per request (keep-alive, requests on one
   connection in turn). It answers nothing else: no chunked bodies, no limits, no errors.
+  ``--server lowlevel``: aiohttp's low-level server (its connection handler and parser, no
+  application: no router, middlewares or signals).
 * ``--client aiohttp`` (the default): aiohttp's client session; ``--client http1``: the
   gateway's relay client (:mod:`gateway.backends.http1`).
 
@@ -33,7 +35,7 @@ from gateway.backends.http1 import Http1Client
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 RELAY_CLIENT = web.AppKey("relay_client", Http1Client)
 CLIENTS = ("aiohttp", "http1")
-SERVERS = ("aiohttp", "protocol")
+SERVERS = ("aiohttp", "lowlevel", "protocol")
 _JSON = {"Content-Type": "application/json"}
 _TIMEOUTS = (5.0, 300.0)  # connect, read (seconds)
 
@@ -207,6 +209,30 @@ class BareHTTP(asyncio.Protocol):
             self._transport.close()
 
 
+async def serve_lowlevel(host: str, port: int, workers: Sequence[str]) -> None:
+    """aiohttp's low-level server (its connection handler and request parser, no
+    application: no router, middlewares or signals) relaying through the gateway's client."""
+    client = Http1Client(*_TIMEOUTS)
+    relay = http1_relay(client, workers)
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        if request.method == "POST" and request.path in ("/v1/chat/completions",
+                                                         "/v1/completions"):
+            status, payload = await relay(request.path, await request.read())
+            return web.Response(body=payload, status=status, content_type="application/json")
+        if request.method == "GET" and request.path == "/health":
+            return web.Response(text="ok")
+        return web.Response(status=404, body=b"{}", content_type="application/json")
+
+    server = await asyncio.get_running_loop().create_server(
+        web.Server(handler, access_log=None), host, port, reuse_address=True)
+    try:
+        async with server:
+            await server.serve_forever()
+    finally:
+        client.close()
+
+
 async def serve_bare(host: str, port: int, workers: Sequence[str]) -> None:
     """:class:`BareHTTP` relaying through the gateway's client, until cancelled."""
     client = Http1Client(*_TIMEOUTS)
@@ -228,16 +254,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--client", choices=CLIENTS, default="aiohttp")
     p.add_argument("--server", choices=SERVERS, default="aiohttp")
     args = p.parse_args(argv)
-    if args.server == "protocol" and args.client != "http1":
-        p.error("--server protocol relays through --client http1")
+    if args.server != "aiohttp" and args.client != "http1":
+        p.error(f"--server {args.server} relays through --client http1")
     try:
         loop: asyncio.AbstractEventLoop = importlib.import_module("uvloop").new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    if args.server == "protocol":
+    if args.server != "aiohttp":
+        serve = serve_bare if args.server == "protocol" else serve_lowlevel
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(serve_bare(args.host, args.port, args.worker))
+            loop.run_until_complete(serve(args.host, args.port, args.worker))
         except KeyboardInterrupt:
             pass
         finally:

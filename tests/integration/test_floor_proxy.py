@@ -1,5 +1,6 @@
 """The benchmark floor proxies relay bytes to their workers in turn, over real HTTP: aiohttp's
-server with either client, and the bare protocol server with the gateway's relay client."""
+server with either client, its low-level server and the bare protocol server with the gateway's
+relay client."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from gateway.backends.http1 import Http1Client
-from loadtest.floor_proxy import BareHTTP, build_app, http1_relay
+from loadtest.floor_proxy import BareHTTP, build_app, http1_relay, serve_lowlevel
 from tests.conftest import free_port, serve
 
 
@@ -29,6 +30,21 @@ def _echo(name: str) -> web.Application:
 
 @contextlib.asynccontextmanager
 async def _floor(kind: str, port: int, workers: list[str]) -> AsyncIterator[None]:
+    if kind == "lowlevel":
+        task = asyncio.create_task(serve_lowlevel("127.0.0.1", port, workers))
+        for _ in range(100):  # until it listens
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                break
+            await asyncio.sleep(0.02)
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return
     if kind != "protocol":
         runner = await serve(build_app(workers, kind), port)
         try:
@@ -48,7 +64,7 @@ async def _floor(kind: str, port: int, workers: list[str]) -> AsyncIterator[None
         client.close()
 
 
-@pytest.mark.parametrize("kind", ["aiohttp", "http1", "protocol"])
+@pytest.mark.parametrize("kind", ["aiohttp", "http1", "lowlevel", "protocol"])
 async def test_requests_go_to_the_workers_in_turn_with_their_bodies(kind: str) -> None:
     ports = [free_port() for _ in range(3)]
     runners = [await serve(_echo(f"w{i}"), ports[i]) for i in range(2)]
