@@ -44,6 +44,14 @@ log = logging.getLogger(__name__)
 _POLL_MS = 200
 _DRAIN_MAX = 512  # batches applied per wake-up of a feed before the loop gets a turn
 _RETRY_S = 1.0  # between bootstrap attempts while the replay socket does not answer
+# What one engine may make the gateway hold and apply. A batch over _MAX_MESSAGE_BYTES (a
+# vLLM batch of a 200k-token prefill is about 1 MB) is lost: live, it is dropped unread; in a
+# replay it drops the replay's connection (ZMQ_MAXMSGSIZE; not on the live socket, which
+# libzmq would then close for good). A replay answer over _MAX_REPLAY_BYTES is given up, as
+# one that fell silent is.
+_MAX_MESSAGE_BYTES = 16 << 20
+_MAX_REPLAY_BYTES = 256 << 20
+_APPLY_SLICE = 256  # replayed batches applied per turn of the event loop
 
 
 @dataclass(slots=True)
@@ -168,8 +176,9 @@ class WorkerFeed:
             self.state = "connecting"
             return
         batches, _ = replayed
-        self._apply_all(batches)
-        self._go_live()
+        await self._apply_all(batches)
+        if not self._reset:
+            self._go_live()
 
     def _go_live(self) -> None:
         if self.state != "live":
@@ -203,26 +212,42 @@ class WorkerFeed:
         elif last is None and seq > 0 and self.endpoints.replay and not self._after_loss:
             self._gap_start = 0  # joined after the publisher started: fetch what came before
             return
+        if len(frames[2]) > _MAX_MESSAGE_BYTES:
+            self.stats.bad_messages += 1
+            self._lose(seq)
+            return
         self._after_loss = False
         self._apply(seq, frames[2])
         self._go_live()
 
+    def _lose(self, start: int) -> None:
+        """Batches from ``start`` are lost: removals may be among them, so what the block
+        set says is no longer safe. It is rebuilt from the events that follow."""
+        self.stats.unreplayable += 1
+        log.warning("kv events of %s: batches from seq %d are lost; block set rebuilt "
+                    "from the events that follow", self.worker_id, start)
+        self.blocks.clear()
+        self._last = None
+        self._after_loss = True
+
     async def _fill_gap(self, start: int) -> None:
         replayed = await self._replay(start)
         if replayed is None or not replayed[1]:
-            # Removals may be among the lost batches: what the set says is no longer safe.
-            self.stats.unreplayable += 1
-            log.warning("kv events of %s: batches from seq %d are lost; block set rebuilt "
-                        "from the events that follow", self.worker_id, start)
-            self.blocks.clear()
-            self._last = None
-            self._after_loss = True
+            self._lose(start)
         if replayed is not None:
-            self._apply_all(replayed[0])
-        self._go_live()
+            await self._apply_all(replayed[0])
+        if not self._reset:
+            self._go_live()
 
-    def _apply_all(self, batches: list[tuple[int, bytes]]) -> None:
-        for seq, payload in batches:
+    async def _apply_all(self, batches: list[tuple[int, bytes]]) -> None:
+        """Apply replayed ``batches`` in order, giving the event loop a turn every
+        ``_APPLY_SLICE`` of them (a replay buffer holds thousands); a reset meanwhile (the
+        worker went down) stops it, and the feed bootstraps again."""
+        for i, (seq, payload) in enumerate(batches):
+            if i and not i % _APPLY_SLICE:
+                await asyncio.sleep(0)
+                if self._reset:
+                    return
             if self._last is None or seq > self._last:
                 self._apply(seq, payload)
                 self.stats.replayed += 1
@@ -249,7 +274,8 @@ class WorkerFeed:
 
     async def _replay(self, start: int) -> tuple[list[tuple[int, bytes]], bool] | None:
         """The buffered batches from ``start`` and whether they reach back to it; None when
-        there is no replay socket or it fell silent for ``replay_timeout_s`` before its end.
+        there is no replay socket, it fell silent for ``replay_timeout_s`` before its end, or
+        its answer grew past ``_MAX_REPLAY_BYTES``.
         The timeout is between frames, not for the whole answer: a buffer of thousands of
         batches, read on a busy loop while other feeds bootstrap, takes longer than a second
         to arrive, and a replay given up then loses what came before for good (the blocks
@@ -258,8 +284,10 @@ class WorkerFeed:
             return None
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
         dealer.connect(self.endpoints.replay)
         batches: list[tuple[int, bytes]] = []
+        size = 0
         try:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             deadline = time.monotonic() + self.replay_timeout_s
@@ -276,6 +304,12 @@ class WorkerFeed:
                     continue
                 if frames[0] == END_SEQ:
                     break
+                size += len(frames[1])
+                if size > _MAX_REPLAY_BYTES:
+                    self.stats.bad_messages += 1
+                    log.warning("kv events of %s: replay from seq %d is over %d MiB; given up",
+                                self.worker_id, start, _MAX_REPLAY_BYTES >> 20)
+                    return None
                 batches.append((decode_seq(frames[0]), frames[1]))
         finally:
             dealer.close(linger=0)

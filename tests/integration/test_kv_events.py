@@ -17,6 +17,7 @@ from aiohttp import web
 
 from gateway.contracts.kv_keys import chain_seed, token_block_keys
 from gateway.contracts.kv_wire import END_SEQ
+from gateway.kvevents import subscriber
 from gateway.kvevents.endpoints import EventEndpoints
 from gateway.kvevents.index import ExactIndex, ExactMatcher
 from gateway.kvevents.subscriber import KVEventHub, WorkerFeed
@@ -311,4 +312,83 @@ async def test_a_replay_that_keeps_coming_is_read_to_its_end() -> None:
         await server
     finally:
         router.close(linger=0)
+        ctx.term()
+
+
+async def test_a_replay_past_its_byte_cap_is_given_up(
+    publisher: Publisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's replay answer is read up to a cap in bytes, then given up as one that
+    fell silent is: the gateway never holds more of one engine's replay than that."""
+    for i in range(8):
+        await publisher.send(i, _stored_batch(publisher, i), deliver=False)
+    size = len(_stored_batch(publisher, 0))
+    feed = WorkerFeed("w", publisher.endpoints, ExactIndex(), publisher.ctx,
+                      replay_timeout_s=0.5)
+    replayed = await feed._replay(0)
+    assert replayed is not None
+    assert len(replayed[0]) == 8
+    monkeypatch.setattr(subscriber, "_MAX_REPLAY_BYTES", 5 * size)
+    assert await feed._replay(0) is None
+    assert feed.stats.bad_messages == 1
+
+
+async def test_an_oversized_batch_is_lost(
+    hub: KVEventHub, publisher: Publisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch over the message cap is never applied: live, it is a loss (the block set is
+    rebuilt from the batches after it); in a replay, it drops the replay's connection and
+    the replay gives no answer."""
+    monkeypatch.setattr(subscriber, "_MAX_MESSAGE_BYTES", 4096)
+    hub.sync({"w": publisher.endpoints})
+    await eventually(lambda: hub.index.is_live("w"))
+    await asyncio.sleep(0.2)  # the SUB socket joins
+    feed = hub.feed("w")
+    assert feed is not None
+    blocks = hub.index.worker("w")
+    first = token_block_keys(list(range(BS)), BS, chain_seed())
+    await publisher.send(0, _stored_batch(publisher, 0))
+    await eventually(lambda: blocks.depth(first, 0.0) == 1)
+    huge = list(range(4000))
+    assert len(publisher.stored([77], None, huge)) > 4096
+    await publisher.send(1, publisher.stored([77], None, huge))
+    await eventually(lambda: feed.stats.unreplayable == 1)
+    assert blocks.depth(first, 0.0) == 0  # not trusted any more
+    await publisher.send(2, _stored_batch(publisher, 2))
+    key = token_block_keys(list(range(2 * BS, 3 * BS)), BS, chain_seed())
+    await eventually(lambda: blocks.depth(key, 0.0) == 1)
+    assert blocks.depth(token_block_keys(huge[:BS], BS, chain_seed()), 0.0) == 0
+    assert feed.stats.bad_messages == 1
+    replaying = WorkerFeed("r", publisher.endpoints, ExactIndex(), publisher.ctx,
+                           replay_timeout_s=0.3)
+    assert await replaying._replay(2) is not None  # batches of their usual size
+    assert await replaying._replay(0) is None  # batch 1 is in it
+
+
+async def test_a_long_replay_gives_the_loop_turns() -> None:
+    """Thousands of replayed batches are applied a slice at a time: requests go on
+    meanwhile."""
+    ctx = zmq.asyncio.Context()
+    feed = WorkerFeed("w", EventEndpoints("tcp://127.0.0.1:1"), ExactIndex(), ctx)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    n = 4 * subscriber._APPLY_SLICE
+    batches = [(i, Publisher.stored([i + 1], None, list(range(i * BS, (i + 1) * BS))))
+               for i in range(n)]
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    try:
+        before = ticks
+        await feed._apply_all(batches)
+        assert ticks - before >= 3
+        assert feed.stats.replayed == n
+        assert feed._last == n - 1
+    finally:
+        task.cancel()
         ctx.term()
