@@ -147,6 +147,10 @@ def gateway_middleware(telemetry: Telemetry, auth: Auth) -> Middleware:
                 return response
             record.error_code = error.code or error.type
             response = _error_response(error)
+            # This frame holds the error, whose traceback holds this frame: a cycle that only
+            # the collector's rare full passes free, keeping the request's decoded body alive
+            # (over 100 MB for an 8 MiB body of tiny items) long after the error was answered.
+            error.__traceback__ = None
             await _send(request, response)
             status, sent = response.status, sent_bytes(response)
             return response
