@@ -148,8 +148,9 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
     app = request.app
     state = app[STATE]
     settings = state.settings
-    raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     identity = request.get(IDENTITY_KEY) or ANONYMOUS
+    app[LIMITS_KEY].check(identity.tenant)  # over a limit whatever it costs: refused unread
+    raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     histories = state.chat_histories
     prompts = state.prompt_histories
     scope = found = prompt_scope = known_prompt = None

@@ -10,7 +10,10 @@
   of at most ``--max-queue`` for up to ``--admission-timeout-s``.
 
 Over any limit the request is refused at once with 429 and ``Retry-After`` (seconds until the
-bucket holds enough, or 1 for concurrency and queue limits).
+bucket holds enough, or 1 for concurrency and queue limits). What can be refused whatever a
+request costs (a tenant's concurrency cap, an empty request bucket, a token bucket without a
+token, a full queue) is refused before its body is read (:meth:`Limits.check`), so a tenant
+over its limits cannot make the gateway read and parse bodies it would refuse.
 """
 
 from __future__ import annotations
@@ -58,12 +61,16 @@ class TokenBucket:
 
     def take(self, amount: float, now: float) -> float:
         """Take ``amount`` and return 0, or take nothing and return the seconds to wait."""
+        wait = self.wait(amount, now)
+        if not wait:
+            self.level -= amount
+        return wait
+
+    def wait(self, amount: float, now: float) -> float:
+        """Seconds until the bucket can give ``amount`` (0: now), taking nothing."""
         self._refill(now)
         need = min(amount, self.capacity)
-        if self.level >= need:
-            self.level -= amount
-            return 0.0
-        return (need - self.level) / self.rate
+        return 0.0 if self.level >= need else (need - self.level) / self.rate
 
     def give_back(self, amount: float) -> None:
         self.level = min(self.capacity, self.level + amount)
@@ -107,20 +114,43 @@ class TenantLimiter:
             self._buckets.move_to_end(tenant)
         return buckets
 
-    def admit(self, tenant: str, tokens: int) -> None:
-        """Count one request of ``tokens`` for ``tenant``, or raise :class:`RateLimited`."""
+    def check(self, tenant: str) -> None:
+        """Raise :class:`RateLimited` now for a request of ``tenant`` that :meth:`admit` would
+        refuse whatever it costs (its requests in flight at the cap, its request bucket
+        empty, its token bucket without a token), taking nothing. Called before a body is
+        read: a tenant over its limits does not make the gateway read and parse requests it
+        would refuse."""
+        self._check_concurrency(tenant)
+        buckets = self._buckets.get(tenant)
+        if buckets is None:
+            return
+        now = self._clock()
+        if buckets.requests is not None and (wait := buckets.requests.wait(1, now)):
+            raise self._over_rpm(wait)
+        if buckets.tokens is not None and (wait := buckets.tokens.wait(1, now)):
+            raise RateLimited(
+                f"rate limit reached: {self._opts.tenant_tpm:g} tokens per minute; retry in "
+                f"{math.ceil(wait)} s", retry_after_s=wait)
+
+    def _check_concurrency(self, tenant: str) -> None:
         cap = self._opts.tenant_concurrency
         if cap and self.inflight.get(tenant, 0) >= cap:
             raise RateLimited(f"too many requests in flight for this key (limit {cap})",
                               retry_after_s=1, code="concurrency_limit_exceeded")
+
+    def _over_rpm(self, wait: float) -> RateLimited:
+        return RateLimited(f"rate limit reached: {self._opts.tenant_rpm:g} requests per minute; "
+                           f"retry in {math.ceil(wait)} s", retry_after_s=wait)
+
+    def admit(self, tenant: str, tokens: int) -> None:
+        """Count one request of ``tokens`` for ``tenant``, or raise :class:`RateLimited`."""
+        self._check_concurrency(tenant)
         now = self._clock()
         buckets = self._of(tenant, now)
         if buckets.requests is not None:
             wait = buckets.requests.take(1, now)
             if wait:
-                raise RateLimited(
-                    f"rate limit reached: {self._opts.tenant_rpm:g} requests per minute; "
-                    f"retry in {math.ceil(wait)} s", retry_after_s=wait)
+                raise self._over_rpm(wait)
         if buckets.tokens is not None:
             wait = buckets.tokens.take(tokens, now)
             if wait:
@@ -149,6 +179,11 @@ class TenantLimiter:
             self.inflight.pop(tenant, None)
 
 
+def _queue_full() -> RateLimited:
+    return RateLimited("the gateway is at capacity and its queue is full; retry shortly",
+                       retry_after_s=1, code="server_overloaded")
+
+
 class AdmissionQueue:
     """At most ``max_inflight`` holders; up to ``max_queue`` more wait, first come first
     served, each for at most ``timeout_s``."""
@@ -163,6 +198,12 @@ class AdmissionQueue:
     @property
     def queued(self) -> int:
         return sum(1 for w in self._waiters if not w.done())
+
+    def check(self) -> None:
+        """Raise :class:`RateLimited` now if a request would find every place taken and the
+        queue full, taking nothing (before its body is read)."""
+        if self._max and self.inflight >= self._max and self.queued >= self._max_queue:
+            raise _queue_full()
 
     def take_free(self) -> bool:
         """Take a place if one is free now with nobody waiting (or there is no limit); False
@@ -181,8 +222,7 @@ class AdmissionQueue:
             self.inflight += 1
             return
         if self.queued >= self._max_queue:
-            raise RateLimited("the gateway is at capacity and its queue is full; retry shortly",
-                              retry_after_s=1, code="server_overloaded")
+            raise _queue_full()
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -214,6 +254,12 @@ class Limits:
     def __init__(self, opts: LimitOptions, clock: Callable[[], float] = time.monotonic) -> None:
         self.tenants = TenantLimiter(opts, clock)
         self.queue = AdmissionQueue(opts.max_inflight, opts.max_queue, opts.queue_timeout_s)
+
+    def check(self, tenant: str) -> None:
+        """Refuse now what :meth:`admitted` would refuse for any cost (before the body is read
+        and parsed); takes nothing."""
+        self.tenants.check(tenant)
+        self.queue.check()
 
     def admitted(self, tenant: str, tokens: int) -> Admission:
         """Hold a place for one request while the ``async with`` block runs (entering raises

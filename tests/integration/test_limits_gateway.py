@@ -74,3 +74,26 @@ async def test_concurrency_per_tenant_and_global_queue(start_cluster: StartClust
         done = await asyncio.wait_for(queued, 30)
         assert done.choices[0].text is not None
         await second.close()
+
+
+async def test_a_tenant_over_its_rate_is_refused_before_its_body_is_read(
+    start_cluster: StartCluster,
+) -> None:
+    """A request its tenant's limits refuse whatever it costs is answered at once, its body
+    unread: here a body that never arrives (the gateway would wait for it, up to its body
+    timeout, before any parse)."""
+    cluster = await start_cluster(workers=1, api_key=KEYS, tenant_rpm=1, body_timeout_s=60.0)
+    async with client(cluster.base_url, "sk-acme") as acme:
+        await acme.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    port = int(cluster.gateway_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n"
+                     b"Authorization: Bearer sk-acme\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n{\"model\": ")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+        assert head.startswith(b"HTTP/1.1 429 ")
+        assert b"retry-after:" in head.lower()
+    finally:
+        writer.close()

@@ -112,3 +112,37 @@ def test_a_batch_counts_every_prompt_and_choice() -> None:
     assert (batch.prompt_chars, batch.sequences) == (64 * 400, 128)
     ids = parse_completion({"model": "m", "prompt": [[1, 2, 3]] * 10}, opts)
     assert (ids.prompt_token_ids, ids.sequences) == (30, 10)
+
+
+def test_the_check_before_a_body_is_read_refuses_what_admit_would_and_takes_nothing() -> None:
+    clock = Clock()
+    limits = Limits(LimitOptions(tenant_rpm=2, tenant_tpm=100, tenant_concurrency=3,
+                                 max_inflight=1, max_queue=0), clock)
+    for _ in range(5):
+        limits.check("a")  # a tenant not seen yet, then one with a full bucket: takes nothing
+    limits.tenants.admit("a", 10)
+    limits.check("a")
+    limits.tenants.admit("a", 10)
+    with pytest.raises(RateLimited, match="requests per minute") as caught:
+        limits.check("a")  # the request bucket is empty: refused whatever the body costs
+    assert caught.value.headers["Retry-After"] == "30"
+    limits.check("b")
+    clock.now = 30.0
+    limits.check("a")
+    limits.tenants.admit("a", 150)  # a request larger than the token bucket leaves it in debt
+    for _ in range(3):
+        limits.tenants.release("a")
+    clock.now = 60.0
+    with pytest.raises(RateLimited, match="tokens per minute"):
+        limits.check("a")  # the request bucket has room again, the token bucket has none
+    concurrent = Limits(LimitOptions(tenant_concurrency=1, max_inflight=1, max_queue=0))
+    concurrent.tenants.admit("c", 1)
+    with pytest.raises(RateLimited) as caught:
+        concurrent.check("c")
+    assert caught.value.code == "concurrency_limit_exceeded"
+    assert concurrent.queue.take_free()
+    with pytest.raises(RateLimited) as caught:
+        concurrent.check("d")  # every place taken, no room in the queue
+    assert caught.value.code == "server_overloaded"
+    concurrent.queue.release()
+    concurrent.check("d")
