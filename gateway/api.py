@@ -93,18 +93,26 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
 async def prepare(
     app: web.Application, body: dict[str, Any], parse: Parser, path: str, identity: Identity,
     known: KnownHistory | NormalPrefix | None = None, keep_history: bool = False,
+    on_thread: bool = False,
 ) -> tuple[ParsedRequest, RouteRequest, str]:
     """Validate a completion request of ``identity`` to ``app`` and build what routing needs,
     and the request's cache namespace (raises 4xx errors). ``known``: the leading messages of
     a chat, or the text a completions prompt begins with, as an earlier request's parse left
     them; ``keep_history``: keep a long chat's or prompt's for a later one
-    (:mod:`gateway.chat_histories`, :mod:`gateway.prompt_histories`)."""
+    (:mod:`gateway.chat_histories`, :mod:`gateway.prompt_histories`). ``on_thread``: parse
+    on the parse pool's thread, with nothing known or kept (:mod:`gateway.parse_pool`)."""
     state = app[STATE]
     settings = state.settings
-    salt = body.get("cache_salt")
-    # Long texts found normal are remembered per tenant and cache salt: never across them.
-    seen = state.normal_texts.scope(identity.tenant_id, salt if isinstance(salt, str) else "")
-    parsed = parse(body, settings.normalize_options(), seen, known, keep_history)
+    opts = settings.normalize_options()
+    if on_thread:
+        parsed = await state.parse_pool.parse(
+            lambda b, o: parse(b, o, None, None, False), body, opts)
+    else:
+        salt = body.get("cache_salt")
+        # Long texts found normal are remembered per tenant and cache salt: never across them.
+        seen = state.normal_texts.scope(identity.tenant_id,
+                                        salt if isinstance(salt, str) else "")
+        parsed = parse(body, opts, seen, known, keep_history)
     models = state.pool.models()
     if parsed.model not in models:
         if not state.pool.any_healthy():
@@ -169,9 +177,14 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
         known = found.history
     elif known_prompt is not None:
         known = known_prompt.normal
+    # A body of very many items (not known from an earlier turn) is parsed off the loop.
+    on_thread = state.parse_pool.wants(
+        body, len(found.history.normalized) if found is not None else 0)
+    if on_thread:
+        known = scope = prompt_scope = None
     parsed, route_request, namespace = await prepare(
         app, body, parse, path, identity, known,
-        keep_history=scope is not None or prompt_scope is not None)
+        keep_history=scope is not None or prompt_scope is not None, on_thread=on_thread)
     if scope is not None and parsed.history is not None:
         histories.remember(raw, scope, body, parsed.history, found)
     elif prompt_scope is not None:

@@ -39,6 +39,7 @@ from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.lifecycle import CacheLifecycle
 from gateway.limits import LIMITS_KEY, Limits
 from gateway.normal_texts import NormalTexts
+from gateway.parse_pool import ParsePool
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.procs import peer_dir
@@ -184,6 +185,14 @@ def _reload_keys(auth: Auth) -> None:
         log.error("SIGHUP: keys file not reloaded, the previous keys stay in use: %s", exc)
     else:
         log.info("SIGHUP: keys file reloaded (%d keys)", count)
+
+
+async def _parse_thread(app: web.Application) -> AsyncIterator[None]:
+    """The parse pool's thread (gateway.parse_pool) stops at shutdown."""
+    try:
+        yield
+    finally:
+        app[STATE].parse_pool.close()
 
 
 async def _key_reloading(app: web.Application) -> AsyncIterator[None]:
@@ -360,11 +369,12 @@ def create_app(
             )),
         chat_histories=ChatHistories(max_bytes=settings.chat_history_bytes),
         prompt_histories=PromptHistories(max_bytes=settings.chat_history_bytes),
+        parse_pool=ParsePool(settings.parse_thread_items),
         normal_texts=NormalTexts(rewritten_bytes=settings.normal_text_bytes),
     )
     metrics.registry.register(
         MemoCollector(state.normal_texts, state.chat_histories, state.prompt_histories,
-                      state.fingerprints))
+                      state.fingerprints, state.parse_pool))
     lifecycle = CacheLifecycle(pool, backend_for, warmup)
     telemetry = Telemetry(
         metrics=metrics,
@@ -394,6 +404,7 @@ def create_app(
     name_server(app, "affinity-gateway")
     resources.install(app)
     app.cleanup_ctx.append(_key_reloading)
+    app.cleanup_ctx.append(_parse_thread)
     add_routes(app)
     explain.add_routes(app)
     ui.add_routes(app)

@@ -246,6 +246,13 @@ class GatewaySettings:
                        "decoded from what it adds: at most this many bytes of bodies each, in "
                        "this process's memory only (0: off)"),
     )
+    parse_thread_items: int = field(
+        default=4096,
+        metadata=_help("a request of at least this many items (chat messages not known from "
+                       "its last turn, content parts, tools, batch prompts) is parsed on a "
+                       "thread, so that the event loop serves other requests meanwhile "
+                       "(0: always on the event loop)"),
+    )
     normal_text_bytes: int = field(
         default=32 * 1024 * 1024,
         metadata=_help("long prompt texts the normalization rules rewrote (lines ending in "
@@ -505,8 +512,8 @@ class GatewaySettings:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         if self.chat_history_bytes < 0:
             raise ValueError("chat_history_bytes must be >= 0")
-        if self.normal_text_bytes < 0:
-            raise ValueError("normal_text_bytes must be >= 0")
+        if self.normal_text_bytes < 0 or self.parse_thread_items < 0:
+            raise ValueError("normal_text_bytes and parse_thread_items must be >= 0")
         self.fingerprint_options()  # validates the block settings
         self._tokenizer_options("")  # validates the tokenizer settings, file or not
         if self.chat_template != "reference" and not Path(self.chat_template).is_file():

@@ -14,6 +14,7 @@ from gateway.fingerprint_memo import FingerprintMemo
 from gateway.guard import UpstreamGuard
 from gateway.kvevents.source import ExactSource
 from gateway.normal_texts import NormalTexts
+from gateway.parse_pool import ParsePool
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer
 from gateway.prompt_histories import PromptHistories
@@ -45,6 +46,8 @@ class GatewayState:
     prompt_histories: PromptHistories = field(default_factory=PromptHistories)
     # Keys of long prompts per namespace, for their next turns (gateway.fingerprint_memo).
     fingerprints: FingerprintMemo = field(default_factory=FingerprintMemo)
+    # The thread that parses bodies of very many items off the event loop (gateway.parse_pool).
+    parse_pool: ParsePool = field(default_factory=ParsePool)
 
     def backend_for(self, worker: Worker) -> Backend:
         backend = self.backends.get(worker.kind)

@@ -19,6 +19,7 @@ from gateway.chat_histories import ChatHistories
 from gateway.fingerprint_memo import FingerprintMemo
 from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.normal_texts import NormalTexts
+from gateway.parse_pool import ParsePool
 from gateway.pool import WorkerPool
 from gateway.prompt_histories import PromptHistories
 from gateway.telemetry.counters import LabelledCounter, LabelledHistogram
@@ -104,11 +105,12 @@ class MemoCollector(Collector):
     completions prompts (:mod:`gateway.prompt_histories`)."""
 
     def __init__(self, texts: NormalTexts, chats: ChatHistories, prompts: PromptHistories,
-                 fingerprints: FingerprintMemo) -> None:
+                 fingerprints: FingerprintMemo, parses: ParsePool | None = None) -> None:
         self._texts = texts
         self._chats = chats
         self._prompts = prompts
         self._fingerprints = fingerprints
+        self._parses = parses
 
     def collect(self) -> Iterator[Metric]:
         texts, chats = self._texts, self._chats
@@ -137,6 +139,9 @@ class MemoCollector(Collector):
             (CounterMetricFamily, "gateway_fingerprint_prefix_hits",
              "long prompts hashed past the prompt before them (an agent's next turn)",
              self._fingerprints.hits),
+            (CounterMetricFamily, "gateway_thread_parses",
+             "requests of very many items parsed on a thread, off the event loop "
+             "(--parse-thread-items)", self._parses.parsed if self._parses is not None else 0),
         ):
             metric = family(name, help_text)
             metric.add_metric([], value)
