@@ -179,7 +179,7 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
         known = known_prompt.normal
     # A body of very many items (not known from an earlier turn) is parsed off the loop.
     on_thread = state.parse_pool.wants(
-        body, len(found.history.normalized) if found is not None else 0)
+        body, len(raw), len(found.history.normalized) if found is not None else 0)
     if on_thread:
         known = scope = prompt_scope = None
     parsed, route_request, namespace = await prepare(

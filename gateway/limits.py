@@ -254,12 +254,15 @@ class Limits:
     def __init__(self, opts: LimitOptions, clock: Callable[[], float] = time.monotonic) -> None:
         self.tenants = TenantLimiter(opts, clock)
         self.queue = AdmissionQueue(opts.max_inflight, opts.max_queue, opts.queue_timeout_s)
+        self._limited = bool(opts.tenant_rpm or opts.tenant_tpm or opts.tenant_concurrency
+                             or opts.max_inflight)
 
     def check(self, tenant: str) -> None:
         """Refuse now what :meth:`admitted` would refuse for any cost (before the body is read
         and parsed); takes nothing."""
-        self.tenants.check(tenant)
-        self.queue.check()
+        if self._limited:
+            self.tenants.check(tenant)
+            self.queue.check()
 
     def admitted(self, tenant: str, tokens: int) -> Admission:
         """Hold a place for one request while the ``async with`` block runs (entering raises

@@ -68,9 +68,11 @@ class ParsePool:
         self.parsed = 0  # bodies parsed on the thread
         self._pool: ThreadPoolExecutor | None = None
 
-    def wants(self, body: dict[str, Any], known_messages: int = 0) -> bool:
-        """Whether ``body`` is parsed on the thread."""
-        return bool(self.min_items) and item_count(body, known_messages) >= self.min_items
+    def wants(self, body: dict[str, Any], size: int, known_messages: int = 0) -> bool:
+        """Whether ``body`` (``size`` bytes of JSON) is parsed on the thread. Every item takes
+        two bytes at least (a digit and a comma): a smaller body is not even counted."""
+        return (bool(self.min_items) and size >= 2 * self.min_items
+                and item_count(body, known_messages) >= self.min_items)
 
     async def parse(self, parse: PlainParser, body: dict[str, Any],
                     opts: NormalizeOptions) -> ParsedRequest:

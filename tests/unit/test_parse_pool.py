@@ -25,9 +25,10 @@ def test_items_are_the_new_messages_their_parts_tools_and_batch_prompts() -> Non
 
 def test_the_pool_takes_bodies_from_its_threshold_and_never_at_zero() -> None:
     body = {"prompt": ["a"] * 10}
-    assert ParsePool(10).wants(body)
-    assert not ParsePool(11).wants(body)
-    assert not ParsePool(0).wants(body)
+    assert ParsePool(10).wants(body, 60)
+    assert not ParsePool(11).wants(body, 60)
+    assert not ParsePool(0).wants(body, 60)
+    assert not ParsePool(10).wants(body, 19)  # too few bytes for ten items: not counted
     with pytest.raises(ValueError, match="min_items"):
         ParsePool(-1)
 
