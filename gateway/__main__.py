@@ -85,6 +85,7 @@ def serve(settings: GatewaySettings) -> int:
         reuse_port=settings.reuse_port or None,
         backlog=LISTEN_BACKLOG,
         loop=loop,
+        idle_timeout_s=settings.idle_timeout_s,
     )
     return 0
 

@@ -301,6 +301,11 @@ class GatewaySettings:
         default=30.0, metadata=_help("seconds a client may take to send its request body "
                                      "(408 after that)")
     )
+    idle_timeout_s: float = field(
+        default=75.0, metadata=_help("seconds a client connection may stay idle between "
+                                     "requests, or take to send a request's head, before the "
+                                     "gateway closes it")
+    )
     queue_timeout_s: float = field(
         default=5.0, metadata=_help("seconds a request may wait for a free connection to a "
                                     "worker (503 with Retry-After after that)")
@@ -506,8 +511,9 @@ class GatewaySettings:
                self.breaker_failures) < 0:
             raise ValueError(
                 "first_byte_timeout_s, stream_idle_timeout_s, breaker_* must not be negative")
-        if self.body_timeout_s <= 0 or self.queue_timeout_s <= 0:
-            raise ValueError("body_timeout_s and queue_timeout_s must be positive")
+        if self.body_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.idle_timeout_s <= 0:
+            raise ValueError("body_timeout_s, queue_timeout_s and idle_timeout_s must be "
+                             "positive")
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         if self.chat_history_bytes < 0:

@@ -111,15 +111,25 @@ class JsonErrorServer(web.Server):
         return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
 
 
+# Seconds a client connection may stay idle, or take to send a request's head (aiohttp's
+# own default for an AppRunner is 3,630: an hour in which a client sending a header a minute
+# holds a connection, and a few thousand such clients every file descriptor of the process).
+IDLE_TIMEOUT_S = 75.0
+
+
 class JsonErrorRunner(web.AppRunner):
     """An ``AppRunner`` whose connections use :class:`JsonErrorRequestHandler`, and whose
     handlers are cancelled when their client disconnects (``handler_cancellation``; aiohttp's
     default lets them run on): a request waiting on a worker then closes its upstream
-    connection at once, which the worker sees as its own client going away."""
+    connection at once, which the worker sees as its own client going away. A connection
+    that sends no complete request head within ``idle_timeout_s`` of connecting, or of the
+    end of its last answer, is closed (aiohttp's keep-alive timer, which runs while a
+    connection waits for a head)."""
 
     def __init__(self, app: web.Application, *, handler_cancellation: bool = True,
-                 **kwargs: Any) -> None:
-        super().__init__(app, handler_cancellation=handler_cancellation, **kwargs)
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, **kwargs: Any) -> None:
+        super().__init__(app, handler_cancellation=handler_cancellation,
+                         keepalive_timeout=idle_timeout_s, **kwargs)
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()
@@ -143,9 +153,10 @@ async def _serve(
     on_ready: Callable[[], None],
     reuse_port: bool | None,
     backlog: int,
+    idle_timeout_s: float,
 ) -> None:
     runner = JsonErrorRunner(app, access_log=None, handle_signals=True,
-                             shutdown_timeout=shutdown_timeout_s)
+                             shutdown_timeout=shutdown_timeout_s, idle_timeout_s=idle_timeout_s)
     try:
         await runner.setup()  # a resource failing to start: the ones started are closed below
         await web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=backlog).start()
@@ -168,14 +179,16 @@ def run(
     reuse_port: bool | None = None,
     backlog: int = 128,
     loop: asyncio.AbstractEventLoop | None = None,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
 ) -> None:
     """Serve ``app`` on ``loop`` (a new one by default) until SIGINT or SIGTERM, then drain
-    in-flight requests (up to ``shutdown_timeout_s``) and run its cleanup."""
+    in-flight requests (up to ``shutdown_timeout_s``) and run its cleanup. Connections idle
+    for ``idle_timeout_s``, or that take longer to send a request's head, are closed."""
     if loop is None:
         loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     task = loop.create_task(_serve(app, host, port, extra_sockets, shutdown_timeout_s, on_ready,
-                                   reuse_port, backlog))
+                                   reuse_port, backlog, idle_timeout_s))
     try:
         loop.run_until_complete(task)
     except (web.GracefulExit, KeyboardInterrupt):

@@ -234,3 +234,28 @@ async def test_an_answer_does_not_keep_its_request_alive(
         assert alive() == 0
     finally:
         gc.enable()
+
+
+async def test_slow_or_idle_connections_are_closed(processes: Processes) -> None:
+    """A client that trickles a request's head, or keeps a connection idle, holds it for
+    ``--idle-timeout-s`` at most (the gateway process, as run from the command line)."""
+    worker, _ = await processes.worker()
+    gateway = await processes.gateway("--worker", worker, "--idle-timeout-s", "1")
+    host, port = gateway.removeprefix("http://").split(":")
+    trickling = await asyncio.open_connection(host, int(port))
+    trickling[1].write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n")
+    idle = await asyncio.open_connection(host, int(port))
+    idle[1].write(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+    await idle[0].readuntil(b"\r\n\r\n")
+    try:
+        for reader, writer in (trickling, idle):
+            for _ in range(3):  # a header line now and then does not keep it open
+                await asyncio.sleep(0.2)
+                if writer is trickling[1]:
+                    writer.write(b"X-Slow: 1\r\n")
+            rest = await asyncio.wait_for(reader.read(), 20)
+            assert reader.at_eof()
+            assert b"HTTP/1.1 2" not in rest
+    finally:
+        for _, writer in (trickling, idle):
+            writer.close()
