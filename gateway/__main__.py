@@ -10,7 +10,7 @@ import socket
 import sys
 
 from gateway.app import create_app
-from gateway.contracts.httpserver import run
+from gateway.contracts.httpserver import client_connection_cap, run
 from gateway.contracts.redact import redact_url
 from gateway.procs import run_supervisor, watch_parent
 from gateway.settings import GatewaySettings, parse_settings
@@ -86,6 +86,8 @@ def serve(settings: GatewaySettings) -> int:
         backlog=LISTEN_BACKLOG,
         loop=loop,
         idle_timeout_s=settings.idle_timeout_s,
+        max_connections=client_connection_cap(settings.max_client_connections,
+                                              settings.max_connections),
     )
     return 0
 

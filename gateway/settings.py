@@ -301,6 +301,11 @@ class GatewaySettings:
         default=30.0, metadata=_help("seconds a client may take to send its request body "
                                      "(408 after that)")
     )
+    max_client_connections: int = field(
+        default=0, metadata=_help("client connections open at once; one more is answered 503 "
+                                  "and closed (0: what the open-file limit allows, raised to "
+                                  "its hard limit, less --max-connections and 256)")
+    )
     idle_timeout_s: float = field(
         default=75.0, metadata=_help("seconds a client connection may stay idle between "
                                      "requests, or take to send a request's head, before the "
@@ -518,8 +523,9 @@ class GatewaySettings:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         if self.chat_history_bytes < 0:
             raise ValueError("chat_history_bytes must be >= 0")
-        if self.normal_text_bytes < 0 or self.parse_thread_items < 0:
-            raise ValueError("normal_text_bytes and parse_thread_items must be >= 0")
+        if min(self.normal_text_bytes, self.parse_thread_items, self.max_client_connections) < 0:
+            raise ValueError("normal_text_bytes, parse_thread_items and max_client_connections "
+                             "must be >= 0")
         self.fingerprint_options()  # validates the block settings
         self._tokenizer_options("")  # validates the tokenizer settings, file or not
         if self.chat_template != "reference" and not Path(self.chat_template).is_file():

@@ -15,10 +15,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import resource
 import socket
+import time
 from collections.abc import Callable, Sequence
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -59,8 +61,91 @@ def error_body(status: int, message: str) -> bytes:
     return json.dumps(openai_error(message, kind, code=code)).encode()
 
 
+class ConnectionCap:
+    """At most ``limit`` client connections open at once (0: no cap). One past it is answered
+    503 in the OpenAI shape and closed at once, before it is read: a flood of connections
+    (slow or idle clients by the thousand) cannot take the file descriptors the process needs
+    for its workers, its store and its clients' requests in flight."""
+
+    _WARN_EVERY_S = 10.0
+
+    def __init__(self, limit: int, exempt_ports: frozenset[int] = frozenset()) -> None:
+        if limit < 0:
+            raise ValueError("the connection cap must be >= 0")
+        self.limit = limit
+        # Local ports whose connections are neither counted nor refused: the loopback admin
+        # port, which an operator needs most when clients hold every other connection.
+        self.exempt_ports = exempt_ports
+        self.open = 0
+        self.refused = 0
+        self._warned_at = -self._WARN_EVERY_S
+        self._refused_since_warning = 0
+
+    def take(self) -> bool:
+        """Count one more connection, or say it is one too many (and count it refused)."""
+        if self.limit and self.open >= self.limit:
+            self.refused += 1
+            self._refused_since_warning += 1
+            now = time.monotonic()
+            if now - self._warned_at >= self._WARN_EVERY_S:
+                log.warning("refused %d client connection(s): %d open, the cap "
+                            "(--max-client-connections)", self._refused_since_warning,
+                            self.open)
+                self._warned_at, self._refused_since_warning = now, 0
+            return False
+        self.open += 1
+        return True
+
+    def give_back(self) -> None:
+        self.open -= 1
+
+
+def busy_answer(server_name: str | None) -> bytes:
+    """The whole HTTP answer to a connection over the cap (then closed)."""
+    body = error_body(503, "the server has too many connections open; retry shortly")
+    head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n")
+    if server_name:
+        head += f"Server: {server_name}\r\n"
+    return (head + "\r\n").encode("latin-1") + body
+
+
+def client_connection_cap(configured: int, upstream_connections: int) -> int:
+    """``configured``, or for 0 what the process's open files allow: its soft limit, raised
+    to the hard one first (as network servers do), less the connections to workers
+    (``upstream_connections``) and 256 for everything else, and at least 64."""
+    if configured:
+        return configured
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(64, soft - upstream_connections - 256)
+
+
 class JsonErrorRequestHandler(RequestHandler):
-    """aiohttp's connection handler, answering its own errors as OpenAI-shaped JSON."""
+    """aiohttp's connection handler, answering its own errors as OpenAI-shaped JSON, and
+    closing a connection over its server's :class:`ConnectionCap` as it opens."""
+
+    counted = False  # whether its server's cap counts this connection
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        manager = self._manager
+        if isinstance(manager, JsonErrorServer):
+            local = transport.get_extra_info("sockname")
+            port = local[1] if isinstance(local, tuple) and len(local) > 1 else None
+            if port not in manager.cap.exempt_ports:
+                if not manager.cap.take():
+                    cast(asyncio.Transport, transport).write(busy_answer(manager.server_name))
+                    transport.close()
+                    self._manager = None  # never served: connection_lost has nothing to undo
+                    return
+                self.counted = True
+        super().connection_made(transport)
 
     def handle_error(
         self,
@@ -105,10 +190,20 @@ def _one_line(value: object) -> str:
 
 
 class JsonErrorServer(web.Server):
-    server_name: str | None = None  # the Server header of its own error answers
+    def __init__(self, *args: Any, cap: ConnectionCap | None = None,
+                 server_name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cap = cap if cap is not None else ConnectionCap(0)
+        self.server_name = server_name  # the Server header of its own error answers
 
     def __call__(self) -> RequestHandler:
         return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        if isinstance(handler, JsonErrorRequestHandler) and handler.counted:
+            handler.counted = False
+            self.cap.give_back()
 
 
 # Seconds a client connection may stay idle, or take to send a request's head (aiohttp's
@@ -127,9 +222,11 @@ class JsonErrorRunner(web.AppRunner):
     connection waits for a head)."""
 
     def __init__(self, app: web.Application, *, handler_cancellation: bool = True,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, **kwargs: Any) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = 0,
+                 uncapped_ports: frozenset[int] = frozenset(), **kwargs: Any) -> None:
         super().__init__(app, handler_cancellation=handler_cancellation,
                          keepalive_timeout=idle_timeout_s, **kwargs)
+        self._cap = (max_connections, uncapped_ports)
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()
@@ -138,9 +235,10 @@ class JsonErrorRunner(web.AppRunner):
             request_factory=plain.request_factory,
             handler_cancellation=plain.handler_cancellation,
             loop=asyncio.get_running_loop(),
+            cap=ConnectionCap(*self._cap),
+            server_name=self._app.get(SERVER_NAME_KEY),
             **plain._kwargs,
         )
-        server.server_name = self._app.get(SERVER_NAME_KEY)
         return server
 
 
@@ -154,9 +252,13 @@ async def _serve(
     reuse_port: bool | None,
     backlog: int,
     idle_timeout_s: float,
+    max_connections: int,
 ) -> None:
+    # The extra sockets (the loopback admin port) stay reachable however many clients connect.
     runner = JsonErrorRunner(app, access_log=None, handle_signals=True,
-                             shutdown_timeout=shutdown_timeout_s, idle_timeout_s=idle_timeout_s)
+                             shutdown_timeout=shutdown_timeout_s, idle_timeout_s=idle_timeout_s,
+                             max_connections=max_connections,
+                             uncapped_ports=frozenset(s.getsockname()[1] for s in extra_sockets))
     try:
         await runner.setup()  # a resource failing to start: the ones started are closed below
         await web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=backlog).start()
@@ -180,15 +282,17 @@ def run(
     backlog: int = 128,
     loop: asyncio.AbstractEventLoop | None = None,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
+    max_connections: int = 0,
 ) -> None:
     """Serve ``app`` on ``loop`` (a new one by default) until SIGINT or SIGTERM, then drain
     in-flight requests (up to ``shutdown_timeout_s``) and run its cleanup. Connections idle
-    for ``idle_timeout_s``, or that take longer to send a request's head, are closed."""
+    for ``idle_timeout_s``, or that take longer to send a request's head, are closed; past
+    ``max_connections`` open at once (0: no cap), one is answered 503 and closed."""
     if loop is None:
         loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     task = loop.create_task(_serve(app, host, port, extra_sockets, shutdown_timeout_s, on_ready,
-                                   reuse_port, backlog, idle_timeout_s))
+                                   reuse_port, backlog, idle_timeout_s, max_connections))
     try:
         loop.run_until_complete(task)
     except (web.GracefulExit, KeyboardInterrupt):

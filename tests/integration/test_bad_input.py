@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import MODEL, Cluster, Processes, StartCluster
+from tests.conftest import MODEL, Cluster, Processes, StartCluster, free_port
 
 KEY = "sk-catalogue"
 
@@ -259,3 +259,40 @@ async def test_slow_or_idle_connections_are_closed(processes: Processes) -> None
     finally:
         for _, writer in (trickling, idle):
             writer.close()
+
+
+async def test_connections_past_the_cap_are_answered_503_and_closed(
+    processes: Processes,
+) -> None:
+    """With ``--max-client-connections 3``, a fourth connection open at once gets a 503 in
+    the OpenAI shape and is closed, while the loopback admin port still answers; once one of
+    the three closes, a new one is served."""
+    worker, _ = await processes.worker()
+    admin_port = free_port()
+    gateway = await processes.gateway("--worker", worker, "--max-client-connections", "3",
+                                      "--admin-port", str(admin_port))
+    host, port = gateway.removeprefix("http://").split(":")
+    held = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+    try:
+        await asyncio.sleep(0.2)  # the gateway has taken all three
+        async with aiohttp.ClientSession() as http, \
+                http.get(f"http://127.0.0.1:{admin_port}/admin/workers") as r:
+            assert r.status == 200
+        reader, writer = await asyncio.open_connection(host, int(port))
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ")
+        assert b"server: affinity-gateway" in head.lower()
+        error = json.loads(body)["error"]
+        assert "too many connections" in error["message"]
+        assert error["type"] == "server_error"
+        held.pop()[1].close()
+        await asyncio.sleep(0.3)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n")
+        assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 200 ")
+        writer.close()
+    finally:
+        for _, w in held:
+            w.close()
