@@ -10,7 +10,7 @@ import socket
 import sys
 
 from gateway.app import create_app
-from gateway.contracts.httpserver import client_connection_cap, run
+from gateway.contracts.httpserver import ConnectionCap, client_connection_cap, run
 from gateway.contracts.redact import redact_url
 from gateway.procs import run_supervisor, watch_parent
 from gateway.settings import GatewaySettings, parse_settings
@@ -56,8 +56,10 @@ def serve(settings: GatewaySettings) -> int:
     base = f"http://{settings.host}:{settings.port}"
     loop = new_event_loop(settings.event_loop)
     asyncio.set_event_loop(loop)
+    connections = ConnectionCap(client_connection_cap(settings.max_client_connections,
+                                                      settings.max_connections))
     try:
-        app = create_app(settings)
+        app = create_app(settings, connections=connections)
     except ValueError as exc:  # a bad worker URL, tokenizer, keys or secret file
         print(f"python -m gateway: {exc}", file=sys.stderr)
         loop.close()
@@ -86,8 +88,7 @@ def serve(settings: GatewaySettings) -> int:
         backlog=LISTEN_BACKLOG,
         loop=loop,
         idle_timeout_s=settings.idle_timeout_s,
-        max_connections=client_connection_cap(settings.max_client_connections,
-                                              settings.max_connections),
+        cap=connections,
     )
     return 0
 

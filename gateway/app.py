@@ -21,7 +21,7 @@ from gateway.backends.kinds import BackendOptions
 from gateway.backends.registry import build_backends
 from gateway.breaker import BreakerOptions, Breakers
 from gateway.chat_histories import ChatHistories
-from gateway.contracts.httpserver import name_server
+from gateway.contracts.httpserver import ConnectionCap, name_server
 from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import Tracing
 from gateway.credentials import worker_keys
@@ -71,7 +71,7 @@ from gateway.store.redis import RedisStore, is_redis_url
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
 from gateway.telemetry.access_log import AccessLog
-from gateway.telemetry.metrics import MemoCollector, TokenizerCollector
+from gateway.telemetry.metrics import ConnectionCollector, MemoCollector, TokenizerCollector
 from gateway.telemetry.middleware import TELEMETRY_KEY, add_request_id, begin, sent_bytes
 from gateway.telemetry.record import Telemetry
 from gateway.warmup import WarmupManager, WarmupOptions
@@ -289,10 +289,12 @@ def _warmup_prompts(settings: GatewaySettings, hasher: TenantHasher) -> list[War
 
 
 def create_app(
-    settings: GatewaySettings, *, span_exporter: SpanExporter | None = None
+    settings: GatewaySettings, *, span_exporter: SpanExporter | None = None,
+    connections: ConnectionCap | None = None,
 ) -> web.Application:
     """The gateway. ``span_exporter``: export spans there as they end (tests), whatever
-    ``settings.otel_endpoint`` says. Raises ``ValueError`` for a bad ``--warmup-file``."""
+    ``settings.otel_endpoint`` says. ``connections``: the cap its server counts client
+    connections with, for the metrics. Raises ``ValueError`` for a bad ``--warmup-file``."""
     index = PrefixIndex(capacity=settings.index_capacity, ttl_s=settings.index_ttl_s)
     # Token-exact keys count the engine's own blocks, the admitted request's included.
     pool = WorkerPool(settings.worker, index,
@@ -375,6 +377,8 @@ def create_app(
     metrics.registry.register(
         MemoCollector(state.normal_texts, state.chat_histories, state.prompt_histories,
                       state.fingerprints, state.parse_pool))
+    if connections is not None:
+        metrics.registry.register(ConnectionCollector(connections))
     lifecycle = CacheLifecycle(pool, backend_for, warmup)
     telemetry = Telemetry(
         metrics=metrics,

@@ -222,11 +222,11 @@ class JsonErrorRunner(web.AppRunner):
     connection waits for a head)."""
 
     def __init__(self, app: web.Application, *, handler_cancellation: bool = True,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = 0,
-                 uncapped_ports: frozenset[int] = frozenset(), **kwargs: Any) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, cap: ConnectionCap | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(app, handler_cancellation=handler_cancellation,
                          keepalive_timeout=idle_timeout_s, **kwargs)
-        self._cap = (max_connections, uncapped_ports)
+        self._cap = cap if cap is not None else ConnectionCap(0)
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()
@@ -235,7 +235,7 @@ class JsonErrorRunner(web.AppRunner):
             request_factory=plain.request_factory,
             handler_cancellation=plain.handler_cancellation,
             loop=asyncio.get_running_loop(),
-            cap=ConnectionCap(*self._cap),
+            cap=self._cap,
             server_name=self._app.get(SERVER_NAME_KEY),
             **plain._kwargs,
         )
@@ -252,13 +252,13 @@ async def _serve(
     reuse_port: bool | None,
     backlog: int,
     idle_timeout_s: float,
-    max_connections: int,
+    cap: ConnectionCap,
 ) -> None:
     # The extra sockets (the loopback admin port) stay reachable however many clients connect.
+    cap.exempt_ports = frozenset(s.getsockname()[1] for s in extra_sockets)
     runner = JsonErrorRunner(app, access_log=None, handle_signals=True,
                              shutdown_timeout=shutdown_timeout_s, idle_timeout_s=idle_timeout_s,
-                             max_connections=max_connections,
-                             uncapped_ports=frozenset(s.getsockname()[1] for s in extra_sockets))
+                             cap=cap)
     try:
         await runner.setup()  # a resource failing to start: the ones started are closed below
         await web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=backlog).start()
@@ -282,17 +282,18 @@ def run(
     backlog: int = 128,
     loop: asyncio.AbstractEventLoop | None = None,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
-    max_connections: int = 0,
+    cap: ConnectionCap | None = None,
 ) -> None:
     """Serve ``app`` on ``loop`` (a new one by default) until SIGINT or SIGTERM, then drain
     in-flight requests (up to ``shutdown_timeout_s``) and run its cleanup. Connections idle
     for ``idle_timeout_s``, or that take longer to send a request's head, are closed; past
-    ``max_connections`` open at once (0: no cap), one is answered 503 and closed."""
+    ``cap`` (none by default), one is answered 503 and closed."""
     if loop is None:
         loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     task = loop.create_task(_serve(app, host, port, extra_sockets, shutdown_timeout_s, on_ready,
-                                   reuse_port, backlog, idle_timeout_s, max_connections))
+                                   reuse_port, backlog, idle_timeout_s,
+                                   cap if cap is not None else ConnectionCap(0)))
     try:
         loop.run_until_complete(task)
     except (web.GracefulExit, KeyboardInterrupt):

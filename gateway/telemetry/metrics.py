@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from gateway.chat_histories import ChatHistories
+from gateway.contracts.httpserver import ConnectionCap
 from gateway.fingerprint_memo import FingerprintMemo
 from gateway.kvevents.tokenize import PromptTokenizer
 from gateway.normal_texts import NormalTexts
@@ -142,6 +143,28 @@ class MemoCollector(Collector):
             (CounterMetricFamily, "gateway_thread_parses",
              "requests of very many items parsed on a thread, off the event loop "
              "(--parse-thread-items)", self._parses.parsed if self._parses is not None else 0),
+        ):
+            metric = family(name, help_text)
+            metric.add_metric([], value)
+            yield metric
+
+
+class ConnectionCollector(Collector):
+    """Client connections against their cap (``--max-client-connections``), at scrape time."""
+
+    def __init__(self, cap: ConnectionCap) -> None:
+        self._cap = cap
+
+    def collect(self) -> Iterator[Metric]:
+        cap = self._cap
+        for family, name, help_text, value in (
+            (GaugeMetricFamily, "gateway_client_connections",
+             "client connections open (the loopback admin port's not counted)", cap.open),
+            (GaugeMetricFamily, "gateway_client_connection_cap",
+             "client connections the gateway keeps open at once (--max-client-connections)",
+             cap.limit),
+            (CounterMetricFamily, "gateway_refused_connections",
+             "client connections answered 503 and closed: over the cap", cap.refused),
         ):
             metric = family(name, help_text)
             metric.add_metric([], value)

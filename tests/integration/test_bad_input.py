@@ -287,6 +287,12 @@ async def test_connections_past_the_cap_are_answered_503_and_closed(
         error = json.loads(body)["error"]
         assert "too many connections" in error["message"]
         assert error["type"] == "server_error"
+        async with aiohttp.ClientSession() as http, \
+                http.get(f"http://127.0.0.1:{admin_port}/metrics") as r:
+            scraped = await r.text()
+        assert "gateway_refused_connections_total 1.0" in scraped
+        assert "gateway_client_connection_cap 3.0" in scraped
+        assert "gateway_client_connections 3.0" in scraped
         held.pop()[1].close()
         await asyncio.sleep(0.3)
         reader, writer = await asyncio.open_connection(host, int(port))
