@@ -207,13 +207,18 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
                                         route_request.key, text=text,
                                         cache_salt=parsed.cache_salt,
                                         namespace=namespace), identity.tenant)
+    upstream = UpstreamRequest(
+        path=path, body=forwarded_body(parsed, raw),
+        # The request's cache namespace: our worker keys its cache by it, vLLM gets it as
+        # cache_salt.
+        namespace=namespace, anchor=route_request.key.anchor_hex,
+    )
+    # While it waits for its place and its worker, a request holds only what it forwards
+    # (the body as decoded, with the client's bytes where they are forwarded): its parse
+    # (the rendered prompt text, a chat's history) goes now.
+    del body, parsed, raw
     async with app[LIMITS_KEY].admitted(identity.tenant, route_request.cost_tokens):
-        return await dispatch(state, request, record, UpstreamRequest(
-            path=path, body=forwarded_body(parsed, raw),
-            # The request's cache namespace: our worker keys its cache by it, vLLM gets it as
-            # cache_salt.
-            namespace=namespace, anchor=route_request.key.anchor_hex,
-        ), route_request, tenant)
+        return await dispatch(state, request, record, upstream, route_request, tenant)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

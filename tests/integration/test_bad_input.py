@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.openai_schema import ParsedRequest
 from tests.conftest import MODEL, Cluster, Processes, StartCluster, free_port
 
 KEY = "sk-catalogue"
@@ -232,6 +233,40 @@ async def test_an_answer_does_not_keep_its_request_alive(
             await r.read()
         await asyncio.sleep(0.05)
         assert alive() == 0
+    finally:
+        gc.enable()
+
+
+async def test_a_running_request_no_longer_holds_its_parse(
+    start_cluster: StartCluster, processes: Processes,
+) -> None:
+    """While a request waits for its place and its worker and while its answer streams, the
+    gateway keeps what it forwards (the body as decoded, with the client's bytes), not the
+    request's parse (its rendered prompt text, a chat's history). The worker runs in its own
+    process: only the gateway's objects are here."""
+    worker, _ = await processes.worker()
+    cluster = await start_cluster(workers=0, worker=(worker,))
+    marker = f"marker-running-{id(cluster)}"
+    raw = json.dumps({"model": MODEL, "prompt": [marker, "b"], "max_tokens": 150,
+                      "stream": True}).encode()
+
+    def parses() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) is ParsedRequest
+                   and o.body.get("prompt") == [marker, "b"])
+
+    gc.collect()
+    gc.disable()
+    try:
+        async with aiohttp.ClientSession() as http, http.post(
+                cluster.gateway_url + "/v1/completions", data=raw,
+                headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 200
+            first = await r.content.readline()
+            assert first.startswith(b"data: ")
+            assert not r.content.at_eof()  # the answer is still streaming
+            assert parses() == 0
+            rest = await r.read()
+            assert rest.rstrip().endswith(b"data: [DONE]")
     finally:
         gc.enable()
 
