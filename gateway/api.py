@@ -15,7 +15,7 @@ from gateway.auth import ANONYMOUS, AUTH_KEY, IDENTITY_KEY, Identity
 from gateway.backends.base import UpstreamRequest
 from gateway.errors import ModelNotFound, NoWorkerAvailable, PayloadTooLarge, RequestTimeout
 from gateway.fingerprint import Namespace
-from gateway.limits import LIMITS_KEY
+from gateway.limits import LIMITS_KEY, BodyHold
 from gateway.misses import prompt_head_hash
 from gateway.normal_texts import TextScope
 from gateway.normalize import NormalizeOptions, NormalPrefix
@@ -58,14 +58,13 @@ def request_cost(parsed: ParsedRequest, settings: GatewaySettings) -> tuple[int,
     return prompt_tokens, prompt_tokens + parsed.sequences * budget
 
 
-async def _body_bytes(request: web.Request, limit: int) -> bytes:
+async def _body_bytes(request: web.Request, limit: int, hold: BodyHold) -> bytes:
     """The request body, at most ``limit`` bytes (:class:`PayloadTooLarge` beyond; a body
     whose Content-Length says so is refused before any of it is read), joined once from the
     chunks the server buffered, where ``request.read()`` copies each chunk into a growing
-    buffer and then the whole buffer again."""
+    buffer and then the whole buffer again. A chunked body takes its share of the gateway's
+    body budget chunk by chunk (``hold``); a declared one took it before."""
     declared = request.content_length
-    if declared is not None and declared > limit:  # refused before reading any of it
-        raise PayloadTooLarge(f"request body too large: {declared} bytes, at most {limit}")
     content = request.content
     chunks = []
     size = 0
@@ -73,17 +72,21 @@ async def _body_bytes(request: web.Request, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body too large: over {limit} bytes")
+        if declared is None:
+            hold.grow(len(chunk))
         chunks.append(chunk)
     return b"".join(chunks)  # one chunk: that chunk itself, no copy
 
 
-async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+async def _read_body(
+    request: web.Request, limit: int, timeout_s: float, hold: BodyHold
+) -> bytes:
     """The request body, if the client sends all of it within ``timeout_s``."""
     if request.content.is_eof():  # all of it arrived already: nothing to wait for
-        return await _body_bytes(request, limit)
+        return await _body_bytes(request, limit, hold)
     try:
         async with asyncio.timeout(timeout_s):
-            return await _body_bytes(request, limit)
+            return await _body_bytes(request, limit, hold)
     except TimeoutError:
         raise RequestTimeout(
             f"the request body did not arrive within {timeout_s:g} seconds"
@@ -157,8 +160,27 @@ async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamR
     state = app[STATE]
     settings = state.settings
     identity = request.get(IDENTITY_KEY) or ANONYMOUS
-    app[LIMITS_KEY].check(identity.tenant)  # over a limit whatever it costs: refused unread
-    raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+    limits = app[LIMITS_KEY]
+    limits.check(identity.tenant)  # over a limit whatever it costs: refused unread
+    declared = request.content_length
+    if declared is not None and declared > settings.max_body_bytes:  # refused unread
+        raise PayloadTooLarge(
+            f"request body too large: {declared} bytes, at most {settings.max_body_bytes}")
+    hold = limits.bodies.hold(declared)  # refused unread when the gateway holds too much
+    try:
+        return await _held(request, path, parse, identity, hold)
+    finally:
+        hold.release()
+
+
+async def _held(
+    request: web.Request, path: str, parse: Parser, identity: Identity, hold: BodyHold
+) -> web.StreamResponse:
+    """:func:`_routed` for a request that holds its share of the body budget."""
+    app = request.app
+    state = app[STATE]
+    settings = state.settings
+    raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s, hold)
     histories = state.chat_histories
     prompts = state.prompt_histories
     scope = found = prompt_scope = known_prompt = None

@@ -71,7 +71,12 @@ from gateway.store.redis import RedisStore, is_redis_url
 from gateway.sync import StoreSync
 from gateway.telemetry import GatewayMetrics
 from gateway.telemetry.access_log import AccessLog
-from gateway.telemetry.metrics import ConnectionCollector, MemoCollector, TokenizerCollector
+from gateway.telemetry.metrics import (
+    BodyBudgetCollector,
+    ConnectionCollector,
+    MemoCollector,
+    TokenizerCollector,
+)
 from gateway.telemetry.middleware import TELEMETRY_KEY, add_request_id, begin, sent_bytes
 from gateway.telemetry.record import Telemetry
 from gateway.warmup import WarmupManager, WarmupOptions
@@ -403,7 +408,8 @@ def create_app(
     app[REBALANCER_KEY] = Rebalancer(
         store, pool, index, origin, RebalanceOptions(interval_s=settings.rebalance_interval_s))
     app[AUTH_KEY] = auth
-    app[LIMITS_KEY] = Limits(settings.limit_options())
+    limits = app[LIMITS_KEY] = Limits(settings.limit_options())
+    metrics.registry.register(BodyBudgetCollector(limits.bodies))
     app.on_response_prepare.append(response_hook(auth))
     name_server(app, "affinity-gateway")
     resources.install(app)

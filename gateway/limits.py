@@ -7,7 +7,10 @@
   whole bucket is admitted when the bucket is full and leaves it in debt, so it is not refused
   forever.
 * **Global**: at most ``--max-inflight`` requests run at once; later ones wait in a FIFO queue
-  of at most ``--max-queue`` for up to ``--admission-timeout-s``.
+  of at most ``--max-queue`` for up to ``--admission-timeout-s``. And the request bodies the
+  gateway holds at once, from before each is read until it is answered, add up to at most
+  ``--max-held-body-bytes`` (:class:`BodyBudget`): what bounds the gateway's memory when many
+  clients send large bodies, whatever their number.
 
 Over any limit the request is refused at once with 429 and ``Retry-After`` (seconds until the
 bucket holds enough, or 1 for concurrency and queue limits). What can be refused whatever a
@@ -84,6 +87,62 @@ class LimitOptions:
     max_inflight: int = 0
     max_queue: int = 256
     queue_timeout_s: float = 10.0
+    max_held_body_bytes: int = 0
+
+
+class BodyBudget:
+    """Request body bytes held at once, gateway-wide, at most ``limit`` (0: no limit).
+
+    A request takes what its ``Content-Length`` declares before any of its body is read (a
+    chunked body, each chunk as it arrives) and gives it back when it is answered
+    (:class:`BodyHold`): while it waits and runs it keeps its body, decoded, to forward, so
+    the bytes as received are the measure (the decoded form is a multiple of them). One that
+    does not fit is refused with 429 (``server_overloaded``) before the bytes that would not
+    fit are read."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError("the body budget must be >= 0")
+        self.limit = limit
+        self.held = 0
+        self.refused = 0
+
+    def hold(self, declared: int | None) -> BodyHold:
+        """A hold on ``declared`` bytes (None: nothing yet, a chunked body), or
+        :class:`RateLimited` when they do not fit."""
+        held = BodyHold(self)
+        if declared:
+            held.grow(declared)
+        return held
+
+    def refusal(self, size: int) -> RateLimited:
+        self.refused += 1
+        return RateLimited(
+            f"the gateway holds as many request bytes as it may ({self.limit} bytes); "
+            f"a body of {size} bytes more does not fit now, retry shortly",
+            retry_after_s=1, code="server_overloaded")
+
+
+class BodyHold:
+    """One request's share of a :class:`BodyBudget`; :meth:`release` once, when answered."""
+
+    __slots__ = ("_budget", "size")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+        self.size = 0
+
+    def grow(self, size: int) -> None:
+        """Take ``size`` bytes more, or raise :class:`RateLimited` (taking nothing)."""
+        budget = self._budget
+        if budget.limit and budget.held + size > budget.limit:
+            raise budget.refusal(self.size + size)
+        budget.held += size
+        self.size += size
+
+    def release(self) -> None:
+        self._budget.held -= self.size
+        self.size = 0
 
 
 class _Buckets:
@@ -254,6 +313,7 @@ class Limits:
     def __init__(self, opts: LimitOptions, clock: Callable[[], float] = time.monotonic) -> None:
         self.tenants = TenantLimiter(opts, clock)
         self.queue = AdmissionQueue(opts.max_inflight, opts.max_queue, opts.queue_timeout_s)
+        self.bodies = BodyBudget(opts.max_held_body_bytes)
         self._limited = bool(opts.tenant_rpm or opts.tenant_tpm or opts.tenant_concurrency
                              or opts.max_inflight)
 

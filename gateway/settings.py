@@ -490,13 +490,19 @@ class GatewaySettings:
     max_queue: int = field(
         default=256, metadata=_help("requests that may wait for --max-inflight; beyond: 429")
     )
+    max_held_body_bytes: int = field(
+        default=1 << 30,
+        metadata=_help("request body bytes the gateway holds at once, all requests together "
+                       "(as received, from before each is read until it is answered); a body "
+                       "that does not fit is refused with 429 before it is read (0: no limit)"),
+    )
     admission_timeout_s: float = field(
         default=10.0, metadata=_help("longest wait in the --max-inflight queue before a 429")
     )
 
     def __post_init__(self) -> None:
         if min(self.tenant_rpm, self.tenant_tpm, self.tenant_concurrency, self.max_inflight,
-               self.max_queue, self.admission_timeout_s) < 0:
+               self.max_queue, self.admission_timeout_s, self.max_held_body_bytes) < 0:
             raise ValueError("limits must be >= 0")
         if self.route_headers not in ("", *ROUTE_HEADER_MODES):
             raise ValueError(
@@ -589,6 +595,7 @@ class GatewaySettings:
             tenant_rpm=self.tenant_rpm, tenant_tpm=self.tenant_tpm,
             tenant_concurrency=self.tenant_concurrency, max_inflight=self.max_inflight,
             max_queue=self.max_queue, queue_timeout_s=self.admission_timeout_s,
+            max_held_body_bytes=self.max_held_body_bytes,
         )
 
     def sampled_tenants(self) -> frozenset[str]:

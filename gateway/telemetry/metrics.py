@@ -19,6 +19,7 @@ from gateway.chat_histories import ChatHistories
 from gateway.contracts.httpserver import ConnectionCap
 from gateway.fingerprint_memo import FingerprintMemo
 from gateway.kvevents.tokenize import PromptTokenizer
+from gateway.limits import BodyBudget
 from gateway.normal_texts import NormalTexts
 from gateway.parse_pool import ParsePool
 from gateway.pool import WorkerPool
@@ -165,6 +166,29 @@ class ConnectionCollector(Collector):
              cap.limit),
             (CounterMetricFamily, "gateway_refused_connections",
              "client connections answered 503 and closed: over the cap", cap.refused),
+        ):
+            metric = family(name, help_text)
+            metric.add_metric([], value)
+            yield metric
+
+
+class BodyBudgetCollector(Collector):
+    """Request body bytes held against the budget (``--max-held-body-bytes``), at scrape
+    time."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+
+    def collect(self) -> Iterator[Metric]:
+        budget = self._budget
+        for family, name, help_text, value in (
+            (GaugeMetricFamily, "gateway_held_body_bytes",
+             "request body bytes held by requests being read or served", budget.held),
+            (GaugeMetricFamily, "gateway_held_body_bytes_budget",
+             "request body bytes the gateway holds at once (--max-held-body-bytes; 0: none)",
+             budget.limit),
+            (CounterMetricFamily, "gateway_body_budget_refusals",
+             "requests refused with 429: their body did not fit the budget", budget.refused),
         ):
             metric = family(name, help_text)
             metric.add_metric([], value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import openai
 import pytest
 
@@ -97,3 +98,54 @@ async def test_a_tenant_over_its_rate_is_refused_before_its_body_is_read(
         assert b"retry-after:" in head.lower()
     finally:
         writer.close()
+
+
+async def test_request_bodies_held_at_once_are_bounded(start_cluster: StartCluster) -> None:
+    """Past ``--max-held-body-bytes`` held by requests in flight, a body that does not fit is
+    refused with 429 before it is read (declared or chunked); a running stream holds its body's
+    bytes until it ends, and then the budget is whole again."""
+    cluster = await start_cluster(workers=1, api_key=KEYS, max_held_body_bytes=3000,
+                                  body_timeout_s=60.0)
+    port = int(cluster.gateway_url.rsplit(":", 1)[1])
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n"
+            b"Authorization: Bearer sk-acme\r\nContent-Type: application/json\r\n")
+
+    async def refused_unread(extra: bytes, body: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(head + extra + b"\r\n" + body)
+            await writer.drain()
+            return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+        finally:
+            writer.close()
+
+    answer = await refused_unread(b"Content-Length: 5000\r\n", b'{"model": ')
+    assert answer.startswith(b"HTTP/1.1 429 ")
+    assert b"retry-after: 1" in answer.lower()
+    async with client(cluster.base_url, "sk-acme") as acme, \
+            client(cluster.base_url, "sk-globex") as globex:
+        prompt = "p" * 2000
+        long = await acme.completions.create(model=MODEL, prompt=prompt, max_tokens=2000,
+                                             stream=True)
+        assert await long.__anext__() is not None  # ~2,050 bytes held while it streams
+        with pytest.raises(openai.RateLimitError) as caught:
+            await globex.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert caught.value.body["code"] == "server_overloaded"  # type: ignore[index]
+        # A chunked body is counted as it arrives: refused at the chunk that does not fit.
+        chunk = b"%x\r\n" % 1500 + b" " * 1500 + b"\r\n"
+        answer = await refused_unread(b"Transfer-Encoding: chunked\r\n", chunk * 2)
+        assert answer.startswith(b"HTTP/1.1 429 ")
+        small = await globex.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert small.choices  # what fits beside the stream is served
+        await long.close()
+        for _ in range(100):  # the stream's end gives its bytes back
+            async with aiohttp.ClientSession() as http, \
+                    http.get(cluster.gateway_url + "/metrics") as r:
+                text = await r.text()
+            if "gateway_held_body_bytes 0.0" in text:
+                break
+            await asyncio.sleep(0.05)
+        assert "gateway_held_body_bytes 0.0" in text
+        assert "gateway_body_budget_refusals_total 3.0" in text
+        done = await globex.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert done.choices

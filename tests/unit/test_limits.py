@@ -6,7 +6,14 @@ import asyncio
 
 import pytest
 
-from gateway.limits import AdmissionQueue, LimitOptions, Limits, RateLimited, TokenBucket
+from gateway.limits import (
+    AdmissionQueue,
+    BodyBudget,
+    LimitOptions,
+    Limits,
+    RateLimited,
+    TokenBucket,
+)
 from gateway.normalize import NormalizeOptions
 from gateway.openai_schema import parse_completion
 
@@ -146,3 +153,27 @@ def test_the_check_before_a_body_is_read_refuses_what_admit_would_and_takes_noth
     assert caught.value.code == "server_overloaded"
     concurrent.queue.release()
     concurrent.check("d")
+
+
+def test_the_body_budget_refuses_what_does_not_fit_and_takes_nothing_then() -> None:
+    budget = BodyBudget(1000)
+    first = budget.hold(600)
+    with pytest.raises(RateLimited) as caught:
+        budget.hold(500)
+    assert caught.value.status == 429
+    assert caught.value.code == "server_overloaded"
+    assert budget.held == 600
+    assert budget.refused == 1
+    chunked = budget.hold(None)  # a chunked body: nothing until its chunks arrive
+    chunked.grow(300)
+    with pytest.raises(RateLimited):
+        chunked.grow(200)
+    assert budget.held == 900
+    assert chunked.size == 300
+    first.release()
+    assert budget.held == 300
+    chunked.grow(200)  # fits now
+    chunked.release()
+    chunked.release()  # a second release gives back nothing more
+    assert budget.held == 0
+    assert BodyBudget(0).hold(10**12).size == 10**12  # no limit
