@@ -302,9 +302,11 @@ class GatewaySettings:
                                      "(408 after that)")
     )
     max_client_connections: int = field(
-        default=0, metadata=_help("client connections open at once; one more is answered 503 "
-                                  "and closed (0: what the open-file limit allows, raised to "
-                                  "its hard limit, less --max-connections and 256)")
+        default=0, metadata=_help("client connections open at once; one more takes the place "
+                                  "of the oldest without a request in progress, or with none "
+                                  "such is answered 503 and closed (0: what the open-file "
+                                  "limit allows, raised to its hard limit, less "
+                                  "--max-connections and 256)")
     )
     idle_timeout_s: float = field(
         default=75.0, metadata=_help("seconds a client connection may stay idle between "

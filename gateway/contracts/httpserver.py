@@ -62,10 +62,16 @@ def error_body(status: int, message: str) -> bytes:
 
 
 class ConnectionCap:
-    """At most ``limit`` client connections open at once (0: no cap). One past it is answered
-    503 in the OpenAI shape and closed at once, before it is read: a flood of connections
+    """At most ``limit`` client connections open at once (0: no cap): a flood of connections
     (slow or idle clients by the thousand) cannot take the file descriptors the process needs
-    for its workers, its store and its clients' requests in flight."""
+    for its workers, its store and its clients' requests in flight.
+
+    At the cap, a new connection takes the place of the oldest one that has no request in
+    progress (idle between requests, or still sending a request's head: what a flood of
+    connections is made of), which is closed (:meth:`JsonErrorServer.make_room`); only when
+    every connection looked at has a request in progress is the new one answered 503 in the
+    OpenAI shape and closed at once, before it is read. So connections held open without
+    requests cannot keep new clients out, while no request in progress is cut off."""
 
     _WARN_EVERY_S = 10.0
 
@@ -78,12 +84,16 @@ class ConnectionCap:
         self.exempt_ports = exempt_ports
         self.open = 0
         self.refused = 0
+        self.evicted = 0  # connections without a request closed to make room for new ones
         self._warned_at = -self._WARN_EVERY_S
         self._refused_since_warning = 0
 
+    def full(self) -> bool:
+        return bool(self.limit) and self.open >= self.limit
+
     def take(self) -> bool:
         """Count one more connection, or say it is one too many (and count it refused)."""
-        if self.limit and self.open >= self.limit:
+        if self.full():
             self.refused += 1
             self._refused_since_warning += 1
             now = time.monotonic()
@@ -133,18 +143,29 @@ class JsonErrorRequestHandler(RequestHandler):
 
     counted = False  # whether its server's cap counts this connection
 
+    def without_request(self) -> bool:
+        """Whether no request is in progress here: the connection waits for a request's head
+        (idle between requests, or still receiving one) with none queued."""
+        waiter = getattr(self, "_waiter", None)
+        return (waiter is not None and not waiter.done()
+                and getattr(self, "_current_request", None) is None
+                and not getattr(self, "_messages", None))
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         manager = self._manager
         if isinstance(manager, JsonErrorServer):
             local = transport.get_extra_info("sockname")
             port = local[1] if isinstance(local, tuple) and len(local) > 1 else None
             if port not in manager.cap.exempt_ports:
+                if manager.cap.full():
+                    manager.make_room()
                 if not manager.cap.take():
                     cast(asyncio.Transport, transport).write(busy_answer(manager.server_name))
                     transport.close()
                     self._manager = None  # never served: connection_lost has nothing to undo
                     return
                 self.counted = True
+                manager.counting(self)
         super().connection_made(transport)
 
     def handle_error(
@@ -190,11 +211,45 @@ def _one_line(value: object) -> str:
 
 
 class JsonErrorServer(web.Server):
+    # At the cap, how many of the oldest counted connections :meth:`make_room` looks at for
+    # one without a request: a bound on the work per new connection.
+    ROOM_SCAN = 64
+
     def __init__(self, *args: Any, cap: ConnectionCap | None = None,
                  server_name: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cap = cap if cap is not None else ConnectionCap(0)
         self.server_name = server_name  # the Server header of its own error answers
+        # The connections the cap counts, oldest first (a dict keeps insertion order; one
+        # found busy goes to the end, so the next scan does not look at it first again).
+        self._counted: dict[JsonErrorRequestHandler, None] = {}
+
+    def counting(self, handler: JsonErrorRequestHandler) -> None:
+        self._counted[handler] = None
+
+    def make_room(self) -> bool:
+        """Close the oldest counted connection without a request in progress, among the
+        ``ROOM_SCAN`` oldest, and give its place back to the cap; False when there is none."""
+        busy = []
+        found = None
+        for handler in self._counted:
+            if handler.without_request():
+                found = handler
+                break
+            busy.append(handler)
+            if len(busy) >= self.ROOM_SCAN:
+                break
+        for handler in busy:  # looked at and busy: to the end of the line
+            del self._counted[handler]
+            self._counted[handler] = None
+        if found is None:
+            return False
+        del self._counted[found]
+        found.counted = False
+        found.force_close()
+        self.cap.give_back()
+        self.cap.evicted += 1
+        return True
 
     def __call__(self) -> RequestHandler:
         return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
@@ -203,6 +258,7 @@ class JsonErrorServer(web.Server):
         super().connection_lost(handler, exc)
         if isinstance(handler, JsonErrorRequestHandler) and handler.counted:
             handler.counted = False
+            self._counted.pop(handler, None)
             self.cap.give_back()
 
 

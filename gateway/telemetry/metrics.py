@@ -8,7 +8,7 @@ that answered; empty when the gateway answered itself).
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 
 from prometheus_client import CollectorRegistry
@@ -150,6 +150,17 @@ class MemoCollector(Collector):
             yield metric
 
 
+# One unlabelled sample a family: (family class, name, help, value).
+Scalar = tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str, float]
+
+
+def _scalars(rows: Iterable[Scalar]) -> Iterator[Metric]:
+    for family, name, help_text, value in rows:
+        metric = family(name, help_text)
+        metric.add_metric([], value)
+        yield metric
+
+
 class ConnectionCollector(Collector):
     """Client connections against their cap (``--max-client-connections``), at scrape time."""
 
@@ -158,18 +169,19 @@ class ConnectionCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         cap = self._cap
-        for family, name, help_text, value in (
+        yield from _scalars((
             (GaugeMetricFamily, "gateway_client_connections",
              "client connections open (the loopback admin port's not counted)", cap.open),
             (GaugeMetricFamily, "gateway_client_connection_cap",
              "client connections the gateway keeps open at once (--max-client-connections)",
              cap.limit),
             (CounterMetricFamily, "gateway_refused_connections",
-             "client connections answered 503 and closed: over the cap", cap.refused),
-        ):
-            metric = family(name, help_text)
-            metric.add_metric([], value)
-            yield metric
+             "client connections answered 503 and closed: over the cap, every connection "
+             "looked at busy with a request", cap.refused),
+            (CounterMetricFamily, "gateway_evicted_connections",
+             "client connections without a request in progress closed at the cap to make "
+             "room for a new one", cap.evicted),
+        ))
 
 
 class BodyBudgetCollector(Collector):
@@ -181,7 +193,7 @@ class BodyBudgetCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         budget = self._budget
-        for family, name, help_text, value in (
+        yield from _scalars((
             (GaugeMetricFamily, "gateway_held_body_bytes",
              "request body bytes held by requests being read or served", budget.held),
             (GaugeMetricFamily, "gateway_held_body_bytes_budget",
@@ -189,10 +201,7 @@ class BodyBudgetCollector(Collector):
              budget.limit),
             (CounterMetricFamily, "gateway_body_budget_refusals",
              "requests refused with 429: their body did not fit the budget", budget.refused),
-        ):
-            metric = family(name, help_text)
-            metric.add_metric([], value)
-            yield metric
+        ))
 
 
 class TokenizerCollector(Collector):

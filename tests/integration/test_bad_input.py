@@ -4,9 +4,11 @@ live gateway with reference workers; aiohttp's own errors come in the OpenAI sha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -203,6 +205,20 @@ async def test_aborted_upload_is_one_log_line(
         assert r.status == 200
 
 
+@contextlib.asynccontextmanager
+async def _posted_uncollected(url: str, raw: bytes) -> AsyncIterator[aiohttp.ClientResponse]:
+    """``raw`` posted to ``url`` with the cyclic collector paused (after one full pass): what
+    is alive in the block is held by a reference, not left for want of a collection."""
+    gc.collect()
+    gc.disable()
+    try:
+        async with aiohttp.ClientSession() as http, http.post(
+                url, data=raw, headers={"Content-Type": "application/json"}) as r:
+            yield r
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("case", ["no worker", "invalid", "answered"])
 async def test_an_answer_does_not_keep_its_request_alive(
     start_cluster: StartCluster, case: str
@@ -223,18 +239,11 @@ async def test_an_answer_does_not_keep_its_request_alive(
         return sum(1 for o in gc.get_objects()
                    if type(o) is dict and o.get("prompt") == [marker, "b"])
 
-    gc.collect()
-    gc.disable()
-    try:
-        async with aiohttp.ClientSession() as http, http.post(
-                cluster.gateway_url + "/v1/completions", data=raw,
-                headers={"Content-Type": "application/json"}) as r:
-            assert r.status == {"no worker": 503, "invalid": 400, "answered": 200}[case]
-            await r.read()
+    async with _posted_uncollected(cluster.gateway_url + "/v1/completions", raw) as r:
+        assert r.status == {"no worker": 503, "invalid": 400, "answered": 200}[case]
+        await r.read()
         await asyncio.sleep(0.05)
         assert alive() == 0
-    finally:
-        gc.enable()
 
 
 async def test_a_running_request_no_longer_holds_its_parse(
@@ -254,21 +263,14 @@ async def test_a_running_request_no_longer_holds_its_parse(
         return sum(1 for o in gc.get_objects() if type(o) is ParsedRequest
                    and o.body.get("prompt") == [marker, "b"])
 
-    gc.collect()
-    gc.disable()
-    try:
-        async with aiohttp.ClientSession() as http, http.post(
-                cluster.gateway_url + "/v1/completions", data=raw,
-                headers={"Content-Type": "application/json"}) as r:
-            assert r.status == 200
-            first = await r.content.readline()
-            assert first.startswith(b"data: ")
-            assert not r.content.at_eof()  # the answer is still streaming
-            assert parses() == 0
-            rest = await r.read()
-            assert rest.rstrip().endswith(b"data: [DONE]")
-    finally:
-        gc.enable()
+    async with _posted_uncollected(cluster.gateway_url + "/v1/completions", raw) as r:
+        assert r.status == 200
+        first = await r.content.readline()
+        assert first.startswith(b"data: ")
+        assert not r.content.at_eof()  # the answer is still streaming
+        assert parses() == 0
+        rest = await r.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")
 
 
 async def test_slow_or_idle_connections_are_closed(processes: Processes) -> None:
@@ -296,23 +298,63 @@ async def test_slow_or_idle_connections_are_closed(processes: Processes) -> None
             writer.close()
 
 
-async def test_connections_past_the_cap_are_answered_503_and_closed(
+async def test_connections_past_the_cap_make_room_or_are_answered_503(
     processes: Processes,
 ) -> None:
-    """With ``--max-client-connections 3``, a fourth connection open at once gets a 503 in
-    the OpenAI shape and is closed, while the loopback admin port still answers; once one of
-    the three closes, a new one is served."""
+    """With ``--max-client-connections 3``: a fourth connection takes the place of the oldest
+    one without a request in progress (idle, or still sending its head), which is closed;
+    with three requests in progress, it gets a 503 in the OpenAI shape and is closed, while
+    the loopback admin port still answers and no request in progress is cut off."""
     worker, _ = await processes.worker()
     admin_port = free_port()
     gateway = await processes.gateway("--worker", worker, "--max-client-connections", "3",
                                       "--admin-port", str(admin_port))
     host, port = gateway.removeprefix("http://").split(":")
-    held = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
-    try:
-        await asyncio.sleep(0.2)  # the gateway has taken all three
+
+    async def scrape() -> str:
         async with aiohttp.ClientSession() as http, \
-                http.get(f"http://127.0.0.1:{admin_port}/admin/workers") as r:
-            assert r.status == 200
+                http.get(f"http://127.0.0.1:{admin_port}/metrics") as r:
+            return await r.text()
+
+    async def health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n")
+        return await asyncio.wait_for(reader.read(), 10)
+
+    async def kept_alive_health() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        return reader, writer  # open, idle between requests
+
+    idle = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+    idle[1][1].write(b"POST /v1/completions HTTP/1.1\r\nHost: ga")  # a head, trickling
+    busy: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    served: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        await asyncio.sleep(0.2)
+        for _ in range(3):  # each takes the place of the oldest without a request
+            served.append(await kept_alive_health())
+        for reader, _ in idle:  # all three closed by the gateway, the trickling one too
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+        scraped = await scrape()
+        assert "gateway_evicted_connections_total 3.0" in scraped
+        assert "gateway_refused_connections_total 0.0" in scraped
+        for _, writer in served:
+            writer.close()
+        await asyncio.sleep(0.3)
+        stream = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 2000,
+                             "stream": True}).encode()
+        for _ in range(3):  # three requests in progress: no room to make
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(stream), stream))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200 ")
+            busy.append((reader, writer))
         reader, writer = await asyncio.open_connection(host, int(port))
         answer = await asyncio.wait_for(reader.read(), 10)
         writer.close()
@@ -322,18 +364,16 @@ async def test_connections_past_the_cap_are_answered_503_and_closed(
         error = json.loads(body)["error"]
         assert "too many connections" in error["message"]
         assert error["type"] == "server_error"
-        async with aiohttp.ClientSession() as http, \
-                http.get(f"http://127.0.0.1:{admin_port}/metrics") as r:
-            scraped = await r.text()
+        scraped = await scrape()
         assert "gateway_refused_connections_total 1.0" in scraped
         assert "gateway_client_connection_cap 3.0" in scraped
         assert "gateway_client_connections 3.0" in scraped
-        held.pop()[1].close()
+        for reader, _ in busy:  # the streams go on
+            assert (await asyncio.wait_for(reader.read(200), 10)).strip()
+        busy.pop()[1].close()
         await asyncio.sleep(0.3)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n")
-        assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 200 ")
-        writer.close()
+        assert (await health(*await asyncio.open_connection(host, int(port)))).startswith(
+            b"HTTP/1.1 200 ")
     finally:
-        for _, w in held:
+        for _, w in idle + served + busy:
             w.close()

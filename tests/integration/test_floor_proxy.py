@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from gateway.backends.http1 import Http1Client
+from gateway.contracts.tasks import running
 from loadtest.floor_proxy import BareHTTP, build_app, http1_relay, serve_lowlevel
 from tests.conftest import free_port, serve
 
@@ -31,19 +32,14 @@ def _echo(name: str) -> web.Application:
 @contextlib.asynccontextmanager
 async def _floor(kind: str, port: int, workers: list[str]) -> AsyncIterator[None]:
     if kind == "lowlevel":
-        task = asyncio.create_task(serve_lowlevel("127.0.0.1", port, workers))
-        for _ in range(100):  # until it listens
-            with contextlib.suppress(OSError):
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                break
-            await asyncio.sleep(0.02)
-        try:
+        async with running(serve_lowlevel("127.0.0.1", port, workers), "floor-lowlevel"):
+            for _ in range(100):  # until it listens
+                with contextlib.suppress(OSError):
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                    writer.close()
+                    break
+                await asyncio.sleep(0.02)
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         return
     if kind != "protocol":
         runner = await serve(build_app(workers, kind), port)
