@@ -496,7 +496,8 @@ class GatewaySettings:
         default=1 << 30,
         metadata=_help("request body bytes the gateway holds at once, all requests together "
                        "(as received, from before each is read until it is answered); a body "
-                       "that does not fit is refused with 429 before it is read (0: no limit)"),
+                       "that does not fit is refused with 429 before it is read (0: no limit; "
+                       "else at least --max-body-bytes)"),
     )
     admission_timeout_s: float = field(
         default=10.0, metadata=_help("longest wait in the --max-inflight queue before a 429")
@@ -531,6 +532,10 @@ class GatewaySettings:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         if self.chat_history_bytes < 0:
             raise ValueError("chat_history_bytes must be >= 0")
+        if 0 < self.max_held_body_bytes < self.max_body_bytes:
+            # A body the budget could never hold would be told to retry for ever.
+            raise ValueError("max_held_body_bytes must be 0 (no budget) or at least "
+                             "max_body_bytes")
         if min(self.normal_text_bytes, self.parse_thread_items, self.max_client_connections) < 0:
             raise ValueError("normal_text_bytes, parse_thread_items and max_client_connections "
                              "must be >= 0")

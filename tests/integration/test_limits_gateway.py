@@ -104,8 +104,8 @@ async def test_request_bodies_held_at_once_are_bounded(start_cluster: StartClust
     """Past ``--max-held-body-bytes`` held by requests in flight, a body that does not fit is
     refused with 429 before it is read (declared or chunked); a running stream holds its body's
     bytes until it ends, and then the budget is whole again."""
-    cluster = await start_cluster(workers=1, api_key=KEYS, max_held_body_bytes=3000,
-                                  body_timeout_s=60.0)
+    cluster = await start_cluster(workers=1, api_key=KEYS, max_held_body_bytes=4500,
+                                  max_body_bytes=3000, body_timeout_s=60.0)
     port = int(cluster.gateway_url.rsplit(":", 1)[1])
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n"
             b"Authorization: Bearer sk-acme\r\nContent-Type: application/json\r\n")
@@ -119,15 +119,15 @@ async def test_request_bodies_held_at_once_are_bounded(start_cluster: StartClust
         finally:
             writer.close()
 
-    answer = await refused_unread(b"Content-Length: 5000\r\n", b'{"model": ')
-    assert answer.startswith(b"HTTP/1.1 429 ")
-    assert b"retry-after: 1" in answer.lower()
     async with client(cluster.base_url, "sk-acme") as acme, \
             client(cluster.base_url, "sk-globex") as globex:
-        prompt = "p" * 2000
+        prompt = "p" * 2400
         long = await acme.completions.create(model=MODEL, prompt=prompt, max_tokens=2000,
                                              stream=True)
-        assert await long.__anext__() is not None  # ~2,050 bytes held while it streams
+        assert await long.__anext__() is not None  # ~2,450 bytes held while it streams
+        answer = await refused_unread(b"Content-Length: 2900\r\n", b'{"model": ')
+        assert answer.startswith(b"HTTP/1.1 429 ")
+        assert b"retry-after: 1" in answer.lower()
         with pytest.raises(openai.RateLimitError) as caught:
             await globex.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
         assert caught.value.body["code"] == "server_overloaded"  # type: ignore[index]
@@ -147,5 +147,6 @@ async def test_request_bodies_held_at_once_are_bounded(start_cluster: StartClust
             await asyncio.sleep(0.05)
         assert "gateway_held_body_bytes 0.0" in text
         assert "gateway_body_budget_refusals_total 3.0" in text
+        assert "gateway_held_body_bytes_budget 4500.0" in text
         done = await globex.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
         assert done.choices

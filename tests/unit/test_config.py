@@ -149,6 +149,9 @@ def test_bad_policy_raises_value_error(argv: list[str], env: dict[str, str]) -> 
         pytest.param(["--chars-per-token", "0"], id="chars-per-token"),
         pytest.param(["--block-chars", "0"], id="block-chars"),
         pytest.param(["--anchor-blocks", "0"], id="anchor-blocks"),
+        pytest.param(["--max-held-body-bytes", "1000", "--max-body-bytes", "2000"],
+                     id="a body budget smaller than one body"),
+        pytest.param(["--max-held-body-bytes", "-1"], id="max-held-body-bytes"),
     ],
 )
 def test_invalid_values_rejected_by_post_init(argv: list[str]) -> None:
