@@ -60,10 +60,10 @@ def request_cost(parsed: ParsedRequest, settings: GatewaySettings) -> tuple[int,
 
 async def _body_bytes(request: web.Request, limit: int, hold: BodyHold) -> bytes:
     """The request body, at most ``limit`` bytes (:class:`PayloadTooLarge` beyond; a body
-    whose Content-Length says so is refused before any of it is read), joined once from the
-    chunks the server buffered, where ``request.read()`` copies each chunk into a growing
-    buffer and then the whole buffer again. A chunked body takes its share of the gateway's
-    body budget chunk by chunk (``hold``); a declared one took it before."""
+    whose Content-Length says so was refused by :func:`_routed` before this), joined once
+    from the chunks the server buffered, where ``request.read()`` copies each chunk into a
+    growing buffer and then the whole buffer again. A chunked body takes its share of the
+    gateway's body budget chunk by chunk (``hold``); a declared one took it before."""
     declared = request.content_length
     content = request.content
     chunks = []
