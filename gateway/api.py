@@ -82,8 +82,14 @@ async def _read_body(
     request: web.Request, limit: int, timeout_s: float, hold: BodyHold
 ) -> bytes:
     """The request body, if the client sends all of it within ``timeout_s``."""
-    if request.content.is_eof():  # all of it arrived already: nothing to wait for
-        return await _body_bytes(request, limit, hold)
+    content = request.content
+    if content.is_eof():  # all of it arrived already: taken as it is, nothing to wait for
+        raw = content.read_nowait()
+        if len(raw) > limit:
+            raise PayloadTooLarge(f"request body too large: over {limit} bytes")
+        if request.content_length is None:
+            hold.grow(len(raw))
+        return raw
     try:
         async with asyncio.timeout(timeout_s):
             return await _body_bytes(request, limit, hold)

@@ -176,17 +176,30 @@ class PreWarmer:
         if self.index.heat(block, now) < self.options.repeat_heat:
             return False
         blocks = request.key.total_blocks
-        prompt = max(request.prompt_tokens, 1)
-        states = [s for s in self.pool.states() if s.healthy]
-        holder = next((s for s in states if s.worker.id == decision.worker.id), None)
-        if holder is None or not blocks:
+        if not blocks:
             return False
-        queued = sum(s.inflight_prefill for s in states)
+        prompt = max(request.prompt_tokens, 1)
+        # One pass over the healthy workers: the holder, the queued prefill, the least waiting.
+        holder_id = decision.worker.id
+        holder = None
+        healthy = queued = holder_waiting = 0
+        least_waiting = -1
+        for s in self.pool.states():
+            if not s.healthy:
+                continue
+            healthy += 1
+            queued += s.inflight_prefill
+            waiting = s.waiting_requests()
+            if least_waiting < 0 or waiting < least_waiting:
+                least_waiting = waiting
+            if s.worker.id == holder_id:
+                holder, holder_waiting = s, waiting
+        if holder is None:
+            return False
         saved = prompt * min(decision.match_blocks, blocks) / blocks
         behind = 1.0 + queued / prompt
         excess = self.options.wait_weight * excess_wait(
-            holder.inflight_prefill, holder.waiting_requests(), queued / len(states),
-            min(s.waiting_requests() for s in states), prompt)
+            holder.inflight_prefill, holder_waiting, queued / healthy, least_waiting, prompt)
         return saved > 0 and excess >= self.options.fraction * saved * behind
 
     def _hot_near_bound(

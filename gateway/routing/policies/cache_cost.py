@@ -82,26 +82,39 @@ class CacheCostScorer:
     def score(self, ctx: Context, candidates: Sequence[WorkerView]) -> dict[str, float]:
         blocks = ctx.request.key.total_blocks
         matches = ctx.matches
-        if (blocks == 0 or ctx.branch_anchor is not None
-                or not any(matches.get(w.id, 0) for w in candidates)):
+        if blocks == 0 or ctx.branch_anchor is not None or not matches:
+            return {w.id: 0.0 for w in candidates}
+        # One pass: whether a candidate holds any of it, the queued prefill, the least waiting.
+        held = False
+        queued = 0
+        least_waiting = -1
+        for w in candidates:
+            if not held and matches.get(w.id, 0):
+                held = True
+            queued += w.inflight_prefill
+            if least_waiting < 0 or w.waiting_requests < least_waiting:
+                least_waiting = w.waiting_requests
+        if not held:
             return {w.id: 0.0 for w in candidates}
         prompt = max(ctx.request.prompt_tokens, 1)
-        index = ctx.snapshot.index
-        queued = sum(w.inflight_prefill for w in candidates)
+        fill = ctx.snapshot.index.fill
         mean_wait = queued / len(candidates)
-        least_waiting = min(w.waiting_requests for w in candidates)
         behind = 1.0 + queued / prompt
         costs: dict[str, float] = {}
         evict = self.evict_weight
+        prefill_weight, wait_weight = self.prefill_weight, self.wait_weight
+        queue_weight = self.queue_weight
         for w in candidates:
-            prefill = prompt * (1.0 - matches.get(w.id, 0) / blocks)
+            wid = w.id
+            prefill = prompt * (1.0 - matches.get(wid, 0) / blocks)
             if prefill > 0.0 and evict:
-                prefill *= 1.0 + evict * index.fill(w.id)  # what it evicts, now or soon
-            costs[w.id] = (self.prefill_weight * prefill * behind
-                           + self.wait_weight * excess_wait(
-                               w.inflight_prefill, w.waiting_requests, mean_wait,
-                               least_waiting, prompt)
-                           + self.queue_weight * w.inflight_tokens)
+                prefill *= 1.0 + evict * fill(wid)  # what it evicts, now or soon
+            # excess_wait(), inline: once per candidate and decision.
+            excess = w.inflight_prefill - mean_wait
+            costs[wid] = (prefill_weight * prefill * behind
+                          + wait_weight * ((excess if excess > 0.0 else 0.0)
+                                           + prompt * (w.waiting_requests - least_waiting))
+                          + queue_weight * w.inflight_tokens)
         worst = max(costs.values())
         if worst <= 0.0:
             return {wid: 1.0 for wid in costs}
