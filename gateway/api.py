@@ -78,7 +78,7 @@ async def _body_bytes(request: web.Request, limit: int, hold: BodyHold) -> bytes
     return b"".join(chunks)  # one chunk: that chunk itself, no copy
 
 
-async def _read_body(
+async def read_body(
     request: web.Request, limit: int, timeout_s: float, hold: BodyHold
 ) -> bytes:
     """The request body, if the client sends all of it within ``timeout_s``."""
@@ -186,7 +186,7 @@ async def _held(
     app = request.app
     state = app[STATE]
     settings = state.settings
-    raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s, hold)
+    raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s, hold)
     histories = state.chat_histories
     prompts = state.prompt_histories
     scope = found = prompt_scope = known_prompt = None

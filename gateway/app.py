@@ -13,7 +13,7 @@ from aiohttp.typedefs import Middleware
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import Histogram
 
-from gateway import explain, normalize, resources, ui
+from gateway import engine_api, explain, normalize, resources, ui
 from gateway.api import STATE, add_routes
 from gateway.auth import AUTH_KEY, Auth, KeyStore, TenantHasher, read_secret, tenant_secret
 from gateway.backends.base import Backend
@@ -416,6 +416,7 @@ def create_app(
     app.cleanup_ctx.append(_key_reloading)
     app.cleanup_ctx.append(_parse_thread)
     add_routes(app)
+    engine_api.add_routes(app)
     explain.add_routes(app)
     ui.add_routes(app)
     return app

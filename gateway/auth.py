@@ -31,6 +31,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gateway.contracts.engine_paths import is_client_api
 from gateway.errors import GatewayError
 from gateway.values import value
 
@@ -256,7 +257,8 @@ class Auth:
         )
 
     def identify(self, request: web.Request) -> Identity:
-        """The tenant of a ``/v1/*`` request; raises :class:`Unauthorized` without a valid key."""
+        """The tenant of a client API request (``/v1/*``, the engine API); raises
+        :class:`Unauthorized` without a valid key."""
         key = _bearer(request)
         admin = self.is_admin(request, bearer_counts=False)
         if not self.keys.configured:
@@ -287,9 +289,9 @@ class Auth:
 
     def admit(self, request: web.Request) -> None:
         """Let a request through to its handler or raise :class:`Unauthorized` /
-        :class:`Forbidden`; a ``/v1/*`` request's identity is kept on it (``IDENTITY_KEY``)."""
+        :class:`Forbidden`; a client API request's identity is kept on it (``IDENTITY_KEY``)."""
         path = request.path
-        if path.startswith("/v1/"):
+        if is_client_api(path):
             request[IDENTITY_KEY] = self.identify(request)
         elif (path.startswith(("/admin/", "/ui/data"))
               or (path == "/metrics" and self._metrics_auth)):
@@ -298,7 +300,7 @@ class Auth:
     def hide_route_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         """Before a response goes out: drop the routing and cache headers that this caller
         may not see."""
-        if not request.path.startswith("/v1/"):
+        if not is_client_api(request.path):
             return
         identity = request.get(IDENTITY_KEY)
         if identity is not None and self.show_route_headers(identity):

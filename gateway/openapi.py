@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from gateway.contracts.engine_paths import ENGINE_API_PATHS
 from gateway.openai_schema import CHAT_ROLES, MAX_N, MAX_TOKENS_LIMIT
 
 _JSON = "application/json"
@@ -65,8 +66,7 @@ def _model(models: Iterable[str]) -> dict[str, Any]:
 
 
 def _completion_request(models: Iterable[str]) -> dict[str, Any]:
-    token_ids = {"type": "array", "minItems": 1,
-                 "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}
+    token_ids = _token_ids()
     return {
         "type": "object",
         "required": ["model", "prompt"],
@@ -108,6 +108,49 @@ def _chat_request(models: Iterable[str]) -> dict[str, Any]:
         },
         "additionalProperties": True,
     }
+
+
+def _token_ids() -> dict[str, Any]:
+    return {"type": "array", "minItems": 1,
+            "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}
+
+
+def _engine_request(models: Iterable[str], required: Iterable[str] = (),
+                    **fields: Any) -> dict[str, Any]:
+    """A request relayed to the engine as it is (:mod:`gateway.engine_api`): ``model`` may be
+    left out when the pool serves one; the engine validates the rest."""
+    return {
+        "type": "object",
+        "required": list(required),
+        "properties": {"model": _model(models), "cache_salt": {"type": ["string", "null"]},
+                       **fields},
+        "additionalProperties": True,
+    }
+
+
+def _engine_requests(models: Iterable[str]) -> dict[str, dict[str, Any]]:
+    served = list(models)
+    ids = _token_ids()
+    return {
+        "EmbeddingRequest": _engine_request(served, ["input"], input={"oneOf": [
+            {"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}},
+            ids, {"type": "array", "minItems": 1, "items": ids}]},
+            encoding_format={"type": "string", "enum": ["float", "base64"]},
+            dimensions={"type": "integer", "minimum": 1}),
+        "TokenizeRequest": _engine_request(served, prompt={"type": "string"},
+                                           messages={"type": "array", "items": {
+                                               "type": "object"}}),
+        "DetokenizeRequest": _engine_request(served, ["tokens"], tokens=ids),
+        "EngineRequest": _engine_request(served),
+    }
+
+
+def _engine_paths() -> dict[str, Any]:
+    schema = {"/v1/embeddings": "EmbeddingRequest", "/tokenize": "TokenizeRequest",
+              "/detokenize": "DetokenizeRequest"}
+    return {path: {"post": _post("Relayed to the least loaded worker that serves the model "
+                                 "(the engine's own API)", schema.get(path, "EngineRequest"))}
+            for path in sorted(ENGINE_API_PATHS)}
 
 
 def _post(summary: str, schema_name: str) -> dict[str, Any]:
@@ -167,11 +210,13 @@ def openapi_document(models: Iterable[str]) -> dict[str, Any]:
             "/admin/rebalance": {"get": _get("Store, rebalancer state and ring weights",
                                              admin=True)},
             "/openapi.json": {"get": _get("This document")},
+            **_engine_paths(),
         },
         "components": {
             "schemas": {
                 "CompletionRequest": _completion_request(served),
                 "ChatCompletionRequest": _chat_request(served),
+                **_engine_requests(served),
                 "Error": {
                     "type": "object",
                     "required": ["error"],

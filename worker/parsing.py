@@ -191,26 +191,72 @@ def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def parse_prompts(value: Any) -> tuple[Prompt, ...]:
-    """``prompt`` as str, list[str], list[int] or list[list[int]] -> one entry per choice."""
+def parse_prompts(value: Any, param: str = "prompt") -> tuple[Prompt, ...]:
+    """``prompt`` (or the embeddings' ``input``, ``param``) as str, list[str], list[int] or
+    list[list[int]] -> one entry per choice (per embedding)."""
     if value is None:
         raise ApiError(
-            "you must provide a prompt", param="prompt", code="missing_required_parameter"
-        )
+            f"you must provide {'a prompt' if param == 'prompt' else f'an {param}'}",
+            param=param, code="missing_required_parameter")
     if isinstance(value, str):
         return (value,)
     expected = "a string, a list of strings, a list of token ids or a list of token id lists"
     if not isinstance(value, list):
-        raise _type_error("prompt", expected)
+        raise _type_error(param, expected)
     if not value:
-        raise ApiError("'prompt' must not be an empty list", param="prompt", code="invalid_value")
+        raise ApiError(f"'{param}' must not be an empty list", param=param,
+                       code="invalid_value")
     if all(isinstance(p, str) for p in value):
         return tuple(value)
     if all(_is_int(p) for p in value):
-        return (_token_ids(value, "prompt"),)
+        return (_token_ids(value, param),)
     if all(isinstance(p, list) for p in value):
-        return tuple(_token_ids(p, f"prompt[{i}]") for i, p in enumerate(value))
-    raise _type_error("prompt", expected)
+        return tuple(_token_ids(p, f"{param}[{i}]") for i, p in enumerate(value))
+    raise _type_error(param, expected)
+
+
+def check_model(body: Mapping[str, Any], served_model: str) -> None:
+    """``model`` may be left out (the served one, as vLLM's pooling and tokenizer endpoints
+    take it); given, it must name the served model."""
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise _type_error("model", "a string")
+    if model != served_model:
+        raise ApiError(
+            f"The model '{model}' does not exist; this worker serves '{served_model}'",
+            status=404, param="model", code="model_not_found",
+        )
+
+
+@dataclass(frozen=True)
+class EmbeddingParams:
+    inputs: tuple[Prompt, ...]
+    dimensions: int
+    base64: bool  # ``encoding_format: "base64"`` (little-endian float32), else float lists
+
+
+def parse_embedding(body: Mapping[str, Any], served_model: str,
+                    default_dimensions: int, max_dimensions: int) -> EmbeddingParams:
+    """An OpenAI embeddings request (``input``, ``encoding_format``, ``dimensions``)."""
+    check_model(body, served_model)
+    inputs = parse_prompts(body.get("input"), "input")
+    if any(p == "" or p == () for p in inputs):
+        raise ApiError("'input' must not contain an empty string or token list",
+                       param="input", code="invalid_value")
+    fmt = body.get("encoding_format")
+    if fmt is not None and fmt not in ("float", "base64"):
+        raise ApiError("'encoding_format' must be \"float\" or \"base64\"",
+                       param="encoding_format", code="invalid_value")
+    dimensions = _optional_positive_int(body, "dimensions") or default_dimensions
+    if dimensions > max_dimensions:
+        raise ApiError(f"'dimensions' must be at most {max_dimensions}, got {dimensions}",
+                       param="dimensions", code="invalid_value")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise _type_error("cache_salt", "a string")
+    return EmbeddingParams(inputs, dimensions, fmt == "base64")
 
 
 def parse_completion(body: Mapping[str, Any], served_model: str) -> CompletionParams:

@@ -1,8 +1,10 @@
 """The worker's OpenAI-compatible HTTP API (aiohttp).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` as
-server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, vLLM
-names), ``GET /stats`` (the same numbers as JSON, plus ``engine_info``), ``POST /admin/model``
+server-sent events), ``POST /v1/embeddings`` (hashed bags of tokens, :mod:`worker.embeddings`),
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus, vLLM names), ``GET /stats`` (the same numbers as JSON, plus
+``engine_info``), ``POST /admin/model``
 (swap the served revision, see :mod:`worker.lifecycle`), ``POST /admin/flush``
 (drop cached prefixes: all, or one namespace with ``{"namespace": "..."}``; for model or
 tokenizer upgrades), ``GET /admin/hot-prompts`` (the prompts it sees most, for a gateway
@@ -51,6 +53,7 @@ from gateway.contracts.registry_signing import signed
 from gateway.contracts.tracing import Tracing
 from gateway.contracts.worker_record import WorkerRecord
 from worker.auth import auth_middleware
+from worker.embeddings import DEFAULT_DIMENSIONS, MAX_DIMENSIONS, as_base64, embed
 from worker.engines.base import Engine, EngineUnavailableError
 from worker.engines.sim import WORDS, SimCosts, SimEngine
 from worker.errors import ApiError, error_middleware
@@ -61,11 +64,14 @@ from worker.lifecycle import IDENTITY_KEY, identity_for, set_model, ttl_context
 from worker.metrics import CONTENT_TYPE, WorkerMetrics
 from worker.observe import RequestTrace
 from worker.parsing import (
+    MAX_TOKEN_ID,
     CommonParams,
     Prompt,
+    check_model,
     decode_body,
     parse_chat,
     parse_completion,
+    parse_embedding,
 )
 from worker.register import registration
 from worker.respond import Job, respond_stream, respond_whole
@@ -239,6 +245,82 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     _sample(request, "/v1/chat/completions", body, job, len(params.prompt))
     return await _run(request, job)
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """OpenAI embeddings: hashed bags of tokens (:mod:`worker.embeddings`), one per input,
+    after the simulated prefill time of their tokens (no KV cache: pooling runs once)."""
+    app = request.app
+    settings = app[SETTINGS_KEY]
+    body = await _read_body(request)
+    params = parse_embedding(body, settings.model, DEFAULT_DIMENSIONS, MAX_DIMENSIONS)
+    names = ["input"] if len(params.inputs) == 1 else [
+        f"input[{i}]" for i in range(len(params.inputs))]
+    token_lists, _ = await _encode(app[LANE_KEY], params.inputs, names, True)
+    for tokens, param in zip(token_lists, names, strict=True):
+        if len(tokens) > settings.max_model_len:
+            raise ApiError(
+                f"This model's maximum context length is {settings.max_model_len} tokens; "
+                f"'{param}' has {len(tokens)}", param=param, code="context_length_exceeded")
+    count = sum(map(len, token_lists))
+    if settings.prefill_us_per_token > 0:
+        await asyncio.sleep(count * settings.prefill_us_per_token / 1e6)
+    data = []
+    for i, tokens in enumerate(token_lists):
+        vec = embed(tokens, params.dimensions)
+        data.append({"object": "embedding", "index": i,
+                     "embedding": as_base64(vec) if params.base64 else vec})
+    return web.json_response(
+        {"object": "list", "data": data, "model": settings.model,
+         "usage": {"prompt_tokens": count, "total_tokens": count}},
+        headers={"x-worker-id": settings.effective_worker_id})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize``: a ``prompt``'s token ids, or a chat's (``messages``) as the chat
+    template renders it."""
+    app = request.app
+    settings = app[SETTINGS_KEY]
+    body = await _read_body(request)
+    check_model(body, settings.model)
+    if "messages" in body:
+        params = parse_chat({**body, "model": settings.model}, settings.model,
+                            app[CHAT_TEMPLATE_KEY])
+        (tokens,), _ = await _encode(app[LANE_KEY], [params.prompt], ["messages"],
+                                     body.get("add_special_tokens") is True)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError("'prompt' must be a string (or send 'messages')", param="prompt",
+                           code="invalid_type")
+        (tokens,), _ = await _encode(app[LANE_KEY], [prompt], ["prompt"],
+                                     body.get("add_special_tokens") is not False)
+    return web.json_response(
+        {"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens,
+         "token_strs": None},
+        headers={"x-worker-id": settings.effective_worker_id})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/detokenize``: the text of ``tokens``."""
+    app = request.app
+    settings = app[SETTINGS_KEY]
+    body = await _read_body(request)
+    check_model(body, settings.model)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
+            for t in tokens):
+        raise ApiError(f"'tokens' must be a list of token ids in [0, {MAX_TOKEN_ID}]",
+                       param="tokens", code="invalid_type")
+    tokenizer = app[TOKENIZER_KEY]
+    if isinstance(tokenizer, HFTokenizer):
+        text = tokenizer.decode(tokens)
+    else:
+        piece = detokenizer(tokenizer)
+        text = "".join(piece(t) for t in tokens)
+    return web.json_response({"prompt": text},
+                             headers={"x-worker-id": settings.effective_worker_id})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -474,6 +556,9 @@ def create_app(
     app.cleanup_ctx.append(_tracing_lifetime)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health)

@@ -133,6 +133,15 @@ class HFTokenizer:
             return ""
         return text
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` together (a character split over two tokens whole; empty
+        for ids the vocabulary lacks)."""
+        try:
+            text: str = self._tok.decode(token_ids, skip_special_tokens=False)
+        except Exception:  # the library raises its own exception types
+            return ""
+        return text
+
 
 def load_tokenizer(tokenizer_file: str, builtin: str = "hash") -> Tokenizer:
     """The HF tokenizer at ``tokenizer_file``; when it is empty, the built-in one named

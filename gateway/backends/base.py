@@ -83,6 +83,10 @@ class UpstreamReply(Protocol):
 
 
 class Backend(Protocol):
+    # Whether it relays any path of an engine's HTTP API (embeddings, /tokenize, ...:
+    # gateway.engine_api) and not only completions.
+    relays_engine_api: bool
+
     async def start(self) -> None:
         """Open pooled resources; called once inside the running event loop."""
         ...

@@ -179,6 +179,8 @@ class HTTPReply:
 
 
 class OpenAIHTTPBackend:
+    relays_engine_api = True  # any path of the engine's API (gateway.engine_api)
+
     def __init__(
         self,
         *,

@@ -237,6 +237,8 @@ class StreamReply:
 
 
 class SageMakerBackend:
+    relays_engine_api = False  # an endpoint takes completions only
+
     def __init__(
         self,
         *,

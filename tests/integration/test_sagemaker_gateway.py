@@ -315,3 +315,17 @@ async def test_trace_context_goes_to_sagemaker_as_custom_attributes(
     assert upstream.context is not None
     trace_id, span_id = f"{upstream.context.trace_id:032x}", f"{upstream.context.span_id:016x}"
     assert call.custom_attributes.startswith(f"traceparent=00-{trace_id}-{span_id}-")
+
+
+async def test_engine_api_paths_are_not_sent_to_sagemaker_endpoints(
+    start_cluster: StartCluster, runtime: tuple[SageMakerRuntimeServer, str]
+) -> None:
+    server, base = runtime
+    cluster, _ = await two_variants(start_cluster, server, base)
+    async with aiohttp.ClientSession() as http, http.post(
+            cluster.gateway_url + "/v1/embeddings", json={"model": MODEL, "input": "hi"}) as r:
+        assert r.status == 404
+        error = (await r.json())["error"]
+    assert "completions only" in error["message"]
+    assert error["code"] == "not_found"
+    assert server.calls == []  # nothing reached an endpoint
