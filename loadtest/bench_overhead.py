@@ -2,7 +2,7 @@
 
 ``python -m loadtest.bench_overhead [--workers 4] [--prefixes 20] [--requests 2000]
 [--concurrency 32] [--reps 3] [--sequential 300] [--routers ours,sglang-router,smg]
-[--procs 1] [--stream-tokens N] [--profile FILE] [--json] [--out FILE]``
+[--procs 1] [--api chat|embeddings] [--stream-tokens N] [--profile FILE] [--json] [--out FILE]``
 
 One run, one set of workers:
 
@@ -22,6 +22,8 @@ One run, one set of workers:
    processes (every thread, in nanoseconds: :func:`loadtest.peers.proc_tree_cpu_s`), not
    wall time.
    ``direct`` sends to one worker, no router in between.
+   ``--api embeddings`` sends the same texts as embeddings requests (what the routers relay
+   without prefix routing: the relay's own cost, and how evenly each spreads them).
    *Prefix affinity*: the share of requests that reached their system prompt's most used
    worker (from the worker's ``x-worker-id``, where the router relays it); with ``--procs N``
    it shows whether the processes agree on where a prefix lives.
@@ -123,6 +125,8 @@ FLOORS: dict[str, tuple[str, ...]] = {
 ROUTERS = ("ours", *FLOORS, *PEERS)
 DEFAULT_ROUTERS = ("ours", FLOOR, *PEERS)
 DIRECT = "direct"
+# The path of each ``--api``.
+API_PATHS = {"chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +158,10 @@ class OverheadConfig:
     # "chat", or "completions": an agent's loop over /v1/completions, each prompt the one
     # before and a line more
     long_api: str = "chat"
+    # What the throughput and latency phases send: "chat" (chat completions) or "embeddings"
+    # (the same texts as OpenAI embeddings requests, which the routers relay without prefix
+    # routing).
+    api: str = "chat"
     # Seconds with no requests before the long prompts, to measure what each router spends
     # per second on its own (health probes, timers): a long request that takes the worker
     # 0.2 s is charged 0.2 s of it.
@@ -298,14 +306,14 @@ async def running_targets(
                        "--model", MODEL, *worker_size_args(config), *ZERO_COST_WORKER_ARGS,
                        "--decode-ms-per-token", str(config.decode_ms)]
                 await start_server(cmd, url, logs / f"worker{i}.log", procs)
-            targets = [Target(DIRECT, worker_urls[0] + "/v1/chat/completions", 0)]
+            targets = [Target(DIRECT, worker_urls[0] + API_PATHS[config.api], 0)]
             for j, (name, extra) in enumerate(ours):
                 port = base + config.workers + j
                 url = f"http://{HOST}:{port}"
                 cmd = (floor_command(port, worker_urls, name) if name in FLOORS
                        else gateway_command(port, worker_urls, config, extra))
                 await start_server(cmd, url, logs / f"{name}.log", procs)
-                targets.append(Target(name, url + "/v1/chat/completions", procs[-1].pid))
+                targets.append(Target(name, url + API_PATHS[config.api], procs[-1].pid))
             for name in routers:
                 if name in PEERS:
                     try:
@@ -316,7 +324,7 @@ async def running_targets(
                         print(f"[bench] {exc}", file=sys.stderr, flush=True)
                         skipped[name] = str(exc).splitlines()[0]
                         continue
-                    targets.append(Target(name, peer.url + "/v1/chat/completions", peer.pid))
+                    targets.append(Target(name, peer.url + API_PATHS[config.api], peer.pid))
             for t in targets:
                 await wait_routing(session, t.url, probe)
             yield targets
@@ -388,20 +396,24 @@ def long_bodies(config: OverheadConfig, chars: int, rep: int = 0) -> list[bytes]
 
 
 def bodies_for(config: OverheadConfig) -> tuple[list[bytes], list[int]]:
-    """``requests`` chat bodies: one of ``prefixes`` system prompts + a short unique question;
-    and the prefix each body uses."""
+    """``requests`` chat bodies: one of ``prefixes`` system prompts + a short unique question
+    (with ``api`` "embeddings", both as the input of an embeddings request); and the prefix
+    each body uses."""
     rng = random.Random(config.seed)
     prompts = [system_prompt(config.seed, t, (1800, 2200)) for t in range(config.prefixes)]
     out, prefixes = [], []
     for i in range(config.requests):
         prefix = rng.randrange(config.prefixes)
-        body = {
+        question = f"Question {i}: {words(rng, 12)}?"
+        body: dict[str, Any] = {
             "model": MODEL, "max_tokens": 1, "temperature": 0,
             "messages": [
                 {"role": "system", "content": prompts[prefix]},
-                {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"},
+                {"role": "user", "content": question},
             ],
         }
+        if config.api == "embeddings":
+            body = {"model": MODEL, "input": prompts[prefix] + "\n" + question}
         out.append(json.dumps(body).encode())
         prefixes.append(prefix)
     return out, prefixes
@@ -721,7 +733,9 @@ def to_markdown(result: OverheadResult) -> str:
         f"{c.workers} " + (f"workers at {c.decode_ms:g} ms per output token (no other cost)"
                            if c.decode_ms else "zero-cost workers")
         + f", {c.prefixes} shared system prompts (~2,000 chars) + a "
-        f"unique question, `max_tokens` 1. Throughput: {c.requests} requests at concurrency "
+        + ("unique question, `max_tokens` 1" if c.api == "chat" else
+           "unique question, each as the input of an embeddings request (`/v1/embeddings`)")
+        + f". Throughput: {c.requests} requests at concurrency "
         f"{c.concurrency}, {c.reps} repetitions (medians shown). Added latency: {c.sequential} "
         f"sequential rounds, one request to each target per round in shuffled order. Router "
         f"CPU: the CPU clocks of its process and children (every thread, ns). Our gateway: "
@@ -828,6 +842,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "agent transcript: tool calls and their results, that many "
                         "characters of them, the same in every request or (transcript-turns) "
                         "two messages longer in each, as an agent's loop sends them")
+    p.add_argument("--api", choices=sorted(API_PATHS), default="chat",
+                   help="what the throughput and latency phases send: chat completions, or "
+                        "the same texts as embeddings requests (relayed without prefix routing)")
     p.add_argument("--long-api", choices=("chat", COMPLETIONS), default="chat",
                    help="chat requests, or an agent's loop over /v1/completions: each prompt "
                         "the one before and a line more (the first the long text)")
@@ -869,6 +886,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         long_chars=tuple(int(c) for c in args.long.split(",") if c.strip()),
         long_requests=args.long_requests, long_reps=args.long_reps, idle_s=args.idle_s,
         long_text=args.long_text, long_unique=args.long_unique, long_api=args.long_api,
+        api=args.api,
         stream=StreamConfig(tokens=args.stream_tokens, requests=args.stream_requests,
                             concurrency=args.stream_concurrency, reps=args.stream_reps),
         decode_ms=args.decode_ms,
