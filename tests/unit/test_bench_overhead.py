@@ -15,6 +15,7 @@ from loadtest.bench_overhead import (
     OverheadResult,
     Rep,
     TargetResult,
+    bodies_for,
     gateway_command,
     long_bodies,
     paired_ms,
@@ -208,3 +209,14 @@ def test_transcript_turns_grow_by_a_tool_call_and_its_result() -> None:
         assert [m["role"] for m in later[len(earlier):]] == ["assistant", "tool"]
     results = [m["content"] for m in turns[0] if m["role"] == "tool"]
     assert sum(map(len, results)) >= 20_000
+
+
+def test_embeddings_bodies_carry_the_chat_texts_as_input() -> None:
+    chat, prefixes = bodies_for(OverheadConfig(requests=20))
+    embed, same = bodies_for(OverheadConfig(requests=20, api="embeddings"))
+    assert same == prefixes
+    for c, e in zip(chat, embed, strict=True):
+        messages = json.loads(c)["messages"]
+        body = json.loads(e)
+        assert set(body) == {"model", "input"}
+        assert body["input"] == messages[0]["content"] + "\n" + messages[1]["content"]
