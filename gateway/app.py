@@ -24,6 +24,7 @@ from gateway.chat_histories import ChatHistories
 from gateway.contracts.httpserver import ConnectionCap, name_server
 from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import Tracing
+from gateway.cors import Cors
 from gateway.credentials import worker_keys
 from gateway.errors import (
     GatewayError,
@@ -126,10 +127,11 @@ async def _send(request: web.Request, response: web.StreamResponse) -> None:
         await response.write_eof()
 
 
-def gateway_middleware(telemetry: Telemetry, auth: Auth) -> Middleware:
+def gateway_middleware(telemetry: Telemetry, auth: Auth, cors: Cors) -> Middleware:
     """The one middleware around every handler: the request's telemetry record (begun before
-    anything else, finished once the response went out: the middleware writes it), access
-    rules, and the one place where exceptions become OpenAI-shaped error responses."""
+    anything else, finished once the response went out: the middleware writes it), CORS
+    preflights (answered before access rules: browsers send no key on them), access rules,
+    and the one place where exceptions become OpenAI-shaped error responses."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -137,8 +139,13 @@ def gateway_middleware(telemetry: Telemetry, auth: Auth) -> Middleware:
         status, sent = 500, 0
         try:
             try:
-                auth.admit(request)
-                response = await handler(request)
+                preflight = (cors.preflight(request)
+                             if cors.enabled and request.method == "OPTIONS" else None)
+                if preflight is not None:
+                    response = preflight
+                else:
+                    auth.admit(request)
+                    response = await handler(request)
             except (asyncio.CancelledError, ConnectionResetError):
                 raise
             except web.HTTPException as exc:
@@ -172,13 +179,17 @@ def gateway_middleware(telemetry: Telemetry, auth: Auth) -> Middleware:
     return middleware
 
 
-def response_hook(auth: Auth) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+def response_hook(
+    auth: Auth, cors: Cors
+) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
     """``on_response_prepare``: the request id on every response; routing headers only for
-    callers that may see them."""
+    callers that may see them; CORS headers for the pages of allowed origins."""
 
     async def prepare(request: web.Request, response: web.StreamResponse) -> None:
         add_request_id(request, response)
         auth.hide_route_headers(request, response)
+        if cors.enabled:
+            cors.decorate(request, response)
 
     return prepare
 
@@ -390,8 +401,9 @@ def create_app(
         tracing=Tracing.build(settings.tracing_options(), span_exporter),
         access_log=AccessLog(settings.access_log),
     )
+    cors = Cors(settings.cors_origin)
     app = web.Application(
-        middlewares=[gateway_middleware(telemetry, auth)],
+        middlewares=[gateway_middleware(telemetry, auth, cors)],
         client_max_size=settings.max_body_bytes,
     )
     app[STATE] = state
@@ -410,7 +422,7 @@ def create_app(
     app[AUTH_KEY] = auth
     limits = app[LIMITS_KEY] = Limits(settings.limit_options())
     metrics.registry.register(BodyBudgetCollector(limits.bodies))
-    app.on_response_prepare.append(response_hook(auth))
+    app.on_response_prepare.append(response_hook(auth, cors))
     name_server(app, "affinity-gateway")
     resources.install(app)
     app.cleanup_ctx.append(_key_reloading)

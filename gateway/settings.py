@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gateway.contracts.config import load_settings
 from gateway.contracts.tracing import PROTOCOLS, TracingOptions
+from gateway.cors import normal_origin
 from gateway.fingerprint import FingerprintOptions
 from gateway.kvevents.token_prefix import PrefixStoreOptions
 from gateway.kvevents.tokenize import TokenizerOptions
@@ -433,6 +434,11 @@ class GatewaySettings:
                        "headers: all, admin (requests with the admin token) or none; default: "
                        "none when API keys are configured, else all"),
     )
+    cors_origin: tuple[str, ...] = field(
+        default=(),
+        metadata=_help("an origin whose web pages may call the client API from a browser "
+                       "(CORS), e.g. http://localhost:3000; * for any; none by default"),
+    )
     tenant_secret: str = field(
         default="", repr=False,
         metadata=_secret("server secret of the keyed hashes that name tenants and cache "
@@ -512,6 +518,8 @@ class GatewaySettings:
                 f"route_headers must be one of {', '.join(ROUTE_HEADER_MODES)}, "
                 f"got {self.route_headers!r}"
             )
+        for origin in self.cors_origin:
+            normal_origin(origin)  # raises ValueError for what is not an origin
         if not 0 <= self.admin_port <= 65535:
             raise ValueError(f"admin_port must be in 0..65535, got {self.admin_port}")
         if self.max_worker_weight < 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import shutil
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from gateway.app import create_app as create_gateway
 from gateway.contracts.httpserver import JsonErrorRunner
 from gateway.settings import GatewaySettings
 from infra.procs import stop_processes, wait_healthy
+from tests.browser import CHROMIUM, DRIVER
 from worker.server import create_app as create_worker
 from worker.settings import WorkerSettings
 
@@ -222,3 +224,27 @@ async def processes() -> AsyncIterator[Processes]:
     procs = Processes()
     yield procs
     await procs.stop_all()
+
+
+# -- a headless browser (tests.browser) ------------------------------------------------------
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    """Headless Chromium under selenium (use with ``tests.browser.needs_browser``)."""
+    os.environ["SE_OFFLINE"] = "true"
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    assert CHROMIUM is not None
+    assert DRIVER is not None
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1300", "--disable-extensions", "--no-first-run"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()

@@ -11,44 +11,16 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
-import pytest
 
+from tests.browser import needs_browser
 from tests.conftest import MODEL, StartCluster
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver") or (
-    "/usr/bin/chromedriver" if os.path.exists("/usr/bin/chromedriver") else None)
 PREFIX = "You are the assistant of a garden centre; advise on plants, soil and watering. " * 16
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or DRIVER is None,
-    reason="chromium/chromium-driver are not installed (make test installs Debian's packages)",
-)
-
-
-@pytest.fixture
-def browser() -> Iterator[object]:
-    os.environ["SE_OFFLINE"] = "true"
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    assert CHROMIUM is not None
-    assert DRIVER is not None
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,1300", "--disable-extensions", "--no-first-run"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
+pytestmark = needs_browser
 
 
 async def test_status_page_renders_workers_charts_and_misses(
