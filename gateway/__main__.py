@@ -9,12 +9,14 @@ import logging
 import socket
 import sys
 
-from gateway.app import create_app
+from gateway.app import TLS_KEY, create_app
 from gateway.contracts.httpserver import ConnectionCap, client_connection_cap, run
 from gateway.contracts.redact import redact_url
 from gateway.procs import run_supervisor, watch_parent
 from gateway.settings import GatewaySettings, parse_settings
 from gateway.telemetry import access_log
+
+log = logging.getLogger(__name__)
 
 
 def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
@@ -53,7 +55,8 @@ def quiet_collector() -> None:
 
 
 def serve(settings: GatewaySettings) -> int:
-    base = f"http://{settings.host}:{settings.port}"
+    scheme = "https" if settings.tls_cert_file else "http"
+    base = f"{scheme}://{settings.host}:{settings.port}"
     loop = new_event_loop(settings.event_loop)
     asyncio.set_event_loop(loop)
     connections = ConnectionCap(client_connection_cap(settings.max_client_connections,
@@ -64,6 +67,12 @@ def serve(settings: GatewaySettings) -> int:
         print(f"python -m gateway: {exc}", file=sys.stderr)
         loop.close()
         return 2
+    tls = app[TLS_KEY]
+    keys = bool(settings.api_key or settings.api_keys_file)
+    if keys and tls is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("API keys are configured but the client port speaks plain HTTP on %s: "
+                    "keys cross the network readable; give --tls-cert-file and "
+                    "--tls-key-file, or terminate TLS in front of the gateway", settings.host)
     watch_parent(loop)
     quiet_collector()
     # The admin port listens on loopback only; requests arriving there are admin requests.
@@ -89,6 +98,7 @@ def serve(settings: GatewaySettings) -> int:
         loop=loop,
         idle_timeout_s=settings.idle_timeout_s,
         cap=connections,
+        ssl_context=tls.context if tls is not None else None,
     )
     return 0
 

@@ -80,10 +80,14 @@ from gateway.telemetry.metrics import (
 )
 from gateway.telemetry.middleware import TELEMETRY_KEY, add_request_id, begin, sent_bytes
 from gateway.telemetry.record import Telemetry
+from gateway.tls import ServerTLS, server_tls
 from gateway.warmup import WarmupManager, WarmupOptions
 from gateway.warmup_sources import PromptSample, WarmPrompt, load_warmup_file
 
 log = logging.getLogger(__name__)
+
+# The client port's TLS (None: plain HTTP); the server that listens reads it.
+TLS_KEY = web.AppKey[ServerTLS | None]("tls")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -211,17 +215,26 @@ async def _parse_thread(app: web.Application) -> AsyncIterator[None]:
         app[STATE].parse_pool.close()
 
 
-async def _key_reloading(app: web.Application) -> AsyncIterator[None]:
-    """SIGHUP re-reads ``--api-keys-file`` (where the loop can take signal handlers)."""
+async def _reloading(app: web.Application) -> AsyncIterator[None]:
+    """SIGHUP re-reads ``--api-keys-file`` and the TLS certificate (where the loop can take
+    signal handlers)."""
     auth = app[AUTH_KEY]
+    tls = app[TLS_KEY]
     loop = asyncio.get_running_loop()
     installed = False
-    if app[STATE].settings.api_keys_file:
+    if app[STATE].settings.api_keys_file or tls is not None:
+        def reload() -> None:
+            if app[STATE].settings.api_keys_file:
+                _reload_keys(auth)
+            if tls is not None:
+                tls.reload()
+
         try:
-            loop.add_signal_handler(signal.SIGHUP, _reload_keys, auth)
+            loop.add_signal_handler(signal.SIGHUP, reload)
             installed = True
         except (NotImplementedError, RuntimeError, ValueError):
-            log.warning("cannot handle SIGHUP here: the keys file is read once")
+            log.warning("cannot handle SIGHUP here: the keys file and certificate are read "
+                        "once")
     try:
         yield
     finally:
@@ -420,12 +433,13 @@ def create_app(
     app[REBALANCER_KEY] = Rebalancer(
         store, pool, index, origin, RebalanceOptions(interval_s=settings.rebalance_interval_s))
     app[AUTH_KEY] = auth
+    app[TLS_KEY] = server_tls(settings.tls_cert_file, settings.tls_key_file)
     limits = app[LIMITS_KEY] = Limits(settings.limit_options())
     metrics.registry.register(BodyBudgetCollector(limits.bodies))
     app.on_response_prepare.append(response_hook(auth, cors))
     name_server(app, "affinity-gateway")
     resources.install(app)
-    app.cleanup_ctx.append(_key_reloading)
+    app.cleanup_ctx.append(_reloading)
     app.cleanup_ctx.append(_parse_thread)
     add_routes(app)
     engine_api.add_routes(app)

@@ -421,6 +421,14 @@ class GatewaySettings:
     admin_token_file: str = field(
         default="", metadata=_help("file holding the admin token (instead of --admin-token)")
     )
+    tls_cert_file: str = field(
+        default="",
+        metadata=_help("serve the client port over HTTPS with this certificate (PEM, may hold "
+                       "the chain); needs --tls-key-file; SIGHUP reloads both"),
+    )
+    tls_key_file: str = field(
+        default="", metadata=_help("the private key (PEM) of --tls-cert-file")
+    )
     admin_port: int = field(
         default=0,
         metadata=_help("also serve on 127.0.0.1:PORT, where /admin/* needs no token (0: off)"),
@@ -518,6 +526,8 @@ class GatewaySettings:
                 f"route_headers must be one of {', '.join(ROUTE_HEADER_MODES)}, "
                 f"got {self.route_headers!r}"
             )
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("--tls-cert-file and --tls-key-file go together")
         for origin in self.cors_origin:
             normal_origin(origin)  # raises ValueError for what is not an origin
         if not 0 <= self.admin_port <= 65535:

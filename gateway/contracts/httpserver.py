@@ -17,6 +17,7 @@ import json
 import logging
 import resource
 import socket
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from http import HTTPStatus
@@ -309,6 +310,7 @@ async def _serve(
     backlog: int,
     idle_timeout_s: float,
     cap: ConnectionCap,
+    ssl_context: ssl.SSLContext | None,
 ) -> None:
     # The extra sockets (the loopback admin port) stay reachable however many clients connect.
     cap.exempt_ports = frozenset(s.getsockname()[1] for s in extra_sockets)
@@ -317,7 +319,8 @@ async def _serve(
                              cap=cap)
     try:
         await runner.setup()  # a resource failing to start: the ones started are closed below
-        await web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=backlog).start()
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=backlog,
+                          ssl_context=ssl_context).start()
         for sock in extra_sockets:
             await web.SockSite(runner, sock).start()
         on_ready()
@@ -339,17 +342,19 @@ def run(
     loop: asyncio.AbstractEventLoop | None = None,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
     cap: ConnectionCap | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Serve ``app`` on ``loop`` (a new one by default) until SIGINT or SIGTERM, then drain
     in-flight requests (up to ``shutdown_timeout_s``) and run its cleanup. Connections idle
     for ``idle_timeout_s``, or that take longer to send a request's head, are closed; past
-    ``cap`` (none by default), one is answered 503 and closed."""
+    ``cap`` (none by default), one is answered 503 and closed. With ``ssl_context`` the TCP
+    address speaks TLS (the extra sockets do not)."""
     if loop is None:
         loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     task = loop.create_task(_serve(app, host, port, extra_sockets, shutdown_timeout_s, on_ready,
                                    reuse_port, backlog, idle_timeout_s,
-                                   cap if cap is not None else ConnectionCap(0)))
+                                   cap if cap is not None else ConnectionCap(0), ssl_context))
     try:
         loop.run_until_complete(task)
     except (web.GracefulExit, KeyboardInterrupt):
