@@ -161,18 +161,24 @@ async def prepare(
     return parsed, route_request, namespace
 
 
-async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamResponse:
-    app = request.app
-    state = app[STATE]
-    settings = state.settings
+def admit_unread(request: web.Request) -> tuple[Identity, BodyHold]:
+    """The caller's identity and its body's share of the body budget, for a request that may
+    go on: what its tenant's limits refuse whatever it costs, a declared body over
+    ``--max-body-bytes`` and one the budget cannot hold now are refused before the body is
+    read. Release the hold once the request is answered."""
+    settings = request.app[STATE].settings
     identity = request.get(IDENTITY_KEY) or ANONYMOUS
-    limits = app[LIMITS_KEY]
-    limits.check(identity.tenant)  # over a limit whatever it costs: refused unread
+    limits = request.app[LIMITS_KEY]
+    limits.check(identity.tenant)
     declared = request.content_length
-    if declared is not None and declared > settings.max_body_bytes:  # refused unread
+    if declared is not None and declared > settings.max_body_bytes:
         raise PayloadTooLarge(
             f"request body too large: {declared} bytes, at most {settings.max_body_bytes}")
-    hold = limits.bodies.hold(declared)  # refused unread when the gateway holds too much
+    return identity, limits.bodies.hold(declared)
+
+
+async def _routed(request: web.Request, path: str, parse: Parser) -> web.StreamResponse:
+    identity, hold = admit_unread(request)
     try:
         return await _held(request, path, parse, identity, hold)
     finally:

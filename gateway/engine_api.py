@@ -32,8 +32,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.api import STATE, read_body
-from gateway.auth import ANONYMOUS, AUTH_KEY, IDENTITY_KEY
+from gateway.api import STATE, admit_unread, read_body
+from gateway.auth import AUTH_KEY
 from gateway.backends.base import BackendUnavailable, UpstreamBrokeOff, UpstreamRequest
 from gateway.contracts.engine_paths import ENGINE_API_PATHS, POOLING_PATHS
 from gateway.errors import (
@@ -42,7 +42,6 @@ from gateway.errors import (
     ModelNotFound,
     NotFound,
     NoWorkerAvailable,
-    PayloadTooLarge,
     UpstreamError,
 )
 from gateway.guard import NoFirstByte, SlotTimeout
@@ -101,14 +100,8 @@ async def relay(request: web.Request) -> web.StreamResponse:
     app = request.app
     state = app[STATE]
     settings = state.settings
-    identity = request.get(IDENTITY_KEY) or ANONYMOUS
     limits = app[LIMITS_KEY]
-    limits.check(identity.tenant)  # over a limit whatever it costs: refused unread
-    declared = request.content_length
-    if declared is not None and declared > settings.max_body_bytes:
-        raise PayloadTooLarge(
-            f"request body too large: {declared} bytes, at most {settings.max_body_bytes}")
-    hold = limits.bodies.hold(declared)
+    identity, hold = admit_unread(request)
     try:
         raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s, hold)
         body = decode_json_object(raw)

@@ -97,6 +97,27 @@ class Cluster:
 StartCluster = Callable[..., Awaitable[Cluster]]
 
 
+def engine_stub() -> web.Application:
+    """An application answering what the gateway's health probes ask an engine (``/health``,
+    ``/v1/models`` with :data:`MODEL`, an empty ``/metrics``): a stand-in for an engine's wire
+    behaviour adds its own routes to it."""
+    app = web.Application()
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
 @pytest.fixture
 async def start_cluster() -> AsyncIterator[StartCluster]:
     """Factory: ``await start_cluster(workers=4, policy=..., **gateway_overrides)``."""

@@ -125,18 +125,12 @@ def reject_unsupported(body: Mapping[str, Any]) -> None:
 def parse_common(
     body: Mapping[str, Any], served_model: str, *, max_tokens_params: tuple[str, ...]
 ) -> CommonParams:
-    model = body.get("model")
-    if model is None:
+    if body.get("model") is None:
         raise ApiError(
             "you must provide a model parameter", param="model", code="missing_required_parameter"
         )
-    if not isinstance(model, str):
-        raise _type_error("model", "a string")
-    if model != served_model:
-        raise ApiError(
-            f"The model '{model}' does not exist; this worker serves '{served_model}'",
-            status=404, param="model", code="model_not_found",
-        )
+    check_model(body, served_model)
+    model = served_model
     max_tokens = DEFAULT_MAX_TOKENS
     for param in max_tokens_params:
         value = _optional_positive_int(body, param)

@@ -12,7 +12,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import MODEL, StartCluster, free_port, serve
+from tests.conftest import MODEL, StartCluster, engine_stub, free_port, serve
 
 KEYS = ("sk-acme-1:acme", "sk-globex-1:globex")
 TEXTS = ["the tandem bicycle has two saddles", "a tandem bicycle seats two riders",
@@ -145,24 +145,12 @@ class VLLMPooling:
         self.bodies: dict[str, list[dict[str, Any]]] = {}
 
     def app(self) -> web.Application:
-        app = web.Application()
-
-        async def health(_: web.Request) -> web.Response:
-            return web.json_response({})
-
-        async def models(_: web.Request) -> web.Response:
-            return web.json_response({"object": "list", "data": [{"id": MODEL}]})
-
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(text="")
+        app = engine_stub()
 
         async def record(request: web.Request) -> web.Response:
             self.bodies.setdefault(request.path, []).append(await request.json())
             return web.json_response({"object": "list", "data": [], "model": MODEL})
 
-        app.router.add_get("/health", health)
-        app.router.add_get("/v1/models", models)
-        app.router.add_get("/metrics", metrics)
         for path in ("/v1/embeddings", "/tokenize", "/v1/rerank"):
             app.router.add_post(path, record)
         return app

@@ -17,7 +17,7 @@ import aiohttp
 import openai
 from aiohttp import web
 
-from tests.conftest import MODEL, Cluster, StartCluster, free_port, serve
+from tests.conftest import MODEL, Cluster, StartCluster, engine_stub, free_port, serve
 
 
 class VLLMLike:
@@ -50,20 +50,7 @@ class VLLMLike:
         return response
 
     def app(self) -> web.Application:
-        app = web.Application()
-
-        async def health(_: web.Request) -> web.Response:
-            return web.json_response({})
-
-        async def models(_: web.Request) -> web.Response:
-            return web.json_response({"object": "list", "data": [{"id": MODEL}]})
-
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(text="")
-
-        app.router.add_get("/health", health)
-        app.router.add_get("/v1/models", models)
-        app.router.add_get("/metrics", metrics)
+        app = engine_stub()
         app.router.add_post("/v1/completions", self.completions)
         return app
 
