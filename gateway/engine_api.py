@@ -195,8 +195,9 @@ async def _dispatch(request: web.Request, state: GatewayState, upstream: Upstrea
         raise ConnectionQueueFull(
             "every worker tried is at its connection limit: " + "; ".join(problems))
     if not usable:
-        if any(v.healthy and v.worker.serves(model)
-               for v in state.pool.snapshot(time.monotonic()).workers):
+        serving = [v for v in state.pool.snapshot(time.monotonic()).workers
+                   if v.healthy and v.worker.serves(model)]
+        if serving and not any(state.backend_for(v.worker).relays_engine_api for v in serving):
             raise NotFound(f"{request.path} is not served for the model {model!r}: its workers "
                            "take completions only (SageMaker endpoints)")
         raise NoWorkerAvailable("no healthy worker serves this request right now; retry shortly")

@@ -4,6 +4,7 @@ workers behind it (and, for what a vLLM worker is sent, a stand-in for vLLM's wi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -12,7 +13,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import MODEL, StartCluster, engine_stub, free_port, serve
+from tests.conftest import FAST_WORKER, MODEL, StartCluster, engine_stub, free_port, serve
 
 KEYS = ("sk-acme-1:acme", "sk-globex-1:globex")
 TEXTS = ["the tandem bicycle has two saddles", "a tandem bicycle seats two riders",
@@ -181,3 +182,37 @@ async def test_a_vllm_worker_gets_the_tenants_namespace_on_pooling_requests(
     assert len(set(salts)) == 4
     assert "mine" not in salts
     assert upstream.bodies["/tokenize"] == [{"model": MODEL, "prompt": "hi"}]
+
+
+async def test_a_worker_kept_away_by_its_breaker_is_a_503_not_a_404(
+        start_cluster: StartCluster) -> None:
+    """The model's only worker fails (500) until its breaker opens; while it stays open the
+    requests for that model find no worker now (503, retry), not a path that is not served."""
+    failing = engine_stub()
+
+    async def broken(_: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    failing.router.add_post("/v1/embeddings", broken)
+    port = free_port()
+    runner = await serve(failing, port)
+    try:
+        # Another worker, of another model, keeps the pool healthy when the breaker opens.
+        other = dataclasses.replace(FAST_WORKER, model="other-model")
+        cluster = await start_cluster(workers=1, worker_settings=other,
+                                      breaker_failures=2, breaker_cooldown_s=60)
+        async with aiohttp.ClientSession() as http, http.get(
+                cluster.gateway_url + "/v1/models") as r:
+            assert {m["id"] for m in (await r.json())["data"]} == {"other-model"}
+        cluster2 = await start_cluster(
+            workers=0, worker=(f"http://127.0.0.1:{port}", cluster.worker_urls[0]),
+            breaker_failures=2, breaker_cooldown_s=60)
+        statuses = []
+        for _ in range(4):
+            status, _, payload = await _post(cluster2.gateway_url + "/v1/embeddings",
+                                             {"model": MODEL, "input": "hi"})
+            statuses.append((status, payload["error"]["code"]))
+    finally:
+        await runner.cleanup()
+    assert statuses[0] == (502, "worker_failed")
+    assert statuses[-1] == (503, "no_healthy_worker")
