@@ -80,7 +80,7 @@ from gateway.telemetry.metrics import (
 )
 from gateway.telemetry.middleware import TELEMETRY_KEY, add_request_id, begin, sent_bytes
 from gateway.telemetry.record import Telemetry
-from gateway.tls import ServerTLS, server_tls
+from gateway.tls import ServerTLS, server_tls, worker_context
 from gateway.warmup import WarmupManager, WarmupOptions
 from gateway.warmup_sources import PromptSample, WarmPrompt, load_warmup_file
 
@@ -278,6 +278,8 @@ def backend_options(settings: GatewaySettings) -> BackendOptions:
         default_api_key=read_secret(
             settings.worker_api_key, settings.worker_api_key_file, "worker API key"),
         admin_token=settings.worker_admin_token,
+        ssl_context=worker_context(settings.worker_ca_file, settings.worker_cert_file,
+                                   settings.worker_key_file),
     )
 
 

@@ -429,6 +429,19 @@ class GatewaySettings:
     tls_key_file: str = field(
         default="", metadata=_help("the private key (PEM) of --tls-cert-file")
     )
+    worker_ca_file: str = field(
+        default="",
+        metadata=_help("verify https:// workers against this CA bundle (PEM) instead of the "
+                       "system's"),
+    )
+    worker_cert_file: str = field(
+        default="",
+        metadata=_help("client certificate (PEM) presented to https:// workers (mutual TLS); "
+                       "needs --worker-key-file"),
+    )
+    worker_key_file: str = field(
+        default="", metadata=_help("the private key (PEM) of --worker-cert-file")
+    )
     admin_port: int = field(
         default=0,
         metadata=_help("also serve on 127.0.0.1:PORT, where /admin/* needs no token (0: off)"),
@@ -528,6 +541,8 @@ class GatewaySettings:
             )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("--tls-cert-file and --tls-key-file go together")
+        if bool(self.worker_cert_file) != bool(self.worker_key_file):
+            raise ValueError("--worker-cert-file and --worker-key-file go together")
         for origin in self.cors_origin:
             normal_origin(origin)  # raises ValueError for what is not an origin
         if not 0 <= self.admin_port <= 65535:

@@ -1,10 +1,16 @@
-"""HTTPS for the gateway's client port (``--tls-cert-file``, ``--tls-key-file``).
+"""TLS: HTTPS on the gateway's client port (``--tls-cert-file``, ``--tls-key-file``), and to
+``https://`` workers (``--worker-ca-file``, ``--worker-cert-file``, ``--worker-key-file``).
 
 API keys travel in a header: on a network, plain HTTP shows them to anyone on the path. With a
 certificate and its key (PEM; the certificate file may hold the chain) the client port speaks
 TLS 1.2 or newer only; the loopback admin port stays plain HTTP. SIGHUP reads both files again
 (a renewed certificate takes effect for new connections, without a restart; a pair that does
 not load keeps the previous one and is logged).
+
+To workers: an ``https://`` worker's certificate is verified against the system's CAs, or
+against ``--worker-ca-file`` (a private CA's bundle) instead; with ``--worker-cert-file`` and
+``--worker-key-file`` the gateway presents that client certificate, for workers that accept only
+callers they know (mutual TLS). The health probes and the relay use the same context.
 """
 
 from __future__ import annotations
@@ -44,3 +50,19 @@ class ServerTLS:
 def server_tls(cert_file: str, key_file: str) -> ServerTLS | None:
     """The client port's TLS, or None without a certificate (plain HTTP)."""
     return ServerTLS(cert_file, key_file) if cert_file else None
+
+
+def worker_context(ca_file: str, cert_file: str, key_file: str) -> ssl.SSLContext | None:
+    """The TLS context of connections to ``https://`` workers (None: the system's defaults).
+    Raises ValueError for files that do not load."""
+    if not (ca_file or cert_file):
+        return None
+    try:
+        context = ssl.create_default_context(cafile=ca_file or None)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if cert_file:
+            context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load the workers' TLS files ({ca_file or cert_file!r}): "
+                         f"{exc}") from exc
+    return context

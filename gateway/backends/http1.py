@@ -419,7 +419,8 @@ class Http1Client:
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float,
                  idle_timeout_s: float = 4.0, max_idle_per_origin: int = 256,
-                 max_reply_bytes: int = 1 << 30) -> None:
+                 max_reply_bytes: int = 1 << 30,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         # A whole reply read at once (not a stream, which is relayed as it comes) is at most
@@ -433,7 +434,8 @@ class Http1Client:
         self._connects: set[asyncio.Task[None]] = set()
         self._connecting: dict[_Origin, int] = {}  # connects under way per origin
         self._heads: dict[URL, tuple[_Origin, bytes]] = {}
-        self._ssl: ssl.SSLContext | None = None
+        # TLS to https:// origins: the given context, else the system's defaults (made once).
+        self._ssl: ssl.SSLContext | None = ssl_context
         self._closed = False
 
     async def post(self, url: URL, headers: Mapping[str, str], body: bytes) -> Http1Reply:

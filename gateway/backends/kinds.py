@@ -8,6 +8,7 @@ testing kind names or URL prefixes themselves.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ class BackendOptions:
     api_keys: Mapping[str, str] = field(default_factory=dict)  # worker id -> key it expects
     default_api_key: str = ""
     admin_token: str = ""
+    # TLS to https:// workers (a private CA, a client certificate); None: the system's defaults.
+    ssl_context: ssl.SSLContext | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import ssl
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -193,8 +194,10 @@ class OpenAIHTTPBackend:
         api_keys: Mapping[str, str] | None = None,
         default_api_key: str = "",
         admin_token: str = "",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._namespace_in_body = namespace_in_body
+        self._ssl_context = ssl_context
         self._admin_token = admin_token  # for workers' /admin/*; else their API key
         self._api_keys = dict(api_keys or {})  # worker id -> key it expects
         self._default_api_key = default_api_key
@@ -205,7 +208,8 @@ class OpenAIHTTPBackend:
         self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
         self._client: aiohttp.ClientSession | None = None
         self._relay = Http1Client(connect_timeout_s, read_timeout_s,
-                                   max_idle_per_origin=max_connections_per_worker)
+                                   max_idle_per_origin=max_connections_per_worker,
+                                   ssl_context=ssl_context)
         # Parsed upstream URLs (worker URL + path): the client parses a string on every call.
         self._urls: dict[tuple[str, str], URL] = {}
 
@@ -213,7 +217,8 @@ class OpenAIHTTPBackend:
         """Open the pooled session (it must be created inside the running event loop)."""
         limit, per_host = self._limits
         self._client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=limit, limit_per_host=per_host),
+            connector=aiohttp.TCPConnector(limit=limit, limit_per_host=per_host,
+                                           ssl=self._ssl_context or True),
             timeout=self._timeout,
             # Bodies are relayed as they come: never ask for a compressed one the client would
             # receive without its Content-Encoding.
@@ -386,6 +391,7 @@ def _builder(namespace_in_body: bool) -> Callable[[BackendOptions], OpenAIHTTPBa
             api_keys=options.api_keys,
             default_api_key=options.default_api_key,
             admin_token=options.admin_token,
+            ssl_context=options.ssl_context,
         )
 
     return build

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import ipaddress
 import signal
@@ -18,28 +19,42 @@ import aiohttp
 import httpx2
 import openai
 import pytest
+from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from tests.conftest import MODEL, Processes, free_port
+from gateway.contracts.httpserver import JsonErrorRunner
+from tests.conftest import FAST_WORKER, MODEL, Processes, StartCluster, free_port
+from worker.server import create_app as create_worker
 
 KEY = "sk-acme-1"
 
 
-def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 signed by its own key (PEM files)."""
+def issued(directory: Path, name: str, ca: tuple[Path, Path] | None,
+           client: bool = False) -> tuple[Path, Path]:
+    """A certificate named ``name``, for 127.0.0.1 unless ``client``: self-signed (``ca``
+    None: it is its own CA) or issued by ``ca`` (its certificate and key files)."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .sign(key, hashes.SHA256()))
+    if ca is None:
+        issuer, signer = subject, key
+    else:
+        ca_cert = x509.load_pem_x509_certificate(ca[0].read_bytes())
+        issuer = ca_cert.subject
+        signer = serialization.load_pem_private_key(ca[1].read_bytes(), None)  # type: ignore[assignment]
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca is None, path_length=None),
+                              critical=True))
+    if not client:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    cert = builder.sign(signer, hashes.SHA256())
     cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(key.private_bytes(
@@ -69,7 +84,7 @@ async def wait_https(url: str, context: ssl.SSLContext, timeout_s: float = 60) -
 
 
 async def test_the_client_port_speaks_tls(processes: Processes, tmp_path: Path) -> None:
-    cert, key = self_signed(tmp_path, "first")
+    cert, key = issued(tmp_path, "first", None)
     worker_url, _ = await processes.worker()
     port, admin = free_port(), free_port()
     proc = await asyncio.create_subprocess_exec(
@@ -96,7 +111,7 @@ async def test_the_client_port_speaks_tls(processes: Processes, tmp_path: Path) 
             assert r.status == 200
     # A renewed certificate is taken on SIGHUP, for new connections, without a restart.
     assert await asyncio.to_thread(served_name, port) == "first"
-    renewed_cert, renewed_key = self_signed(tmp_path, "second")
+    renewed_cert, renewed_key = issued(tmp_path, "second", None)
     cert.write_bytes(renewed_cert.read_bytes())
     key.write_bytes(renewed_key.read_bytes())
     proc.send_signal(signal.SIGHUP)
@@ -113,19 +128,60 @@ async def test_the_client_port_speaks_tls(processes: Processes, tmp_path: Path) 
     assert await asyncio.to_thread(served_name, port) == "second"
 
 
-@pytest.mark.parametrize("case", ["unreadable", "half", "mismatched"])
-def test_bad_certificate_settings_stop_the_start(tmp_path: Path, case: str) -> None:
-    cert, key = self_signed(tmp_path, "one")
-    _, other_key = self_signed(tmp_path, "two")
-    args = {
-        "unreadable": ["--tls-cert-file", str(tmp_path / "missing.crt"),
-                       "--tls-key-file", str(key)],
-        "half": ["--tls-cert-file", str(cert)],
-        "mismatched": ["--tls-cert-file", str(cert), "--tls-key-file", str(other_key)],
+@pytest.mark.parametrize("case", ["unreadable", "half", "mismatched", "worker half",
+                                  "worker ca missing"])
+def test_bad_tls_settings_stop_the_start(tmp_path: Path, case: str) -> None:
+    cert, key = issued(tmp_path, "one", None)
+    _, other_key = issued(tmp_path, "two", None)
+    args, says = {
+        "unreadable": (["--tls-cert-file", str(tmp_path / "missing.crt"),
+                        "--tls-key-file", str(key)], "tls certificate"),
+        "half": (["--tls-cert-file", str(cert)], "go together"),
+        "mismatched": (["--tls-cert-file", str(cert), "--tls-key-file", str(other_key)],
+                       "tls certificate"),
+        "worker half": (["--worker-cert-file", str(cert)], "go together"),
+        "worker ca missing": (["--worker-ca-file", str(tmp_path / "missing.pem")],
+                              "workers' tls files"),
     }[case]
     done = subprocess.run(
         [sys.executable, "-m", "gateway", "--port", str(free_port()),
-         "--worker", "http://127.0.0.1:9", *args],
+         "--worker", "https://127.0.0.1:9", *args],
         capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
-    assert "tls" in done.stderr.lower()
+    assert says in done.stderr.lower()
+
+
+async def test_https_workers_with_a_private_ca_and_client_certificates(
+        start_cluster: StartCluster, tmp_path: Path) -> None:
+    ca = issued(tmp_path, "private-ca", None)
+    server_cert, server_key = issued(tmp_path, "worker", ca)
+    client_cert, client_key = issued(tmp_path, "gateway", ca, client=True)
+    # The worker accepts only callers with a certificate its CA issued (mutual TLS).
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(ca[0]))
+    context.load_cert_chain(server_cert, server_key)
+    context.verify_mode = ssl.CERT_REQUIRED
+    port = free_port()
+    runner = JsonErrorRunner(create_worker(dataclasses.replace(FAST_WORKER, port=port)),
+                             access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=context).start()
+    worker = f"https://127.0.0.1:{port}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        trusted = await start_cluster(
+            workers=0, worker=(worker,), worker_ca_file=str(ca[0]),
+            worker_cert_file=str(client_cert), worker_key_file=str(client_key))
+        no_client_cert = await start_cluster(workers=0, worker=(worker,),
+                                              worker_ca_file=str(ca[0]))
+        system_cas = await start_cluster(workers=0, worker=(worker,))
+        statuses = {}
+        async with aiohttp.ClientSession() as http:
+            for name, cluster in (("trusted", trusted), ("no client cert", no_client_cert),
+                                  ("system CAs", system_cas)):
+                async with http.post(cluster.gateway_url + "/v1/chat/completions",
+                                     json=body) as r:
+                    statuses[name] = r.status
+    finally:
+        await runner.cleanup()
+    # Only the gateway that verifies the worker and presents a certificate gets through.
+    assert statuses == {"trusted": 200, "no client cert": 503, "system CAs": 503}
