@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.auth import ANONYMOUS, AUTH_KEY, IDENTITY_KEY, Identity
 from gateway.backends.base import UpstreamRequest
+from gateway.contracts.responses import RESPONSES_PATH
 from gateway.errors import ModelNotFound, NoWorkerAvailable, PayloadTooLarge, RequestTimeout
 from gateway.fingerprint import Namespace
 from gateway.limits import LIMITS_KEY, BodyHold
@@ -26,6 +27,7 @@ from gateway.openai_schema import (
     forwarded_body,
     parse_chat,
     parse_completion,
+    parse_responses,
 )
 from gateway.openapi import openapi_document
 from gateway.proxy import dispatch
@@ -135,7 +137,9 @@ async def prepare(
     # The cache namespace the workers see: the tenant's, split further by the client's salt.
     namespace = app[AUTH_KEY].hasher.namespace(tenant, parsed.cache_salt)
     tokenized = None
-    if state.exact.tokenizer is not None:
+    # Token-exact keys for completions and chats; a Responses request keeps the character
+    # fingerprint of the chat it amounts to.
+    if state.exact.tokenizer is not None and path != RESPONSES_PATH:
         tokenized = await state.exact.key(
             parsed.body, chat=path == "/v1/chat/completions", tenant=namespace,
             cache_salt=parsed.cache_salt,
@@ -261,6 +265,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _routed(request, "/v1/chat/completions", parse_chat)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _routed(request, RESPONSES_PATH, parse_responses)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -415,6 +423,7 @@ async def openapi(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post(RESPONSES_PATH, responses)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_get("/health", health)

@@ -14,7 +14,8 @@ from typing import Any
 
 import orjson
 
-from gateway.contracts.chat import ROLES
+from gateway.contracts.chat import ROLES, ChatFormatError
+from gateway.contracts.responses import as_chat_body
 from gateway.errors import InvalidRequest
 from gateway.normal_texts import TextScope
 from gateway.normalize import (
@@ -379,3 +380,20 @@ def parse_chat(
                                encoded)
     return ParsedRequest(model, forwarded, text, stream, max_tokens, salt, unchanged,
                          prompt_chars=len(text), sequences=_choices(body), history=history)
+
+
+def parse_responses(
+    body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None,
+    known: KnownHistory | NormalPrefix | None = None, keep_history: bool = False,
+) -> ParsedRequest:
+    """``POST /v1/responses``: routed as the chat it amounts to (:mod:`gateway.contracts.
+    responses`), the client's body forwarded as it came (the fingerprint sees the chat's
+    normalized rendering; the worker gets the request unchanged)."""
+    try:
+        chat = as_chat_body(body)
+    except ChatFormatError as exc:
+        raise _invalid(str(exc), exc.param) from None
+    parsed = parse_chat(chat, opts, seen)
+    return ParsedRequest(parsed.model, body, parsed.fingerprint_text, parsed.stream,
+                         parsed.max_tokens, parsed.cache_salt, unchanged=True,
+                         prompt_chars=parsed.prompt_chars, sequences=parsed.sequences)

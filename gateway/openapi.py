@@ -110,6 +110,34 @@ def _chat_request(models: Iterable[str]) -> dict[str, Any]:
     }
 
 
+def _responses_request(models: Iterable[str]) -> dict[str, Any]:
+    part = {"type": "object", "required": ["type"],
+            "properties": {"type": {"type": "string"}, "text": {"type": "string"}}}
+    item = {
+        "type": "object",
+        "properties": {
+            "type": {"type": "string"},
+            "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]},
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["model", "input"],
+        "properties": {
+            "model": _model(models),
+            "input": {"oneOf": [{"type": "string"},
+                                {"type": "array", "minItems": 1, "items": item}]},
+            "instructions": {"type": ["string", "null"]},
+            "max_output_tokens": {"type": ["integer", "null"], "minimum": 1,
+                                  "maximum": MAX_TOKENS_LIMIT},
+            "stream": {"type": ["boolean", "null"]},
+            "cache_salt": {"type": ["string", "null"]},
+        },
+        "additionalProperties": True,
+    }
+
+
 def _token_ids() -> dict[str, Any]:
     return {"type": "array", "minItems": 1,
             "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}
@@ -199,6 +227,8 @@ def openapi_document(models: Iterable[str]) -> dict[str, Any]:
                                               "CompletionRequest")},
             "/v1/chat/completions": {"post": _post("Chat completion, routed by prompt prefix",
                                                    "ChatCompletionRequest")},
+            "/v1/responses": {"post": _post("Responses API, routed by the prefix of the chat "
+                                            "it amounts to", "ResponsesRequest")},
             "/v1/models": {"get": {**_get("Models the healthy workers serve",
                                           statuses=("401",)),
                                    "security": [{"apiKey": []}, {}]}},
@@ -216,6 +246,7 @@ def openapi_document(models: Iterable[str]) -> dict[str, Any]:
             "schemas": {
                 "CompletionRequest": _completion_request(served),
                 "ChatCompletionRequest": _chat_request(served),
+                "ResponsesRequest": _responses_request(served),
                 **_engine_requests(served),
                 "Error": {
                     "type": "object",

@@ -50,6 +50,8 @@ _MAX_BACKOFF_S = 1.0
 _RELAYED_HEADERS = ("Content-Type", *CACHE_STAT_HEADERS)
 # How a worker's reply can break off once its head came (the backends' own error, aiohttp's).
 _BROKE_OFF = (UpstreamBrokeOff, aiohttp.ClientError, asyncio.IncompleteReadError)
+# What every backend serves; other paths (the Responses API) go to HTTP workers only.
+COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 def route_headers(decision: Decision, request: RouteRequest) -> dict[str, str]:
@@ -84,7 +86,10 @@ async def dispatch(
     to each attempt)."""
     settings = state.settings
     session = state.session
-    excluded: set[str] = set()
+    # Workers whose backend takes completions only (SageMaker endpoints) never get another path.
+    excluded: set[str] = set() if upstream.path in COMPLETION_PATHS else {
+        s.worker.id for s in state.pool.states()
+        if not state.backend_for(s.worker).relays_engine_api}
     problems: list[str] = []
     backoff_s = 0.0
     guard = state.guard
@@ -236,15 +241,20 @@ def stats_from_headers(reply: UpstreamReply) -> CacheUsage | None:
 
 def stats_from_usage(payload: bytes) -> CacheUsage | None:
     """Prompt and cached tokens from an OpenAI ``usage`` (vLLM fills
-    ``prompt_tokens_details.cached_tokens``), in a JSON body or the tail of an SSE stream."""
+    ``prompt_tokens_details.cached_tokens``; a Responses answer ``input_tokens`` and
+    ``input_tokens_details.cached_tokens``, in its response), in a JSON body or the tail of an
+    SSE stream."""
     for line in reversed(payload.splitlines()):
         line = line.removeprefix(b"data:").strip()
         if not line.startswith(b"{") or b'"usage"' not in line:
             continue
         try:
-            usage = json.loads(line).get("usage") or {}
-            details = usage.get("prompt_tokens_details") or {}
-            prompt = int(usage.get("prompt_tokens") or 0)
+            event = json.loads(line)
+            # A Responses API answer: its usage in the response (the stream's last event).
+            usage = event.get("usage") or (event.get("response") or {}).get("usage") or {}
+            details = (usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+                       or {})
+            prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
             cached = int(details.get("cached_tokens") or 0)
         except (ValueError, AttributeError, TypeError):
             return None

@@ -133,7 +133,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
 class Job:
     """One validated request, ready to run."""
 
-    kind: str  # "completion" or "chat"
+    kind: str  # "completion", "chat" or "response" (the Responses API's, run as a chat)
     response_id: str
     created: int
     model: str
@@ -232,6 +232,9 @@ async def respond_whole(
 
     await _run_prompts(engine, metrics, job, collect, trace)
     report = CacheReport.of(admissions)
+    if job.kind == "response":
+        body = response_object(job, "".join(texts[0]), report, len(texts[0]))
+        return web.json_response(body, headers={**headers, **report.headers()})
     choices: list[dict[str, Any]] = []
     for i, pieces in enumerate(texts):
         text = "".join(pieces)
@@ -244,6 +247,32 @@ async def respond_whole(
     body = job.envelope(job.object_name, choices)
     body["usage"] = report.usage(sum(len(t) for t in texts))
     return web.json_response(body, headers={**headers, **report.headers()})
+
+
+def response_object(job: Job, text: str | None, report: CacheReport,
+                    output_tokens: int) -> dict[str, Any]:
+    """A Responses API ``response``: in progress (``text`` None: no output yet) or completed
+    with one assistant message of ``text``, its usage in the Responses API's names."""
+    output: list[dict[str, Any]] = []
+    if text is not None:
+        output.append({
+            "type": "message", "id": f"msg_{job.response_id[5:]}", "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        })
+    return {
+        "id": job.response_id, "object": "response", "created_at": job.created,
+        "status": "in_progress" if text is None else "completed", "model": job.model,
+        "output": output, "error": None, "incomplete_details": None,
+        "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+        "usage": None if text is None else {
+            "input_tokens": report.input_tokens,
+            "input_tokens_details": {"cached_tokens": report.matched_tokens},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": report.input_tokens + output_tokens,
+        },
+    }
 
 
 def _chunk_choice(job: Job, index: int, text: str | None, finish: str | None) -> dict[str, Any]:
@@ -268,10 +297,19 @@ class _SseWriter:
         self.response: web.StreamResponse | None = None
         self.report = CacheReport(0, 0, 0)
         self.completion_tokens = 0
+        self._sequence = 0
+        self._text: list[str] = []  # a Responses stream's text, for its completed event
 
     async def _write(self, payload: dict[str, Any]) -> None:
         assert self.response is not None
         await self.response.write(_sse(payload))
+
+    async def _event(self, kind: str, **fields: Any) -> None:
+        """One Responses API stream event (``event:`` line, then its JSON with its type)."""
+        assert self.response is not None
+        self._sequence += 1
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+        await self.response.write(b"event: " + kind.encode() + b"\n" + _sse(payload))
 
     async def _start(self) -> None:
         self.report = CacheReport.of(self._admissions)
@@ -284,7 +322,10 @@ class _SseWriter:
             }
         )
         await self.response.prepare(self._request)
-        if self._job.kind == "chat":
+        if self._job.kind == "response":
+            await self._event("response.created",
+                              response=response_object(self._job, None, self.report, 0))
+        elif self._job.kind == "chat":
             for i in range(len(self._job.token_lists)):
                 role = {"index": i, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}
@@ -303,6 +344,14 @@ class _SseWriter:
         else:
             backlog = [event]
         for item in backlog:
+            if self._job.kind == "response":
+                if isinstance(item, _Piece):
+                    self.completion_tokens += 1
+                    self._text.append(item.text)
+                    await self._event(
+                        "response.output_text.delta", item_id=f"msg_{self._job.response_id[5:]}",
+                        output_index=0, content_index=0, delta=item.text)
+                continue
             if isinstance(item, _Piece):
                 self.completion_tokens += 1
                 choice = _chunk_choice(self._job, item.index, item.text, None)
@@ -313,6 +362,12 @@ class _SseWriter:
             await self._write(self._job.envelope(self._object, [choice]))
 
     async def finish(self) -> None:
+        if self._job.kind == "response":  # the usage goes in the completed response
+            await self._event("response.completed", response=response_object(
+                self._job, "".join(self._text), self.report, self.completion_tokens))
+            assert self.response is not None
+            await self.response.write_eof()
+            return
         if self._job.common.include_usage:
             final = self._job.envelope(self._object, [])
             final["usage"] = self.report.usage(self.completion_tokens)

@@ -45,11 +45,13 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from gateway.contracts.chat import ChatFormatError
 from gateway.contracts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from gateway.contracts.headers import NAMESPACE_HEADER, WORKER_BOOT_HEADER
 from gateway.contracts.httpserver import name_server
 from gateway.contracts.kv_keys import engine_namespace
 from gateway.contracts.registry_signing import signed
+from gateway.contracts.responses import as_chat_body
 from gateway.contracts.tracing import Tracing
 from gateway.contracts.worker_record import WorkerRecord
 from worker.auth import auth_middleware
@@ -65,6 +67,7 @@ from worker.metrics import CONTENT_TYPE, WorkerMetrics
 from worker.observe import RequestTrace
 from worker.parsing import (
     MAX_TOKEN_ID,
+    ChatParams,
     CommonParams,
     Prompt,
     check_model,
@@ -224,18 +227,19 @@ def _sample(request: web.Request, path: str, body: dict[str, Any], job: Job, cha
         job.token_lists[0], chars, time.monotonic())
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+async def _chat_job(request: web.Request, chat: dict[str, Any], kind: str, id_prefix: str,
+                    param: str) -> tuple[Job, ChatParams]:
+    """The job of a chat (``chat``, a chat completions body); ``param`` names the prompt in
+    errors."""
     app = request.app
     settings = app[SETTINGS_KEY]
-    body = await _read_body(request)
-    params = parse_chat(body, settings.model, app[CHAT_TEMPLATE_KEY])
+    params = parse_chat(chat, settings.model, app[CHAT_TEMPLATE_KEY])
     (tokens,), system_tokens = await _encode(
-        app[LANE_KEY], [params.prompt], ["messages"], params.special_tokens,
-        params.system_prefix)
-    _check_length(settings, app[ENGINE_KEY], tokens, params.common.max_tokens, "messages")
+        app[LANE_KEY], [params.prompt], [param], params.special_tokens, params.system_prefix)
+    _check_length(settings, app[ENGINE_KEY], tokens, params.common.max_tokens, param)
     job = Job(
-        kind="chat",
-        response_id=f"chatcmpl-{uuid.uuid4().hex}",
+        kind=kind,
+        response_id=f"{id_prefix}{uuid.uuid4().hex}",
         created=int(time.time()),
         model=settings.model,
         common=params.common,
@@ -243,7 +247,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         namespace=_namespace(request, params.common),
         system_tokens=system_tokens,
     )
+    return job, params
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await _read_body(request)
+    job, params = await _chat_job(request, body, "chat", "chatcmpl-", "messages")
     _sample(request, "/v1/chat/completions", body, job, len(params.prompt))
+    return await _run(request, job)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API, run as the chat it amounts to (:mod:`gateway.contracts.
+    responses`): one assistant message, streamed as Responses events with ``"stream": true``.
+    Nothing is stored (``previous_response_id`` is refused)."""
+    body = await _read_body(request)
+    if body.get("previous_response_id") is not None:
+        raise ApiError("this worker stores no responses: send the whole input",
+                       param="previous_response_id", code="unsupported_parameter")
+    try:
+        chat = as_chat_body(body)
+    except ChatFormatError as exc:
+        raise ApiError(str(exc), param=exc.param, code="invalid_value") from exc
+    job, _ = await _chat_job(request, chat, "response", "resp_", "input")
     return await _run(request, job)
 
 
@@ -556,6 +582,7 @@ def create_app(
     app.cleanup_ctx.append(_tracing_lifetime)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

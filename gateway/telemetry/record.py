@@ -24,7 +24,7 @@ from gateway.telemetry.window import RecentWindow
 if TYPE_CHECKING:
     from gateway.routing.types import Decision, PrefixMatcher, RouteRequest
 
-ROUTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+ROUTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 def _ns(perf: float, record: RequestRecord) -> int:

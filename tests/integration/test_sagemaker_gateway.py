@@ -317,15 +317,18 @@ async def test_trace_context_goes_to_sagemaker_as_custom_attributes(
     assert call.custom_attributes.startswith(f"traceparent=00-{trace_id}-{span_id}-")
 
 
-async def test_engine_api_paths_are_not_sent_to_sagemaker_endpoints(
-    start_cluster: StartCluster, runtime: tuple[SageMakerRuntimeServer, str]
+@pytest.mark.parametrize(("path", "body", "status", "code"), [
+    ("/v1/embeddings", {"model": MODEL, "input": "hi"}, 404, "not_found"),
+    ("/v1/responses", {"model": MODEL, "input": "hi"}, 503, "no_healthy_worker"),
+])
+async def test_what_is_not_a_completion_is_not_sent_to_sagemaker_endpoints(
+    start_cluster: StartCluster, runtime: tuple[SageMakerRuntimeServer, str], path: str,
+    body: dict[str, Any], status: int, code: str,
 ) -> None:
     server, base = runtime
     cluster, _ = await two_variants(start_cluster, server, base)
     async with aiohttp.ClientSession() as http, http.post(
-            cluster.gateway_url + "/v1/embeddings", json={"model": MODEL, "input": "hi"}) as r:
-        assert r.status == 404
-        error = (await r.json())["error"]
-    assert "completions only" in error["message"]
-    assert error["code"] == "not_found"
-    assert server.calls == []  # nothing reached an endpoint
+            cluster.gateway_url + path, json=body) as r:
+        assert r.status == status
+        assert (await r.json())["error"]["code"] == code
+    assert server.calls == []  # an endpoint takes completions only

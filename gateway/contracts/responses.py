@@ -1,0 +1,102 @@
+"""OpenAI's Responses API (``POST /v1/responses``), read as the chat it amounts to.
+
+A Responses request carries ``instructions`` (a system prompt) and ``input``: a string (one user
+message) or a list of items. Each item becomes one chat message:
+
+* a message (``type`` ``message`` or none; ``role`` user, assistant, system or developer) keeps
+  its role; its ``content`` is a string, or parts whose ``input_text`` / ``output_text`` /
+  ``text`` parts give their text and whose other parts (``input_image``, ``input_file``, ...)
+  their canonical JSON, joined;
+* any other item of an agent's loop (``function_call``, ``reasoning``, ...) is the assistant's,
+  and an ``..._output`` item (``function_call_output``) the tool's, as its canonical JSON.
+
+The gateway routes a Responses request by the rendering of this chat (the next turn of an agent's
+loop adds items, so its rendering extends the last one's and finds the worker that holds it), and
+the reference worker runs it as this chat. ``max_output_tokens`` is the chat's ``max_tokens``;
+``model``, ``stream``, ``tools``, ``tool_choice``, sampling and ``cache_salt`` carry over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.contracts.chat import ChatFormatError, canonical_json
+
+RESPONSES_PATH = "/v1/responses"
+_MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_CARRIED = ("model", "stream", "temperature", "top_p", "tools", "tool_choice", "cache_salt")
+
+
+def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages of a Responses request; raises :class:`ChatFormatError` (with the
+    Responses parameter at fault) for what is not one."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise ChatFormatError("'instructions' must be a string", "instructions")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if items is None:
+        raise ChatFormatError("missing required parameter 'input'", "input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+        return messages
+    if not (isinstance(items, list) and items):
+        raise ChatFormatError("'input' must be a string or a non-empty list of items", "input")
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ChatFormatError(f"'{param}' must be an object", param)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise ChatFormatError(
+                    f"'{param}.role' must be one of {', '.join(_MESSAGE_ROLES)}", f"{param}.role")
+            messages.append({"role": role, "content": _text(item.get("content"),
+                                                            f"{param}.content")})
+        elif isinstance(kind, str):
+            role = "tool" if kind.endswith("_output") else "assistant"
+            messages.append({"role": role, "content": canonical_json(item)})
+        else:
+            raise ChatFormatError(f"'{param}.type' must be a string", f"{param}.type")
+    return messages
+
+
+def _text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatFormatError(f"'{param}' must be a string or a list of parts", param)
+    pieces: list[str] = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
+            raise ChatFormatError(f"'{param}[{j}]' must be an object with a 'type'",
+                                  f"{param}[{j}]")
+        if part["type"] in _TEXT_PARTS:
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ChatFormatError(f"'{param}[{j}].text' must be a string",
+                                      f"{param}[{j}].text")
+            pieces.append(text)
+        else:
+            pieces.append(canonical_json(part))
+    return "".join(pieces)
+
+
+def as_chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat completions body a Responses request amounts to (module docstring)."""
+    chat: dict[str, Any] = {"messages": chat_messages(body)}
+    for name in _CARRIED:
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1):
+            raise ChatFormatError("'max_output_tokens' must be a positive integer",
+                                  "max_output_tokens")
+        chat["max_tokens"] = limit
+    return chat
