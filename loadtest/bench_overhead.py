@@ -2,7 +2,8 @@
 
 ``python -m loadtest.bench_overhead [--workers 4] [--prefixes 20] [--requests 2000]
 [--concurrency 32] [--reps 3] [--sequential 300] [--routers ours,sglang-router,smg]
-[--procs 1] [--api chat|embeddings] [--stream-tokens N] [--profile FILE] [--json] [--out FILE]``
+[--procs 1] [--api chat|embeddings|responses] [--stream-tokens N] [--profile FILE] [--json]
+[--out FILE]``
 
 One run, one set of workers:
 
@@ -23,7 +24,8 @@ One run, one set of workers:
    wall time.
    ``direct`` sends to one worker, no router in between.
    ``--api embeddings`` sends the same texts as embeddings requests (what the routers relay
-   without prefix routing: the relay's own cost, and how evenly each spreads them).
+   without prefix routing: the relay's own cost, and how evenly each spreads them);
+   ``--api responses`` as Responses API requests (the system prompt as ``instructions``).
    *Prefix affinity*: the share of requests that reached their system prompt's most used
    worker (from the worker's ``x-worker-id``, where the router relays it); with ``--procs N``
    it shows whether the processes agree on where a prefix lives.
@@ -126,7 +128,8 @@ ROUTERS = ("ours", *FLOORS, *PEERS)
 DEFAULT_ROUTERS = ("ours", FLOOR, *PEERS)
 DIRECT = "direct"
 # The path of each ``--api``.
-API_PATHS = {"chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
+API_PATHS = {"chat": "/v1/chat/completions", "embeddings": "/v1/embeddings",
+             "responses": "/v1/responses"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +161,9 @@ class OverheadConfig:
     # "chat", or "completions": an agent's loop over /v1/completions, each prompt the one
     # before and a line more
     long_api: str = "chat"
-    # What the throughput and latency phases send: "chat" (chat completions) or "embeddings"
+    # What the throughput and latency phases send: "chat" (chat completions), "embeddings"
     # (the same texts as OpenAI embeddings requests, which the routers relay without prefix
-    # routing).
+    # routing) or "responses" (as Responses API requests: the system prompt as instructions).
     api: str = "chat"
     # Seconds with no requests before the long prompts, to measure what each router spends
     # per second on its own (health probes, timers): a long request that takes the worker
@@ -414,6 +417,9 @@ def bodies_for(config: OverheadConfig) -> tuple[list[bytes], list[int]]:
         }
         if config.api == "embeddings":
             body = {"model": MODEL, "input": prompts[prefix] + "\n" + question}
+        elif config.api == "responses":
+            body = {"model": MODEL, "instructions": prompts[prefix], "input": question,
+                    "max_output_tokens": 1}
         out.append(json.dumps(body).encode())
         prefixes.append(prefix)
     return out, prefixes
@@ -733,8 +739,11 @@ def to_markdown(result: OverheadResult) -> str:
         f"{c.workers} " + (f"workers at {c.decode_ms:g} ms per output token (no other cost)"
                            if c.decode_ms else "zero-cost workers")
         + f", {c.prefixes} shared system prompts (~2,000 chars) + a "
-        + ("unique question, `max_tokens` 1" if c.api == "chat" else
-           "unique question, each as the input of an embeddings request (`/v1/embeddings`)")
+        + {"chat": "unique question, `max_tokens` 1",
+           "embeddings": "unique question, each as the input of an embeddings request "
+                         "(`/v1/embeddings`)",
+           "responses": "unique question as a Responses API request (`/v1/responses`: the "
+                        "system prompt as `instructions`), `max_output_tokens` 1"}[c.api]
         + f". Throughput: {c.requests} requests at concurrency "
         f"{c.concurrency}, {c.reps} repetitions (medians shown). Added latency: {c.sequential} "
         f"sequential rounds, one request to each target per round in shuffled order. Router "
@@ -843,8 +852,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "characters of them, the same in every request or (transcript-turns) "
                         "two messages longer in each, as an agent's loop sends them")
     p.add_argument("--api", choices=sorted(API_PATHS), default="chat",
-                   help="what the throughput and latency phases send: chat completions, or "
-                        "the same texts as embeddings requests (relayed without prefix routing)")
+                   help="what the throughput and latency phases send: chat completions, the "
+                        "same texts as embeddings requests (relayed without prefix routing), "
+                        "or as Responses API requests")
     p.add_argument("--long-api", choices=("chat", COMPLETIONS), default="chat",
                    help="chat requests, or an agent's loop over /v1/completions: each prompt "
                         "the one before and a line more (the first the long text)")
