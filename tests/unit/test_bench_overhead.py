@@ -220,3 +220,14 @@ def test_embeddings_bodies_carry_the_chat_texts_as_input() -> None:
         body = json.loads(e)
         assert set(body) == {"model", "input"}
         assert body["input"] == messages[0]["content"] + "\n" + messages[1]["content"]
+
+
+def test_responses_bodies_carry_the_system_prompt_as_instructions() -> None:
+    chat, prefixes = bodies_for(OverheadConfig(requests=20))
+    asked, same = bodies_for(OverheadConfig(requests=20, api="responses"))
+    assert same == prefixes
+    for c, r in zip(chat, asked, strict=True):
+        messages = json.loads(c)["messages"]
+        body = json.loads(r)
+        assert body["instructions"] == messages[0]["content"]
+        assert body["input"] == messages[1]["content"]
