@@ -105,6 +105,8 @@ from loadtest.workloads import COMPLETIONS_PATH, LiveSpec, trace_body
 from worker.engines.sim import SimCosts
 
 HOST = "127.0.0.1"
+# The path each --api sends to.
+API_PATHS = {"completions": COMPLETIONS_PATH, "responses": "/v1/responses"}
 # Many Python servers starting at once on a small shared machine take a while.
 START_TIMEOUT_S = 120.0
 
@@ -140,6 +142,13 @@ class ReplayConfig:
     # Every router logs each request as it does by default (ours one JSON access line, the
     # peers at --log-level info); otherwise none does (loadtest.peers.gateway_log_args).
     request_logs: bool = False
+    # What each trace request is sent as: a completions request (its text as the prompt) or
+    # a Responses API request (its text as the input).
+    api: str = "completions"
+
+    @property
+    def path(self) -> str:
+        return API_PATHS[self.api]
 
     @property
     def block_tokens(self) -> int:
@@ -296,7 +305,7 @@ class Fleet:
         requests came in the first 20 ms of short runs, at 90-100 ms upstream). The requests
         answered."""
         first = bodies[:WARM_REQUESTS_PER_WORKER * len(self.urls)]
-        replies = await replay(session, [url + COMPLETIONS_PATH for url in self.urls], first,
+        replies = await replay(session, [url + self.config.path for url in self.urls], first,
                                concurrency)
         return sum(1 for reply in replies if reply.status == 200)
 
@@ -420,7 +429,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
             if router.startswith("ours") else []
         if config.agreement and router.startswith("ours"):
             side.append(asyncio.create_task(sample_agreement(url, bodies, agreed)))
-        replies = await replay(session, url + COMPLETIONS_PATH, bodies, config.concurrency)
+        replies = await replay(session, url + config.path, bodies, config.concurrency)
         seconds = time.perf_counter() - started
         cpu_s = proc_tree_cpu_s(pid) - cpu0 if pid and cpu0 is not None else None
         for task in side:
@@ -671,10 +680,12 @@ async def gateway_running(fleet: Fleet, policy: str, events: bool = False,
 
 
 def request_bodies(requests: Sequence[TraceRequest], block_chars: int, max_tokens: int,
-                   seed: int = 0, invisible_edits: float = 0.0) -> list[dict[str, Any]]:
+                   seed: int = 0, invisible_edits: float = 0.0,
+                   api: str = "completions") -> list[dict[str, Any]]:
     """One non-streaming completions body per trace request: its blocks as text chunks; a
     seeded ``invisible_edits`` share of them carries one edit a reader cannot see
-    (:func:`loadtest.textgen.invisible_edit`), as re-rendered contexts do."""
+    (:func:`loadtest.textgen.invisible_edit`), as re-rendered contexts do. With ``api``
+    "responses", a Responses API body whose input is that text."""
     synth = TextSynth(chars=block_chars, seed=seed)
     spec = LiveSpec(model=MODEL, max_tokens=max_tokens, stream=False)
     rng = random.Random(f"{seed}:invisible-edits")
@@ -683,7 +694,11 @@ def request_bodies(requests: Sequence[TraceRequest], block_chars: int, max_token
         prompt = synth.prompt(r.blocks)
         if invisible_edits and rng.random() < invisible_edits:
             prompt = invisible_edit(prompt, rng)
-        bodies.append(trace_body(spec, prompt, r.output_tokens))
+        body = trace_body(spec, prompt, r.output_tokens)
+        if api == "responses":
+            body = {"model": body["model"], "input": prompt,
+                    "max_output_tokens": body["max_tokens"], "temperature": 0}
+        bodies.append(body)
     return bodies
 
 
@@ -691,7 +706,7 @@ async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
                      policies: Sequence[str], peers: Sequence[str], repeats: int,
                      gateway: str = "") -> list[RunResult]:
     bodies = request_bodies(requests, config.block_chars, config.max_tokens,
-                            invisible_edits=config.invisible_edits)
+                            invisible_edits=config.invisible_edits, api=config.api)
     pooled = pooled_bound(requests, config.workers * config.cache_blocks)
     results: list[RunResult] = []
     if gateway:
@@ -903,6 +918,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="workers publish KV events; every policy also runs as "
                    "ours+events:<policy> (the events alone) and ours+hybrid:<policy> (the "
                    "modelled index corrected by them) (needs --tokenizer-file)")
+    p.add_argument("--api", choices=sorted(API_PATHS), default="completions",
+                   help="send each trace request as a completions request (its text as the "
+                   "prompt) or a Responses API request (its text as the input); the simulator "
+                   "models completions only")
     p.add_argument("--invisible-edits", type=float, default=0.0, metavar="SHARE",
                    help="share of requests with one invisible edit in their prompt (a "
                    "zero-width or no-break space, a soft hyphen, trailing spaces)")
@@ -940,6 +959,9 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         p.error("--block-chars must be a multiple of 64 (the gateway's block)")
     if args.kv_events and not args.tokenizer_file:
         p.error("--kv-events needs --tokenizer-file (events are keyed by token ids)")
+    if args.api != "completions" and (args.simulate or args.agreement or args.tokenizer_file):
+        p.error("--api responses runs live only, with character keys (no --simulate, "
+                "--agreement or --tokenizer-file)")
     def at(flag: str, text: str | None) -> tuple[int, float] | None:
         if not text:
             return None
@@ -967,7 +989,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         restart_worker=restart, flush_worker=flush, bucket_s=args.bucket,
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
         invisible_edits=args.invisible_edits, agreement=args.agreement,
-        request_logs=args.request_logs,
+        request_logs=args.request_logs, api=args.api,
     )
 
 

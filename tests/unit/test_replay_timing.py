@@ -333,3 +333,15 @@ def test_a_run_splits_its_latency_by_the_gateways_server_timing() -> None:
     assert "ours:cache_aware, where the latency went by its Server-Timing: the gateway's own " \
            "time p50 0.40 / p99 3.00 ms, the worker's p50 15.0 / p99 20.0 ms" in text
     assert "sglang-router, where" not in text
+
+
+def test_responses_bodies_carry_the_completions_text_as_input() -> None:
+    from loadtest.replay import request_bodies
+
+    requests = [TraceRequest(i, 0.0, 64, 3, prefix_key(blocks, 64))
+                for i, blocks in enumerate([[1, 2, 3], [1, 2, 4]])]
+    plain = request_bodies(requests, 64, 2)
+    asked = request_bodies(requests, 64, 2, api="responses")
+    for p, r in zip(plain, asked, strict=True):
+        assert r == {"model": p["model"], "input": p["prompt"],
+                     "max_output_tokens": p["max_tokens"], "temperature": 0}
