@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.contracts.responses import RESPONSES_PATH
 from gateway.errors import GatewayError
 from gateway.fingerprint import FingerprintOptions, Namespace, PrefixKey, fingerprint
 from gateway.normalize import NormalizeOptions
@@ -72,7 +73,8 @@ class WarmPrompt:
     def replay_body(self) -> dict[str, Any]:
         """The prefill-only request: the same prompt, one output token, no streaming."""
         body = {k: v for k, v in self.body.items() if k not in _DROPPED_FIELDS}
-        body["max_tokens"] = 1
+        # A Responses API request names its output limit otherwise (and would ignore this one).
+        body["max_output_tokens" if self.path == RESPONSES_PATH else "max_tokens"] = 1
         body["stream"] = False
         body["temperature"] = 0
         return body

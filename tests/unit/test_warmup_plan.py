@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.fingerprint import FingerprintOptions
+from gateway.fingerprint import FingerprintOptions, PrefixKey
 from gateway.normalize import NormalizeOptions
 from gateway.routing.ring import Ring
 from gateway.warmup_sources import (
@@ -44,6 +44,17 @@ def test_replay_body_is_prefill_only_with_the_same_messages() -> None:
     assert "n" not in body
     assert body["messages"] == p.body["messages"]  # normalized exactly as real traffic
     assert body["messages"][0]["content"] != "Be\u00a0brief.  "
+
+
+def test_a_responses_request_is_replayed_with_its_own_output_limit() -> None:
+    key = PrefixKey((1, 2), 1, 128, (1, 2))
+    prompt = WarmPrompt("/v1/responses", {"model": "m", "input": "hi", "stream": True,
+                                          "max_output_tokens": 300}, "", "m", key)
+    body = prompt.replay_body()
+    assert body["max_output_tokens"] == 1
+    assert "max_tokens" not in body
+    assert body["stream"] is False
+    assert body["input"] == "hi"
 
 
 def test_plan_takes_only_anchors_the_ring_gives_the_worker_unless_hot() -> None:
