@@ -61,6 +61,7 @@ from loadtest.workloads import (
     WORKLOADS,
     LiveRequest,
     LiveSpec,
+    as_responses,
     user_requests,
 )
 
@@ -82,6 +83,7 @@ class LoadState:
             seed=options.seed, model=options.model, max_tokens=options.max_tokens,
             stream=not options.no_stream,
         )
+        self.responses_api: bool = getattr(options, "api", "native") == "responses"
         self.max_requests: int = options.max_requests
         self.think_s: float = options.think_time
         self.tally = AffinityTally()
@@ -193,6 +195,8 @@ class LLMUser(FastHttpUser):
     @task
     def send(self) -> None:
         req = self._next()
+        if self.state.responses_api:
+            req = as_responses(req)
         self.state.sent += 1
         headers = {"Authorization": f"Bearer {req.api_key}"} if req.api_key else {}
         started = time.perf_counter()
@@ -349,6 +353,9 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--max-tokens", type=int, default=8, help="decode budget per request")
     group.add_argument("--no-stream", action="store_true", default=False,
                        help="send non-streaming requests (TTFT = whole answer)")
+    group.add_argument("--api", choices=("native", "responses"), default="native",
+                       help="send each request as its workload does (chat or completions), or "
+                       "as the same request for OpenAI's Responses API (/v1/responses)")
     group.add_argument("--think-time", type=float, default=0.0,
                        help="mean seconds a user waits between requests (uniform 0..2x)")
     group.add_argument("--max-requests", type=int, default=100_000,

@@ -119,22 +119,48 @@ class StreamScan:
             return False
         if not isinstance(event, dict):
             return False
-        if "error" in event:
-            err = event["error"]
+        kind = event.get("type")
+        if isinstance(kind, str) and kind.startswith("response."):
+            return self._response_event(kind, event)
+        if "error" in event or kind == "error":
+            err = event.get("error") or event.get("message")
             self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
             return False
-        usage = event.get("usage")
-        if isinstance(usage, dict):
-            details = usage.get("prompt_tokens_details") or {}
-            try:
-                self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                self.cached_tokens = int(details.get("cached_tokens") or 0)
-            except (TypeError, ValueError, AttributeError):
-                pass
+        self._usage(event.get("usage"))
         if self.seen_data or not _has_token(event.get("choices")):
             return False  # a usage-only or role-only chunk is not the first token
         self.seen_data = True
         return True
+
+
+    def _usage(self, usage: object) -> None:
+        """Prompt and cached tokens of a usage report: chat and completions name them
+        ``prompt_tokens`` / ``prompt_tokens_details``, the Responses API ``input_tokens`` /
+        ``input_tokens_details``."""
+        if not isinstance(usage, dict):
+            return
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        try:
+            self.prompt_tokens = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+            self.cached_tokens = int(details.get("cached_tokens") or 0)
+        except (TypeError, ValueError, AttributeError):
+            pass
+
+    def _response_event(self, kind: str, event: dict[str, Any]) -> bool:
+        """A Responses API stream event: the first text delta is the first token; the
+        completed response ends the stream with its usage (cached tokens in
+        ``input_tokens_details``); a failed one is an error."""
+        if kind == "response.output_text.delta":
+            first = not self.seen_data
+            self.seen_data = True
+            return first
+        response = event.get("response")
+        if kind == "response.completed" and isinstance(response, dict):
+            self.done = True
+            self._usage(response.get("usage"))
+        elif kind in ("response.failed", "response.error") and isinstance(response, dict):
+            self.error = str(response.get("error") or kind)[:300]
+        return False
 
 
 def _has_token(choices: object) -> bool:

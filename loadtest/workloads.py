@@ -292,6 +292,34 @@ def live_body(spec: LiveSpec, messages: list[dict[str, str]], user: str) -> dict
     return body
 
 
+RESPONSES_PATH = "/v1/responses"
+
+
+def as_responses(req: LiveRequest) -> LiveRequest:
+    """The same request for OpenAI's Responses API: a chat's leading system messages as
+    ``instructions`` and the rest as input messages, a completions prompt as the input;
+    ``max_output_tokens`` for the decode budget; streamed when the original was. Its label
+    says so, in locust's statistics and the samples."""
+    body = req.body
+    out: dict[str, Any] = {"model": body["model"], "temperature": body.get("temperature", 0)}
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        lead = 0
+        while lead < len(messages) and messages[lead].get("role") == "system":
+            lead += 1
+        if lead:
+            out["instructions"] = "\n".join(str(m["content"]) for m in messages[:lead])
+        rest = messages[lead:] or [{"role": "user", "content": ""}]
+        out["input"] = [{"role": m["role"], "content": m["content"]} for m in rest]
+    else:
+        out["input"] = body["prompt"]
+    out["max_output_tokens"] = body.get("max_tokens", 16)
+    if body.get("stream"):
+        out["stream"] = True
+    label = f"{req.label} (responses)" if req.label else "responses"
+    return LiveRequest(RESPONSES_PATH, out, req.api_key, label)
+
+
 def tenant_key(tenant: int) -> str:
     return f"sk-tenant-{tenant}"
 

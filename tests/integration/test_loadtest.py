@@ -90,27 +90,50 @@ def test_headless_run_reports_and_affinity_beats_round_robin(tmp_path: Path) -> 
         assert "cache affinity (worker-reported matched / input tokens)" in log
 
 
+async def _against(gateway_url: str, out: Path, logs: Path,
+                   *args: str) -> tuple[dict[str, Any], str]:
+    """``python -m loadtest run --gateway URL`` for 3 s with 4 users and ``args``: the one
+    result of its report, and its stdout. In a thread: the gateway under test runs on this
+    event loop."""
+    code, stdout, stderr = await asyncio.to_thread(
+        _run_loadtest,
+        ["run", "--gateway", gateway_url, "--duration", "3", "--users", "4", "--no-plots",
+         "--out", str(out), *args],
+        logs, 120,
+    )
+    assert code == 0, stderr[-3000:]
+    [result] = json.loads((out / "report.json").read_text())["results"]
+    _check_result(result)
+    return result, stdout
+
+
 async def test_trace_replay_against_a_running_gateway(
     start_cluster: StartCluster, tmp_path: Path
 ) -> None:
     cluster = await start_cluster(workers=2)
-    out = tmp_path / "report"
-    # In a thread: the gateway under test runs on this event loop.
-    code, stdout, stderr = await asyncio.to_thread(
-        _run_loadtest,
-        ["run", "--gateway", cluster.gateway_url, "--workload", "mooncake", "--duration", "3",
-         "--users", "4", "--no-plots", "--locust-arg=--block-chars=64",
-         "--locust-arg=--max-blocks=12", "--out", str(out)],
-        tmp_path, 120,
-    )
-    assert code == 0, stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
-    [result] = report["results"]
+    result, stdout = await _against(
+        cluster.gateway_url, tmp_path / "report", tmp_path, "--workload", "mooncake",
+        "--locust-arg=--block-chars=64", "--locust-arg=--max-blocks=12")
     assert result["policy"] == "cache_aware"  # the policy the running gateway reports
     assert result["workload"] == "mooncake"
-    _check_result(result)
     assert set(result["per_worker"]) == {u.removeprefix("http://") for u in cluster.worker_urls}
     # every request of the conversation trace starts with the same block: prefixes are shared
     assert result["hit_rate"] > 0
     assert result["gateway_hit_rate"] is not None
     assert "| cache_aware |" in stdout
+
+
+async def test_a_workload_over_the_responses_api(
+    start_cluster: StartCluster, tmp_path: Path
+) -> None:
+    cluster = await start_cluster(workers=2)
+    out = tmp_path / "report"
+    # Streamed Responses events: TTFT from the first text delta, the usage (and its cached
+    # tokens) from the completed response, every stream ended by it (_check_result).
+    result, _ = await _against(cluster.gateway_url, out, tmp_path, "--workload", "chat",
+                               "--locust-arg=--api=responses")
+    assert result["hit_rate"] > 0  # multi-turn chats: each turn extends the last
+    samples = [json.loads(line) for line in
+               (out / "cache_aware" / "samples.jsonl").read_text().splitlines()]
+    assert samples
+    assert all("(responses)" in s["label"] for s in samples)

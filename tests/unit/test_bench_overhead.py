@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ from loadtest.bench_overhead import (
     to_markdown,
     top_functions,
 )
-from loadtest.harness import histogram_totals
+from loadtest.harness import MODEL, histogram_totals
 from loadtest.peers import peer_command, proc_tree_cpu_s
 
 
@@ -211,23 +212,14 @@ def test_transcript_turns_grow_by_a_tool_call_and_its_result() -> None:
     assert sum(map(len, results)) >= 20_000
 
 
-def test_embeddings_bodies_carry_the_chat_texts_as_input() -> None:
+@pytest.mark.parametrize(("api", "expected"), [
+    ("embeddings", lambda m: {"model": MODEL, "input": m[0]["content"] + "\n" + m[1]["content"]}),
+    ("responses", lambda m: {"model": MODEL, "instructions": m[0]["content"],
+                             "input": m[1]["content"], "max_output_tokens": 1}),
+])
+def test_other_apis_carry_the_chat_texts(api: str, expected: Any) -> None:
     chat, prefixes = bodies_for(OverheadConfig(requests=20))
-    embed, same = bodies_for(OverheadConfig(requests=20, api="embeddings"))
+    asked, same = bodies_for(OverheadConfig(requests=20, api=api))
     assert same == prefixes
-    for c, e in zip(chat, embed, strict=True):
-        messages = json.loads(c)["messages"]
-        body = json.loads(e)
-        assert set(body) == {"model", "input"}
-        assert body["input"] == messages[0]["content"] + "\n" + messages[1]["content"]
-
-
-def test_responses_bodies_carry_the_system_prompt_as_instructions() -> None:
-    chat, prefixes = bodies_for(OverheadConfig(requests=20))
-    asked, same = bodies_for(OverheadConfig(requests=20, api="responses"))
-    assert same == prefixes
-    for c, r in zip(chat, asked, strict=True):
-        messages = json.loads(c)["messages"]
-        body = json.loads(r)
-        assert body["instructions"] == messages[0]["content"]
-        assert body["input"] == messages[1]["content"]
+    for c, a in zip(chat, asked, strict=True):
+        assert json.loads(a) == expected(json.loads(c)["messages"])

@@ -100,3 +100,24 @@ def test_report_files(tmp_path: Path) -> None:
     assert "| round_robin |" in md
     assert "hit_rate.png" in md
     assert to_markdown(report).count("| cache_aware |") == 1
+
+
+def test_stream_scan_reads_responses_api_events() -> None:
+    scan = StreamScan()
+    created = {"type": "response.created", "response": {"status": "in_progress", "error": None}}
+    delta = {"type": "response.output_text.delta", "delta": "a"}
+    done = {"type": "response.completed", "response": {"status": "completed", "usage": {
+        "input_tokens": 40, "input_tokens_details": {"cached_tokens": 32},
+        "output_tokens": 2, "total_tokens": 42}}}
+    assert not scan.feed(f"event: response.created\ndata: {json.dumps(created)}\n\n")
+    assert scan.feed(f"event: response.output_text.delta\ndata: {json.dumps(delta)}\n\n")
+    assert not scan.feed(f"data: {json.dumps(delta)}\n\n")  # the first token was the one before
+    assert not scan.done
+    scan.feed(f"event: response.completed\ndata: {json.dumps(done)}\n\n")
+    scan.close()
+    assert scan.done
+    assert (scan.prompt_tokens, scan.cached_tokens) == (40, 32)
+    assert not scan.error
+    failed = StreamScan()
+    failed.feed('data: {"type": "response.failed", "response": {"error": {"code": "x"}}}\n')
+    assert failed.error

@@ -187,3 +187,28 @@ def test_trace_requests_replay_as_completions_with_shared_prefixes(tmp_path: Pat
     assert p1[128:] != p2[128:192]
     assert trace_request(second, synth, spec, max_blocks=2).body["prompt"] == p2[:128]
     assert trace_request(first, synth, spec) == r1  # deterministic
+
+
+def test_a_request_for_the_responses_api() -> None:
+    from loadtest.workloads import LiveRequest, as_responses
+
+    chat = LiveRequest("/v1/chat/completions", {
+        "model": "m", "max_tokens": 8, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}, "user": "u1",
+        "messages": [{"role": "system", "content": "rules"},
+                     {"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "hello"},
+                     {"role": "user", "content": "more"}]}, "sk-1", "chat")
+    asked = as_responses(chat)
+    assert asked.path == "/v1/responses"
+    assert asked.api_key == "sk-1"
+    assert asked.label == "chat (responses)"
+    assert asked.body == {
+        "model": "m", "temperature": 0, "instructions": "rules", "max_output_tokens": 8,
+        "stream": True, "input": [{"role": "user", "content": "hi"},
+                                  {"role": "assistant", "content": "hello"},
+                                  {"role": "user", "content": "more"}]}
+    plain = as_responses(LiveRequest("/v1/completions", {"model": "m", "prompt": "p",
+                                                         "max_tokens": 2}))
+    assert plain.body == {"model": "m", "temperature": 0, "input": "p", "max_output_tokens": 2}
+    assert plain.label == "responses"
