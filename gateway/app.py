@@ -220,11 +220,12 @@ async def _reloading(app: web.Application) -> AsyncIterator[None]:
     signal handlers)."""
     auth = app[AUTH_KEY]
     tls = app[TLS_KEY]
+    keys_file = bool(app[STATE].settings.api_keys_file)
     loop = asyncio.get_running_loop()
     installed = False
-    if app[STATE].settings.api_keys_file or tls is not None:
+    if keys_file or tls is not None:
         def reload() -> None:
-            if app[STATE].settings.api_keys_file:
+            if keys_file:
                 _reload_keys(auth)
             if tls is not None:
                 tls.reload()

@@ -42,11 +42,11 @@ from gateway.errors import (
     ModelNotFound,
     NotFound,
     NoWorkerAvailable,
-    UpstreamError,
 )
 from gateway.guard import NoFirstByte, SlotTimeout
 from gateway.limits import LIMITS_KEY
 from gateway.openai_schema import decode_json_object
+from gateway.proxy import tried_everywhere
 from gateway.routing.types import WorkerView
 from gateway.state import GatewayState
 from gateway.telemetry.middleware import record_of
@@ -191,9 +191,6 @@ async def _dispatch(request: web.Request, state: GatewayState, upstream: Upstrea
             state.pool.release(wid, cost)
         state.metrics.retries.labels(wid).inc()
     state.metrics.requests.labels(POLICY, "unavailable").inc()
-    if busy and busy == len(problems):
-        raise ConnectionQueueFull(
-            "every worker tried is at its connection limit: " + "; ".join(problems))
     if not usable:
         serving = [v for v in state.pool.snapshot(time.monotonic()).workers
                    if v.healthy and v.worker.serves(model)]
@@ -201,9 +198,7 @@ async def _dispatch(request: web.Request, state: GatewayState, upstream: Upstrea
             raise NotFound(f"{request.path} is not served for the model {model!r}: its workers "
                            "take completions only (SageMaker endpoints)")
         raise NoWorkerAvailable("no healthy worker serves this request right now; retry shortly")
-    log.warning("%s failed on every worker tried: %s", request.path, "; ".join(problems))
-    raise UpstreamError(
-        f"{len(problems)} worker(s) failed this request before replying: " + "; ".join(problems))
+    raise tried_everywhere(problems, busy, request.path)
 
 
 def add_routes(app: web.Application) -> None:

@@ -28,6 +28,7 @@ from gateway.backends.base import (
     UpstreamReply,
     UpstreamRequest,
 )
+from gateway.contracts.engine_paths import COMPLETION_PATHS
 from gateway.contracts.errors import openai_error
 from gateway.contracts.headers import (
     CACHE_STAT_HEADERS,
@@ -35,7 +36,7 @@ from gateway.contracts.headers import (
     MATCHED_TOKENS_HEADER,
     WORKER_BOOT_HEADER,
 )
-from gateway.errors import ConnectionQueueFull, NoWorkerAvailable, UpstreamError
+from gateway.errors import ConnectionQueueFull, GatewayError, NoWorkerAvailable, UpstreamError
 from gateway.guard import IdleTimer, NoFirstByte, SlotTimeout, UpstreamGuard
 from gateway.routing.types import Decision, NoCandidates, PrefixMatcher, RouteRequest
 from gateway.session import Attempt, CacheUsage
@@ -50,8 +51,6 @@ _MAX_BACKOFF_S = 1.0
 _RELAYED_HEADERS = ("Content-Type", *CACHE_STAT_HEADERS)
 # How a worker's reply can break off once its head came (the backends' own error, aiohttp's).
 _BROKE_OFF = (UpstreamBrokeOff, aiohttp.ClientError, asyncio.IncompleteReadError)
-# What every backend serves; other paths (the Responses API) go to HTTP workers only.
-COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 def route_headers(decision: Decision, request: RouteRequest) -> dict[str, str]:
@@ -204,16 +203,20 @@ async def dispatch(
             # The client went away mid-relay: release the worker, with nothing to report.
             session.completed(attempt, now=time.monotonic())
     state.metrics.requests.labels(session.router.name, "unavailable").inc()
-    if busy and busy == len(problems):
-        raise ConnectionQueueFull(
-            "every worker tried is at its connection limit: " + "; ".join(problems)
-        )
     if not problems:
         raise NoWorkerAvailable("no healthy worker serves this request right now; retry shortly")
-    log.warning("request failed on every worker tried: %s", "; ".join(problems))
-    raise UpstreamError(
-        f"{len(problems)} worker(s) failed this request before replying: " + "; ".join(problems)
-    )
+    raise tried_everywhere(problems, busy, http_request.path)
+
+
+def tried_everywhere(problems: list[str], busy: int, path: str) -> GatewayError:
+    """The error once every worker tried failed a request before replying (``problems``: one
+    line each; ``busy``: how many had no free connection): 503 when none had one, else 502."""
+    if busy and busy == len(problems):
+        return ConnectionQueueFull(
+            "every worker tried is at its connection limit: " + "; ".join(problems))
+    log.warning("%s failed on every worker tried: %s", path, "; ".join(problems))
+    return UpstreamError(
+        f"{len(problems)} worker(s) failed this request before replying: " + "; ".join(problems))
 
 
 def _usage(input_tokens: int, matched_tokens: int) -> CacheUsage | None:

@@ -144,6 +144,11 @@ class Job:
     """Leading tokens of the (single) prompt that are the chat's system messages."""
 
     @property
+    def message_id(self) -> str:
+        """A Responses answer's message: named after the response (``resp_X``: ``msg_X``)."""
+        return "msg_" + self.response_id.removeprefix("resp_")
+
+    @property
     def object_name(self) -> str:
         return "text_completion" if self.kind == "completion" else "chat.completion"
 
@@ -256,7 +261,7 @@ def response_object(job: Job, text: str | None, report: CacheReport,
     output: list[dict[str, Any]] = []
     if text is not None:
         output.append({
-            "type": "message", "id": f"msg_{job.response_id[5:]}", "status": "completed",
+            "type": "message", "id": job.message_id, "status": "completed",
             "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}],
         })
@@ -349,7 +354,7 @@ class _SseWriter:
                     self.completion_tokens += 1
                     self._text.append(item.text)
                     await self._event(
-                        "response.output_text.delta", item_id=f"msg_{self._job.response_id[5:]}",
+                        "response.output_text.delta", item_id=self._job.message_id,
                         output_index=0, content_index=0, delta=item.text)
                 continue
             if isinstance(item, _Piece):

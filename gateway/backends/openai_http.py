@@ -41,6 +41,7 @@ from gateway.backends.base import (
 from gateway.backends.http1 import Http1Client, Http1Reply
 from gateway.backends.kinds import BackendKind, BackendOptions
 from gateway.contracts import engine_metrics as metric
+from gateway.contracts.engine_paths import COMPLETION_PATHS
 from gateway.contracts.headers import NAMESPACE_HEADER
 from gateway.contracts.kv_keys import engine_namespace
 from gateway.openai_schema import encode_body, with_fields
@@ -57,9 +58,6 @@ ENGINE_METRICS = (
     metric.FIRST_TOKEN_TIME_SUM,
     metric.FIRST_TOKEN_TIME_COUNT,
 )
-# The paths whose streams report usage only when asked (stream_options.include_usage): the
-# Responses API's always end with it, in their response.completed event.
-_USAGE_ON_ASK = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Bytes of an unfinished stream event past which it is relayed as it is: no usage report is
 # that long.
 _MAX_PENDING_EVENT = 1 << 20
@@ -269,7 +267,7 @@ class OpenAIHTTPBackend:
             # vLLM reports cached tokens only in usage: have every stream end with it, and
             # hold that event back when the client did not ask for it.
             options = body.get("stream_options")
-            if request.path in _USAGE_ON_ASK and body.get("stream") is True and not (
+            if request.path in COMPLETION_PATHS and body.get("stream") is True and not (
                 isinstance(options, dict) and options.get("include_usage") is True
             ):
                 extra = options if isinstance(options, dict) else {}

@@ -7,6 +7,9 @@ pooling) and its tokenizer at these paths; sglang-router and smg relay them as w
 
 from __future__ import annotations
 
+# What every backend serves (SageMaker endpoints included), and whose streams report their
+# usage only when asked (``stream_options.include_usage``).
+COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # Requests a pooling model runs: they may use the engine's prefix cache, so they carry the
 # tenant's cache namespace as completions do.
 POOLING_PATHS = (
