@@ -228,6 +228,10 @@ async def _held(
     elif prompt_scope is not None:
         prompts.remember(raw, prompt_scope, body, known_prompt, parsed.normal)
     tenant = identity.tenant_id
+    # A next turn that names a stored response goes where it is stored, and nowhere else.
+    previous = body.get("previous_response_id") if path == RESPONSES_PATH else None
+    only = (await state.pins.continued_on(state.pool, tenant, previous)
+            if isinstance(previous, str) else None)
     record = record_of(request)
     record.parsed(
         tenant=tenant, model=parsed.model, stream=body.get("stream") is True,
@@ -256,7 +260,7 @@ async def _held(
     # (the rendered prompt text, a chat's history) goes now.
     del body, parsed, raw
     async with app[LIMITS_KEY].admitted(identity.tenant, route_request.cost_tokens):
-        return await dispatch(state, request, record, upstream, route_request, tenant)
+        return await dispatch(state, request, record, upstream, route_request, tenant, only)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -13,7 +13,7 @@ from aiohttp.typedefs import Middleware
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import Histogram
 
-from gateway import engine_api, explain, normalize, resources, ui
+from gateway import engine_api, explain, normalize, resources, stored_responses, ui
 from gateway.api import STATE, add_routes
 from gateway.auth import AUTH_KEY, Auth, KeyStore, TenantHasher, read_secret, tenant_secret
 from gateway.backends.base import Backend
@@ -58,6 +58,7 @@ from gateway.resources import (
     SYNC_KEY,
     WARMUP_KEY,
 )
+from gateway.response_pins import ResponsePins
 from gateway.routing.policies import build_engine
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
@@ -396,6 +397,7 @@ def create_app(
                                              settings.breaker_cooldown_s)),
         ),
         warmup=warmup,
+        pins=ResponsePins(store, auth.hasher, settings.response_pin_ttl_s),
         prewarmer=PreWarmer(
             pool, index, warmup.prewarm, PrewarmOptions(
                 enabled=settings.prewarm, hot_threshold=hot,
@@ -446,6 +448,7 @@ def create_app(
     app.cleanup_ctx.append(_parse_thread)
     add_routes(app)
     engine_api.add_routes(app)
+    stored_responses.add_routes(app)
     explain.add_routes(app)
     ui.add_routes(app)
     return app

@@ -191,6 +191,12 @@ class TenantHasher:
         mac = hmac.new(self._secret, b"tenant\x00" + _key_bytes(tenant), hashlib.sha256)
         return mac.hexdigest()[:24]
 
+    def pin_name(self, tenant_id: str, response_id: str) -> str:
+        """The store's name for a tenant's stored response (:mod:`gateway.response_pins`):
+        another tenant's request for the same id names another pin."""
+        msg = b"pin\x00" + tenant_id.encode() + b"\x00" + _key_bytes(response_id)
+        return "resp-" + hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
+
     def namespace(self, tenant_id: str, cache_salt: str) -> str:
         """The cache namespace of a tenant's request: always derived here, the client's salt
         only ever adds to it."""

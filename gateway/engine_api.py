@@ -89,11 +89,16 @@ def _model(body: dict[str, Any], served: frozenset[str]) -> str:
     return model
 
 
-def _candidates(state: GatewayState, model: str, excluded: set[str]) -> list[WorkerView]:
+def _candidates(state: GatewayState, model: str | None, excluded: set[str],
+                only: str | None = None) -> list[WorkerView]:
+    """The workers that may take the request: healthy, not excluded or blocked, serving
+    ``model`` (None: any) over HTTP; ``only``: that worker or none."""
     blocked = state.guard.blocked(state.pool, time.monotonic())
     return [v for v in state.pool.snapshot(time.monotonic()).workers
             if v.healthy and v.id not in excluded and v.id not in blocked
-            and v.worker.serves(model) and state.backend_for(v.worker).relays_engine_api]
+            and (only is None or v.id == only)
+            and (model is None or v.worker.serves(model))
+            and state.backend_for(v.worker).relays_engine_api]
 
 
 async def relay(request: web.Request) -> web.StreamResponse:
@@ -123,15 +128,17 @@ async def relay(request: web.Request) -> web.StreamResponse:
         upstream = UpstreamRequest(path=path, body=body, namespace=namespace)
         del raw
         async with limits.admitted(identity.tenant, cost):
-            return await _dispatch(request, state, upstream, model, cost)
+            return await dispatch(request, state, upstream, model, cost)
     finally:
         hold.release()
 
 
-async def _dispatch(request: web.Request, state: GatewayState, upstream: UpstreamRequest,
-                    model: str, cost: int) -> web.Response:
+async def dispatch(request: web.Request, state: GatewayState, upstream: UpstreamRequest,
+                    model: str | None, cost: int, only: str | None = None,
+                    policy: str = POLICY) -> web.Response:
     """Send ``upstream`` to the least loaded worker for ``model``; on a failure before its
-    reply (unreachable, no reply in time, 429 or 5xx), to the next."""
+    reply (unreachable, no reply in time, 429 or 5xx), to the next. ``only``: to that worker,
+    and nowhere else if it fails (a stored response's worker)."""
     record = record_of(request)
     guard = state.guard
     excluded: set[str] = set()
@@ -139,7 +146,7 @@ async def _dispatch(request: web.Request, state: GatewayState, upstream: Upstrea
     busy = 0
     usable = 0
     for _ in range(state.settings.max_attempts):
-        views = _candidates(state, model, excluded)
+        views = _candidates(state, model, excluded, only)
         if not views:
             break
         usable += 1
@@ -162,10 +169,10 @@ async def _dispatch(request: web.Request, state: GatewayState, upstream: Upstrea
             record.upstream_done(reply.status)
             if reply.status != 429 and reply.status < 500:
                 guard.breakers.success(wid)
-                state.metrics.requests.labels(POLICY, str(reply.status)).inc()
+                state.metrics.requests.labels(policy, str(reply.status)).inc()
                 return web.Response(body=payload, status=reply.status, headers={
                     "Content-Type": reply.headers.get("Content-Type", "application/json"),
-                    "x-route-worker": wid, "x-route-policy": POLICY,
+                    "x-route-worker": wid, "x-route-policy": policy,
                 })
             problems.append(f"{wid}: HTTP {reply.status}")
             if reply.status != 429:
@@ -190,10 +197,13 @@ async def _dispatch(request: web.Request, state: GatewayState, upstream: Upstrea
             guard.breakers.settled(wid)
             state.pool.release(wid, cost)
         state.metrics.retries.labels(wid).inc()
-    state.metrics.requests.labels(POLICY, "unavailable").inc()
+    state.metrics.requests.labels(policy, "unavailable").inc()
+    if not usable and only is not None:
+        raise NoWorkerAvailable(f"the worker that holds this response ({only}) is not "
+                                "serving right now; retry shortly")
     if not usable:
         serving = [v for v in state.pool.snapshot(time.monotonic()).workers
-                   if v.healthy and v.worker.serves(model)]
+                   if v.healthy and (model is None or v.worker.serves(model))]
         if serving and not any(state.backend_for(v.worker).relays_engine_api for v in serving):
             raise NotFound(f"{request.path} is not served for the model {model!r}: its workers "
                            "take completions only (SageMaker endpoints)")

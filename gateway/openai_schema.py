@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from gateway.contracts.chat import ROLES, ChatFormatError
-from gateway.contracts.responses import as_chat_body
+from gateway.contracts.responses import as_chat_body, previous_response
 from gateway.errors import InvalidRequest
 from gateway.normal_texts import TextScope
 from gateway.normalize import (
@@ -391,6 +391,7 @@ def parse_responses(
     normalized rendering; the worker gets the request unchanged)."""
     try:
         chat = as_chat_body(body)
+        previous_response(body)
     except ChatFormatError as exc:
         raise _invalid(str(exc), exc.param) from None
     parsed = parse_chat(chat, opts, seen)

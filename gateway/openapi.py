@@ -133,8 +133,37 @@ def _responses_request(models: Iterable[str]) -> dict[str, Any]:
                                   "maximum": MAX_TOKENS_LIMIT},
             "stream": {"type": ["boolean", "null"]},
             "cache_salt": {"type": ["string", "null"]},
+            "previous_response_id": {
+                "type": ["string", "null"], "minLength": 1, "maxLength": 256,
+                "description": "a stored response of the caller's (400 "
+                               "previous_response_not_found otherwise); the request goes to "
+                               "the worker that stored it"},
+            "store": {"type": ["boolean", "null"],
+                      "description": "false: the answer is not kept (nor pinned)"},
         },
         "additionalProperties": True,
+    }
+
+
+def _stored_response_paths() -> dict[str, Any]:
+    """The paths about one stored response (:mod:`gateway.stored_responses`)."""
+    param = [{"name": "response_id", "in": "path", "required": True,
+              "schema": {"type": "string"}}]
+    statuses = ("401", "404", "502", "503")
+
+    def operation(summary: str) -> dict[str, Any]:
+        return {**_get(summary, statuses=statuses), "parameters": param,
+                "security": [{"apiKey": []}, {}]}
+
+    return {
+        "/v1/responses/{response_id}": {
+            "get": operation("A stored response, from the worker that made it"),
+            "delete": operation("Delete a stored response on the worker that made it"),
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": operation("A stored response's input items")},
+        "/v1/responses/{response_id}/cancel": {
+            "post": operation("Cancel a response run in the background")},
     }
 
 
@@ -240,6 +269,7 @@ def openapi_document(models: Iterable[str]) -> dict[str, Any]:
             "/admin/rebalance": {"get": _get("Store, rebalancer state and ring weights",
                                              admin=True)},
             "/openapi.json": {"get": _get("This document")},
+            **_stored_response_paths(),
             **_engine_paths(),
         },
         "components": {

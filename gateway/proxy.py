@@ -17,7 +17,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -36,6 +36,7 @@ from gateway.contracts.headers import (
     MATCHED_TOKENS_HEADER,
     WORKER_BOOT_HEADER,
 )
+from gateway.contracts.responses import RESPONSES_PATH, response_id_in, stores
 from gateway.errors import ConnectionQueueFull, GatewayError, NoWorkerAvailable, UpstreamError
 from gateway.guard import IdleTimer, NoFirstByte, SlotTimeout, UpstreamGuard
 from gateway.routing.types import Decision, NoCandidates, PrefixMatcher, RouteRequest
@@ -46,6 +47,7 @@ from gateway.telemetry.record import RequestRecord
 log = logging.getLogger(__name__)
 
 _USAGE_TAIL_BYTES = 8192
+_ID_SEARCH_BYTES = 65536  # a Responses stream's id is in its first event, within this
 _FIRST_BACKOFF_S = 0.05  # before retrying elsewhere after a 429/503; doubles, jittered
 _MAX_BACKOFF_S = 1.0
 _RELAYED_HEADERS = ("Content-Type", *CACHE_STAT_HEADERS)
@@ -79,16 +81,22 @@ async def dispatch(
     upstream: UpstreamRequest,
     route_request: RouteRequest,
     tenant: str,
+    only: str | None = None,
 ) -> web.StreamResponse:
     """Route ``upstream`` (of ``tenant``, the keyed id) and relay a worker's answer;
     ``observed`` is the request's telemetry record (it adds the request id and trace context
-    to each attempt)."""
+    to each attempt). ``only``: that worker or none (it holds the stored response the request
+    continues). A Responses answer that may be stored is pinned to its worker
+    (:mod:`gateway.response_pins`) before the client sees its id."""
     settings = state.settings
     session = state.session
     # Workers whose backend takes completions only (SageMaker endpoints) never get another path.
     excluded: set[str] = set() if upstream.path in COMPLETION_PATHS else {
         s.worker.id for s in state.pool.states()
         if not state.backend_for(s.worker).relays_engine_api}
+    if only is not None:
+        excluded.update(s.worker.id for s in state.pool.states() if s.worker.id != only)
+    pins = upstream.path == RESPONSES_PATH and stores(upstream.body)
     problems: list[str] = []
     backoff_s = 0.0
     guard = state.guard
@@ -171,15 +179,19 @@ async def dispatch(
             else:
                 if reply.status != 429 and reply.status < 500:
                     guard.breakers.success(wid)
+                    pin = _pinning(state, tenant, wid) if pins and reply.status == 200 else None
                     if stream:
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
                         return await _relay_stream(state, http_request, observed, reply, attempt,
-                                                   opened)
+                                                   opened, pin)
                     payload = await _read_whole(reply)
                     observed.upstream_done(reply.status if payload is not None else None,
                                            "" if payload is not None else "broke off")
                     if payload is not None:
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
+                        stored = response_id_in(payload) if pin is not None else None
+                        if pin is not None and stored is not None:
+                            await pin(stored)
                         return _respond_whole(state, observed, reply, payload, attempt)
                     # It broke off before the client saw a byte: try the next worker.
                     state.pool.mark_down(wid, "the connection broke off during its reply")
@@ -203,6 +215,9 @@ async def dispatch(
             # The client went away mid-relay: release the worker, with nothing to report.
             session.completed(attempt, now=time.monotonic())
     state.metrics.requests.labels(session.router.name, "unavailable").inc()
+    if not problems and only is not None:
+        raise NoWorkerAvailable(f"the worker that holds the previous response ({only}) is not "
+                                "serving right now; retry shortly")
     if not problems:
         raise NoWorkerAvailable("no healthy worker serves this request right now; retry shortly")
     raise tried_everywhere(problems, busy, http_request.path)
@@ -263,6 +278,15 @@ def stats_from_usage(payload: bytes) -> CacheUsage | None:
             return None
         return _usage(prompt, cached)
     return None
+
+
+def _pinning(state: GatewayState, tenant: str,
+             worker_id: str) -> Callable[[str], Awaitable[None]]:
+    """What pins a response id of ``tenant`` to ``worker_id``."""
+    def pin(response_id: str) -> Awaitable[None]:
+        return state.pins.remember(tenant, response_id, worker_id)
+
+    return pin
 
 
 def _report(observed: RequestRecord, reply: UpstreamReply, usage: CacheUsage | None) -> None:
@@ -354,7 +378,10 @@ async def _relay_stream(
     state: GatewayState, http_request: web.Request, observed: RequestRecord,
     reply: UpstreamReply, attempt: Attempt,
     opened: tuple[bytes | None, AsyncIterator[bytes]] | None = None,
+    pin: Callable[[str], Awaitable[None]] | None = None,
 ) -> web.StreamResponse:
+    """Relay a stream; with ``pin``, its first chunks are held back until the response id in
+    them is pinned (its first event), so a client that sees the id can refer to it."""
     headers = _client_headers(observed, attempt, reply)
     stats = stats_from_headers(reply)
     response = web.StreamResponse(status=reply.status, headers=headers)
@@ -366,12 +393,23 @@ async def _relay_stream(
     try:
         # Inside the try: if the client is already gone, the upstream reply is still released.
         await response.prepare(http_request)
+        held = b""  # what is held back while the response id is looked for
         async for chunk in _upstream_chunks(reply, wid, guard, idle, opened):
             observed.first_byte()
             state.session.first_token(attempt)  # its prefill no longer queues on the worker
-            await response.write(chunk)
             if stats is None:
                 tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
+            if pin is not None:
+                held += chunk
+                found = response_id_in(held)
+                if found is None and len(held) < _ID_SEARCH_BYTES:
+                    continue
+                if found is not None:
+                    await pin(found)
+                pin, chunk, held = None, held, b""
+            await response.write(chunk)
+        if held:  # it ended before any id
+            await response.write(held)
     except _UpstreamBrokeOff as exc:
         broke_off = f"broke off: {exc}"
         guard.breakers.failure(wid, time.monotonic())

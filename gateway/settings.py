@@ -284,6 +284,12 @@ class GatewaySettings:
                        "the health probes find down loses its waiting requests to other "
                        "workers either way"),
     )
+    response_pin_ttl_s: float = field(
+        default=86400.0,
+        metadata=_help("how long a Responses API answer stays pinned to the worker that made "
+                       "it, for previous_response_id and GET /v1/responses/{id} (seconds; "
+                       "the engine's own store bounds how long it keeps them)"),
+    )
     stream_idle_timeout_s: float = field(
         default=60.0,
         metadata=_help("end a stream whose worker sent nothing for this many seconds after its "
@@ -561,6 +567,8 @@ class GatewaySettings:
         if self.body_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.idle_timeout_s <= 0:
             raise ValueError("body_timeout_s, queue_timeout_s and idle_timeout_s must be "
                              "positive")
+        if self.response_pin_ttl_s <= 0:
+            raise ValueError("response_pin_ttl_s must be positive")
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         if self.chat_history_bytes < 0:

@@ -18,6 +18,7 @@ from gateway.parse_pool import ParsePool
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer
 from gateway.prompt_histories import PromptHistories
+from gateway.response_pins import ResponsePins
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
 from gateway.session import RoutingSession
@@ -38,6 +39,7 @@ class GatewayState:
     guard: UpstreamGuard
     warmup: WarmupManager
     prewarmer: PreWarmer
+    pins: ResponsePins  # the worker each stored Responses answer lives on
     # Long prompt texts already found normal, by keyed hash per tenant (gateway.normal_texts).
     normal_texts: NormalTexts = field(default_factory=NormalTexts)
     # Long chats by the bytes that carried them, per tenant (gateway.chat_histories).

@@ -142,6 +142,8 @@ class Job:
     namespace: str
     system_tokens: int = 0
     """Leading tokens of the (single) prompt that are the chat's system messages."""
+    on_response: Callable[[dict[str, Any]], None] | None = None
+    """A Responses answer, once complete (what stores it)."""
 
     @property
     def message_id(self) -> str:
@@ -239,6 +241,8 @@ async def respond_whole(
     report = CacheReport.of(admissions)
     if job.kind == "response":
         body = response_object(job, "".join(texts[0]), report, len(texts[0]))
+        if job.on_response is not None:
+            job.on_response(body)
         return web.json_response(body, headers={**headers, **report.headers()})
     choices: list[dict[str, Any]] = []
     for i, pieces in enumerate(texts):
@@ -368,8 +372,11 @@ class _SseWriter:
 
     async def finish(self) -> None:
         if self._job.kind == "response":  # the usage goes in the completed response
-            await self._event("response.completed", response=response_object(
-                self._job, "".join(self._text), self.report, self.completion_tokens))
+            done = response_object(
+                self._job, "".join(self._text), self.report, self.completion_tokens)
+            if self._job.on_response is not None:
+                self._job.on_response(done)
+            await self._event("response.completed", response=done)
             assert self.response is not None
             await self.response.write_eof()
             return

@@ -1,7 +1,10 @@
 """The worker's OpenAI-compatible HTTP API (aiohttp).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` as
-server-sent events), ``POST /v1/embeddings`` (hashed bags of tokens, :mod:`worker.embeddings`),
+server-sent events), ``POST /v1/responses`` (run as a chat; answers kept for
+``previous_response_id``, ``GET`` / ``DELETE /v1/responses/{id}``, its ``input_items`` and
+``cancel``: :mod:`worker.stored_responses`), ``POST /v1/embeddings`` (hashed bags of tokens,
+:mod:`worker.embeddings`),
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus, vLLM names), ``GET /stats`` (the same numbers as JSON, plus
 ``engine_info``), ``POST /admin/model``
@@ -38,8 +41,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import asdict, replace
 from typing import Any
 
 from aiohttp import web
@@ -51,7 +54,7 @@ from gateway.contracts.headers import NAMESPACE_HEADER, WORKER_BOOT_HEADER
 from gateway.contracts.httpserver import name_server
 from gateway.contracts.kv_keys import engine_namespace
 from gateway.contracts.registry_signing import signed
-from gateway.contracts.responses import as_chat_body
+from gateway.contracts.responses import as_chat_body, previous_response, stores
 from gateway.contracts.tracing import Tracing
 from gateway.contracts.worker_record import WorkerRecord
 from worker.auth import auth_middleware
@@ -79,6 +82,7 @@ from worker.parsing import (
 from worker.register import registration
 from worker.respond import Job, respond_stream, respond_whole
 from worker.settings import SIM_DEFAULT_CACHE_BLOCKS, WorkerSettings
+from worker.stored_responses import ResponseStore, StoredResponse, answer_text, input_items
 from worker.tokenize_lane import EncodeError, TokenizeLane
 from worker.tokenizer import HFTokenizer, Tokenizer, TokenizerUnavailableError, load_tokenizer
 
@@ -91,6 +95,7 @@ METRICS_KEY = web.AppKey("worker_metrics", WorkerMetrics)
 STARTED_KEY = web.AppKey("worker_started", int)
 BOOT_ID_KEY = web.AppKey("worker_boot_id", str)
 TRACING_KEY = web.AppKey("worker_tracing", Tracing)
+RESPONSE_STORE_KEY = web.AppKey("worker_response_store", ResponseStore)
 
 CLIENT_MAX_SIZE = 32 * 1024 * 1024
 
@@ -260,17 +265,78 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's Responses API, run as the chat it amounts to (:mod:`gateway.contracts.
     responses`): one assistant message, streamed as Responses events with ``"stream": true``.
-    Nothing is stored (``previous_response_id`` is refused)."""
+    Unless ``"store": false``, the answer is kept (:mod:`worker.stored_responses`); a next turn
+    by ``previous_response_id`` runs after the conversation it continues."""
     body = await _read_body(request)
-    if body.get("previous_response_id") is not None:
-        raise ApiError("this worker stores no responses: send the whole input",
-                       param="previous_response_id", code="unsupported_parameter")
+    kept = request.app[RESPONSE_STORE_KEY]
     try:
         chat = as_chat_body(body)
+        previous = previous_response(body)
     except ChatFormatError as exc:
         raise ApiError(str(exc), param=exc.param, code="invalid_value") from exc
+    before: tuple[Mapping[str, Any], ...] = ()
+    if previous is not None:
+        found = kept.get(previous)
+        if found is None:
+            raise ApiError(f"Previous response with id '{previous[:100]}' not found.",
+                           status=404, param="previous_response_id",
+                           code="previous_response_not_found")
+        before = found.conversation
+    messages = chat["messages"]
+    instructions = messages[:1] if body.get("instructions") is not None else []
+    added = tuple(messages[len(instructions):])
+    chat["messages"] = [*instructions, *before, *added]
     job, _ = await _chat_job(request, chat, "response", "resp_", "input")
+    if stores(body) and kept.max_entries > 0:
+        def keep(response: dict[str, Any]) -> None:
+            answer = {"role": "assistant", "content": answer_text(response)}
+            kept.put(StoredResponse(
+                response, (*before, *added, answer), input_items(body, job.response_id)))
+
+        job = replace(job, on_response=keep)
     return await _run(request, job)
+
+
+def _stored(request: web.Request) -> StoredResponse:
+    response_id = request.match_info["response_id"]
+    found = request.app[RESPONSE_STORE_KEY].get(response_id)
+    if found is None:
+        raise ApiError(f"Response with id '{response_id[:100]}' not found.", status=404,
+                       code="response_not_found")
+    return found
+
+
+async def stored_response(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{id}``: a stored response as it was answered."""
+    return web.json_response(dict(_stored(request).response))
+
+
+async def stored_input_items(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{id}/input_items``: the input items of a stored response (one
+    page holds them all)."""
+    data = list(_stored(request).input_items)
+    if request.query.get("order") != "asc":  # the Responses API lists newest first
+        data.reverse()
+    return web.json_response({
+        "object": "list", "data": data, "has_more": False,
+        "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
+    })
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """``DELETE /v1/responses/{id}``."""
+    found = _stored(request)
+    request.app[RESPONSE_STORE_KEY].delete(str(found.response["id"]))
+    return web.json_response({"id": found.response["id"], "object": "response.deleted",
+                              "deleted": True})
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    """``POST /v1/responses/{id}/cancel``: only a response run in the background can be
+    cancelled, and this worker runs none there (every stored response is complete)."""
+    _stored(request)
+    raise ApiError("Cannot cancel a response that was not created in background mode.",
+                   code="invalid_request")
 
 
 async def embeddings(request: web.Request) -> web.Response:
@@ -583,6 +649,11 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses)
+    app[RESPONSE_STORE_KEY] = ResponseStore(settings.stored_responses)
+    app.router.add_get("/v1/responses/{response_id}", stored_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", stored_input_items)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

@@ -58,6 +58,11 @@ class WorkerSettings:
         default=8,
         metadata={"help": "Most requests running at once; the rest wait in a FIFO queue."},
     )
+    stored_responses: int = field(
+        default=1024,
+        metadata={"help": "Responses API answers kept for previous_response_id and "
+                  "GET /v1/responses/{id} (the oldest go first; 0: none kept)."},
+    )
     prefill_us_per_token: float = field(
         default=200.0,
         metadata={"help": "Simulated prefill cost per UNCACHED prompt token, microseconds."},

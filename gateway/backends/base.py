@@ -53,6 +53,8 @@ class UpstreamRequest:
     as ``cache_salt``); ``anchor`` is the prefix anchor (hex) of the routing decision, which a
     target that routes inside itself can use (SageMaker ``PrefixAwareId``, stateful sessions).
     ``headers`` are the plain HTTP headers passed on as they are (``x-request-id``).
+    ``method`` is POST with ``body`` as JSON, or GET / DELETE with no body (the paths about a
+    stored response; ``path`` then carries its query string).
     """
 
     path: str
@@ -61,12 +63,13 @@ class UpstreamRequest:
     anchor: str = ""
     request_id: str = ""
     headers: Mapping[str, str] = field(default_factory=dict)
+    method: str = "POST"
 
     def with_headers(self, headers: Mapping[str, str]) -> UpstreamRequest:
         """This request with ``headers`` instead of its own (``dataclasses.replace`` without
         its per-call field introspection: once per attempt on the request path)."""
         return UpstreamRequest(self.path, self.body, self.namespace, self.anchor,
-                               self.request_id, headers)
+                               self.request_id, headers, self.method)
 
 
 class UpstreamReply(Protocol):

@@ -433,7 +433,7 @@ class Http1Client:
         self._waiting: dict[_Origin, deque[_Waiting]] = {}
         self._connects: set[asyncio.Task[None]] = set()
         self._connecting: dict[_Origin, int] = {}  # connects under way per origin
-        self._heads: dict[URL, tuple[_Origin, bytes]] = {}
+        self._heads: dict[tuple[str, URL], tuple[_Origin, bytes]] = {}
         # TLS to https:// origins: the given context, else the system's defaults (made once).
         self._ssl: ssl.SSLContext | None = ssl_context
         self._closed = False
@@ -442,13 +442,13 @@ class Http1Client:
         """Send ``body`` to ``url``; returns once the reply's status and headers are in."""
         return await self.send(url, headers, body)
 
-    def send(self, url: URL, headers: Mapping[str, str],
-             body: bytes) -> Coroutine[Any, Any, Http1Reply]:
+    def send(self, url: URL, headers: Mapping[str, str], body: bytes,
+             method: str = "POST") -> Coroutine[Any, Any, Http1Reply]:
         """:meth:`post`, with the request written (or its place taken in line) before this
         returns: a request sent at one instant and awaited later, from a task that starts on a
         later pass of the event loop, still reaches the worker before the requests sent after
         it. The coroutine returned must be awaited (it owns the connection)."""
-        origin, start = self._request_start(url)
+        origin, start = self._request_start(url, method)
         lines = [start, b"Content-Length: %d\r\n" % len(body)]
         for name, value in headers.items():
             line = f"{name}: {value}\r\n"
@@ -501,9 +501,10 @@ class Http1Client:
             if timer is not None:
                 timer.cancel()
 
-    def _request_start(self, url: URL) -> tuple[_Origin, bytes]:
-        """The origin and the request line + Host header of ``url`` (cached per URL)."""
-        cached = self._heads.get(url)
+    def _request_start(self, url: URL, method: str = "POST") -> tuple[_Origin, bytes]:
+        """The origin and the request line + Host header of ``url`` (cached per method and
+        URL)."""
+        cached = self._heads.get((method, url))
         if cached is None:
             if url.scheme not in ("http", "https") or not url.host:
                 raise ValueError(f"not an http(s) URL: {url}")
@@ -512,10 +513,11 @@ class Http1Client:
             if ":" in host:  # an IPv6 literal
                 host = f"[{host}]"
             authority = host if url.is_default_port() else f"{host}:{port}"
-            start = f"POST {url.raw_path_qs or '/'} HTTP/1.1\r\nHost: {authority}\r\n"
+            start = f"{method} {url.raw_path_qs or '/'} HTTP/1.1\r\nHost: {authority}\r\n"
             if len(self._heads) >= 4096:
                 self._heads.clear()
-            cached = self._heads[url] = ((url.scheme, url.host, port), start.encode("ascii"))
+            cached = self._heads[method, url] = ((url.scheme, url.host, port),
+                                                 start.encode("ascii"))
         return cached
 
     def _write(self, origin: _Origin, head: bytes,

@@ -14,16 +14,28 @@ The gateway routes a Responses request by the rendering of this chat (the next t
 loop adds items, so its rendering extends the last one's and finds the worker that holds it), and
 the reference worker runs it as this chat. ``max_output_tokens`` is the chat's ``max_tokens``;
 ``model``, ``stream``, ``tools``, ``tool_choice``, sampling and ``cache_salt`` carry over.
+
+*Stored responses.* Unless a request says ``"store": false`` its answer may be stored by the
+server that made it (OpenAI's default; vLLM with its response store on), and a later request
+refers to it by id: ``previous_response_id`` (a next turn that sends only its new input, the
+stored conversation before it) or the paths under ``/v1/responses/{id}``. Such a request must
+reach the server that stored the response (:mod:`gateway.response_pins`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from gateway.contracts.chat import ChatFormatError, canonical_json
 
 RESPONSES_PATH = "/v1/responses"
+# The paths about one stored response: it, its input items, its cancellation (``{id}``).
+STORED_RESPONSE_PATHS = ("/v1/responses/{response_id}",
+                         "/v1/responses/{response_id}/input_items",
+                         "/v1/responses/{response_id}/cancel")
+_MAX_ID_CHARS = 256
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _CARRIED = ("model", "stream", "temperature", "top_p", "tools", "tool_choice", "cache_salt")
@@ -100,3 +112,50 @@ def as_chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
                                   "max_output_tokens")
         chat["max_tokens"] = limit
     return chat
+
+
+def previous_response(body: Mapping[str, Any]) -> str | None:
+    """The stored response a request continues (``previous_response_id``), if any; raises
+    :class:`ChatFormatError` for what cannot be one."""
+    previous = body.get("previous_response_id")
+    if previous is None:
+        return None
+    if not (isinstance(previous, str) and 0 < len(previous) <= _MAX_ID_CHARS):
+        raise ChatFormatError(
+            f"'previous_response_id' must be a response id (a string of 1 to {_MAX_ID_CHARS} "
+            "characters)", "previous_response_id")
+    return previous
+
+
+def stores(body: Mapping[str, Any]) -> bool:
+    """Whether the answer to a request may be stored (unless ``"store": false``)."""
+    return body.get("store") is not False
+
+
+def response_id_in(payload: bytes) -> str | None:
+    """The id of the response in a Responses answer: a whole response object, or a stream
+    whose ``response.created`` event (its first) is among ``payload``'s complete lines."""
+    stripped = payload.lstrip()
+    if stripped.startswith(b"{"):
+        try:
+            found = json.loads(stripped)
+        except ValueError:
+            return None
+        return _id_of(found)
+    for line in payload.split(b"\n")[:-1]:  # the last line may not be complete yet
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            event = json.loads(line[5:])
+        except ValueError:
+            continue
+        if isinstance(event, dict) and isinstance(event.get("response"), dict):
+            return _id_of(event["response"])
+    return None
+
+
+def _id_of(response: Any) -> str | None:
+    if not isinstance(response, dict) or response.get("object", "response") != "response":
+        return None
+    found = response.get("id")
+    return found if isinstance(found, str) and 0 < len(found) <= _MAX_ID_CHARS else None

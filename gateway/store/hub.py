@@ -44,7 +44,8 @@ _STREAM_LIMIT = 10_000  # assignments kept for readers that fall behind (read ev
 _METHODS = frozenset({
     "register_worker", "deregister_worker", "list_workers", "publish_assignments",
     "read_assignments", "recent_assignments", "publish_load", "read_load", "add_telemetry",
-    "read_telemetry", "try_lead", "lease", "log_action", "recent_actions",
+    "read_telemetry", "try_lead", "lease", "pin", "pinned", "unpin", "log_action",
+    "recent_actions",
 })
 
 
@@ -300,6 +301,16 @@ class HubStore:
 
     async def lease(self, name: str, value: str, ttl_s: float, replace: bool = False) -> str:
         return str(await self._call("lease", name, value, ttl_s, replace))
+
+    async def pin(self, name: str, worker_id: str, ttl_s: float) -> None:
+        await self._call("pin", name, worker_id, ttl_s)
+
+    async def pinned(self, name: str) -> str | None:
+        result: str | None = await self._call("pinned", name)
+        return result
+
+    async def unpin(self, name: str) -> None:
+        await self._call("unpin", name)
 
     async def log_action(self, action: Mapping[str, object], keep: int) -> None:
         await self._call("log_action", dict(action), keep)

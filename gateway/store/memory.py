@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 
 from gateway.store.base import (
@@ -13,6 +13,8 @@ from gateway.store.base import (
     Telemetry,
     WorkerRecord,
 )
+
+_MAX_PINS = 200_000  # about 30 MB of names and worker ids
 
 
 class MemoryStore:
@@ -24,6 +26,9 @@ class MemoryStore:
         self._tenant_hits: dict[str, HitCounters] = {}
         self._actions: deque[dict[str, object]] = deque(maxlen=1000)
         self._leases: dict[str, tuple[str, float]] = {}
+        # Pins, oldest first; bounded: past the cap the oldest go, as Redis would evict them.
+        self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self.max_pins = _MAX_PINS
 
     @property
     def url(self) -> str:
@@ -84,6 +89,24 @@ class MemoryStore:
             self._leases = {k: v for k, v in self._leases.items() if v[1] > now}
         self._leases[name] = (value, now + ttl_s)
         return value
+
+    async def pin(self, name: str, worker_id: str, ttl_s: float) -> None:
+        self._pins.pop(name, None)
+        self._pins[name] = (worker_id, time.monotonic() + ttl_s)
+        while len(self._pins) > self.max_pins:
+            self._pins.popitem(last=False)
+
+    async def pinned(self, name: str) -> str | None:
+        held = self._pins.get(name)
+        if held is None:
+            return None
+        if held[1] <= time.monotonic():
+            del self._pins[name]
+            return None
+        return held[0]
+
+    async def unpin(self, name: str) -> None:
+        self._pins.pop(name, None)
 
     async def log_action(self, action: Mapping[str, object], keep: int) -> None:
         self._actions.append(dict(action))

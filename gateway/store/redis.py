@@ -318,6 +318,25 @@ class RedisStore:
 
         return await self._call(op)
 
+    async def pin(self, name: str, worker_id: str, ttl_s: float) -> None:
+        async def op() -> None:
+            await self._r.set(self.key("pin", name), worker_id, px=max(1, int(ttl_s * 1000)))
+
+        await self._call(op)
+
+    async def pinned(self, name: str) -> str | None:
+        async def op() -> str | None:
+            held = await cast(Awaitable[bytes | None], self._r.get(self.key("pin", name)))
+            return held.decode() if held is not None else None
+
+        return await self._call(op)
+
+    async def unpin(self, name: str) -> None:
+        async def op() -> None:
+            await self._r.delete(self.key("pin", name))
+
+        await self._call(op)
+
     async def log_action(self, action: Mapping[str, object], keep: int) -> None:
         async def op() -> None:
             async with self._r.pipeline(transaction=True) as pipe:

@@ -95,3 +95,14 @@ async def test_named_leases_are_first_come_and_replaceable(hub: HubServer) -> No
     assert await b.lease("short", "y", 5.0) == "y"  # the first one lapsed
     await a.close()
     await b.close()
+
+
+async def test_a_pin_one_process_sets_is_read_by_another(hub: HubServer) -> None:
+    a, b = await _client(hub), await _client(hub)
+    await a.pin("resp:1", "w1", 5.0)
+    assert await b.pinned("resp:1") == "w1"
+    assert await b.pinned("resp:2") is None
+    await b.unpin("resp:1")
+    assert await a.pinned("resp:1") is None
+    await a.close()
+    await b.close()

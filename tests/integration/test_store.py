@@ -146,3 +146,25 @@ async def test_unreachable_redis_raises_store_unavailable() -> None:
     with pytest.raises(StoreUnavailable):
         await store.list_workers()
     await store.close()
+
+
+async def test_pins_bind_a_name_to_a_worker_until_they_lapse_or_are_dropped(
+    store: MetadataStore,
+) -> None:
+    await store.pin("resp:a", "w1", ttl_s=5)
+    await store.pin("resp:b", "w2", ttl_s=0.2)
+    assert await store.pinned("resp:a") == "w1"
+    assert await store.pinned("resp:b") == "w2"
+    assert await store.pinned("resp:c") is None
+    await store.unpin("resp:a")
+    assert await store.pinned("resp:a") is None
+    await asyncio.sleep(0.4)
+    assert await store.pinned("resp:b") is None  # lapsed
+
+
+async def test_the_embedded_store_keeps_the_newest_pins_past_its_cap() -> None:
+    store = MemoryStore()
+    store.max_pins = 3
+    for i in range(5):
+        await store.pin(f"p{i}", f"w{i}", ttl_s=60)
+    assert [await store.pinned(f"p{i}") for i in range(5)] == [None, None, "w2", "w3", "w4"]
