@@ -128,7 +128,8 @@ async def dispatch(
         try:
             now = time.monotonic()
             blocked = frozenset(excluded) | guard.blocked(state.pool, now)
-            attempt = session.decide(route_request, now, blocked, tenant, observe)
+            attempt = session.decide(route_request, now, blocked, tenant, observe,
+                                     pinned="stored response" if only is not None else "")
         except NoCandidates:
             break
         decided_s = time.perf_counter() - started

@@ -19,7 +19,7 @@ buffers it for its background loops).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gateway.fingerprint import PrefixKey
@@ -27,7 +27,7 @@ from gateway.kvevents.hybrid import HybridMatcher
 from gateway.kvevents.index import ExactMatcher
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
-from gateway.routing.types import Decision, PrefixMatcher, RouteRequest, Snapshot
+from gateway.routing.types import Decision, DecisionKind, PrefixMatcher, RouteRequest, Snapshot
 from gateway.store.base import CacheReport
 from gateway.values import value
 
@@ -169,6 +169,7 @@ class RoutingSession:
         exclude: frozenset[str] = frozenset(),
         tenant: str = "",
         observe: Callable[[Decision, PrefixMatcher], None] | None = None,
+        pinned: str = "",
     ) -> Attempt:
         """Decide at time ``now`` and account for it (:meth:`decide`, then :meth:`commit`);
         raises ``NoCandidates`` when no worker may take the request."""
@@ -183,15 +184,19 @@ class RoutingSession:
         exclude: frozenset[str] = frozenset(),
         tenant: str = "",
         observe: Callable[[Decision, PrefixMatcher], None] | None = None,
+        pinned: str = "",
     ) -> Attempt:
         """The decision at time ``now``, not yet accounted for: the index and the pool are as
         before until :meth:`commit`. The caller commits before it next yields to the event
         loop, so every later decision sees this one exactly as after :meth:`route`; in
         between it may write the request to the worker (the gateway does: the worker starts
-        on it while the gateway records it)."""
+        on it while the gateway records it). ``pinned``: why ``exclude`` left a single worker
+        (the decision's kind is then PINNED)."""
         self.sink.catch_up(now)
         snapshot = self.pool.snapshot(now)
         decision = self.router.route(request, snapshot, exclude)
+        if pinned:  # ``exclude`` left one worker, which holds what the request names
+            decision = replace(decision, kind=DecisionKind.PINNED, placement=pinned)
         if observe is not None:  # sees the index as the decision did, before it is recorded
             observe(decision, snapshot.index)
         key = request.key

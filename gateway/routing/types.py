@@ -162,6 +162,9 @@ class DecisionKind(StrEnum):
     # prefix from the ring position past the trunk.
     BRANCH = "branch"
     PLACED = "placed"  # a policy without a prefix index (ring, round robin, least load)
+    # The request names state that one worker alone holds (a stored response it continues):
+    # that worker, whatever its prefix; the policy only saw it as the one candidate.
+    PINNED = "pinned"
 
 
 @value
@@ -212,6 +215,8 @@ class Decision:
             case DecisionKind.SPREAD:
                 text = (f"spread: {self.holder} {self.diverted_by} "
                         f"(depth={self.holder_blocks}) -> {self.placement}")
+            case DecisionKind.PINNED:
+                text = f"pinned: {self.placement} depth={self.match_blocks}"
             case DecisionKind.BRANCH:
                 text = (f"branch past depth={self.holder_blocks} -> {self.placement}"
                         f" depth={self.match_blocks}")

@@ -45,6 +45,7 @@ async def test_next_turns_by_id_reach_the_worker_that_stored_the_last(
                     input=f"And step {turn}?", max_output_tokens=3)
                 assert raw.headers["x-route-worker"] == home
                 assert raw.headers["x-route-policy"] == "cache_aware"
+                assert raw.headers["x-route-reason"].startswith("pinned: stored response")
                 last = raw.parse()
                 assert last.output_text
                 assert last.usage is not None
@@ -126,9 +127,9 @@ async def test_tenants_never_reach_each_others_responses(start_cluster: StartClu
                                           input="what did they ask?")
         assert continued.value.code == "previous_response_not_found"
         assert (await acme.responses.retrieve(made.id)).id == made.id  # still there
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"{cluster.base_url}/responses/{made.id}") as r:
-            assert r.status == 401  # no key: nothing is looked up
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"{cluster.base_url}/responses/{made.id}") as r:
+        assert r.status == 401  # no key: nothing is looked up
 
 
 async def test_the_pinned_worker_down_is_a_503_and_no_other_worker_is_tried(
