@@ -96,3 +96,34 @@ async def test_processes_share_one_port_and_the_prefix_index(
             return False
         return True
     await _until(replicas_gone, timeout_s=15)
+
+
+async def test_a_stored_response_made_on_one_process_is_continued_on_any(
+    processes: Processes,
+) -> None:
+    """Each request on a new connection, so the kernel spreads them over the two processes:
+    a next turn by previous_response_id finds the pin wherever the answer was relayed (the
+    chance that all 12 next turns meet the process that pinned their answer is 1 in 4,096)."""
+    workers = [(await processes.worker())[0] for _ in range(3)]
+    gateway = await processes.gateway(
+        "--procs", "2", *(a for url in workers for a in ("--worker", url)))
+
+    async def post(body: dict[str, Any]) -> tuple[str, str]:
+        async with _fresh() as http, http.post(gateway + "/v1/responses", json=body) as r:
+            assert r.status == 200, await r.text()
+            return (await r.json())["id"], r.headers["x-route-worker"]
+
+    async def serving() -> bool:  # both processes, as far as 8 new connections can tell
+        for _ in range(8):
+            async with _fresh() as http, http.get(gateway + "/ready") as r:
+                if r.status != 200:
+                    return False
+        return True
+    await _until(serving)
+    for i in range(6):
+        last, home = await post({"model": MODEL, "input": f"{PREFIX} ticket {i}",
+                                 "max_output_tokens": 1})
+        for turn in range(2):
+            last, worker = await post({"model": MODEL, "previous_response_id": last,
+                                       "input": f"and then {turn}?", "max_output_tokens": 1})
+            assert worker == home
