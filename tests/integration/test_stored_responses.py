@@ -201,3 +201,21 @@ def test_the_response_id_is_read_from_a_whole_answer_or_a_streams_first_event() 
     assert response_id_in(created[:-2]) is None  # its line may not be complete yet
     assert response_id_in(b'{"id": "chatcmpl-1", "object": "chat.completion"}') is None
     assert response_id_in(b"not json") is None
+
+
+async def test_without_redis_pins_hold_in_the_process_and_unknown_ids_are_503s(
+        start_cluster: StartCluster, redis_server: RedisServer) -> None:
+    cluster = await start_cluster(workers=2, store=redis_server.url)
+    async with client(cluster.base_url) as oa:
+        before = await oa.responses.create(model=MODEL, input=OPENINGS[5], max_output_tokens=2)
+        redis_server.stop()
+        # Made while the store is gone: pinned in this process, and answered all the same.
+        made = await oa.responses.create(model=MODEL, input=OPENINGS[0], max_output_tokens=2)
+        for known in (before, made):
+            nxt = await oa.responses.create(model=MODEL, previous_response_id=known.id,
+                                            input="go on", max_output_tokens=2)
+            assert nxt.output_text
+        # Only the store could say where this one is: not a 404, a 503 to retry.
+        with pytest.raises(openai.APIStatusError) as unknown:
+            await oa.responses.retrieve("resp_made_by_another_gateway")
+        assert unknown.value.status_code == 503
