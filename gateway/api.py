@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.auth import ANONYMOUS, AUTH_KEY, IDENTITY_KEY, Identity
 from gateway.backends.base import UpstreamRequest
-from gateway.contracts.responses import RESPONSES_PATH
+from gateway.contracts.responses import RESPONSES_PATH, as_chat_body
 from gateway.errors import ModelNotFound, NoWorkerAvailable, PayloadTooLarge, RequestTimeout
 from gateway.fingerprint import Namespace
 from gateway.limits import LIMITS_KEY, BodyHold
@@ -137,12 +137,13 @@ async def prepare(
     # The cache namespace the workers see: the tenant's, split further by the client's salt.
     namespace = app[AUTH_KEY].hasher.namespace(tenant, parsed.cache_salt)
     tokenized = None
-    # Token-exact keys for completions and chats; a Responses request keeps the character
-    # fingerprint of the chat it amounts to.
-    if state.exact.tokenizer is not None and path != RESPONSES_PATH:
+    # Token-exact keys for completions and chats; a Responses request's are its chat's, the
+    # prompt the engine runs (a next turn by previous_response_id runs after a stored
+    # conversation its body does not carry: it goes where that is, by its pin).
+    if state.exact.tokenizer is not None:
         tokenized = await state.exact.key(
-            parsed.body, chat=path == "/v1/chat/completions", tenant=namespace,
-            cache_salt=parsed.cache_salt,
+            as_chat_body(parsed.body) if path == RESPONSES_PATH else parsed.body,
+            chat=path != "/v1/completions", tenant=namespace, cache_salt=parsed.cache_salt,
         )
     block_tokens = 0
     prompt_tokens, cost = request_cost(parsed, settings)

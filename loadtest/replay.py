@@ -959,9 +959,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         p.error("--block-chars must be a multiple of 64 (the gateway's block)")
     if args.kv_events and not args.tokenizer_file:
         p.error("--kv-events needs --tokenizer-file (events are keyed by token ids)")
-    if args.api != "completions" and (args.simulate or args.agreement or args.tokenizer_file):
-        p.error("--api responses runs live only, with character keys (no --simulate, "
-                "--agreement or --tokenizer-file)")
+    if args.api != "completions" and (args.simulate or args.agreement):
+        p.error("--api responses runs live only (no --simulate or --agreement)")
     def at(flag: str, text: str | None) -> tuple[int, float] | None:
         if not text:
             return None

@@ -121,6 +121,28 @@ async def test_predictions_are_exact_and_admin_names_the_source(setup: Setup) ->
         assert sum(w["matched_tokens"] for w in view["workers"]) > 0  # affinity found hits
 
 
+async def test_responses_requests_get_token_keys_and_exact_predictions(setup: Setup) -> None:
+    """A Responses request is keyed by the tokens of the chat it amounts to, which is the
+    prompt the worker runs: predicted and reported cached tokens agree, as for chats."""
+    async with aiohttp.ClientSession() as s:
+        await live(s, setup.gateway, 2)
+        for i in range(24):
+            body = {"model": FAST_WORKER.model, "max_output_tokens": 2,
+                    "instructions": system_prompt(i % 4),
+                    "input": [{"role": "user", "content": f"question {i} about invoices"}]}
+            async with s.post(f"{setup.gateway}/v1/responses", json=body,
+                              headers={"Authorization": "Bearer k1"}) as r:
+                assert r.status == 200, await r.text()
+            await asyncio.sleep(0.01)  # let the events of this reply arrive
+        view = await admin(s, setup.gateway)
+    assert (view["tokenizer"]["prompts"], view["tokenizer"]["fallbacks"]) == (24, 0)
+    evented = [w for w in view["workers"] if w["cache_source"] == "events"]
+    responses = sum(w["predictions"]["responses"] for w in evented)
+    assert responses > 0
+    assert sum(w["predictions"]["exact"] for w in evented) == responses
+    assert sum(w["matched_tokens"] for w in view["workers"]) > 0
+
+
 async def test_a_flushed_worker_is_known_cold(setup: Setup) -> None:
     async with aiohttp.ClientSession() as s:
         view = await live(s, setup.gateway, 2)
