@@ -300,10 +300,15 @@ def normalize_content(
     return content
 
 
+# Content parts whose ``text`` is text: chat's, and the Responses API's input and output text.
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
 def _is_text_part(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") == "text" and isinstance(
-        part.get("text"), str
-    )
+    if not isinstance(part, dict):
+        return False
+    kind = part.get("type")
+    return isinstance(kind, str) and kind in _TEXT_PARTS and isinstance(part.get("text"), str)
 
 
 def normalize_messages(

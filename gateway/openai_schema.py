@@ -22,6 +22,7 @@ from gateway.normalize import (
     NormalizeOptions,
     NormalPrefix,
     normalize_after,
+    normalize_content,
     normalize_messages,
     normalize_text,
     render_messages,
@@ -387,14 +388,40 @@ def parse_responses(
     known: KnownHistory | NormalPrefix | None = None, keep_history: bool = False,
 ) -> ParsedRequest:
     """``POST /v1/responses``: routed as the chat it amounts to (:mod:`gateway.contracts.
-    responses`), the client's body forwarded as it came (the fingerprint sees the chat's
-    normalized rendering; the worker gets the request unchanged)."""
+    responses`); the body forwarded with its texts normalized (the client's bytes where that
+    changes nothing), so that the worker runs the chat the fingerprint saw."""
+    normalized = _normalized_responses(body, opts, seen)
     try:
-        chat = as_chat_body(body)
+        chat = as_chat_body(normalized)
         previous_response(body)
     except ChatFormatError as exc:
         raise _invalid(str(exc), exc.param) from None
     parsed = parse_chat(chat, opts, seen)
-    return ParsedRequest(parsed.model, body, parsed.fingerprint_text, parsed.stream,
-                         parsed.max_tokens, parsed.cache_salt, unchanged=True,
+    return ParsedRequest(parsed.model, normalized, parsed.fingerprint_text, parsed.stream,
+                         parsed.max_tokens, parsed.cache_salt, unchanged=normalized is body,
                          prompt_chars=parsed.prompt_chars, sequences=parsed.sequences)
+
+
+def _normalized_responses(body: dict[str, Any], opts: NormalizeOptions,
+                          seen: TextScope | None) -> dict[str, Any]:
+    """A Responses body with its texts normalized as a chat's are (the instructions, a string
+    input, the contents of message items; the worker gets this body, so what it caches is
+    what the fingerprint saw), or ``body`` itself when that changes nothing."""
+    changed: dict[str, Any] = {}
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        text = normalize_text(instructions, opts, seen)
+        if text != instructions:
+            changed["instructions"] = text
+    items = body.get("input")
+    if isinstance(items, str):
+        text = normalize_text(items, opts, seen)
+        if text != items:
+            changed["input"] = text
+    elif isinstance(items, list):
+        fresh = [{**item, "content": normalize_content(item["content"], opts, seen)}
+                 if isinstance(item, dict) and item.get("type", "message") == "message"
+                 and "content" in item else item for item in items]
+        if fresh != items:
+            changed["input"] = fresh
+    return {**body, **changed} if changed else body

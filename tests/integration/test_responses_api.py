@@ -71,6 +71,28 @@ async def test_a_streamed_response_with_the_openai_client(start_cluster: StartCl
     assert completed.usage.input_tokens > 0
 
 
+async def test_the_worker_gets_the_text_normalized_so_a_clean_copy_hits_its_cache(
+        start_cluster: StartCluster) -> None:
+    """Invisible differences (NBSP, zero-width spaces, trailing spaces) are normalized in the
+    body the worker gets, as in a chat's: what it caches is what the fingerprint saw, and the
+    same request written cleanly finds its whole prompt cached."""
+    cluster = await start_cluster(workers=2)
+    dirty = (INSTRUCTIONS.replace(". ", ".\u00a0", 3).replace("manual", "man\u200bual", 2)
+             + "  ")
+    async with client(cluster.base_url) as oa:
+        first = await oa.responses.with_raw_response.create(
+            model=MODEL, instructions=dirty, max_output_tokens=2,
+            input=[{"role": "user", "content": [{"type": "input_text",
+                                                  "text": "Which chain?  \n"}]}])
+        second = await oa.responses.with_raw_response.create(
+            model=MODEL, instructions=INSTRUCTIONS, input="Which chain?", max_output_tokens=2)
+    assert second.headers["x-route-worker"] == first.headers["x-route-worker"]
+    usage = second.parse().usage
+    assert usage is not None
+    # All of it but the last, partial block (16 tokens) and the next one it ends in.
+    assert usage.input_tokens_details.cached_tokens >= usage.input_tokens - 32
+
+
 async def test_bad_input_names_the_responses_parameter(start_cluster: StartCluster) -> None:
     cluster = await start_cluster(workers=1)
     cases: list[tuple[dict[str, Any], str]] = [

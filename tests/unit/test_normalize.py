@@ -597,3 +597,10 @@ def test_the_line_rule_leaves_the_last_line_to_the_end_of_text_rule() -> None:
     parts = normalize_content([{"type": "text", "text": "x  \ny  "},
                                {"type": "text", "text": "z"}], DEFAULT)
     assert "".join(p["text"] for p in parts) == "x\ny  z"
+
+
+def test_the_responses_apis_text_parts_are_normalized_and_odd_parts_left_alone() -> None:
+    parts = normalize_content([{"type": "input_text", "text": "a\u00a0b\u200b "},
+                               {"type": [], "text": "c\u00a0"},  # not a part type: as it came
+                               {"type": "output_text", "text": "d  "}], DEFAULT)
+    assert [p["text"] for p in parts] == ["a b ", "c\u00a0", "d"]
