@@ -198,11 +198,13 @@ async def _held(
     state = app[STATE]
     settings = state.settings
     raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s, hold)
-    histories = state.chat_histories
+    histories = (state.chat_histories if parse is parse_chat else
+                 state.response_histories if parse is parse_responses else None)
     prompts = state.prompt_histories
     scope = found = prompt_scope = known_prompt = None
-    if parse is parse_chat and histories.max_bytes and len(raw) >= histories.min_bytes:
-        # A long chat's turn decodes and checks only what its last turn did not carry.
+    if histories is not None and histories.max_bytes and len(raw) >= histories.min_bytes:
+        # A long chat's turn (its messages, or a Responses request's input items) decodes
+        # and checks only what its last turn did not carry.
         scope = histories.seed(identity.tenant_id, settings.normalize_options())
         body, found = histories.decode(raw, scope)
     elif parse is parse_completion and prompts.max_bytes and len(raw) >= prompts.min_bytes:
@@ -224,7 +226,7 @@ async def _held(
     parsed, route_request, namespace = await prepare(
         app, body, parse, path, identity, known,
         keep_history=scope is not None or prompt_scope is not None, on_thread=on_thread)
-    if scope is not None and parsed.history is not None:
+    if scope is not None and histories is not None and parsed.history is not None:
         histories.remember(raw, scope, body, parsed.history, found)
     elif prompt_scope is not None:
         prompts.remember(raw, prompt_scope, body, known_prompt, parsed.normal)

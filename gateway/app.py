@@ -20,7 +20,7 @@ from gateway.backends.base import Backend
 from gateway.backends.kinds import BackendOptions
 from gateway.backends.registry import build_backends
 from gateway.breaker import BreakerOptions, Breakers
-from gateway.chat_histories import ChatHistories
+from gateway.chat_histories import RESPONSES_BEFORE_INPUT, ChatHistories
 from gateway.contracts.httpserver import ConnectionCap, name_server
 from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import Tracing
@@ -404,13 +404,15 @@ def create_app(
                 fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
             )),
         chat_histories=ChatHistories(max_bytes=settings.chat_history_bytes),
+        response_histories=ChatHistories(max_bytes=settings.chat_history_bytes, key="input",
+                                         before=RESPONSES_BEFORE_INPUT),
         prompt_histories=PromptHistories(max_bytes=settings.chat_history_bytes),
         parse_pool=ParsePool(settings.parse_thread_items),
         normal_texts=NormalTexts(rewritten_bytes=settings.normal_text_bytes),
     )
     metrics.registry.register(
         MemoCollector(state.normal_texts, state.chat_histories, state.prompt_histories,
-                      state.fingerprints, state.parse_pool))
+                      state.fingerprints, state.parse_pool, state.response_histories))
     if connections is not None:
         metrics.registry.register(ConnectionCollector(connections))
     lifecycle = CacheLifecycle(pool, backend_for, warmup)

@@ -66,35 +66,57 @@ class _Entry(Prefix):
     known: KnownHistory
 
 
+# What must come before a Responses request's input items for its history to be known: its
+# salt (the namespace). Its instructions may follow them: the parse checks them against the
+# history's first message (gateway.openai_schema.parse_responses).
+RESPONSES_BEFORE_INPUT = frozenset({"cache_salt"})
+
+
 class ChatHistories(BodyMemo[_Entry]):
-    """Recent long chats by tenant, for :meth:`decode` to skip the part already seen."""
+    """Recent long chats by tenant, for :meth:`decode` to skip the part already seen.
+
+    ``key`` names the array of messages: ``messages`` for chats, ``input`` for Responses
+    API requests (whose items each become one chat message after ``lead`` of them, the
+    instructions). ``before``: keys that must come before that array for a body to be
+    remembered or joined, since what is known was parsed with their values (``cache_salt``)."""
+
+    def __init__(self, max_bytes: int = 32 << 20, min_bytes: int = 32 << 10,
+                 per_anchor: int = 256, *, key: str = "messages",
+                 before: frozenset[str] = frozenset({"cache_salt"})) -> None:
+        super().__init__(max_bytes, min_bytes, per_anchor)
+        self.key = key
+        self._before = before
+        self._check = lambda raw, entry: _begins_message(raw, entry, key)
+        self._join = lambda raw, entry: _joined(raw, entry, key, before)
 
     def decode(self, raw: bytes, seed: int) -> tuple[dict[str, Any], Known | None]:
         """The body of ``raw`` as :func:`decode_json_object` decodes it (the same object, the
         same errors), and what an earlier body of scope ``seed`` that carried the same bytes
         up to one of its messages tells of it (None: nothing)."""
-        found = self._found(raw, seed, _begins_message, _joined)
+        found = self._found(raw, seed, self._check, self._join)
         if found is not None:
             return found[0], Known(found[1])
         return decode_json_object(raw), None
 
     def remember(self, raw: bytes, seed: int, body: dict[str, Any], history: KnownHistory,
                  joined: Known | None = None) -> None:
-        """Keep ``history`` (``body``'s messages but its last, as parsed) for a later body of
-        scope ``seed`` that starts with the same bytes up to where ``body``'s last message
-        begins. ``joined``: what :meth:`decode` found for ``body``."""
+        """Keep ``history`` (``body``'s messages but its last, as parsed, after its ``lead``
+        messages that are not in the array) for a later body of scope ``seed`` that starts
+        with the same bytes up to where ``body``'s last message begins. ``joined``: what
+        :meth:`decode` found for ``body``."""
         if len(raw) < self.min_bytes:
             return
-        messages = body.get("messages")
-        if not isinstance(messages, list) or len(history.normalized) != len(messages) - 1:
+        messages = body.get(self.key)
+        if (not isinstance(messages, list)
+                or len(history.normalized) != len(messages) - 1 + history.lead):
             return
         head: dict[str, Any] = {}
         for key, value in body.items():
-            if key == "messages":
+            if key == self.key:
                 break
             head[key] = value
-        if "cache_salt" in body and "cache_salt" not in head:
-            return  # a salt after the messages: no later body would be joined
+        if any(key in body and key not in head for key in self._before):
+            return  # one after the messages: no later body would be joined
         last = messages[-1]
         first_key = next(iter(last), None) if isinstance(last, dict) else None
         if not isinstance(first_key, str):
@@ -133,12 +155,12 @@ class Known:
         return self.entry.known
 
 
-def _begins_message(raw: bytes, entry: _Entry) -> bool:
+def _begins_message(raw: bytes, entry: _Entry, key: str) -> bool:
     """Whether ``raw`` up to ``entry.end`` (the bytes of ``entry``'s body up to there) is that
-    body up to one of its messages, inside "messages": decoded closed there, it is the body's
-    keys before "messages" and the messages before the end."""
+    body up to one of its messages, inside ``key``: decoded closed there, it is the body's
+    keys before ``key`` and the messages before the end."""
     closed = _closed(raw[:entry.end])
-    return bool(closed == {**entry.head, "messages": list(entry.messages)})
+    return bool(closed == {**entry.head, key: list(entry.messages)})
 
 
 def _closed(document: bytes) -> Any:
@@ -153,7 +175,8 @@ def _closed(document: bytes) -> Any:
         return None
 
 
-def _rest(raw: bytes, end: int, head: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
+def _rest(raw: bytes, end: int, head: dict[str, Any],
+          key: str) -> tuple[list[Any], dict[str, Any]] | None:
     """The messages and the keys of ``raw`` after ``end``, decoded on their own (None where
     they do not decode, or the join could differ from decoding ``raw`` whole)."""
     tail = raw[end:]
@@ -167,7 +190,7 @@ def _rest(raw: bytes, end: int, head: dict[str, Any]) -> tuple[list[Any], dict[s
     if not isinstance(value, dict):
         return None
     seam = value.pop(_SEAM_KEY, None)
-    if not isinstance(seam, list) or "messages" in value or any(k in head for k in value):
+    if not isinstance(seam, list) or key in value or any(k in head for k in value):
         return None
     messages = seam[1:]  # the end follows a comma: so does the rest, after the seam's 0
     if too_deep(document, {_SEAM_KEY: messages, **value}):
@@ -175,10 +198,12 @@ def _rest(raw: bytes, end: int, head: dict[str, Any]) -> tuple[list[Any], dict[s
     return messages, value
 
 
-def _joined(raw: bytes, entry: _Entry) -> dict[str, Any] | None:
-    """The body of ``raw``, whose bytes before ``entry.end`` are those of ``entry``'s body."""
-    rest = _rest(raw, entry.end, entry.head)
-    if rest is None or "cache_salt" in rest[1]:
+def _joined(raw: bytes, entry: _Entry, key: str,
+            before: frozenset[str]) -> dict[str, Any] | None:
+    """The body of ``raw``, whose bytes before ``entry.end`` are those of ``entry``'s body
+    (None where one of ``before`` comes after the messages)."""
+    rest = _rest(raw, entry.end, entry.head, key)
+    if rest is None or any(k in rest[1] for k in before):
         return None
     messages, after = rest
-    return {**entry.head, "messages": [*entry.messages, *messages], **after}
+    return {**entry.head, key: [*entry.messages, *messages], **after}

@@ -8,6 +8,7 @@ gateway does not interpret are forwarded untouched, so worker-specific extension
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,8 @@ class KnownHistory:
     # Where normalization changed one: their JSON as a worker gets it, comma-separated (the
     # inside of the array), so that a later turn's body is not encoded again whole.
     encoded: bytes | None = None
+    # Leading messages that are not in the body's array: a Responses request's instructions.
+    lead: int = 0
 
 
 # Chats whose messages render to fewer characters are checked again rather than remembered.
@@ -389,17 +392,70 @@ def parse_responses(
 ) -> ParsedRequest:
     """``POST /v1/responses``: routed as the chat it amounts to (:mod:`gateway.contracts.
     responses`); the body forwarded with its texts normalized (the client's bytes where that
-    changes nothing), so that the worker runs the chat the fingerprint saw."""
+    changes nothing), so that the worker runs the chat the fingerprint saw.
+
+    ``known``: the chat's leading messages (the instructions', then one per input item) as an
+    earlier request that carried the same bytes left them, when normalization changed none of
+    them (:class:`gateway.chat_histories.ChatHistories` over ``input``); only the items after
+    them are converted, checked, normalized and rendered. ``keep_history``: a long chat's
+    history is kept (``ParsedRequest.history``) when normalization changed nothing."""
+    if isinstance(known, KnownHistory):
+        found = _continued_responses(body, opts, seen, known, keep_history)
+        if found is not None:
+            return found
     normalized = _normalized_responses(body, opts, seen)
     try:
         chat = as_chat_body(normalized)
         previous_response(body)
     except ChatFormatError as exc:
         raise _invalid(str(exc), exc.param) from None
-    parsed = parse_chat(chat, opts, seen)
+    # A history is kept only of a body sent as normal: a later one is forwarded as it came.
+    parsed = parse_chat(chat, opts, seen, None, keep_history and normalized is body)
     return ParsedRequest(parsed.model, normalized, parsed.fingerprint_text, parsed.stream,
                          parsed.max_tokens, parsed.cache_salt, unchanged=normalized is body,
-                         prompt_chars=parsed.prompt_chars, sequences=parsed.sequences)
+                         prompt_chars=parsed.prompt_chars, sequences=parsed.sequences,
+                         history=_led(parsed.history, int(body.get("instructions") is not None)))
+
+
+def _continued_responses(
+    body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None,
+    known: KnownHistory, keep_history: bool,
+) -> ParsedRequest | None:
+    """:func:`parse_responses` of a body whose leading chat messages are ``known``, when
+    normalization changes nothing in it (None otherwise, or for anything to report: the
+    whole body is parsed again, which reports it)."""
+    instructions = body.get("instructions")
+    lead = 0 if instructions is None else 1
+    items = body.get("input")
+    if not (known.unchanged and known.lead == lead and isinstance(items, list)
+            and lead <= len(known.normalized) < len(items) + lead):
+        return None
+    # The instructions may follow the input in the body, where the bytes that found the
+    # history do not cover them: they must be those it was parsed with.
+    if lead and known.normalized[0] != {"role": "system", "content": instructions}:
+        return None
+    rest = items[len(known.normalized) - lead:]
+    if (_normalized_responses({"input": rest}, opts, seen)["input"] is not rest
+            or (isinstance(instructions, str)
+                and normalize_text(instructions, opts, seen) != instructions)):
+        return None
+    try:
+        chat = as_chat_body({**body, "input": rest, "instructions": None})
+        previous_response(body)
+    except ChatFormatError:
+        return None
+    chat["messages"] = [*known.normalized, *chat["messages"]]
+    parsed = parse_chat(chat, opts, seen, known, keep_history)
+    if not parsed.unchanged:
+        return None
+    return ParsedRequest(parsed.model, body, parsed.fingerprint_text, parsed.stream,
+                         parsed.max_tokens, parsed.cache_salt, unchanged=True,
+                         prompt_chars=parsed.prompt_chars, sequences=parsed.sequences,
+                         history=_led(parsed.history, lead))
+
+
+def _led(history: KnownHistory | None, lead: int) -> KnownHistory | None:
+    return dataclasses.replace(history, lead=lead) if history is not None and lead else history
 
 
 def _normalized_responses(body: dict[str, Any], opts: NormalizeOptions,

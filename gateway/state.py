@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.backends.base import Backend
-from gateway.chat_histories import ChatHistories
+from gateway.chat_histories import RESPONSES_BEFORE_INPUT, ChatHistories
 from gateway.fingerprint_memo import FingerprintMemo
 from gateway.guard import UpstreamGuard
 from gateway.kvevents.source import ExactSource
@@ -44,6 +44,9 @@ class GatewayState:
     normal_texts: NormalTexts = field(default_factory=NormalTexts)
     # Long chats by the bytes that carried them, per tenant (gateway.chat_histories).
     chat_histories: ChatHistories = field(default_factory=ChatHistories)
+    # The same for Responses API requests, by their input items.
+    response_histories: ChatHistories = field(default_factory=lambda: ChatHistories(
+        key="input", before=RESPONSES_BEFORE_INPUT))
     # Long completions prompts by the bytes that carried them (gateway.prompt_histories).
     prompt_histories: PromptHistories = field(default_factory=PromptHistories)
     # Keys of long prompts per namespace, for their next turns (gateway.fingerprint_memo).

@@ -115,6 +115,7 @@ from loadtest.workloads import system_prompt, words
 TRANSCRIPT = "transcript"  # --long-text: an agent transcript instead of one long text
 TURNS = "transcript-turns"  # --long-text: an agent's turns, each two messages more
 COMPLETIONS = "completions"  # --long-api: prompts that each extend the one before
+RESPONSES = "responses"  # --long-api: the chats as Responses API requests
 FLOOR = "floor"  # loadtest.floor_proxy: a bare aiohttp relay, the floor for a Python router
 # The floors (loadtest.floor_proxy), each with its server and client: aiohttp's server and
 # client; aiohttp's server and the gateway's relay client; a bare protocol and that client.
@@ -370,14 +371,44 @@ def long_bodies(config: OverheadConfig, chars: int, rep: int = 0) -> list[bytes]
                                       "prompt": prompt}).encode())
             prompt += f"\nTurn {i}: {words(rng, 12)}"
         return bodies
+    chats = _long_chats(config, chars, rep, rng)
+    if config.long_api == RESPONSES:
+        return [json.dumps(_as_responses(chat)).encode() for chat in chats]
+    return [json.dumps(chat).encode() for chat in chats]
+
+
+def _as_responses(chat: dict[str, Any]) -> dict[str, Any]:
+    """A chat body as the Responses API request it amounts to: its system message as
+    ``instructions``; messages, tool calls and tool results as message, ``function_call``
+    and ``function_call_output`` items."""
+    system, *rest = chat["messages"]
+    items: list[dict[str, Any]] = []
+    for m in rest:
+        if m.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"],
+                       "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                      for c in m["tool_calls"]]
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"]})
+        else:
+            items.append({"role": m["role"], "content": m["content"]})
+    return {"model": chat["model"], "max_output_tokens": chat["max_tokens"],
+            "temperature": chat["temperature"], "instructions": system["content"],
+            "input": items}
+
+
+def _long_chats(config: OverheadConfig, chars: int, rep: int,
+                rng: random.Random) -> list[dict[str, Any]]:
+    """The chat bodies of :func:`long_bodies` (all but ``--long-api completions``)."""
     if config.long_text == TURNS:
         # The same transcript, continued: request i carries its first turns and 2 i more
         # messages (a tool call and its result), as an agent's loop sends them.
         first = len(agent_messages(random.Random(config.seed + chars), chars=chars))
         turns = agent_messages(rng, messages=first + 2 * config.long_requests, chars=chars)
         agent = {"role": "system", "content": "You are a coding agent."}
-        return [json.dumps({"model": MODEL, "max_tokens": 1, "temperature": 0,
-                            "messages": [agent, *turns[:first + 2 * i]]}).encode()
+        return [{"model": MODEL, "max_tokens": 1, "temperature": 0,
+                 "messages": [agent, *turns[:first + 2 * i]]}
                 for i in range(config.long_requests)]
     transcript = config.long_text == TRANSCRIPT
     history = agent_messages(rng, chars=chars) if transcript else []
@@ -389,11 +420,9 @@ def long_bodies(config: OverheadConfig, chars: int, rep: int = 0) -> list[bytes]
         return f"Agent {rep}.{i}." if transcript else f"Document {rep}.{i}.\n{shared}"
 
     return [
-        json.dumps({
-            "model": MODEL, "max_tokens": 1, "temperature": 0,
-            "messages": [{"role": "system", "content": system(i)}, *history,
-                         {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"}],
-        }).encode()
+        {"model": MODEL, "max_tokens": 1, "temperature": 0,
+         "messages": [{"role": "system", "content": system(i)}, *history,
+                      {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"}]}
         for i in range(config.long_requests)
     ]
 
@@ -636,9 +665,9 @@ async def long_prompts(session: aiohttp.ClientSession, config: OverheadConfig,
                 ours = t.name.startswith("ours")
                 before = await decision_totals(session, t) if ours else (0.0, 0)
                 target = t
-                if config.long_api == COMPLETIONS:
-                    target = replace(t, url=t.url.replace(
-                        "/v1/chat/completions", "/v1/completions"))
+                if config.long_api in (COMPLETIONS, RESPONSES):
+                    path = "/v1/completions" if config.long_api == COMPLETIONS else "/v1/responses"
+                    target = replace(t, url=t.url.replace("/v1/chat/completions", path))
                 one = await throughput(session, target, bodies, 1, Counter())
                 result = results[t.name]
                 result.long_cpu_runs.setdefault(chars, []).append(one.cpu_s_per_1k)
@@ -702,8 +731,8 @@ def long_table(result: OverheadResult) -> list[str]:
     what = (f"completions requests, each prompt the one before and a line more, the first "
             f"{'new in each round' if c.long_unique else 'the same in each round'}, of"
             if c.long_api == COMPLETIONS else
-            f"chat requests {'each with its own' if c.long_unique else 'sharing one'} "
-            "system prompt of")
+            f"{'Responses API' if c.long_api == RESPONSES else 'chat'} requests "
+            f"{'each with its own' if c.long_unique else 'sharing one'} system prompt of")
     lines = ["", f"Long prompts: {c.long_requests} sequential {what} "
              f"the given size ({c.long_text}), {c.long_reps} round(s); "
              "router CPU ms per "
@@ -855,9 +884,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="what the throughput and latency phases send: chat completions, the "
                         "same texts as embeddings requests (relayed without prefix routing), "
                         "or as Responses API requests")
-    p.add_argument("--long-api", choices=("chat", COMPLETIONS), default="chat",
+    p.add_argument("--long-api", choices=("chat", COMPLETIONS, RESPONSES), default="chat",
                    help="chat requests, or an agent's loop over /v1/completions: each prompt "
-                        "the one before and a line more (the first the long text)")
+                        "the one before and a line more (the first the long text), or the "
+                        "chats as Responses API requests (the system prompt as instructions)")
     p.add_argument("--long-reps", type=int, default=1,
                    help="rounds over the long sizes (targets rotated); medians reported")
     p.add_argument("--idle-s", type=float, default=10.0,

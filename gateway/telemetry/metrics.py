@@ -107,9 +107,11 @@ class MemoCollector(Collector):
     completions prompts (:mod:`gateway.prompt_histories`)."""
 
     def __init__(self, texts: NormalTexts, chats: ChatHistories, prompts: PromptHistories,
-                 fingerprints: FingerprintMemo, parses: ParsePool | None = None) -> None:
+                 fingerprints: FingerprintMemo, parses: ParsePool | None = None,
+                 responses: ChatHistories | None = None) -> None:
         self._texts = texts
         self._chats = chats
+        self._responses = responses if responses is not None else ChatHistories(0)
         self._prompts = prompts
         self._fingerprints = fingerprints
         self._parses = parses
@@ -132,6 +134,12 @@ class MemoCollector(Collector):
             (GaugeMetricFamily, "gateway_chat_history_bytes",
              "bytes of the bodies the remembered histories stand for (--chat-history-bytes)",
              chats.held_bytes),
+            (CounterMetricFamily, "gateway_response_history_hits",
+             "long Responses API requests decoded from their new input items on",
+             self._responses.hits),
+            (GaugeMetricFamily, "gateway_response_history_bytes",
+             "bytes of the Responses bodies the remembered histories stand for "
+             "(--chat-history-bytes)", self._responses.held_bytes),
             (CounterMetricFamily, "gateway_prompt_history_hits",
              "long completions prompts decoded from what they add on: joined to a remembered "
              "prompt", self._prompts.hits),

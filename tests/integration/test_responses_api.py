@@ -171,3 +171,32 @@ async def test_a_vllm_worker_gets_the_request_salted_and_unchanged_otherwise(
     # reached the gateway's hit counters.
     assert worker["input_tokens"] == 80
     assert worker["matched_tokens"] == 64
+
+
+async def test_a_long_agent_loops_next_turns_are_parsed_from_their_new_items(
+        start_cluster: StartCluster) -> None:
+    """Each turn sends the whole loop again and two items more: the gateway decodes and
+    parses only those (its response-history hits count them) and the worker, which gets the
+    body as sent, finds the rest cached. (The openai client writes ``input`` before
+    ``instructions``: the history is used once the instructions are found the same.)"""
+    cluster = await start_cluster(workers=2)
+    loop: list[Any] = [{"role": "user", "content": "Fix the failing test."}]
+    for i in range(120):
+        loop += [{"type": "function_call", "call_id": f"c{i}", "name": "read",
+                  "arguments": json.dumps({"path": f"src/f{i}.py"})},
+                 {"type": "function_call_output", "call_id": f"c{i}",
+                  "output": f"def f{i}():\n    return {i}\n" * 12}]
+    async with client(cluster.base_url) as oa, aiohttp.ClientSession() as http:
+        for turn in range(4):
+            raw = await oa.responses.with_raw_response.create(
+                model=MODEL, instructions=INSTRUCTIONS.strip(), max_output_tokens=2,
+                input=loop[:len(loop) - 2 * (3 - turn)])
+            usage = raw.parse().usage
+            assert usage is not None
+            if turn:
+                assert usage.input_tokens_details.cached_tokens > usage.input_tokens // 2
+        async with http.get(cluster.gateway_url + "/metrics") as r:
+            metrics = await r.text()
+    hits = next(line for line in metrics.splitlines()
+                if line.startswith("gateway_response_history_hits_total"))
+    assert float(hits.split()[-1]) == 3
