@@ -386,6 +386,11 @@ def parse_chat(
                          prompt_chars=len(text), sequences=_choices(body), history=history)
 
 
+# A Responses request's chat is rendered as the worker will: from the body it is sent, whose
+# texts are normalized already (items that are not messages as they came).
+_AS_SENT = NormalizeOptions(enabled=False)
+
+
 def parse_responses(
     body: dict[str, Any], opts: NormalizeOptions, seen: TextScope | None = None,
     known: KnownHistory | NormalPrefix | None = None, keep_history: bool = False,
@@ -410,7 +415,7 @@ def parse_responses(
     except ChatFormatError as exc:
         raise _invalid(str(exc), exc.param) from None
     # A history is kept only of a body sent as normal: a later one is forwarded as it came.
-    parsed = parse_chat(chat, opts, seen, None, keep_history and normalized is body)
+    parsed = parse_chat(chat, _AS_SENT, seen, None, keep_history and normalized is body)
     return ParsedRequest(parsed.model, normalized, parsed.fingerprint_text, parsed.stream,
                          parsed.max_tokens, parsed.cache_salt, unchanged=normalized is body,
                          prompt_chars=parsed.prompt_chars, sequences=parsed.sequences,
@@ -445,7 +450,7 @@ def _continued_responses(
     except ChatFormatError:
         return None
     chat["messages"] = [*known.normalized, *chat["messages"]]
-    parsed = parse_chat(chat, opts, seen, known, keep_history)
+    parsed = parse_chat(chat, _AS_SENT, seen, known, keep_history)
     if not parsed.unchanged:
         return None
     return ParsedRequest(parsed.model, body, parsed.fingerprint_text, parsed.stream,

@@ -25,6 +25,7 @@ reach the server that stored the response (:mod:`gateway.response_pins`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,8 @@ STORED_RESPONSE_PATHS = ("/v1/responses/{response_id}",
                          "/v1/responses/{response_id}/input_items",
                          "/v1/responses/{response_id}/cancel")
 _MAX_ID_CHARS = 256
+# A response object whose first key is its id (of plain characters, as engines make them).
+_ID_FIRST = re.compile(rb'\{\s*"id"\s*:\s*"([A-Za-z0-9_.:-]{1,256})"\s*[,}]')
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _CARRIED = ("model", "stream", "temperature", "top_p", "tools", "tool_choice", "cache_salt")
@@ -137,6 +140,9 @@ def response_id_in(payload: bytes) -> str | None:
     whose ``response.created`` event (its first) is among ``payload``'s complete lines."""
     stripped = payload.lstrip()
     if stripped.startswith(b"{"):
+        head = _ID_FIRST.match(stripped)  # engines write the id first: nothing else to read
+        if head is not None:
+            return head.group(1).decode()
         try:
             found = json.loads(stripped)
         except ValueError:

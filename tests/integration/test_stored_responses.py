@@ -199,7 +199,9 @@ def test_the_response_id_is_read_from_a_whole_answer_or_a_streams_first_event() 
     assert response_id_in(created[:40]) is None  # not all there yet
     assert response_id_in(created[:-1]) == "resp_2"
     assert response_id_in(created[:-2]) is None  # its line may not be complete yet
-    assert response_id_in(b'{"id": "chatcmpl-1", "object": "chat.completion"}') is None
+    assert response_id_in(b'{"object": "chat.completion", "id": "chatcmpl-1"}') is None
+    assert response_id_in(b'{"created_at": 1, "id": "resp_3", "object": "response"}') == "resp_3"
+    assert response_id_in(b'{"id" : "resp_4" ,"created_at": 1}') == "resp_4"
     assert response_id_in(b"not json") is None
 
 
