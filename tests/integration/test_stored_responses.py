@@ -221,3 +221,23 @@ async def test_without_redis_pins_hold_in_the_process_and_unknown_ids_are_503s(
         with pytest.raises(openai.APIStatusError) as unknown:
             await oa.responses.retrieve("resp_made_by_another_gateway")
         assert unknown.value.status_code == 503
+
+
+async def test_a_streamed_next_turn_is_pinned_in_turn(start_cluster: StartCluster) -> None:
+    """A chain of turns, each streamed and each continuing the last by its id."""
+    cluster = await start_cluster(workers=4)
+    async with client(cluster.base_url) as oa:
+        raw = await oa.responses.with_raw_response.create(
+            model=MODEL, input=OPENINGS[3], max_output_tokens=2)
+        last, home = raw.parse().id, raw.headers["x-route-worker"]
+        for turn in range(3):
+            async with oa.responses.with_streaming_response.create(
+                    model=MODEL, previous_response_id=last, input=f"step {turn}?",
+                    max_output_tokens=2, stream=True) as streamed:
+                assert streamed.headers["x-route-worker"] == home
+                ids = [response_id_in((line + "\n").encode())
+                       async for line in streamed.iter_lines() if line.startswith("data:")]
+            last = next(i for i in ids if i)
+        got = await oa.responses.retrieve(last)
+        assert got.id == last
+        assert got.output_text
