@@ -234,7 +234,7 @@ async def _held(
     # A next turn that names a stored response goes where it is stored, and nowhere else.
     previous = body.get("previous_response_id") if path == RESPONSES_PATH else None
     only = (await state.pins.continued_on(state.pool, tenant, previous)
-            if isinstance(previous, str) else None)
+            if isinstance(previous, str) and state.pins.enabled else None)
     record = record_of(request)
     record.parsed(
         tenant=tenant, model=parsed.model, stream=body.get("stream") is True,

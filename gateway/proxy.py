@@ -96,7 +96,7 @@ async def dispatch(
         if not state.backend_for(s.worker).relays_engine_api}
     if only is not None:
         excluded.update(s.worker.id for s in state.pool.states() if s.worker.id != only)
-    pins = upstream.path == RESPONSES_PATH and stores(upstream.body)
+    pins = upstream.path == RESPONSES_PATH and state.pins.enabled and stores(upstream.body)
     problems: list[str] = []
     backoff_s = 0.0
     guard = state.guard

@@ -10,7 +10,8 @@ only fail).
 
 Pins live in the metadata store, so every process and replica of the gateway finds them:
 routing metadata only, a keyed hash of tenant and response id bound to a worker id, never the
-response itself; they lapse after ``--response-pin-ttl-s``. They are per tenant: an id that
+response itself; they lapse after ``--response-pin-ttl-s`` (0: no pins, for engines that share
+their store, where any worker can answer such a request). They are per tenant: an id that
 another tenant's request produced is not found, so tenants cannot read or continue each
 other's conversations through the gateway even though the engine does not tell them apart.
 Once made, a pin never changes (an id is one response on one worker), so each process also
@@ -38,6 +39,7 @@ class ResponsePins:
         self._store = store
         self._hasher = hasher
         self.ttl_s = ttl_s
+        self.enabled = ttl_s > 0  # 0: no pins (the engines share their store)
         self._kept: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     async def remember(self, tenant_id: str, response_id: str, worker_id: str) -> None:

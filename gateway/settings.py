@@ -288,7 +288,9 @@ class GatewaySettings:
         default=86400.0,
         metadata=_help("how long a Responses API answer stays pinned to the worker that made "
                        "it, for previous_response_id and GET /v1/responses/{id} (seconds; "
-                       "the engine's own store bounds how long it keeps them)"),
+                       "the engine's own store bounds how long it keeps them; 0: no pins, "
+                       "for engines that share their store: such requests are routed by "
+                       "what they carry and unknown ids are the engine's to answer)"),
     )
     stream_idle_timeout_s: float = field(
         default=60.0,
@@ -567,8 +569,8 @@ class GatewaySettings:
         if self.body_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.idle_timeout_s <= 0:
             raise ValueError("body_timeout_s, queue_timeout_s and idle_timeout_s must be "
                              "positive")
-        if self.response_pin_ttl_s <= 0:
-            raise ValueError("response_pin_ttl_s must be positive")
+        if self.response_pin_ttl_s < 0:
+            raise ValueError("response_pin_ttl_s must be >= 0")
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:
             raise ValueError("max_attempts, max_body_bytes and chars_per_token must be positive")
         if self.chat_history_bytes < 0:

@@ -36,7 +36,9 @@ async def relay(request: web.Request) -> web.StreamResponse:
         response_id = request.match_info["response_id"]
         record = record_of(request)
         record.tenant, record.policy = identity.tenant_id, POLICY
-        home = await state.pins.home_in(state.pool, identity.tenant_id, response_id)
+        # Without pins (engines that share their store) any worker serving HTTP answers.
+        home = (await state.pins.home_in(state.pool, identity.tenant_id, response_id)
+                if state.pins.enabled else None)
         path = RESPONSES_PATH + "/" + quote(response_id, safe="")
         rest = request.match_info.get("rest")
         if rest:
@@ -47,7 +49,7 @@ async def relay(request: web.Request) -> web.StreamResponse:
         async with request.app[LIMITS_KEY].admitted(identity.tenant, 1):
             response = await dispatch(request, state, upstream, None, 1, only=home,
                                       policy=POLICY)
-        if request.method == "DELETE" and response.status == 200:
+        if request.method == "DELETE" and response.status == 200 and home is not None:
             await state.pins.forget(identity.tenant_id, response_id)
         return response
     finally:

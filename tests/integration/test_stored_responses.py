@@ -241,3 +241,20 @@ async def test_a_streamed_next_turn_is_pinned_in_turn(start_cluster: StartCluste
         got = await oa.responses.retrieve(last)
         assert got.id == last
         assert got.output_text
+
+
+async def test_without_pins_such_requests_are_the_engines_to_answer(
+        start_cluster: StartCluster) -> None:
+    """--response-pin-ttl-s 0 (engines that share their store): next turns and lookups go
+    where routing sends them, and an unknown id is the engine's answer, not the gateway's."""
+    cluster = await start_cluster(workers=1, response_pin_ttl_s=0.0)
+    async with client(cluster.base_url) as oa:
+        made = await oa.responses.create(model=MODEL, input=OPENINGS[1], max_output_tokens=2)
+        nxt = await oa.responses.with_raw_response.create(
+            model=MODEL, previous_response_id=made.id, input="more", max_output_tokens=2)
+        assert not nxt.headers["x-route-reason"].startswith("pinned")
+        assert (await oa.responses.retrieve(made.id)).id == made.id
+        with pytest.raises(openai.NotFoundError) as unknown:  # the worker's 404
+            await oa.responses.create(model=MODEL, previous_response_id="resp_unknown",
+                                      input="more")
+        assert unknown.value.code == "previous_response_not_found"
