@@ -32,6 +32,7 @@ from gateway.store.base import MetadataStore, StoreUnavailable
 log = logging.getLogger(__name__)
 
 _KEPT = 10_000  # pins each process keeps at hand
+_WARN_EVERY_S = 10.0  # while the store is away, one warning in this many seconds
 
 
 class ResponsePins:
@@ -41,6 +42,7 @@ class ResponsePins:
         self.ttl_s = ttl_s
         self.enabled = ttl_s > 0  # 0: no pins (the engines share their store)
         self._kept: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._warned_at = -_WARN_EVERY_S
 
     async def remember(self, tenant_id: str, response_id: str, worker_id: str) -> None:
         """Pin ``response_id`` (of ``tenant_id``) to ``worker_id``. Without the store, the pin
@@ -50,7 +52,11 @@ class ResponsePins:
         try:
             await self._store.pin(name, worker_id, self.ttl_s)
         except StoreUnavailable as exc:
-            log.warning("a stored response is pinned in this process only (store: %s)", exc)
+            now = time.monotonic()
+            if now - self._warned_at >= _WARN_EVERY_S:
+                self._warned_at = now
+                log.warning("stored responses are pinned in this process only while the "
+                            "store is away: %s", exc)
 
     async def home(self, tenant_id: str, response_id: str) -> str | None:
         """The worker that holds ``response_id`` for ``tenant_id``, or None; raises

@@ -5,6 +5,8 @@
 pinned to (:mod:`gateway.response_pins`) and to no other: only that one has it. An id with no
 pin under the caller's tenant is answered 404 by the gateway, as OpenAI answers an unknown id:
 another tenant's response is never looked up. A deletion the worker confirms drops the pin.
+With pins off (``--response-pin-ttl-s 0``: engines that share their store) these requests go to
+the least loaded worker that serves HTTP, as the rest of the engine's API does.
 
 A next turn by ``previous_response_id`` is a completion like any other and takes the routed
 path (:func:`gateway.api.responses`), to the worker :meth:`ResponsePins.continued_on` names.
