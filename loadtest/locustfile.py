@@ -62,6 +62,7 @@ from loadtest.workloads import (
     LiveRequest,
     LiveSpec,
     as_responses,
+    stored_turn,
     user_requests,
 )
 
@@ -71,6 +72,7 @@ TAB_KEY = "cache-affinity"
 _STATE_ATTR = "loadtest_state"
 _DEFAULT_TRACE = DEFAULT_TRACE_DIR / "conversation_trace.jsonl"
 _UNREACHABLE_BACKOFF_S = 1.0
+STORED = "responses-stored"  # --api: conversations the server stores
 
 
 class LoadState:
@@ -83,7 +85,10 @@ class LoadState:
             seed=options.seed, model=options.model, max_tokens=options.max_tokens,
             stream=not options.no_stream,
         )
-        self.responses_api: bool = getattr(options, "api", "native") == "responses"
+        api = getattr(options, "api", "native")
+        self.responses_api: bool = api in ("responses", STORED)
+        # Conversations stored by the server: each next turn names the last answer.
+        self.stored: bool = api == STORED
         self.max_requests: int = options.max_requests
         self.think_s: float = options.think_time
         self.tally = AffinityTally()
@@ -165,6 +170,7 @@ class LLMUser(FastHttpUser):
         self.state = state_of(self.environment)
         self.index = self.state.next_user()
         self.think_rng = random.Random(f"{self.state.spec.seed}:think:{self.index}")
+        self.conversation: tuple[list[Any], str] | None = None  # --api responses-stored
         self.requests = (
             None if self.workload in REPLAYED_WORKLOADS
             else user_requests(self.workload, self.state.spec, self.index)
@@ -195,8 +201,14 @@ class LLMUser(FastHttpUser):
     @task
     def send(self) -> None:
         req = self._next()
+        whole: list[Any] | None = None  # a stored conversation's input, as sent whole
         if self.state.responses_api:
             req = as_responses(req)
+            if self.state.stored:
+                items = req.body.get("input")
+                whole = items if isinstance(items, list) else None
+                req = LiveRequest(req.path, stored_turn(req.body, self.conversation),
+                                  req.api_key, req.label)
         self.state.sent += 1
         headers = {"Authorization": f"Bearer {req.api_key}"} if req.api_key else {}
         started = time.perf_counter()
@@ -242,6 +254,9 @@ class LLMUser(FastHttpUser):
             worker = str(got.get("x-route-worker") or "")
             reason = str(got.get("x-route-reason") or "")
         ok = not error
+        if self.state.stored:  # what the next turn continues (a failed turn: a new start)
+            self.conversation = ((whole, scan.response_id)
+                                 if ok and whole is not None and scan.response_id else None)
         if ok and ttft_ms is not None:
             self.environment.events.request.fire(
                 request_type="TTFT", name=req.label or self.workload, response_time=ttft_ms,
@@ -353,9 +368,11 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--max-tokens", type=int, default=8, help="decode budget per request")
     group.add_argument("--no-stream", action="store_true", default=False,
                        help="send non-streaming requests (TTFT = whole answer)")
-    group.add_argument("--api", choices=("native", "responses"), default="native",
+    group.add_argument("--api", choices=("native", "responses", STORED), default="native",
                        help="send each request as its workload does (chat or completions), or "
-                       "as the same request for OpenAI's Responses API (/v1/responses)")
+                       "as the same request for OpenAI's Responses API (/v1/responses); "
+                       f"{STORED}: a conversation's next turn sends only its new messages "
+                       "after previous_response_id (the server keeps the conversation)")
     group.add_argument("--think-time", type=float, default=0.0,
                        help="mean seconds a user waits between requests (uniform 0..2x)")
     group.add_argument("--max-requests", type=int, default=100_000,

@@ -92,6 +92,7 @@ class StreamScan:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
+    response_id: str = ""  # a Responses answer's id (its created event, or the whole answer)
 
     def feed(self, chunk: str) -> bool:
         first = False
@@ -107,6 +108,9 @@ class StreamScan:
         self.buffer = ""
 
     def _line(self, line: str) -> bool:
+        if line.startswith("{"):  # a whole answer, not a stream: a Responses answer's id
+            self._whole(line)
+            return False
         if not line.startswith("data:"):
             return False
         data = line[5:].strip()
@@ -155,12 +159,23 @@ class StreamScan:
             self.seen_data = True
             return first
         response = event.get("response")
+        if kind == "response.created" and isinstance(response, dict):
+            self.response_id = str(response.get("id") or "")
         if kind == "response.completed" and isinstance(response, dict):
             self.done = True
             self._usage(response.get("usage"))
         elif kind in ("response.failed", "response.error") and isinstance(response, dict):
             self.error = str(response.get("error") or kind)[:300]
         return False
+
+
+    def _whole(self, text: str) -> None:
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            return
+        if isinstance(answer, dict) and answer.get("object") == "response":
+            self.response_id = str(answer.get("id") or "")
 
 
 def _has_token(choices: object) -> bool:

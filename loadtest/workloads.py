@@ -320,6 +320,24 @@ def as_responses(req: LiveRequest) -> LiveRequest:
     return LiveRequest(RESPONSES_PATH, out, req.api_key, label)
 
 
+def stored_turn(body: dict[str, Any],
+                last: tuple[list[Any], str] | None) -> dict[str, Any]:
+    """A Responses body (:func:`as_responses`) sent as a stored conversation's next turn.
+    ``last``: the input the last turn sent whole and the id of its answer. When this input is
+    that one, one assistant message (the workload's stand-in for the answer, which the server
+    stored as it really was) and new items, only the new items go, after
+    ``previous_response_id``; otherwise the body goes whole (a conversation begins)."""
+    items = body.get("input")
+    if last is None or not isinstance(items, list):
+        return body
+    before, response_id = last
+    n = len(before)
+    if (len(items) <= n + 1 or items[:n] != before
+            or not isinstance(items[n], dict) or items[n].get("role") != "assistant"):
+        return body
+    return {**body, "input": items[n + 1:], "previous_response_id": response_id}
+
+
 def tenant_key(tenant: int) -> str:
     return f"sk-tenant-{tenant}"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -212,3 +213,32 @@ def test_a_request_for_the_responses_api() -> None:
                                                          "max_tokens": 2}))
     assert plain.body == {"model": "m", "temperature": 0, "input": "p", "max_output_tokens": 2}
     assert plain.label == "responses"
+
+
+def test_a_stored_conversations_next_turn_sends_only_its_new_items() -> None:
+    from loadtest.samples import StreamScan
+    from loadtest.workloads import stored_turn
+
+    first: dict[str, Any] = {"model": "m", "instructions": "rules",
+                             "input": [{"role": "user", "content": "hi"}]}
+    assert stored_turn(first, None) is first  # a conversation begins: whole
+    second: dict[str, Any] = {"model": "m", "instructions": "rules",
+                              "input": [{"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": "stand-in answer"},
+                                        {"role": "user", "content": "more"}]}
+    assert stored_turn(second, (first["input"], "resp_1")) == {
+        "model": "m", "instructions": "rules", "previous_response_id": "resp_1",
+        "input": [{"role": "user", "content": "more"}]}
+    other: dict[str, Any] = {"model": "m", "input": [{"role": "user", "content": "another chat"}]}
+    assert stored_turn(other, (first["input"], "resp_1")) is other  # not a next turn
+    assert stored_turn({"model": "m", "input": "text"}, (first["input"], "resp_1"))["input"] == (
+        "text")
+    # The answer's id, from a stream's created event or from a whole answer.
+    scan = StreamScan()
+    scan.feed('event: response.created\ndata: {"type": "response.created", '
+              '"response": {"id": "resp_2", "object": "response"}}\n\n')
+    assert scan.response_id == "resp_2"
+    whole = StreamScan()
+    whole.feed('{"id": "resp_3", "object": "response", "output": []}')
+    whole.close()
+    assert whole.response_id == "resp_3"
