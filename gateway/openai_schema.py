@@ -401,9 +401,10 @@ def parse_responses(
 
     ``known``: the chat's leading messages (the instructions', then one per input item) as an
     earlier request that carried the same bytes left them, when normalization changed none of
-    them (:class:`gateway.chat_histories.ChatHistories` over ``input``); only the items after
-    them are converted, checked, normalized and rendered. ``keep_history``: a long chat's
-    history is kept (``ParsedRequest.history``) when normalization changed nothing."""
+    its items (:class:`gateway.chat_histories.ChatHistories` over ``input``); only the items
+    after them are converted, checked, normalized and rendered. ``keep_history``: a long
+    chat's history is kept (``ParsedRequest.history``) when normalization changed no item (it
+    may change the instructions: a system prompt that ends in a newline)."""
     if isinstance(known, KnownHistory):
         found = _continued_responses(body, opts, seen, known, keep_history)
         if found is not None:
@@ -414,8 +415,10 @@ def parse_responses(
         previous_response(body)
     except ChatFormatError as exc:
         raise _invalid(str(exc), exc.param) from None
-    # A history is kept only of a body sent as normal: a later one is forwarded as it came.
-    parsed = parse_chat(chat, _AS_SENT, seen, None, keep_history and normalized is body)
+    # A history is kept only of items sent as normal: a later body is forwarded as it came
+    # (but for its instructions, when normalization changes them: a field of their own).
+    items_as_sent = normalized.get("input") is body.get("input")
+    parsed = parse_chat(chat, _AS_SENT, seen, None, keep_history and items_as_sent)
     return ParsedRequest(parsed.model, normalized, parsed.fingerprint_text, parsed.stream,
                          parsed.max_tokens, parsed.cache_salt, unchanged=normalized is body,
                          prompt_chars=parsed.prompt_chars, sequences=parsed.sequences,
@@ -427,7 +430,7 @@ def _continued_responses(
     known: KnownHistory, keep_history: bool,
 ) -> ParsedRequest | None:
     """:func:`parse_responses` of a body whose leading chat messages are ``known``, when
-    normalization changes nothing in it (None otherwise, or for anything to report: the
+    normalization changes none of its items (None otherwise, or for anything to report: the
     whole body is parsed again, which reports it)."""
     instructions = body.get("instructions")
     lead = 0 if instructions is None else 1
@@ -435,14 +438,17 @@ def _continued_responses(
     if not (known.unchanged and known.lead == lead and isinstance(items, list)
             and lead <= len(known.normalized) < len(items) + lead):
         return None
-    # The instructions may follow the input in the body, where the bytes that found the
-    # history do not cover them: they must be those it was parsed with.
-    if lead and known.normalized[0] != {"role": "system", "content": instructions}:
-        return None
+    normal = instructions
+    if lead:
+        if not isinstance(instructions, str):
+            return None
+        normal = normalize_text(instructions, opts, seen)
+        # The instructions may follow the input in the body, where the bytes that found the
+        # history do not cover them: they must be those it was parsed with.
+        if known.normalized[0] != {"role": "system", "content": normal}:
+            return None
     rest = items[len(known.normalized) - lead:]
-    if (_normalized_responses({"input": rest}, opts, seen)["input"] is not rest
-            or (isinstance(instructions, str)
-                and normalize_text(instructions, opts, seen) != instructions)):
+    if _normalized_responses({"input": rest}, opts, seen)["input"] is not rest:
         return None
     try:
         chat = as_chat_body({**body, "input": rest, "instructions": None})
@@ -453,8 +459,9 @@ def _continued_responses(
     parsed = parse_chat(chat, _AS_SENT, seen, known, keep_history)
     if not parsed.unchanged:
         return None
-    return ParsedRequest(parsed.model, body, parsed.fingerprint_text, parsed.stream,
-                         parsed.max_tokens, parsed.cache_salt, unchanged=True,
+    forwarded = body if normal == instructions else {**body, "instructions": normal}
+    return ParsedRequest(parsed.model, forwarded, parsed.fingerprint_text, parsed.stream,
+                         parsed.max_tokens, parsed.cache_salt, unchanged=forwarded is body,
                          prompt_chars=parsed.prompt_chars, sequences=parsed.sequences,
                          history=_led(parsed.history, lead))
 

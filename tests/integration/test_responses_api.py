@@ -178,7 +178,8 @@ async def test_a_long_agent_loops_next_turns_are_parsed_from_their_new_items(
     """Each turn sends the whole loop again and two items more: the gateway decodes and
     parses only those (its response-history hits count them) and the worker, which gets the
     body as sent, finds the rest cached. (The openai client writes ``input`` before
-    ``instructions``: the history is used once the instructions are found the same.)"""
+    ``instructions``, which here end in a space the rules trim: the history is used once the
+    instructions are found the same as it was parsed with.)"""
     cluster = await start_cluster(workers=2)
     loop: list[Any] = [{"role": "user", "content": "Fix the failing test."}]
     for i in range(120):
@@ -189,7 +190,7 @@ async def test_a_long_agent_loops_next_turns_are_parsed_from_their_new_items(
     async with client(cluster.base_url) as oa, aiohttp.ClientSession() as http:
         for turn in range(4):
             raw = await oa.responses.with_raw_response.create(
-                model=MODEL, instructions=INSTRUCTIONS.strip(), max_output_tokens=2,
+                model=MODEL, instructions=INSTRUCTIONS, max_output_tokens=2,
                 input=loop[:len(loop) - 2 * (3 - turn)])
             usage = raw.parse().usage
             assert usage is not None

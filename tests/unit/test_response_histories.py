@@ -1,8 +1,8 @@
 """Long Responses API requests decoded and parsed from their new input items on
 (gateway.chat_histories over ``input``, gateway.openai_schema.parse_responses with what it
 found): the body, the parse and what the worker gets are those of the whole body, turn after
-turn of an agent's loop; a body whose history normalization changes, or whose instructions
-follow its input, is parsed whole."""
+turn of an agent's loop; its instructions may follow the input (checked against the
+history's) and be normalized; a body whose items normalization changes is parsed whole."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway import openai_schema
 from gateway.chat_histories import RESPONSES_BEFORE_INPUT, ChatHistories, Known
+from gateway.contracts.responses import as_chat_body
 from gateway.errors import InvalidRequest
 from gateway.normalize import NormalizeOptions
 from gateway.openai_schema import ParsedRequest, decode_json_object, encode_body, parse_responses
@@ -37,6 +39,22 @@ def items(count: int, chars: int = 300) -> list[dict[str, Any]]:
 
 
 LOOP = items(400)
+
+
+@pytest.fixture
+def converted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many input items each parse converted to chat messages (a joined turn: only those
+    after its known history)."""
+    sizes: list[int] = []
+    real = as_chat_body
+
+    def spy(body: Any) -> dict[str, Any]:
+        items = body.get("input")
+        sizes.append(len(items) if isinstance(items, list) else 1)
+        return real(body)
+
+    monkeypatch.setattr(openai_schema, "as_chat_body", spy)
+    return sizes
 
 
 class Gateway:
@@ -87,7 +105,8 @@ def test_each_turn_is_parsed_from_its_new_items_on(instructions: str) -> None:
     assert gateway.histories.hits == len(found_at) - 1
 
 
-def test_instructions_after_the_input_are_checked_against_the_history() -> None:
+def test_instructions_after_the_input_are_checked_against_the_history(
+        converted: list[int]) -> None:
     """As the openai SDK sends them (its keys in its own order, ``input`` first): joined while
     they stay the same; a turn with other instructions, or none, is parsed whole."""
     gateway = Gateway()
@@ -103,6 +122,33 @@ def test_instructions_after_the_input_are_checked_against_the_history() -> None:
     # where the instructions are those it was parsed with (202, 210), and check_same shows
     # that each parse is the whole body's: 204, 206 and 208 with the instructions they carry.
     assert found_at == [False, True, True, True, True, True]
+    # Each turn parsed once whole (check_same) and once through the gateway: the gateway
+    # converted 3 items (the last turn's last and 2 new) where it used the history.
+    through_gateway = converted[1::2]
+    assert through_gateway == [200, 3, 204, 206, 208, 3]
+
+
+@pytest.mark.parametrize("where", ["before input", "after input"])
+def test_instructions_normalization_changes_still_join_and_reach_the_worker_normal(
+        where: str, converted: list[int]) -> None:
+    """A system prompt that ends in a newline (the rules trim it): the history is kept and
+    joined all the same, and each turn forwards the instructions normalized."""
+    gateway = Gateway()
+    found_at = []
+    for count in range(200, 208, 2):
+        sent: dict[str, Any] = {"model": "m", "input": LOOP[:count]}
+        if where == "before input":
+            sent = {"instructions": INSTRUCTIONS + "\n\n", **sent}
+        else:
+            sent["instructions"] = INSTRUCTIONS + "\n\n"
+        found_at.append(check_same(gateway, orjson.dumps(sent)) is not None)
+        parsed, _ = gateway.send(orjson.dumps(sent))
+        assert parsed.body["instructions"] == INSTRUCTIONS
+        assert parsed.unchanged is False
+    assert found_at == [False, True, True, True]
+    # Per turn: the whole-body parse, then the gateway's twice (the same body sent again
+    # joins its own first sending: 1 item), after the first turn from the history on.
+    assert converted[1::3] == [200, 3, 3, 3]
 
 
 def test_a_history_normalization_changed_is_not_kept_and_the_worker_gets_it_normal() -> None:
