@@ -96,7 +96,8 @@ async def dispatch(
         if not state.backend_for(s.worker).relays_engine_api}
     if only is not None:
         excluded.update(s.worker.id for s in state.pool.states() if s.worker.id != only)
-    pins = upstream.path == RESPONSES_PATH and state.pins.enabled and stores(upstream.body)
+    pin_answers = (upstream.path == RESPONSES_PATH and state.pins.enabled
+                   and stores(upstream.body))
     problems: list[str] = []
     backoff_s = 0.0
     guard = state.guard
@@ -180,7 +181,8 @@ async def dispatch(
             else:
                 if reply.status != 429 and reply.status < 500:
                     guard.breakers.success(wid)
-                    pin = _pinning(state, tenant, wid) if pins and reply.status == 200 else None
+                    pin = (_pinning(state, tenant, wid)
+                           if pin_answers and reply.status == 200 else None)
                     if stream:
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
                         return await _relay_stream(state, http_request, observed, reply, attempt,

@@ -110,7 +110,7 @@ from loadtest.peers import (
     proc_tree_cpu_s,
     running_peer,
 )
-from loadtest.workloads import system_prompt, words
+from loadtest.workloads import LiveRequest, as_responses, system_prompt, words
 
 TRANSCRIPT = "transcript"  # --long-text: an agent transcript instead of one long text
 TURNS = "transcript-turns"  # --long-text: an agent's turns, each two messages more
@@ -373,29 +373,9 @@ def long_bodies(config: OverheadConfig, chars: int, rep: int = 0) -> list[bytes]
         return bodies
     chats = _long_chats(config, chars, rep, rng)
     if config.long_api == RESPONSES:
-        return [json.dumps(_as_responses(chat)).encode() for chat in chats]
+        return [json.dumps(as_responses(LiveRequest(API_PATHS["chat"], chat)).body).encode()
+                for chat in chats]
     return [json.dumps(chat).encode() for chat in chats]
-
-
-def _as_responses(chat: dict[str, Any]) -> dict[str, Any]:
-    """A chat body as the Responses API request it amounts to: its system message as
-    ``instructions``; messages, tool calls and tool results as message, ``function_call``
-    and ``function_call_output`` items."""
-    system, *rest = chat["messages"]
-    items: list[dict[str, Any]] = []
-    for m in rest:
-        if m.get("tool_calls"):
-            items += [{"type": "function_call", "call_id": c["id"],
-                       "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                      for c in m["tool_calls"]]
-        elif m["role"] == "tool":
-            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
-                          "output": m["content"]})
-        else:
-            items.append({"role": m["role"], "content": m["content"]})
-    return {"model": chat["model"], "max_output_tokens": chat["max_tokens"],
-            "temperature": chat["temperature"], "instructions": system["content"],
-            "input": items}
 
 
 def _long_chats(config: OverheadConfig, chars: int, rep: int,

@@ -310,7 +310,7 @@ def as_responses(req: LiveRequest) -> LiveRequest:
         if lead:
             out["instructions"] = "\n".join(str(m["content"]) for m in messages[:lead])
         rest = messages[lead:] or [{"role": "user", "content": ""}]
-        out["input"] = [{"role": m["role"], "content": m["content"]} for m in rest]
+        out["input"] = input_items(rest)
     else:
         out["input"] = body["prompt"]
     out["max_output_tokens"] = body.get("max_tokens", 16)
@@ -318,6 +318,23 @@ def as_responses(req: LiveRequest) -> LiveRequest:
         out["stream"] = True
     label = f"{req.label} (responses)" if req.label else "responses"
     return LiveRequest(RESPONSES_PATH, out, req.api_key, label)
+
+
+def input_items(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages as Responses API input items: tool calls as ``function_call`` items,
+    tool results as ``function_call_output`` items, the rest as messages."""
+    items: list[dict[str, Any]] = []
+    for m in messages:
+        if m.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"],
+                       "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                      for c in m["tool_calls"]]
+        elif m.get("role") == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"]})
+        else:
+            items.append({"role": m["role"], "content": m["content"]})
+    return items
 
 
 def stored_turn(body: dict[str, Any],

@@ -242,3 +242,18 @@ def test_a_stored_conversations_next_turn_sends_only_its_new_items() -> None:
     whole.feed('{"id": "resp_3", "object": "response", "output": []}')
     whole.close()
     assert whole.response_id == "resp_3"
+
+
+def test_an_agents_tool_calls_become_function_call_items() -> None:
+    from loadtest.workloads import LiveRequest, as_responses
+
+    chat = LiveRequest("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": "agent"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "read", "arguments": '{"path": "a.py"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "print(1)"}]})
+    assert as_responses(chat).body["input"] == [
+        {"type": "function_call", "call_id": "c1", "name": "read",
+         "arguments": '{"path": "a.py"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "print(1)"}]
