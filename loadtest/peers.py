@@ -21,6 +21,8 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import re
+import shlex
 import shutil
 import socket
 import sys
@@ -39,6 +41,24 @@ PEERS: dict[str, str] = {"sglang-router": "0.3.2", "smg": "1.13.0"}
 # points at sglang_router), so whichever was installed last owns it: the module is unambiguous.
 PEER_MODULES: dict[str, str] = {"sglang-router": "sglang_router", "smg": "smg"}
 READY_TIMEOUT_S = 60.0
+
+
+def peer_variant(spec: str) -> tuple[str, list[str]]:
+    """A peer run with arguments of its own, ``PEER[LABEL]=ARGS`` (``smg[tight]=--balance-abs-
+    threshold 4``): the router's name in reports (``smg[tight]``) and its extra arguments.
+    Raises ``ValueError`` for a spec of another form or an unknown peer."""
+    name, sep, args = spec.partition("=")
+    match = re.fullmatch(r"([a-z-]+)\[([\w.-]+)\]", name.strip())
+    if not sep or match is None:
+        raise ValueError(f"a peer variant is PEER[LABEL]=ARGS, not {spec!r}")
+    if match.group(1) not in PEERS:
+        raise ValueError(f"unknown peer {match.group(1)!r}; choose from {', '.join(PEERS)}")
+    return name.strip(), shlex.split(args)
+
+
+def base_peer(router: str) -> str:
+    """The peer a router name runs (``smg[tight]`` -> ``smg``)."""
+    return router.partition("[")[0]
 
 
 class PeerUnavailableError(RuntimeError):
@@ -172,19 +192,21 @@ async def wait_ready(url: str, workers: int, proc: asyncio.subprocess.Process,
 @contextlib.asynccontextmanager
 async def running_peer(
     name: str, worker_urls: Sequence[str], log_dir: Path, *, host: str = "127.0.0.1",
-    port: int = 0, extra: Sequence[str] = (), request_logs: bool = False,
+    port: int = 0, extra: Sequence[str] = (), request_logs: bool = False, log_name: str = "",
 ) -> AsyncIterator[PeerProcess]:
-    """Start peer ``name`` in front of ``worker_urls``, wait until it is ready, stop it after.
+    """Start peer ``name`` (with ``extra`` arguments) in front of ``worker_urls``, wait until it
+    is ready, stop it after.
 
-    Its output goes to ``log_dir/<name>.log``. Raises :class:`PeerUnavailableError` when the
-    binary is missing or the router does not get ready in time (the log tail is in the message).
+    Its output goes to ``log_dir/<log_name or name>.log``. Raises
+    :class:`PeerUnavailableError` when the binary is missing or the router does not get ready
+    in time (the log tail is in the message).
     """
     launcher = peer_launcher(name)
     if launcher is None:
         raise PeerUnavailableError(f"{name} is not installed (pip install '.[peers]')")
     port = port or _free_port(host)
     cmd = peer_command(launcher, host, port, _free_port(host), worker_urls, extra, request_logs)
-    log_path = log_dir / f"{name}.log"
+    log_path = log_dir / f"{log_name or name}.log"
     log = await asyncio.to_thread(log_path.open, "wb")
     try:
         proc = await asyncio.create_subprocess_exec(

@@ -1,8 +1,8 @@
 """Live trace replay: reference workers, the gateway and (optionally) peer routers, side by side.
 
 ``python -m loadtest replay (--trace PATH | --workload W) --workers N --cache-blocks C
-[--concurrency K] [--policy P|all] [--gateway URL] [--peers] [--no-report-cache-size]
-[--repeat R] [--simulate] [--json]``
+[--concurrency K] [--policy P|all] [--gateway URL] [--peers] [--peer-variant PEER[LABEL]=ARGS]
+[--no-report-cache-size] [--repeat R] [--simulate] [--json]``
 
 N reference workers start on loopback (``python -m worker``, simulated engine) with the
 ``chars`` tokenizer (one token per 4 characters) and KV blocks of ``--block-chars / 4`` tokens,
@@ -11,8 +11,10 @@ so one trace block, synthesized as ``--block-chars`` characters of text
 ``C`` trace blocks. The trace is replayed closed-loop, in order, with ``K`` requests in flight
 (one ``/v1/completions`` call per trace request, ``--max-tokens`` output tokens) through each
 router in turn: the gateway with each ``--policy``, then, with ``--peers``, sglang-router and
-smg in cache_aware mode (:mod:`loadtest.peers`). Between routers every worker's cache is
-flushed (``POST /admin/flush``), so each router starts from the same empty fleet; the workers
+smg in cache_aware mode (:mod:`loadtest.peers`), and each ``--peer-variant``: a peer with
+arguments of its own (its balance thresholds, say), reported as ``PEER[LABEL]``. Between
+routers every worker's cache is flushed (``POST /admin/flush``), so each router starts from
+the same empty fleet; the workers
 keep their ports, so every gateway run has the same ring. Before the first router, each fresh
 worker answers a few of the trace's first requests sent to it directly (``Fleet.warm``), so
 that no router meets workers answering their first requests. ``--repeat R`` restarts the whole
@@ -88,7 +90,9 @@ from loadtest.harness import interpreter
 from loadtest.peers import (
     PEERS,
     PeerUnavailableError,
+    base_peer,
     gateway_log_args,
+    peer_variant,
     proc_tree_cpu_s,
     running_peer,
 )
@@ -704,7 +708,10 @@ def request_bodies(requests: Sequence[TraceRequest], block_chars: int, max_token
 
 async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
                      policies: Sequence[str], peers: Sequence[str], repeats: int,
-                     gateway: str = "") -> list[RunResult]:
+                     gateway: str = "",
+                     peer_args: Mapping[str, Sequence[str]] | None = None) -> list[RunResult]:
+    """Every router on each of ``repeats`` fleets. ``peers``: router names, a peer's own
+    (``smg``) or a variant of it (``smg[tight]``) run with ``peer_args[name]`` added."""
     bodies = request_bodies(requests, config.block_chars, config.max_tokens,
                             invisible_edits=config.invisible_edits, api=config.api)
     pooled = pooled_bound(requests, config.workers * config.cache_blocks)
@@ -719,7 +726,7 @@ async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
         for attempt in range(FLEET_ATTEMPTS):
             try:
                 results += await one_fleet(config, base, r, repeats, policies, peers, bodies,
-                                           pooled)
+                                           pooled, peer_args or {})
                 break
             except PeerUnavailableError:
                 raise
@@ -739,7 +746,8 @@ FLEET_ATTEMPTS = 3
 
 async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                     policies: Sequence[str], peers: Sequence[str],
-                    bodies: Sequence[dict[str, Any]], pooled: float) -> list[RunResult]:
+                    bodies: Sequence[dict[str, Any]], pooled: float,
+                    peer_args: Mapping[str, Sequence[str]]) -> list[RunResult]:
     """One fleet on ports ``base``...: every router once, caches flushed between them."""
     results: list[RunResult] = []
     logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="replay-"))
@@ -765,7 +773,8 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                         res = await measure(router, r, url, pid, fleet, bodies, pooled,
                                             config, ids, restart=True)
                 else:
-                    async with running_peer(router, fleet.urls, logs,
+                    async with running_peer(base_peer(router), fleet.urls, logs,
+                                            extra=peer_args.get(router, ()), log_name=router,
                                             request_logs=config.request_logs) as peer:
                         res = await measure(router, r, peer.url, peer.pid, fleet, bodies,
                                             pooled, config, ids)
@@ -875,6 +884,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateway policy, a comma list, or 'all' (default: the gateway default)")
     p.add_argument("--gateway", default="", help="replay through this running gateway instead")
     p.add_argument("--peers", action="store_true", help="also sglang-router and smg")
+    p.add_argument("--peer-variant", action="append", default=[], metavar="PEER[LABEL]=ARGS",
+                   help="also run a peer with these arguments, reported as PEER[LABEL] "
+                   "(repeatable), e.g. 'smg[tight]=--balance-abs-threshold 4 "
+                   "--balance-rel-threshold 1.2'")
     p.add_argument("--report-cache-size", action=argparse.BooleanOptionalAction, default=True,
                    help="workers publish vllm:cache_config_info (default yes)")
     p.add_argument("--repeat", type=int, default=1, help="fleets, each router once per fleet")
@@ -1075,13 +1088,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         policies = parse_policies(args.policy)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.gateway and (args.peers or args.simulate or len(policies) > 1):
+    if args.gateway and (args.peers or args.peer_variant or args.simulate or len(policies) > 1):
         parser.error("--gateway replays through that gateway only (no --peers, --simulate)")
     requests, source = load_requests(args)
     peers = list(PEERS) if args.peers else []
     try:
+        variants = dict(peer_variant(spec) for spec in args.peer_variant)
+    except ValueError as exc:
+        parser.error(str(exc))
+    peers += [name for name in variants if name not in peers]
+    try:
         results = asyncio.run(run_replay(config, requests, policies, peers, args.repeat,
-                                         args.gateway.rstrip("/")))
+                                         args.gateway.rstrip("/"), variants))
     except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError,
             PeerUnavailableError) as exc:
         print(f"python -m loadtest replay: {exc}", file=sys.stderr)

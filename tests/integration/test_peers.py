@@ -12,7 +12,15 @@ import pytest
 from aiohttp import web
 
 from gateway.contracts.httpserver import JsonErrorRunner
-from loadtest.peers import PEERS, peer_binary, proc_tree_cpu_s, running_peer
+from loadtest.peers import (
+    PEERS,
+    base_peer,
+    peer_binary,
+    peer_command,
+    peer_variant,
+    proc_tree_cpu_s,
+    running_peer,
+)
 from worker.server import create_app
 from worker.settings import WorkerSettings
 
@@ -51,6 +59,20 @@ def test_unknown_peer_and_cpu_seconds() -> None:
     before = proc_tree_cpu_s(os.getpid())
     sum(i * i for i in range(200_000))
     assert proc_tree_cpu_s(os.getpid()) >= before > 0
+
+
+def test_peer_variant_names_a_peer_and_its_arguments() -> None:
+    name, args = peer_variant("smg[tight]=--balance-abs-threshold 4 --balance-rel-threshold 1.2")
+    assert (name, base_peer(name)) == ("smg[tight]", "smg")
+    assert args == ["--balance-abs-threshold", "4", "--balance-rel-threshold", "1.2"]
+    cmd = peer_command(["smg"], "127.0.0.1", 1, 2, ["http://127.0.0.1:3"], args)
+    assert cmd[-4:] == args
+    assert cmd[cmd.index("--policy") + 1] == "cache_aware"
+    for bad in ("smg=--x 1", "smg[t]", "smg[a b]=--x"):
+        with pytest.raises(ValueError, match="PEER\\[LABEL\\]=ARGS"):
+            peer_variant(bad)
+    with pytest.raises(ValueError, match="unknown peer"):
+        peer_variant("nginx[t]=--x 1")
 
 
 async def test_peer_routes_repeated_prompt_to_its_holder(
