@@ -84,8 +84,14 @@ def _absent(value: Any) -> bool:
 # that send the defaults explicitly are served). Anything else is a 400, not silently ignored.
 _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     # name: (what is missing, predicate "this value asks for nothing")
-    "tools": ("tool calling (send tool_choice \"none\" to use tools as context only)", None),
-    "tool_choice": ("tool calling", lambda v: v is None or v == "none"),
+    # ``tools`` is not listed: tools are rendered into the prompt (and cached with it) as
+    # context; the simulated model answers in text, which tool_choice "auto" allows and "none"
+    # asks for. A choice that requires a call ("required", a named function) is refused.
+    "tool_choice": (
+        'a required tool call (tool_choice "auto" and "none" take the tools as context and '
+        "are answered in text)",
+        lambda v: v is None or v in ("none", "auto"),
+    ),
     "functions": ("function calling", _absent),
     "function_call": ("function calling", lambda v: v is None or v == "none"),
     "response_format": (
@@ -111,10 +117,7 @@ def reject_unsupported(body: Mapping[str, Any]) -> None:
         if param not in body:
             continue
         value = body[param]
-        if param == "tools":
-            if _absent(value) or body.get("tool_choice") == "none":
-                continue
-        elif asks_nothing(value):
+        if asks_nothing(value):
             continue
         raise ApiError(
             f"'{param}' is not supported by this worker ({feature} is not implemented)",

@@ -347,22 +347,32 @@ async def test_unknown_routes_get_openai_error(
     assert payload["error"]["type"] == "invalid_request_error"
 
 
-async def test_tools_and_names_render_without_error(worker: Worker) -> None:
+@pytest.mark.parametrize("tool_choice", ["none", "auto", None])
+async def test_tools_and_names_render_without_error(
+    worker: Worker, tool_choice: str | None
+) -> None:
+    # The tools are context (rendered into the prompt, cached with it) whether the client
+    # leaves the choice to the model or forbids calls: the simulated model answers in text.
     client = worker.client()
+    messages: list[Any] = [
+        {"role": "user", "content": "weather?", "name": "alice"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    choice: dict[str, Any] = {} if tool_choice is None else {"tool_choice": tool_choice}
+    without = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     resp = await client.chat.completions.create(
-        model=MODEL,
-        messages=[
-            {"role": "user", "content": "weather?", "name": "alice"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function",
-                 "function": {"name": "weather", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-        ],
+        model=MODEL, messages=messages, max_tokens=2,
         tools=[{"type": "function", "function": {"name": "weather", "parameters": {}}}],
-        tool_choice="none",  # tools as context only: this worker makes no tool calls
-        max_tokens=2,
+        **choice,
     )
     assert resp.choices[0].finish_reason == "length"
+    assert resp.choices[0].message.tool_calls is None
+    assert resp.usage is not None
+    assert without.usage is not None
+    assert resp.usage.prompt_tokens > without.usage.prompt_tokens  # the tools are in the prompt
 
 
 _TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
@@ -372,8 +382,9 @@ _HI = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/v1/chat/completions", {"tools": _TOOLS}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"tools": _TOOLS, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"tools": _TOOLS, "tool_choice": {
+            "type": "function", "function": {"name": "weather"}}}, "tool_choice"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}},
          "response_format"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
