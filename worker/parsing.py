@@ -14,6 +14,7 @@ from worker.kvcache import Priority
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TOKEN_ID = 2**32 - 1
+MAX_N = 128  # samples per prompt, as OpenAI's API allows
 
 Prompt = str | tuple[int, ...]
 
@@ -27,6 +28,8 @@ class CommonParams:
     cache_salt: str
     cache_priority: Priority = Priority.CONVERSATION
     """Extension field ``cache_priority``: eviction class of the prompt's cached blocks."""
+    n: int = 1
+    """Samples per prompt: each prompt runs once per sample, sharing its cached blocks."""
 
 
 @dataclass(frozen=True)
@@ -140,9 +143,9 @@ def parse_common(
         if value is not None:
             max_tokens = value
             break
-    n = _optional_positive_int(body, "n")
-    if n is not None and n != 1:
-        raise ApiError("only n=1 is supported", param="n", code="unsupported_value")
+    n = _optional_positive_int(body, "n") or 1
+    if n > MAX_N:
+        raise ApiError(f"'n' must be at most {MAX_N}, got {n}", param="n", code="invalid_value")
     reject_unsupported(body)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -175,6 +178,7 @@ def parse_common(
         include_usage=include_usage,
         cache_salt=salt or "",
         cache_priority=priority,
+        n=n,
     )
 
 

@@ -146,6 +146,17 @@ class Job:
     """A Responses answer, once complete (what stores it)."""
 
     @property
+    def sequences(self) -> int:
+        """Outputs the job makes: ``n`` samples of each prompt, choice ``p * n + j`` the
+        ``j``-th of prompt ``p`` (as OpenAI orders a batch's choices)."""
+        return len(self.token_lists) * self.common.n
+
+    def first_sample(self, index: int) -> bool:
+        """Whether output ``index`` is its prompt's first sample: the one whose admission
+        reports what the prompt found cached (usage counts each prompt once, as vLLM's)."""
+        return index % self.common.n == 0
+
+    @property
     def message_id(self) -> str:
         """A Responses answer's message: named after the response (``resp_X``: ``msg_X``)."""
         return "msg_" + self.response_id.removeprefix("resp_")
@@ -183,22 +194,24 @@ async def _run_prompts(
         metrics.observe_ttft(loop.time() - t0)
 
     queue: asyncio.Queue[_Event] = asyncio.Queue()
-    timings = [trace.prompt(t0) for _ in job.token_lists]
+    n = job.common.n
+    timings = [trace.prompt(t0) for _ in range(job.sequences)]
     admitted = False
     try:
         async with asyncio.TaskGroup() as group:
-            for i, tokens in enumerate(job.token_lists):
+            for i in range(job.sequences):
                 request = GenerationRequest(
                     request_id=f"{job.response_id}-{i}",
-                    prompt_tokens=tokens,
+                    prompt_tokens=job.token_lists[i // n],
                     max_tokens=job.common.max_tokens,
                     namespace=job.namespace,
                     priority=job.common.cache_priority,
                     system_tokens=job.system_tokens,
+                    sample=i % n,
                 )
                 group.create_task(
                     _produce(engine, request, i, queue, first_token, timings[i]))
-            remaining = len(job.token_lists)
+            remaining = job.sequences
             while remaining:
                 event = await queue.get()
                 if isinstance(event, _Done):
@@ -210,8 +223,9 @@ async def _run_prompts(
         if _is_abort(exc):
             metrics.count_abort("running" if admitted else "waiting")
         raise
-    for timing in timings:
-        _observe(metrics, timing)
+    for i, timing in enumerate(timings):
+        if job.first_sample(i):  # one request per prompt, whatever its samples
+            _observe(metrics, timing)
 
 
 def _is_abort(exc: BaseException) -> bool:
@@ -227,13 +241,13 @@ async def respond_whole(
     request: web.Request, job: Job, headers: dict[str, str], engine: Engine,
     metrics: WorkerMetrics, trace: RequestTrace,
 ) -> web.Response:
-    n = len(job.token_lists)
     admissions: list[Admission] = []
-    texts: list[list[str]] = [[] for _ in range(n)]
+    texts: list[list[str]] = [[] for _ in range(job.sequences)]
 
     async def collect(event: _Event) -> None:
         if isinstance(event, _Admitted):
-            admissions.append(event.admission)
+            if job.first_sample(event.index):
+                admissions.append(event.admission)
         elif isinstance(event, _Piece):
             texts[event.index].append(event.text)
 
@@ -301,7 +315,7 @@ class _SseWriter:
         self._job = job
         self._headers = headers
         self._object = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
-        self._admissions: list[Admission] = []
+        self._admissions: list[tuple[int, Admission]] = []  # (output, its admission)
         self._pending: list[_Event] = []
         self.response: web.StreamResponse | None = None
         self.report = CacheReport(0, 0, 0)
@@ -321,7 +335,8 @@ class _SseWriter:
         await self.response.write(b"event: " + kind.encode() + b"\n" + _sse(payload))
 
     async def _start(self) -> None:
-        self.report = CacheReport.of(self._admissions)
+        self.report = CacheReport.of(
+            [a for i, a in self._admissions if self._job.first_sample(i)])
         self.response = web.StreamResponse(
             headers={
                 **self._headers,
@@ -335,7 +350,7 @@ class _SseWriter:
             await self._event("response.created",
                               response=response_object(self._job, None, self.report, 0))
         elif self._job.kind == "chat":
-            for i in range(len(self._job.token_lists)):
+            for i in range(self._job.sequences):
                 role = {"index": i, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}
                 await self._write(self._job.envelope(self._object, [role]))
@@ -343,10 +358,10 @@ class _SseWriter:
     async def handle(self, event: _Event) -> None:
         if self.response is None:
             if isinstance(event, _Admitted):
-                self._admissions.append(event.admission)
+                self._admissions.append((event.index, event.admission))
             else:
                 self._pending.append(event)
-            if len(self._admissions) < len(self._job.token_lists):
+            if len(self._admissions) < self._job.sequences:
                 return
             await self._start()
             backlog, self._pending = self._pending, []

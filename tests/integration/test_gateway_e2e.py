@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
@@ -75,6 +76,35 @@ async def test_completions_non_streaming_and_streaming(start_cluster: StartClust
     assert len([p for p in pieces if p]) == 6
     assert usage is not None
     assert usage.completion_tokens == 6
+
+
+async def test_several_samples_of_one_prompt(start_cluster: StartCluster) -> None:
+    """``n`` > 1 through the gateway: every sample comes back, streamed or whole, the worker's
+    report counts the prompt once, and nothing stays counted in flight."""
+    cluster = await start_cluster(workers=2)
+    messages: list[Any] = [{"role": "system", "content": SHARED_PREFIX},
+                           {"role": "user", "content": "Which saddle fits a child?"}]
+    async with client(cluster.base_url) as oa, aiohttp.ClientSession() as http:
+        raw = await oa.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=4, n=3)
+        whole = raw.parse()
+        stream = await oa.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, n=2, stream=True)
+        streamed: dict[int, str] = {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                streamed[choice.index] = streamed.get(choice.index, "") + (
+                    choice.delta.content or "")
+        async with http.get(cluster.gateway_url + "/admin/workers") as r:
+            view = await r.json()
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert len({c.message.content for c in whole.choices}) == 3
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == 12
+    assert int(raw.headers["x-cache-input-tokens"]) == whole.usage.prompt_tokens
+    assert sorted(streamed) == [0, 1]
+    assert all(streamed.values())
+    assert sum(w["inflight_requests"] for w in view["workers"]) == 0
 
 
 async def test_chat_streaming_is_relayed_chunk_by_chunk(start_cluster: StartCluster) -> None:

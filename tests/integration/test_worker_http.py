@@ -283,8 +283,8 @@ LONG = "word " * 5000  # ~5,000 tokens > max_model_len 4096
          "invalid_type", "max_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400,
          "invalid_type", "stream"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400,
-         "unsupported_value", "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 129}, 400,
+         "invalid_value", "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": 5}, 400,
          "invalid_type", "cache_salt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": []}, 400,
@@ -395,7 +395,6 @@ _HI = [{"role": "user", "content": "hi"}]
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"stop": ["\n"]}, "stop"),
         ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
-        ("/v1/completions", {"n": 2}, "n"),
     ],
 )
 async def test_unimplemented_parameters_are_refused(
@@ -411,6 +410,76 @@ async def test_unimplemented_parameters_are_refused(
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
     assert error["code"] in ("unsupported_parameter", "unsupported_value")
+
+
+async def test_n_samples_share_the_prompt_and_count_it_once(worker: Worker) -> None:
+    client = worker.client()
+    messages: list[Any] = [{"role": "system", "content": "You answer briefly. " * 20},
+                           {"role": "user", "content": "Name three colours."}]
+    one = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    again = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    three = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                 n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    texts = [c.message.content for c in three.choices]
+    assert texts[0] == one.choices[0].message.content  # the first sample is the n=1 answer
+    assert len(set(texts)) == 3  # each sample its own words
+    assert one.usage is not None
+    assert again.usage is not None
+    assert three.usage is not None
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    cached = [u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else None
+              for u in (again.usage, three.usage)]
+    assert cached[0]  # the repeated prompt was found cached ...
+    assert cached[1] == cached[0]  # ... and n samples report it once
+
+
+async def test_n_samples_stream_each_choice(worker: Worker) -> None:
+    client = worker.client()
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi there"}], max_tokens=4, n=2,
+        stream=True, stream_options={"include_usage": True})
+    roles: list[int] = []
+    pieces: dict[int, list[str]] = {0: [], 1: []}
+    finished: list[int] = []
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.role == "assistant":
+                roles.append(choice.index)
+            elif choice.delta.content:
+                pieces[choice.index].append(choice.delta.content)
+            if choice.finish_reason is not None:
+                finished.append(choice.index)
+    assert sorted(roles) == [0, 1]
+    assert sorted(finished) == [0, 1]
+    assert all(len(p) == 4 for p in pieces.values())
+    assert usage is not None
+    assert usage.completion_tokens == 8
+
+
+async def test_n_samples_of_a_batch_of_prompts_in_order(worker: Worker) -> None:
+    prompts = ["first prompt of the batch", "second prompt"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 3, "n": 2}
+    alone: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession() as session:
+        for prompt in prompts:
+            single = {"model": MODEL, "prompt": prompt, "max_tokens": 3}
+            async with session.post(worker.base_url + "/v1/completions", json=single) as resp:
+                alone.append(await resp.json())
+        async with session.post(worker.base_url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            both = await resp.json()
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+    # Choice p * n + j is sample j of prompt p: 0 and 2 are the prompts' first samples.
+    assert both["choices"][0]["text"] == alone[0]["choices"][0]["text"]
+    assert both["choices"][2]["text"] == alone[1]["choices"][0]["text"]
+    assert both["choices"][1]["text"] != both["choices"][0]["text"]
+    assert both["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert both["usage"]["completion_tokens"] == 4 * 3
 
 
 async def test_parameters_sent_with_their_defaults_are_served(worker: Worker) -> None:

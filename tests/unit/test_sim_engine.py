@@ -184,6 +184,9 @@ def test_pseudo_words_are_deterministic() -> None:
     assert pseudo_words([1, 2, 3], 5) == pseudo_words([1, 2, 3], 5)
     assert pseudo_words([1, 2, 3], 8) != pseudo_words([3, 2, 1], 8)
     assert all(w.startswith(" ") for w in pseudo_words([1], 10))
+    # The samples of one request (n > 1) differ; the first is the request's only output.
+    assert pseudo_words([1, 2, 3], 8, 0) == pseudo_words([1, 2, 3], 8)
+    assert len({tuple(pseudo_words([1, 2, 3], 8, j)) for j in range(4)}) == 4
 
 
 async def test_waiters_cancelled_in_the_tick_a_slot_frees_get_nothing() -> None:

@@ -33,6 +33,8 @@ class GenerationRequest:
     """Eviction class of the prompt's cached blocks."""
     system_tokens: int = 0
     """Leading prompt tokens that are system prompt (their full blocks get ``SYSTEM``)."""
+    sample: int = 0
+    """Which of a request's ``n`` samples of this prompt (each its own output)."""
 
 
 @dataclass(frozen=True)

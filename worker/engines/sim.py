@@ -65,9 +65,12 @@ class SimCosts:
         return max(output_tokens - 1, 0) * self.decode_ms_per_token / 1e3
 
 
-def pseudo_words(prompt_tokens: Sequence[int], count: int) -> list[str]:
-    """``count`` deterministic pseudo-words (each a leading-space piece), seeded by the prompt."""
+def pseudo_words(prompt_tokens: Sequence[int], count: int, sample: int = 0) -> list[str]:
+    """``count`` deterministic pseudo-words (each a leading-space piece), seeded by the prompt
+    (and, for the samples of a request after its first, by the sample's number)."""
     seed = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(prompt_tokens)}q", *prompt_tokens))
+    if sample:
+        seed = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed, sample))
     rng = random.Random(seed)
     return [" " + rng.choice(WORDS) for _ in range(count)]
 
@@ -87,7 +90,8 @@ class SimGeneration:
     async def tokens(self) -> AsyncIterator[str]:
         costs = self._engine.costs
         await asyncio.sleep(self._admission.prefill_seconds)
-        words = pseudo_words(self._request.prompt_tokens, self._request.max_tokens)
+        request = self._request
+        words = pseudo_words(request.prompt_tokens, request.max_tokens, request.sample)
         for i, word in enumerate(words):
             if i:
                 await asyncio.sleep(costs.decode_ms_per_token / 1e3)
