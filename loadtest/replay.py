@@ -14,11 +14,11 @@ router in turn: the gateway with each ``--policy``, then, with ``--peers``, sgla
 smg in cache_aware mode (:mod:`loadtest.peers`), and each ``--peer-variant``: a peer with
 arguments of its own (its balance thresholds, say), reported as ``PEER[LABEL]``. Between
 routers every worker's cache is flushed (``POST /admin/flush``), so each router starts from
-the same empty fleet; the workers
-keep their ports, so every gateway run has the same ring. Before the first router, each fresh
-worker answers a few of the trace's first requests sent to it directly (``Fleet.warm``), so
-that no router meets workers answering their first requests. ``--repeat R`` restarts the whole
-fleet R times and reports the median of each metric per router.
+the same empty fleet; the workers keep their ports, so every gateway run has the same ring.
+Before the first router, each fresh worker answers a few of the trace's first requests sent to
+it directly (``Fleet.warm``), so that no router meets workers answering their first requests.
+``--repeat R`` restarts the whole fleet R times and reports the median of each metric per
+router.
 
 Per router, from what the workers report in every reply (``x-cache-*``), as
 :mod:`loadtest.simulate` reports it: ``block_hit_rate``, ``pooled_bound`` (one LRU cache of all
