@@ -15,6 +15,7 @@ from worker.kvcache import Priority
 DEFAULT_MAX_TOKENS = 16
 MAX_TOKEN_ID = 2**32 - 1
 MAX_N = 128  # samples per prompt, as OpenAI's API allows
+MAX_STOPS = 16  # stop sequences per request
 
 Prompt = str | tuple[int, ...]
 
@@ -30,6 +31,8 @@ class CommonParams:
     """Extension field ``cache_priority``: eviction class of the prompt's cached blocks."""
     n: int = 1
     """Samples per prompt: each prompt runs once per sample, sharing its cached blocks."""
+    stop: tuple[str, ...] = ()
+    """Stop sequences: an output ends before the first of them (:mod:`worker.stops`)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,6 @@ _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     "echo": ("echoing the prompt", lambda v: v is None or v is False),
     "suffix": ("suffix insertion", _absent),
     "logit_bias": ("logit bias", _absent),
-    "stop": ("stop sequences", _absent),
     "prediction": ("predicted outputs", _absent),
     "audio": ("audio output", _absent),
     "modalities": ("non-text output", lambda v: v is None or v == ["text"]),
@@ -147,6 +149,7 @@ def parse_common(
     if n > MAX_N:
         raise ApiError(f"'n' must be at most {MAX_N}, got {n}", param="n", code="invalid_value")
     reject_unsupported(body)
+    stop = _stops(body.get("stop"))
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _type_error("stream", "a boolean")
@@ -179,7 +182,20 @@ def parse_common(
         cache_salt=salt or "",
         cache_priority=priority,
         n=n,
+        stop=stop,
     )
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    """The ``stop`` parameter: a string, or a list of up to :data:`MAX_STOPS` strings."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if (not isinstance(value, list) or len(value) > MAX_STOPS
+            or not all(isinstance(s, str) for s in value)):
+        raise _type_error("stop", f"a string or a list of at most {MAX_STOPS} strings")
+    return tuple(value)
 
 
 def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:

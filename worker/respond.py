@@ -10,6 +10,7 @@ entry or KV blocks released, and ``worker_requests_aborted_total`` counts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from worker.engines.base import Admission, Engine, GenerationRequest
 from worker.metrics import WorkerMetrics
 from worker.observe import PromptTiming, RequestTrace
 from worker.parsing import CommonParams
+from worker.stops import StopText
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class _Piece:
 @dataclass(frozen=True)
 class _Done:
     index: int
+    finish: str  # "length", or "stop" at a stop sequence
+    tokens: int  # tokens generated (a stop string's included, though its text is not sent)
 
 
 _Event = _Admitted | _Piece | _Done
@@ -97,8 +101,10 @@ async def _produce(
     events: asyncio.Queue[_Event],
     on_first_token: Callable[[], None],
     timing: PromptTiming,
+    stops: Sequence[str] = (),
 ) -> None:
     loop = asyncio.get_running_loop()
+    text = StopText(stops)
     async with engine.admit(request) as generation:
         timing.admitted = loop.time()
         admission = generation.admission
@@ -106,15 +112,21 @@ async def _produce(
         timing.cached_tokens = admission.matched_tokens
         events.put_nowait(_Admitted(index, admission))
         first = True
-        async for piece in generation.tokens():
-            if first:
-                timing.first_token = loop.time()
-                on_first_token()
-                first = False
-            timing.output_tokens += 1
-            events.put_nowait(_Piece(index, piece))
+        async with contextlib.aclosing(generation.tokens()) as pieces:
+            async for piece in pieces:
+                if first:
+                    timing.first_token = loop.time()
+                    on_first_token()
+                    first = False
+                timing.output_tokens += 1
+                if out := text.feed(piece):
+                    events.put_nowait(_Piece(index, out))
+                if text.stopped:
+                    break  # the engine generates no more for this output
+        if rest := text.flush():
+            events.put_nowait(_Piece(index, rest))
     timing.done = loop.time()
-    events.put_nowait(_Done(index))
+    events.put_nowait(_Done(index, "stop" if text.stopped else "length", timing.output_tokens))
 
 
 def _observe(metrics: WorkerMetrics, timing: PromptTiming) -> None:
@@ -209,8 +221,8 @@ async def _run_prompts(
                     system_tokens=job.system_tokens,
                     sample=i % n,
                 )
-                group.create_task(
-                    _produce(engine, request, i, queue, first_token, timings[i]))
+                group.create_task(_produce(engine, request, i, queue, first_token,
+                                           timings[i], job.common.stop))
             remaining = job.sequences
             while remaining:
                 event = await queue.get()
@@ -243,6 +255,7 @@ async def respond_whole(
 ) -> web.Response:
     admissions: list[Admission] = []
     texts: list[list[str]] = [[] for _ in range(job.sequences)]
+    ends: list[_Done] = []
 
     async def collect(event: _Event) -> None:
         if isinstance(event, _Admitted):
@@ -250,25 +263,29 @@ async def respond_whole(
                 admissions.append(event.admission)
         elif isinstance(event, _Piece):
             texts[event.index].append(event.text)
+        else:
+            ends.append(event)
 
     await _run_prompts(engine, metrics, job, collect, trace)
     report = CacheReport.of(admissions)
+    tokens = sum(end.tokens for end in ends)
     if job.kind == "response":
-        body = response_object(job, "".join(texts[0]), report, len(texts[0]))
+        body = response_object(job, "".join(texts[0]), report, tokens)
         if job.on_response is not None:
             job.on_response(body)
         return web.json_response(body, headers={**headers, **report.headers()})
+    finish = {end.index: end.finish for end in ends}
     choices: list[dict[str, Any]] = []
     for i, pieces in enumerate(texts):
         text = "".join(pieces)
-        choice: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": "length"}
+        choice: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish[i]}
         if job.kind == "completion":
             choice["text"] = text
         else:
             choice["message"] = {"role": "assistant", "content": text}
         choices.append(choice)
     body = job.envelope(job.object_name, choices)
-    body["usage"] = report.usage(sum(len(t) for t in texts))
+    body["usage"] = report.usage(tokens)
     return web.json_response(body, headers={**headers, **report.headers()})
 
 
@@ -368,19 +385,19 @@ class _SseWriter:
         else:
             backlog = [event]
         for item in backlog:
+            if isinstance(item, _Done):
+                self.completion_tokens += item.tokens
             if self._job.kind == "response":
                 if isinstance(item, _Piece):
-                    self.completion_tokens += 1
                     self._text.append(item.text)
                     await self._event(
                         "response.output_text.delta", item_id=self._job.message_id,
                         output_index=0, content_index=0, delta=item.text)
                 continue
             if isinstance(item, _Piece):
-                self.completion_tokens += 1
                 choice = _chunk_choice(self._job, item.index, item.text, None)
             elif isinstance(item, _Done):
-                choice = _chunk_choice(self._job, item.index, None, "length")
+                choice = _chunk_choice(self._job, item.index, None, item.finish)
             else:
                 continue
             await self._write(self._job.envelope(self._object, [choice]))

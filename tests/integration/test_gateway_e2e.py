@@ -107,6 +107,18 @@ async def test_several_samples_of_one_prompt(start_cluster: StartCluster) -> Non
     assert sum(w["inflight_requests"] for w in view["workers"]) == 0
 
 
+async def test_stop_sequences_through_the_gateway(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(workers=1)
+    async with client(cluster.base_url) as oa:
+        free = await oa.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6)
+        text = free.choices[0].text
+        stop = text.split(" ")[3]  # the third generated word
+        cut = await oa.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
+                                          stop=[stop])
+    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
 async def test_chat_streaming_is_relayed_chunk_by_chunk(start_cluster: StartCluster) -> None:
     """The first chunk reaches the client while the worker is still generating."""
     cluster = await start_cluster(workers=1)

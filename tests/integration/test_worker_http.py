@@ -393,7 +393,6 @@ _HI = [{"role": "user", "content": "hi"}]
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
-        ("/v1/completions", {"stop": ["\n"]}, "stop"),
         ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
     ],
 )
@@ -480,6 +479,59 @@ async def test_n_samples_of_a_batch_of_prompts_in_order(worker: Worker) -> None:
     assert both["choices"][1]["text"] != both["choices"][0]["text"]
     assert both["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
     assert both["usage"]["completion_tokens"] == 4 * 3
+
+
+async def test_stop_sequences_cut_the_output_and_stop_generating(worker: Worker) -> None:
+    client = worker.client()
+    messages: list[Any] = [{"role": "user", "content": "Tell me a long story."}]
+    free = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    text = free.choices[0].message.content
+    assert text is not None
+    words = text.split(" ")[1:]  # each piece is " word"
+    # A stop string that spans the end of the third word and the start of the fourth.
+    stop = words[2][-1] + " " + words[3][:1]
+    cut = text.index(stop)
+    # Tokens generated until the stop string was complete (one " word" piece a token).
+    ends = [len(" ".join(["", *words[:k + 1]])) for k in range(len(words))]
+    generated = next(k + 1 for k, end in enumerate(ends) if end >= cut + len(stop))
+    whole = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                 stop=[stop, "never there"])
+    assert whole.choices[0].message.content == text[:cut]
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == generated  # the engine generated no more
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, stop=stop, stream=True,
+        stream_options={"include_usage": True})
+    pieces: list[str] = []
+    finish = None
+    usage = None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == text[:cut]
+    assert finish == "stop"
+    assert usage is not None
+    assert usage.completion_tokens == generated < 8
+    # No stop string in the output: as without one, to the end of max_tokens.
+    other = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                 stop="never there")
+    assert other.choices[0].message.content == text
+    assert other.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stop", [3, ["a", 1], ["s"] * 17])
+async def test_bad_stop_sequences_are_refused(worker: Worker, stop: Any) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": stop}
+    async with aiohttp.ClientSession() as session, session.post(
+        worker.base_url + "/v1/completions", json=body
+    ) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["param"] == "stop"
+    assert error["code"] == "invalid_type"
 
 
 async def test_parameters_sent_with_their_defaults_are_served(worker: Worker) -> None:

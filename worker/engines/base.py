@@ -7,7 +7,7 @@ statistics (:class:`Admission`), then yields generated text pieces, then release
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -73,8 +73,9 @@ class Generation(Protocol):
     @property
     def admission(self) -> Admission: ...
 
-    def tokens(self) -> AsyncIterator[str]:
-        """Generated text pieces, one per output token, at the engine's pace."""
+    def tokens(self) -> AsyncGenerator[str, None]:
+        """Generated text pieces, one per output token, at the engine's pace (closed early
+        when the output reached a stop string: the engine generates no more for it)."""
         ...
 
 

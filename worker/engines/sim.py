@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -87,7 +87,7 @@ class SimGeneration:
     def admission(self) -> Admission:
         return self._admission
 
-    async def tokens(self) -> AsyncIterator[str]:
+    async def tokens(self) -> AsyncGenerator[str, None]:
         costs = self._engine.costs
         await asyncio.sleep(self._admission.prefill_seconds)
         request = self._request

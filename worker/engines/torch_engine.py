@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -151,7 +151,7 @@ class TorchGeneration:
     def admission(self) -> Admission:
         return self._admission
 
-    async def tokens(self) -> AsyncIterator[str]:
+    async def tokens(self) -> AsyncGenerator[str, None]:
         engine = self._engine
         token = self._first
         for i in range(self._max_tokens):
