@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -156,6 +156,8 @@ class Job:
     """Leading tokens of the (single) prompt that are the chat's system messages."""
     on_response: Callable[[dict[str, Any]], None] | None = None
     """A Responses answer, once complete (what stores it)."""
+    echo: Mapping[str, Any] = field(default_factory=dict)
+    """A Responses request's settings its response repeats (its tools, instructions, ...)."""
 
     @property
     def sequences(self) -> int:
@@ -289,6 +291,20 @@ async def respond_whole(
     return web.json_response(body, headers={**headers, **report.headers()})
 
 
+# What a Responses API response says of the request's settings it did not give (OpenAI's
+# defaults); those it gave are repeated (``Job.echo``, :func:`response_echo`).
+RESPONSE_DEFAULTS: dict[str, Any] = {
+    "instructions": None, "previous_response_id": None, "max_output_tokens": None,
+    "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "temperature": 1.0,
+    "top_p": 1.0, "metadata": {}, "store": True,
+}
+
+
+def response_echo(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of a Responses request (``body``) its response repeats."""
+    return {k: body[k] for k in RESPONSE_DEFAULTS if body.get(k) is not None}
+
+
 def response_object(job: Job, text: str | None, report: CacheReport,
                     output_tokens: int) -> dict[str, Any]:
     """A Responses API ``response``: in progress (``text`` None: no output yet) or completed
@@ -304,7 +320,7 @@ def response_object(job: Job, text: str | None, report: CacheReport,
         "id": job.response_id, "object": "response", "created_at": job.created,
         "status": "in_progress" if text is None else "completed", "model": job.model,
         "output": output, "error": None, "incomplete_details": None,
-        "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+        **RESPONSE_DEFAULTS, **job.echo,
         "usage": None if text is None else {
             "input_tokens": report.input_tokens,
             "input_tokens_details": {"cached_tokens": report.matched_tokens},

@@ -80,7 +80,7 @@ from worker.parsing import (
     parse_embedding,
 )
 from worker.register import registration
-from worker.respond import Job, respond_stream, respond_whole
+from worker.respond import Job, respond_stream, respond_whole, response_echo
 from worker.settings import SIM_DEFAULT_CACHE_BLOCKS, WorkerSettings
 from worker.stored_responses import ResponseStore, StoredResponse, answer_text, input_items
 from worker.tokenize_lane import EncodeError, TokenizeLane
@@ -287,6 +287,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     added = tuple(messages[len(instructions):])
     chat["messages"] = [*instructions, *before, *added]
     job, _ = await _chat_job(request, chat, "response", "resp_", "input")
+    job = replace(job, echo=response_echo(body))
     if stores(body) and kept.max_entries > 0:
         def keep(response: dict[str, Any]) -> None:
             answer = {"role": "assistant", "content": answer_text(response)}

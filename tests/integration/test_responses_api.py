@@ -54,6 +54,34 @@ async def test_an_agents_next_turn_goes_where_its_last_turn_is_cached(
     assert second.output_text
 
 
+async def test_a_response_repeats_the_settings_it_was_given(
+        start_cluster: StartCluster) -> None:
+    """An agent's request with tools (the model left to choose: the reference worker answers
+    in text): its response, and the stored copy read back, repeat its tools, instructions and
+    sampling settings, and say OpenAI's defaults for the rest."""
+    tools: Any = [{"type": "function", "name": "manual", "description": "read the manual",
+                   "parameters": {"type": "object", "properties": {}}}]
+    cluster = await start_cluster(workers=1)
+    async with client(cluster.base_url) as oa:
+        made = await oa.responses.create(
+            model=MODEL, instructions=INSTRUCTIONS, input="How do I true a wheel?", tools=tools,
+            temperature=0.2, max_output_tokens=4, metadata={"ticket": "42"})
+        again = await oa.responses.retrieve(made.id)
+        plain = await oa.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    for response in (made, again):
+        assert response.output_text
+        assert [t.name for t in response.tools] == ["manual"]  # type: ignore[union-attr]
+        assert response.tool_choice == "auto"
+        assert response.instructions == INSTRUCTIONS.rstrip()  # as normalized on the way
+        assert response.temperature == 0.2
+        assert response.max_output_tokens == 4
+        assert response.metadata == {"ticket": "42"}
+    assert plain.tools == []
+    assert plain.instructions is None
+    assert plain.parallel_tool_calls is True
+    assert plain.temperature == 1.0
+
+
 async def test_a_streamed_response_with_the_openai_client(start_cluster: StartCluster) -> None:
     cluster = await start_cluster(workers=2)
     async with client(cluster.base_url) as oa:
