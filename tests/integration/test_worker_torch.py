@@ -79,6 +79,29 @@ async def test_completion_then_repeat_reports_matched_tokens(base_url: str) -> N
     assert stats["prefill_seconds"] > 0
 
 
+async def test_samples_and_a_stop_sequence_on_the_real_engine(base_url: str) -> None:
+    """n samples run on the real engine (greedy decoding: the same text each); a stop string
+    ends the output there and releases its KV blocks."""
+    prompt = SYSTEM + "Second question?"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6}
+    async with aiohttp.ClientSession() as session:
+        free, _ = await post(session, base_url + "/v1/completions", body)
+        both, _ = await post(session, base_url + "/v1/completions", {**body, "n": 2})
+        text = free["choices"][0]["text"]
+        stop = text[len(text) // 2:][:2] or text[-1:]
+        cut, _ = await post(session, base_url + "/v1/completions", {**body, "stop": [stop]})
+        async with session.get(base_url + "/metrics") as resp:
+            metrics = await resp.text()
+    assert [c["text"] for c in both["choices"]] == [text, text]
+    assert both["usage"]["prompt_tokens"] == free["usage"]["prompt_tokens"]
+    assert both["usage"]["completion_tokens"] == 12
+    assert cut["choices"][0]["text"] == text[:text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    samples = {s.name: s.value for f in text_string_to_metric_families(metrics)
+               for s in f.samples}
+    assert samples["vllm:kv_cache_usage_perc"] == 0.0  # every block released
+
+
 async def test_chat_system_blocks_are_tagged_and_flush_forgets(base_url: str) -> None:
     body = {"model": MODEL, "max_tokens": 2,
             "messages": [{"role": "system", "content": SYSTEM},
