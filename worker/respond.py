@@ -291,18 +291,19 @@ async def respond_whole(
     return web.json_response(body, headers={**headers, **report.headers()})
 
 
-# What a Responses API response says of the request's settings it did not give (OpenAI's
-# defaults); those it gave are repeated (``Job.echo``, :func:`response_echo`).
-RESPONSE_DEFAULTS: dict[str, Any] = {
-    "instructions": None, "previous_response_id": None, "max_output_tokens": None,
-    "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "temperature": 1.0,
-    "top_p": 1.0, "metadata": {}, "store": True,
-}
+def response_defaults() -> dict[str, Any]:
+    """What a Responses API response says of the request's settings it did not give
+    (OpenAI's defaults; a new dict each time); those it gave are repeated (``Job.echo``)."""
+    return {
+        "instructions": None, "previous_response_id": None, "max_output_tokens": None,
+        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "temperature": 1.0,
+        "top_p": 1.0, "metadata": {}, "store": True,
+    }
 
 
 def response_echo(body: Mapping[str, Any]) -> dict[str, Any]:
     """The settings of a Responses request (``body``) its response repeats."""
-    return {k: body[k] for k in RESPONSE_DEFAULTS if body.get(k) is not None}
+    return {k: body[k] for k in response_defaults() if body.get(k) is not None}
 
 
 def response_object(job: Job, text: str | None, report: CacheReport,
@@ -320,7 +321,7 @@ def response_object(job: Job, text: str | None, report: CacheReport,
         "id": job.response_id, "object": "response", "created_at": job.created,
         "status": "in_progress" if text is None else "completed", "model": job.model,
         "output": output, "error": None, "incomplete_details": None,
-        **RESPONSE_DEFAULTS, **job.echo,
+        **response_defaults(), **job.echo,
         "usage": None if text is None else {
             "input_tokens": report.input_tokens,
             "input_tokens_details": {"cached_tokens": report.matched_tokens},
