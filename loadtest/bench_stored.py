@@ -35,12 +35,11 @@ from typing import Any
 import aiohttp
 
 from infra.procs import free_port_block, start_server, stop_processes
-from loadtest.harness import emit, percentile
+from loadtest.harness import MODEL, emit, percentile
 from loadtest.peers import PEERS, PeerUnavailableError, gateway_log_args, running_peer
 from loadtest.workloads import system_prompt, words
 
 HOST = "127.0.0.1"
-MODEL = "sim-model"  # the reference worker's default
 DEFAULT_ROUTERS = ("ours", *PEERS)
 
 
