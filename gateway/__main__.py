@@ -117,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     access_log.configure_stream()  # access lines bare on stdout, one per request
-    if not settings.worker and settings.store.startswith("memory://"):
+    if (not settings.worker and settings.store.startswith("memory://")
+            and not settings.k8s_selector):
         print(
-            "python -m gateway: give at least one --worker URL, or a --store redis://... "
-            "where workers register themselves",
+            "python -m gateway: give at least one --worker URL, a --k8s-selector for the "
+            "pods to use, or a --store redis://... where workers register themselves",
             file=sys.stderr,
         )
         return 2

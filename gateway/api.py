@@ -340,6 +340,8 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "last_error": s.last_error,
                 "breaker": state.guard.breakers.state(s.worker.id, now),
                 "kind": s.worker.kind,
+                # How it joined: static (--worker), registry (the store), kubernetes (a pod).
+                "source": s.source,
                 "engine_metrics": dict(s.engine_metrics),
                 "scraped_at": s.scraped_at,  # the gateway's monotonic clock, seconds
                 # The engine's mean time to first token for the requests it started between

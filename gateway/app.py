@@ -26,6 +26,7 @@ from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import Tracing
 from gateway.cors import Cors
 from gateway.credentials import worker_keys
+from gateway.discovery import PodDiscovery
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -48,6 +49,7 @@ from gateway.prompt_histories import PromptHistories
 from gateway.rebalance import RebalanceOptions, Rebalancer
 from gateway.resources import (
     BACKENDS_KEY,
+    DISCOVERY_KEY,
     EXACT_KEY,
     HEALTH_KEY,
     LIFECYCLE_KEY,
@@ -437,6 +439,8 @@ def create_app(
     app[WARMUP_KEY] = warmup
     app[LIFECYCLE_KEY] = lifecycle
     app[PREWARMER_KEY] = state.prewarmer
+    k8s = settings.kubernetes_options()
+    app[DISCOVERY_KEY] = PodDiscovery(pool, k8s) if k8s is not None else None
     app[REBALANCER_KEY] = Rebalancer(
         store, pool, index, origin, RebalanceOptions(interval_s=settings.rebalance_interval_s))
     app[AUTH_KEY] = auth

@@ -43,7 +43,9 @@ def worker_id_for(url: str) -> str:
 @dataclass(slots=True)
 class WorkerState:
     worker: Worker
-    source: str = "static"  # "static" (--worker) or "registry" (registered in the store)
+    # "static" (--worker), "registry" (registered in the store) or "kubernetes" (a pod that
+    # gateway.discovery found)
+    source: str = "static"
     healthy: bool = False
     inflight_requests: int = 0
     inflight_tokens: int = 0

@@ -2,9 +2,9 @@
 cleanup context per resource.
 
 :func:`install` appends the contexts in dependency order: tracing, one HTTP client pool per
-backend, the metadata store, the store sync, the first health round, the KV-event feeds, the
-warm-up, the cache lifecycle and pre-warming (their on-demand tasks), the rebalancer and the
-health loop. aiohttp enters them in that order and leaves them in reverse, and leaves every
+backend, the metadata store, the store sync, pod discovery, the first health round, the KV-event
+feeds, the warm-up, the cache lifecycle and pre-warming (their on-demand tasks), the rebalancer
+and the health loop. aiohttp enters them in that order and leaves them in reverse, and leaves every
 context it entered even when a later one fails to start, so a failed start-up closes what it
 had opened.
 
@@ -14,6 +14,8 @@ Request handlers do not look these keys up: they read the one ``GatewayState`` t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -21,6 +23,7 @@ from aiohttp import web
 
 from gateway.backends.base import Backend
 from gateway.contracts.tasks import running
+from gateway.discovery import PodDiscovery
 from gateway.health import HealthChecker
 from gateway.kvevents.source import ExactSource
 from gateway.lifecycle import CacheLifecycle
@@ -44,6 +47,8 @@ WARMUP_KEY = web.AppKey("warmup", WarmupManager)
 LIFECYCLE_KEY = web.AppKey("lifecycle", CacheLifecycle)
 PREWARMER_KEY = web.AppKey("prewarmer", PreWarmer)
 REBALANCER_KEY = web.AppKey("rebalancer", Rebalancer)
+DISCOVERY_KEY = web.AppKey[PodDiscovery | None]("discovery")
+FIRST_LIST_S = 10.0  # the longest start-up waits for pod discovery's first list
 
 
 async def _tracing(app: web.Application) -> AsyncIterator[None]:
@@ -84,6 +89,20 @@ async def _sync(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await sync.stop()
+
+
+async def _discovery(app: web.Application) -> AsyncIterator[None]:
+    """Pod discovery lists the pods once before the first health round (waiting at most
+    ``FIRST_LIST_S``, and not past a failed first try: the gateway serves what else it has
+    while discovery retries), then watches them until shutdown."""
+    discovery = app[DISCOVERY_KEY]
+    if discovery is None:
+        yield
+        return
+    async with running(discovery.run(), "gateway-discovery"):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(discovery.first_try.wait(), FIRST_LIST_S)
+        yield
 
 
 async def _first_health_round(app: web.Application) -> AsyncIterator[None]:
@@ -146,6 +165,7 @@ def install(app: web.Application) -> None:
     app.cleanup_ctx.extend([
         _store,
         _sync,
+        _discovery,
         _first_health_round,
         _kv_events,
         _warmup,

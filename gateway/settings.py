@@ -11,6 +11,7 @@ from pathlib import Path
 from gateway.contracts.config import load_settings
 from gateway.contracts.tracing import PROTOCOLS, TracingOptions
 from gateway.cors import normal_origin
+from gateway.discovery import SERVICE_ACCOUNT, KubernetesOptions
 from gateway.fingerprint import FingerprintOptions
 from gateway.kvevents.token_prefix import PrefixStoreOptions
 from gateway.kvevents.tokenize import TokenizerOptions
@@ -32,6 +33,7 @@ def _secret(text: str) -> dict[str, object]:
 
 
 ROUTE_HEADER_MODES = ("all", "admin", "none")
+K8S_SCHEMES = ("http", "https", "vllm+http", "vllm+https")
 
 # The policy defaults live in PolicyOptions; the settings of the same name take them from it.
 _POLICY = PolicyOptions()
@@ -329,6 +331,36 @@ class GatewaySettings:
     health_interval_s: float = field(
         default=5.0, metadata=_help("seconds between active health checks of workers")
     )
+    k8s_selector: str = field(
+        default="", metadata=_help("Kubernetes label selector (e.g. app=vllm): the ready pods "
+                                   "it names are workers, joining and leaving as they change "
+                                   "(list and watch; see gateway.discovery)")
+    )
+    k8s_namespace: str = field(
+        default="", metadata=_help("namespace of the --k8s-selector pods (default: the "
+                                   "gateway pod's own)")
+    )
+    k8s_port: str = field(
+        default="8000", metadata=_help("the discovered pods' port: a number, or the name of a "
+                                       "container port")
+    )
+    k8s_scheme: str = field(
+        default="http", metadata=_help("how discovered pods are spoken to: http or https "
+                                       "(OpenAI-compatible), vllm+http or vllm+https (vLLM: "
+                                       "tenant namespaces as cache_salt)")
+    )
+    k8s_api_url: str = field(
+        default="", metadata=_help("the Kubernetes API server (default: in-cluster, from "
+                                   "KUBERNETES_SERVICE_HOST/PORT)")
+    )
+    k8s_token_file: str = field(
+        default=str(SERVICE_ACCOUNT / "token"),
+        metadata=_help("bearer token for the API server, read again for every request"),
+    )
+    k8s_ca_file: str = field(
+        default=str(SERVICE_ACCOUNT / "ca.crt"),
+        metadata=_help("CA certificate of the API server"),
+    )
     warmup: bool = field(
         default=True,
         metadata=_help("warm a joining worker before it takes its full share: replay the "
@@ -555,6 +587,13 @@ class GatewaySettings:
             normal_origin(origin)  # raises ValueError for what is not an origin
         if not 0 <= self.admin_port <= 65535:
             raise ValueError(f"admin_port must be in 0..65535, got {self.admin_port}")
+        if self.k8s_scheme not in K8S_SCHEMES:
+            raise ValueError(f"k8s_scheme must be one of {', '.join(K8S_SCHEMES)}, "
+                             f"got {self.k8s_scheme!r}")
+        if not self.k8s_port or (self.k8s_port.isdigit()
+                                 and not 0 < int(self.k8s_port) <= 65535):
+            raise ValueError(f"k8s_port must be a port number or a port name, "
+                             f"got {self.k8s_port!r}")
         if self.max_worker_weight < 1:
             raise ValueError("max_worker_weight must be >= 1")
         if self.policy not in POLICY_NAMES:
@@ -639,6 +678,15 @@ class GatewaySettings:
     def policy_options(self) -> PolicyOptions:
         """Every :class:`PolicyOptions` field is a setting of the same name (and default)."""
         return PolicyOptions(**{f.name: getattr(self, f.name) for f in fields(PolicyOptions)})
+
+    def kubernetes_options(self) -> KubernetesOptions | None:
+        """Pod discovery's options; None without ``--k8s-selector``."""
+        if not self.k8s_selector:
+            return None
+        return KubernetesOptions(
+            selector=self.k8s_selector, namespace=self.k8s_namespace, port=self.k8s_port,
+            scheme=self.k8s_scheme, api_url=self.k8s_api_url, token_file=self.k8s_token_file,
+            ca_file=self.k8s_ca_file)
 
     def limit_options(self) -> LimitOptions:
         return LimitOptions(

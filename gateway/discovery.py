@@ -1,0 +1,308 @@
+"""Workers found in Kubernetes: the ready pods a label selector names, as they come and go.
+
+``--k8s-selector app=vllm`` makes the gateway list the pods of its namespace that carry those
+labels and then watch them (the API server's list-then-watch protocol: ``GET
+/api/v1/namespaces/NS/pods?labelSelector=...``, then the same with ``watch=1`` from the list's
+``resourceVersion``, newline-delimited ``{"type": ..., "object": Pod}`` events). A pod is a
+worker while it is running, not being deleted, has an IP and its ``Ready`` condition is true;
+its URL is ``SCHEME://POD_IP:PORT``, where ``--k8s-port`` is a number or the name of a
+container port (so pods of different shapes can name their port alike), and ``--k8s-scheme
+vllm+http`` makes them vLLM workers (tenant namespaces go as ``cache_salt``). The worker's id is
+the pod's name. A pod that stops being ready or is deleted leaves the routing at once (its
+requests in flight finish); one that becomes ready joins and is probed by the health loop
+before it takes requests, as a ``--worker`` does.
+
+Annotations on a pod name where its engine publishes KV events (``affinity-gateway/kv-events``
+and ``affinity-gateway/kv-replay``: a port, or a ``tcp://`` endpoint), as a ``--worker`` URL's
+fragment does (:mod:`gateway.kvevents.endpoints`).
+
+In a pod, the defaults need nothing else: the API server from ``KUBERNETES_SERVICE_HOST`` and
+``KUBERNETES_SERVICE_PORT``, the service account's token (read again for every request, since
+the kubelet rotates it), CA certificate and namespace from
+``/var/run/secrets/kubernetes.io/serviceaccount``. The account needs ``get``, ``list`` and
+``watch`` on ``pods`` in that namespace. A watch that ends is resumed from the last version
+seen (bookmarks keep it current); one the server no longer has (410 Gone) starts again from a
+fresh list; errors are logged and retried with a backoff of up to 30 s, and the workers known
+so far keep serving meanwhile. Discovered workers sit beside ``--worker`` ones and registered
+ones; discovery only ever removes the workers it added.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from gateway.contracts.tasks import stop_if_cancelled
+from gateway.kvevents.endpoints import EventEndpoints
+from gateway.pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+SOURCE = "kubernetes"  # the pool's source label of discovered workers
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+KV_EVENTS_ANNOTATION = "affinity-gateway/kv-events"
+KV_REPLAY_ANNOTATION = "affinity-gateway/kv-replay"
+WATCH_TIMEOUT_S = 300  # the server ends each watch after this; it is resumed at once
+MAX_EVENT_BYTES = 16 * 1024 * 1024  # one pod's JSON, managed fields included
+_BACKOFF_S = (0.5, 30.0)
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesOptions:
+    selector: str  # a label selector, e.g. "app=vllm,tier=gpu"
+    namespace: str = ""  # "": the service account's namespace, else "default"
+    port: str = "8000"  # a container port number, or a container port's name
+    scheme: str = "http"  # or https, vllm+http, vllm+https (gateway.backends.registry)
+    api_url: str = ""  # "": https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
+    token_file: str = str(SERVICE_ACCOUNT / "token")
+    ca_file: str = str(SERVICE_ACCOUNT / "ca.crt")
+
+    def resolved_api_url(self) -> str:
+        if self.api_url:
+            return self.api_url.rstrip("/")
+        host = os.environ.get("KUBERNETES_SERVICE_HOST", "")
+        if not host:
+            raise ValueError("--k8s-selector outside a pod needs --k8s-api-url (no "
+                             "KUBERNETES_SERVICE_HOST in the environment)")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+    def resolved_namespace(self) -> str:
+        if self.namespace:
+            return self.namespace
+        try:
+            return (SERVICE_ACCOUNT / "namespace").read_text().strip() or "default"
+        except OSError:
+            return "default"
+
+
+class Gone(Exception):
+    """The server no longer has the version a watch asked for: list again."""
+
+
+def _port(pod: Mapping[str, Any], port: str) -> int | None:
+    if port.isdigit():
+        return int(port)
+    for container in pod.get("spec", {}).get("containers", ()):
+        for p in container.get("ports", ()) or ():
+            if p.get("name") == port and isinstance(p.get("containerPort"), int):
+                return int(p["containerPort"])
+    return None
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status", {})
+    if pod.get("metadata", {}).get("deletionTimestamp") or status.get("phase") != "Running":
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in status.get("conditions", ()) or ())
+
+
+def _endpoint(value: str, ip: str) -> str:
+    """An annotation's endpoint: a port on the pod's IP, or a whole ``tcp://`` address."""
+    value = value.strip()
+    if value.isdigit():
+        return f"tcp://[{ip}]:{value}" if ":" in ip else f"tcp://{ip}:{value}"
+    if not value.startswith("tcp://"):
+        raise ValueError(f"a KV-event annotation is a port or a tcp:// endpoint, not {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class PodWorker:
+    """What a ready pod serves: its URL and where its engine publishes KV events."""
+
+    url: str
+    events: EventEndpoints | None = None
+
+
+def pod_worker(pod: Mapping[str, Any], options: KubernetesOptions) -> PodWorker | None:
+    """The worker a pod is, or None while it is not one (not ready, no IP, no such port).
+    Raises ValueError for a malformed KV-event annotation."""
+    ip = pod.get("status", {}).get("podIP")
+    if not _ready(pod) or not isinstance(ip, str) or not ip:
+        return None
+    port = _port(pod, options.port)
+    if port is None:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    annotations = pod.get("metadata", {}).get("annotations") or {}
+    events = None
+    if annotations.get(KV_EVENTS_ANNOTATION):
+        replay = annotations.get(KV_REPLAY_ANNOTATION, "")
+        events = EventEndpoints(_endpoint(annotations[KV_EVENTS_ANNOTATION], ip),
+                                _endpoint(replay, ip) if replay else "")
+    return PodWorker(f"{options.scheme}://{host}:{port}", events)
+
+
+async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The newline-delimited JSON documents of a watch response, as they arrive."""
+    buffer = b""
+    async for chunk in response.content.iter_any():
+        buffer += chunk
+        while (end := buffer.find(b"\n")) >= 0:
+            line, buffer = buffer[:end], buffer[end + 1:]
+            if line.strip():
+                yield line
+        if len(buffer) > MAX_EVENT_BYTES:
+            raise ValueError(f"a watch event over {MAX_EVENT_BYTES} bytes")
+    if buffer.strip():
+        yield buffer
+
+
+class PodDiscovery:
+    """Keeps the pool's discovered workers equal to the selector's ready pods."""
+
+    def __init__(self, pool: WorkerPool, options: KubernetesOptions) -> None:
+        self.pool = pool
+        self.options = options
+        self.api_url = options.resolved_api_url()
+        self.namespace = options.resolved_namespace()
+        self._path = (f"{self.api_url}/api/v1/namespaces/{quote(self.namespace, safe='')}"
+                      "/pods")
+        self._pods: dict[str, PodWorker] = {}  # pod name -> the worker it is
+        # Set once the first list was applied or failed: start-up waits for no more.
+        self.first_try = asyncio.Event()
+
+    # -- what the pods say --------------------------------------------------------------------
+    def _apply(self, name: str, pod: Mapping[str, Any] | None) -> None:
+        """Pod ``name`` is now ``pod`` (None: deleted): add, replace or remove its worker."""
+        try:
+            worker = pod_worker(pod, self.options) if pod is not None else None
+        except ValueError as exc:
+            log.warning("pod %s is not used as a worker: %s", name, exc)
+            worker = None
+        known = self._pods.get(name)
+        if known == worker:
+            return
+        if known is not None and worker is not None and known.url == worker.url:
+            self._pods[name] = worker  # only its KV-event endpoints changed
+            if name in self.pool:
+                self.pool.set_events(name, worker.events)
+            return
+        if name in self._pods:
+            del self._pods[name]
+            self._remove(name)
+        if worker is not None:
+            if name in self.pool:
+                log.warning("pod %s is not used as a worker: a worker of that id exists", name)
+                return
+            self._pods[name] = worker
+            self.pool.add(worker.url, wid=name, source=SOURCE, events=worker.events)
+
+    def _remove(self, name: str) -> None:
+        if name in self.pool and self.pool.get(name).source == SOURCE:
+            self.pool.remove(name)
+
+    def _replace_all(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
+        for name in [n for n in self._pods if n not in pods]:
+            self._apply(name, None)
+        for name, pod in pods.items():
+            self._apply(name, pod)
+
+    # -- the API server -----------------------------------------------------------------------
+    def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        try:
+            token = Path(self.options.token_file).read_text().strip()
+        except OSError:
+            token = ""
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        return headers
+
+    def _ssl(self) -> ssl.SSLContext | bool:
+        if not self.api_url.startswith("https://"):
+            return True
+        if Path(self.options.ca_file).is_file():
+            return ssl.create_default_context(cafile=self.options.ca_file)
+        return True
+
+    async def _get(self, http: aiohttp.ClientSession, params: dict[str, str],
+                   limits: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        response = await http.get(self._path, params=params, headers=self._headers(),
+                                  ssl=self._ssl(), timeout=limits)
+        if response.status == 410:
+            response.release()
+            raise Gone
+        if response.status != 200:
+            text = (await response.text())[:300]
+            response.release()
+            raise aiohttp.ClientResponseError(
+                response.request_info, (), status=response.status,
+                message=f"{response.reason}: {text}")
+        return response
+
+    async def list_pods(self, http: aiohttp.ClientSession) -> str:
+        """List the selector's pods, make the pool agree, and return the list's version."""
+        timeout = aiohttp.ClientTimeout(total=30)
+        response = await self._get(http, {"labelSelector": self.options.selector}, timeout)
+        async with response:
+            body = await response.json(content_type=None)
+        pods = {p["metadata"]["name"]: p for p in body.get("items", ())}
+        self._replace_all(pods)
+        return str(body.get("metadata", {}).get("resourceVersion", ""))
+
+    async def watch(self, http: aiohttp.ClientSession, version: str) -> str:
+        """Apply the pods' changes from ``version`` on until the server ends the watch;
+        returns the last version seen. Raises :class:`Gone` when the version is too old."""
+        params = {"labelSelector": self.options.selector, "watch": "1",
+                  "allowWatchBookmarks": "true", "timeoutSeconds": str(WATCH_TIMEOUT_S)}
+        if version:
+            params["resourceVersion"] = version
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30,
+                                        sock_read=WATCH_TIMEOUT_S + 30)
+        response = await self._get(http, params, timeout)
+        async with response:
+            async for line in _lines(response):
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        raise Gone
+                    raise ValueError(f"watch error {obj.get('code')}: {obj.get('message')}")
+                meta = obj.get("metadata", {})
+                version = str(meta.get("resourceVersion", version))
+                if kind in ("ADDED", "MODIFIED"):
+                    self._apply(meta["name"], obj)
+                elif kind == "DELETED":
+                    self._apply(meta["name"], None)
+        return version
+
+    async def run(self) -> None:
+        """List, then watch, for as long as the gateway runs."""
+        backoff = _BACKOFF_S[0]
+        async with aiohttp.ClientSession() as http:
+            version = ""
+            while True:
+                try:
+                    if not version:
+                        try:
+                            version = await self.list_pods(http)
+                        finally:
+                            self.first_try.set()
+                        log.info("kubernetes: %d ready pod(s) for %r in %s", len(self._pods),
+                                 self.options.selector, self.namespace)
+                    version = await self.watch(http, version)
+                    backoff = _BACKOFF_S[0]
+                except Gone:
+                    version = ""  # the next round lists afresh
+                except (TimeoutError, aiohttp.ClientError, ValueError, KeyError,
+                        TypeError) as exc:
+                    stop_if_cancelled()
+                    if not isinstance(exc, TimeoutError | aiohttp.ClientError):
+                        version = ""  # an answer we could not read: list afresh
+                    log.warning("kubernetes pod discovery: %s: %s (retrying in %.1f s)",
+                                type(exc).__name__, exc, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, _BACKOFF_S[1])

@@ -1,0 +1,83 @@
+"""Which pods are workers, and at what URL (``gateway.discovery.pod_worker``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.discovery import KubernetesOptions, pod_worker
+from gateway.kvevents.endpoints import EventEndpoints
+from tests.k8s_api import pod
+
+NAMED = KubernetesOptions(selector="app=vllm", port="http")
+
+
+def test_a_ready_running_pod_is_a_worker_at_its_named_port() -> None:
+    worker = pod_worker(pod("a", 8123), NAMED)
+    assert worker is not None
+    assert worker.url == "http://127.0.0.1:8123"
+    assert worker.events is None
+
+
+def test_a_port_number_needs_no_container_port_and_the_scheme_is_kept() -> None:
+    options = KubernetesOptions(selector="app=vllm", port="8000", scheme="vllm+https")
+    worker = pod_worker(pod("a", 8123, ip="10.1.2.3"), options)
+    assert worker is not None
+    assert worker.url == "vllm+https://10.1.2.3:8000"
+
+
+def test_an_ipv6_pod_address_is_bracketed() -> None:
+    worker = pod_worker(pod("a", 8000, ip="fd00::5", annotations={
+        "affinity-gateway/kv-events": "5557"}), NAMED)
+    assert worker is not None
+    assert worker.url == "http://[fd00::5]:8000"
+    assert worker.events == EventEndpoints("tcp://[fd00::5]:5557", "")
+
+
+def _terminating() -> dict[str, Any]:
+    p = pod("a", 8000)
+    p["metadata"]["deletionTimestamp"] = "2026-12-04T10:00:00Z"
+    return p
+
+
+def _no_ip() -> dict[str, Any]:
+    p = pod("a", 8000)
+    del p["status"]["podIP"]
+    return p
+
+
+@pytest.mark.parametrize("p", [
+    pytest.param(pod("a", 8000, ready=False), id="not-ready"),
+    pytest.param(pod("a", 8000, phase="Pending"), id="pending"),
+    pytest.param(pod("a", 8000, phase="Succeeded"), id="ended"),
+    pytest.param(_terminating(), id="terminating"),
+    pytest.param(_no_ip(), id="no-ip"),
+    pytest.param(pod("a", 8000, port_name="grpc"), id="no-such-port"),
+])
+def test_pods_that_cannot_serve_are_not_workers(p: dict[str, Any]) -> None:
+    assert pod_worker(p, NAMED) is None
+
+
+def test_kv_event_annotations_take_a_port_or_an_endpoint() -> None:
+    worker = pod_worker(pod("a", 8000, ip="10.0.0.9", annotations={
+        "affinity-gateway/kv-events": "tcp://10.0.0.9:6000",
+        "affinity-gateway/kv-replay": "6001"}), NAMED)
+    assert worker is not None
+    assert worker.events == EventEndpoints("tcp://10.0.0.9:6000", "tcp://10.0.0.9:6001")
+    with pytest.raises(ValueError, match="port or a tcp://"):
+        pod_worker(pod("a", 8000, annotations={"affinity-gateway/kv-events": "zmq"}), NAMED)
+
+
+def test_the_api_server_and_namespace_default_to_the_pods_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
+    assert NAMED.resolved_api_url() == "https://10.96.0.1:6443"
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    assert NAMED.resolved_api_url() == "https://[fd00::1]:6443"
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    with pytest.raises(ValueError, match="--k8s-api-url"):
+        NAMED.resolved_api_url()
+    assert KubernetesOptions(selector="x", namespace="llm").resolved_namespace() == "llm"
