@@ -31,7 +31,7 @@ from gateway.openai_schema import (
 )
 from gateway.openapi import openapi_document
 from gateway.proxy import dispatch
-from gateway.resources import REBALANCER_KEY, STORE_KEY, SYNC_KEY
+from gateway.resources import DISCOVERY_KEY, REBALANCER_KEY, STORE_KEY, SYNC_KEY
 from gateway.routing.types import RouteRequest
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
@@ -366,7 +366,10 @@ async def admin_workers(request: web.Request) -> web.Response:
          "workers": workers, "tokenizer": state.exact.tokenizer_stats(),
          "warming": sorted(state.warmup.warming()), "prewarm": state.prewarmer.stats(),
          # The model and version each served model's prompts are fingerprinted under.
-         "namespaces": {m: state.pool.model_identity(m) for m in sorted(state.pool.models())}}
+         "namespaces": {m: state.pool.model_identity(m) for m in sorted(state.pool.models())},
+         # Kubernetes pod discovery (null without --k8s-selector).
+         "discovery": (discovery.status() if (discovery := request.app.get(DISCOVERY_KEY))
+                       is not None else None)}
     )
 
 

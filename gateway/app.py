@@ -26,7 +26,7 @@ from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import Tracing
 from gateway.cors import Cors
 from gateway.credentials import worker_keys
-from gateway.discovery import PodDiscovery
+from gateway.discovery import DiscoveryCollector, PodDiscovery
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -440,7 +440,9 @@ def create_app(
     app[LIFECYCLE_KEY] = lifecycle
     app[PREWARMER_KEY] = state.prewarmer
     k8s = settings.kubernetes_options()
-    app[DISCOVERY_KEY] = PodDiscovery(pool, k8s) if k8s is not None else None
+    discovery = app[DISCOVERY_KEY] = PodDiscovery(pool, k8s) if k8s is not None else None
+    if discovery is not None:
+        metrics.registry.register(DiscoveryCollector(discovery))
     app[REBALANCER_KEY] = Rebalancer(
         store, pool, index, origin, RebalanceOptions(interval_s=settings.rebalance_interval_s))
     app[AUTH_KEY] = auth

@@ -34,13 +34,15 @@ import json
 import logging
 import os
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gateway.contracts.tasks import stop_if_cancelled
 from gateway.kvevents.endpoints import EventEndpoints
@@ -84,6 +86,27 @@ class KubernetesOptions:
             return (SERVICE_ACCOUNT / "namespace").read_text().strip() or "default"
         except OSError:
             return "default"
+
+
+class DiscoveryCollector(Collector):
+    """``gateway_discovery_up``, ``gateway_discovery_pods`` and ``gateway_discovery_errors``
+    at scrape time."""
+
+    def __init__(self, discovery: PodDiscovery) -> None:
+        self._discovery = discovery
+
+    def collect(self) -> Iterator[Metric]:
+        d = self._discovery
+        up = GaugeMetricFamily("gateway_discovery_up",
+                               "1 while the Kubernetes API answers pod discovery, else 0")
+        up.add_metric([], 1.0 if d.up else 0.0)
+        pods = GaugeMetricFamily("gateway_discovery_pods",
+                                 "ready pods of the selector used as workers")
+        pods.add_metric([], float(len(d.status()["pods"])))
+        errors = CounterMetricFamily("gateway_discovery_errors",
+                                     "pod list or watch requests that failed")
+        errors.add_metric([], float(d.errors))
+        yield from (up, pods, errors)
 
 
 class Gone(Exception):
@@ -173,6 +196,10 @@ class PodDiscovery:
         self._pods: dict[str, PodWorker] = {}  # pod name -> the worker it is
         # Set once the first list was applied or failed: start-up waits for no more.
         self.first_try = asyncio.Event()
+        self.up = False  # the last list or watch was answered
+        self.lists = 0  # full lists applied (the first, then one after each 410)
+        self.errors = 0
+        self.last_error = ""
 
     # -- what the pods say --------------------------------------------------------------------
     def _apply(self, name: str, pod: Mapping[str, Any] | None) -> None:
@@ -209,6 +236,12 @@ class PodDiscovery:
             self._apply(name, None)
         for name, pod in pods.items():
             self._apply(name, pod)
+
+    def status(self) -> dict[str, Any]:
+        """What ``/admin/workers`` says of discovery."""
+        return {"selector": self.options.selector, "namespace": self.namespace,
+                "api_url": self.api_url, "up": self.up, "pods": sorted(self._pods),
+                "lists": self.lists, "errors": self.errors, "last_error": self.last_error}
 
     # -- the API server -----------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -251,6 +284,8 @@ class PodDiscovery:
             body = await response.json(content_type=None)
         pods = {p["metadata"]["name"]: p for p in body.get("items", ())}
         self._replace_all(pods)
+        self.up = True
+        self.lists += 1
         return str(body.get("metadata", {}).get("resourceVersion", ""))
 
     async def watch(self, http: aiohttp.ClientSession, version: str) -> str:
@@ -263,6 +298,7 @@ class PodDiscovery:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30,
                                         sock_read=WATCH_TIMEOUT_S + 30)
         response = await self._get(http, params, timeout)
+        self.up = True
         async with response:
             async for line in _lines(response):
                 event = json.loads(line)
@@ -302,6 +338,9 @@ class PodDiscovery:
                     stop_if_cancelled()
                     if not isinstance(exc, TimeoutError | aiohttp.ClientError):
                         version = ""  # an answer we could not read: list afresh
+                    self.up = False
+                    self.errors += 1
+                    self.last_error = f"{type(exc).__name__}: {exc}"[:300]
                     log.warning("kubernetes pod discovery: %s: %s (retrying in %.1f s)",
                                 type(exc).__name__, exc, backoff)
                     await asyncio.sleep(backoff)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -159,6 +160,14 @@ async def test_a_dropped_watch_resumes_and_an_expired_one_lists_again(
         assert len([c for c in api.calls if "watch" not in c]) == 2
 
 
+async def metric(http: aiohttp.ClientSession, gateway: str, name: str) -> float:
+    async with http.get(gateway + "/metrics") as response:
+        text = await response.text()
+    values = [line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(values) == 1, f"{name} not in /metrics"
+    return float(values[0])
+
+
 async def _count(watches: Callable[[], int], want: int) -> bool:
     return watches() == want
 
@@ -173,14 +182,30 @@ async def test_static_workers_stay_and_a_wrong_token_is_retried(setup: Setup) ->
         async def ids() -> set[str]:
             return set(await workers_of(http, gateway))
 
-        # The API refuses the token: the gateway serves with its static worker meanwhile.
+        # The API refuses the token: the gateway serves with its static worker meanwhile,
+        # and says why in /admin/workers and /metrics (never the token itself).
         assert await ids() == {f"127.0.0.1:{setup.ports[2]}"}
         assert api.calls
         assert all("watch" not in c for c in api.calls)
+        async with http.get(gateway + "/admin/workers") as response:
+            discovery = (await response.json())["discovery"]
+        assert discovery["up"] is False
+        assert discovery["errors"] >= 1
+        assert "401" in discovery["last_error"]
+        assert discovery["pods"] == []
+        assert "expired-token" not in json.dumps(discovery)
+        assert await metric(http, gateway, "gateway_discovery_up") == 0.0
         # The kubelet rotates the token file: read again on the next try.
         setup.token_file.write_text(api.token + "\n")
         await eventually(lambda: _is(ids, {f"127.0.0.1:{setup.ports[2]}", "engine-a"}),
                          timeout_s=15)
+        async with http.get(gateway + "/admin/workers") as response:
+            discovery = (await response.json())["discovery"]
+        assert discovery["up"] is True
+        assert discovery["pods"] == ["engine-a"]
+        assert discovery["lists"] == 1
+        assert await metric(http, gateway, "gateway_discovery_up") == 1.0
+        assert await metric(http, gateway, "gateway_discovery_pods") == 1.0
         await api.delete("engine-a")
         await eventually(lambda: _is(ids, {f"127.0.0.1:{setup.ports[2]}"}))
 
