@@ -443,6 +443,7 @@ def create_app(
     discovery = app[DISCOVERY_KEY] = PodDiscovery(pool, k8s) if k8s is not None else None
     if discovery is not None:
         metrics.registry.register(DiscoveryCollector(discovery))
+        discovery.joined = app[HEALTH_KEY].wake  # a pod that joins is probed at once
     app[REBALANCER_KEY] = Rebalancer(
         store, pool, index, origin, RebalanceOptions(interval_s=settings.rebalance_interval_s))
     app[AUTH_KEY] = auth

@@ -9,8 +9,8 @@ its URL is ``SCHEME://POD_IP:PORT``, where ``--k8s-port`` is a number or the nam
 container port (so pods of different shapes can name their port alike), and ``--k8s-scheme
 vllm+http`` makes them vLLM workers (tenant namespaces go as ``cache_salt``). The worker's id is
 the pod's name. A pod that stops being ready or is deleted leaves the routing at once (its
-requests in flight finish); one that becomes ready joins and is probed by the health loop
-before it takes requests, as a ``--worker`` does.
+requests in flight finish); one that becomes ready joins and is probed at once (the health
+loop's next round starts) before it takes requests.
 
 Annotations on a pod name where its engine publishes KV events (``affinity-gateway/kv-events``
 and ``affinity-gateway/kv-replay``: a port, or a ``tcp://`` endpoint), as a ``--worker`` URL's
@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import ssl
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,8 @@ class PodDiscovery:
         self._path = (f"{self.api_url}/api/v1/namespaces/{quote(self.namespace, safe='')}"
                       "/pods")
         self._pods: dict[str, PodWorker] = {}  # pod name -> the worker it is
+        # Told each pod's worker id as it joins (the health loop probes it at once).
+        self.joined: Callable[[str], None] | None = None
         # Set once the first list was applied or failed: start-up waits for no more.
         self.first_try = asyncio.Event()
         self.up = False  # the last list or watch was answered
@@ -226,6 +228,8 @@ class PodDiscovery:
                 return
             self._pods[name] = worker
             self.pool.add(worker.url, wid=name, source=SOURCE, events=worker.events)
+            if self.joined is not None:
+                self.joined(name)
 
     def _remove(self, name: str) -> None:
         if name in self.pool and self.pool.get(name).source == SOURCE:

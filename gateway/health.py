@@ -13,6 +13,7 @@ kept."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -34,6 +35,7 @@ class HealthChecker:
         self._lifecycle = lifecycle
         self._misses = misses
         self._timed_out: set[str] = set()  # workers whose last probe timed out
+        self._wake = asyncio.Event()  # set: probe now, not at the end of the interval
 
     async def _probe(self, worker: Worker) -> WorkerProbe:
         try:
@@ -94,10 +96,17 @@ class HealthChecker:
             # Requests waiting on it for a first byte go elsewhere now.
             state.guard.ejections.eject(wid, probe.error)
 
+    def wake(self, _: str = "") -> None:
+        """Start the next round now (a worker joined: it takes requests once a probe passed,
+        and need not wait out the interval). Calls made before that round starts make one."""
+        self._wake.set()
+
     async def run(self) -> None:
-        """Probe every ``health_interval_s`` until cancelled."""
+        """Probe every ``health_interval_s``, or sooner when woken, until cancelled."""
         while True:
-            await asyncio.sleep(self._state.settings.health_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._state.settings.health_interval_s)
+            self._wake.clear()
             try:
                 await self.probe_all()
             except Exception:

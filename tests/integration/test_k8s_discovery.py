@@ -236,3 +236,19 @@ def test_selector_outside_a_pod_needs_the_api_url() -> None:
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2
     assert "--k8s-api-url" in proc.stderr
+
+
+async def test_a_pod_that_joins_is_probed_at_once_not_at_the_next_interval(
+    setup: Setup,
+) -> None:
+    api = setup.api
+    await api.put(pod("engine-a", setup.ports[0]))
+    # Rounds an hour apart: only the join itself can have the new pod probed.
+    gateway, _ = await setup.gateway(health_interval_s=3600.0)
+    async with aiohttp.ClientSession() as http:
+        async def healthy() -> set[str]:
+            return {wid for wid, w in (await workers_of(http, gateway)).items() if w["healthy"]}
+
+        assert await healthy() == {"engine-a"}  # the start-up round, after the first list
+        await api.put(pod("engine-b", setup.ports[1]))
+        await eventually(lambda: _is(healthy, {"engine-a", "engine-b"}))
