@@ -150,14 +150,15 @@ class PodWorker:
 
 
 def pod_worker(pod: Mapping[str, Any], options: KubernetesOptions) -> PodWorker | None:
-    """The worker a pod is, or None while it is not one (not ready, no IP, no such port).
-    Raises ValueError for a malformed KV-event annotation."""
+    """The worker a pod is, or None while it is not one (not running and ready, no IP).
+    Raises ValueError for a ready pod that cannot be one: no container port of that name, a
+    malformed KV-event annotation."""
     ip = pod.get("status", {}).get("podIP")
     if not _ready(pod) or not isinstance(ip, str) or not ip:
         return None
     port = _port(pod, options.port)
     if port is None:
-        return None
+        raise ValueError(f"it has no container port named {options.port!r}")
     host = f"[{ip}]" if ":" in ip else ip
     annotations = pod.get("metadata", {}).get("annotations") or {}
     events = None
@@ -194,6 +195,7 @@ class PodDiscovery:
         self._path = (f"{self.api_url}/api/v1/namespaces/{quote(self.namespace, safe='')}"
                       "/pods")
         self._pods: dict[str, PodWorker] = {}  # pod name -> the worker it is
+        self._skipped: dict[str, str] = {}  # ready pods not used as workers -> why
         # Told each pod's worker id as it joins (the health loop probes it at once).
         self.joined: Callable[[str], None] | None = None
         # Set once the first list was applied or failed: start-up waits for no more.
@@ -209,8 +211,10 @@ class PodDiscovery:
         try:
             worker = pod_worker(pod, self.options) if pod is not None else None
         except ValueError as exc:
-            log.warning("pod %s is not used as a worker: %s", name, exc)
+            self._skip(name, str(exc))
             worker = None
+        else:
+            self._skipped.pop(name, None)
         known = self._pods.get(name)
         if known == worker:
             return
@@ -224,19 +228,26 @@ class PodDiscovery:
             self._remove(name)
         if worker is not None:
             if name in self.pool:
-                log.warning("pod %s is not used as a worker: a worker of that id exists", name)
+                self._skip(name, "a worker of that id exists")
                 return
             self._pods[name] = worker
             self.pool.add(worker.url, wid=name, source=SOURCE, events=worker.events)
             if self.joined is not None:
                 self.joined(name)
 
+    def _skip(self, name: str, reason: str) -> None:
+        """A ready pod that is not used as a worker: said once per reason (a pod's updates
+        repeat it), and listed in :meth:`status`."""
+        if self._skipped.get(name) != reason:
+            log.warning("pod %s is not used as a worker: %s", name, reason)
+        self._skipped[name] = reason
+
     def _remove(self, name: str) -> None:
         if name in self.pool and self.pool.get(name).source == SOURCE:
             self.pool.remove(name)
 
     def _replace_all(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
-        for name in [n for n in self._pods if n not in pods]:
+        for name in [n for n in (*self._pods, *self._skipped) if n not in pods]:
             self._apply(name, None)
         for name, pod in pods.items():
             self._apply(name, pod)
@@ -245,6 +256,7 @@ class PodDiscovery:
         """What ``/admin/workers`` says of discovery."""
         return {"selector": self.options.selector, "namespace": self.namespace,
                 "api_url": self.api_url, "up": self.up, "pods": sorted(self._pods),
+                "skipped": dict(sorted(self._skipped.items())),
                 "lists": self.lists, "errors": self.errors, "last_error": self.last_error}
 
     # -- the API server -----------------------------------------------------------------------

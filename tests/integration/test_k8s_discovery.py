@@ -224,6 +224,10 @@ async def test_vllm_pods_annotate_their_kv_event_endpoints(setup: Setup) -> None
     async with aiohttp.ClientSession() as http:
         workers = await workers_of(http, gateway)
     assert set(workers) == {"engine-a"}  # engine-b's annotation is malformed: left out
+    async with aiohttp.ClientSession() as http, http.get(gateway + "/admin/workers") as r:
+        skipped = (await r.json())["discovery"]["skipped"]
+    assert list(skipped) == ["engine-b"]
+    assert "tcp://" in skipped["engine-b"]
     assert workers["engine-a"]["kind"] == "vllm"  # spoken to as vLLM: namespaces as cache_salt
     assert workers["engine-a"]["url"] == f"http://127.0.0.1:{setup.ports[0]}"
     described = workers["engine-a"]["kv_events"]

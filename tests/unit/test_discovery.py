@@ -53,10 +53,14 @@ def _no_ip() -> dict[str, Any]:
     pytest.param(pod("a", 8000, phase="Succeeded"), id="ended"),
     pytest.param(_terminating(), id="terminating"),
     pytest.param(_no_ip(), id="no-ip"),
-    pytest.param(pod("a", 8000, port_name="grpc"), id="no-such-port"),
 ])
 def test_pods_that_cannot_serve_are_not_workers(p: dict[str, Any]) -> None:
     assert pod_worker(p, NAMED) is None
+
+
+def test_a_ready_pod_without_the_named_port_is_an_error_to_report() -> None:
+    with pytest.raises(ValueError, match="no container port named 'http'"):
+        pod_worker(pod("a", 8000, port_name="grpc"), NAMED)
 
 
 def test_kv_event_annotations_take_a_port_or_an_endpoint() -> None:
