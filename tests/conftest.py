@@ -70,6 +70,16 @@ async def gateway_over(workers: list[str], **overrides: Any) -> AsyncIterator[st
         await runner.cleanup()
 
 
+async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
+    """Wait until ``predicate`` holds (checked every 50 ms); AssertionError after
+    ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
 async def admin_workers(http: Any, gateway: str) -> dict[str, dict[str, Any]]:
     """``/admin/workers`` by worker id (``http``: an aiohttp client session)."""
     async with http.get(gateway + "/admin/workers") as response:

@@ -4,7 +4,6 @@ those pods name, over real HTTP, as they become ready, stop being ready and go."
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
@@ -21,17 +20,9 @@ from aiohttp import web
 
 from gateway.app import create_app as create_gateway
 from gateway.settings import GatewaySettings
-from tests.conftest import FAST_WORKER, MODEL, admin_workers, free_port, serve
+from tests.conftest import FAST_WORKER, MODEL, admin_workers, free_port, serve, until
 from tests.k8s_api import KubernetesAPI, pod
 from worker.server import create_app as create_worker
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
 
 
 @dataclasses.dataclass
@@ -100,18 +91,18 @@ async def test_ready_pods_are_workers_and_follow_the_pods_changes(setup: Setup) 
             return set(await workers_of(http, gateway))
 
         await api.set_ready("engine-c", True)  # becomes ready: joins
-        await eventually(lambda: _is(ids, {"engine-a", "engine-b", "engine-c"}))
+        await until(lambda: _is(ids, {"engine-a", "engine-b", "engine-c"}))
         await api.set_ready("engine-a", False)  # fails its readiness probe: leaves
-        await eventually(lambda: _is(ids, {"engine-b", "engine-c"}))
+        await until(lambda: _is(ids, {"engine-b", "engine-c"}))
         await api.terminate("engine-b")  # being deleted: leaves before it is gone
-        await eventually(lambda: _is(ids, {"engine-c"}))
+        await until(lambda: _is(ids, {"engine-c"}))
         await api.delete("engine-b")
         await api.put(pod("other", setup.ports[0], labels={"app": "something-else"}))
 
         async def healthy_c() -> bool:
             return bool((await workers_of(http, gateway)).get("engine-c", {}).get("healthy"))
 
-        await eventually(healthy_c)
+        await until(healthy_c)
         for _ in range(4):
             reply = await client.chat.completions.with_raw_response.create(
                 model=MODEL, messages=[{"role": "user", "content": "again"}], max_tokens=2)
@@ -140,23 +131,23 @@ async def test_a_dropped_watch_resumes_and_an_expired_one_lists_again(
         async def ids() -> set[str]:
             return set(await workers_of(http, gateway))
 
-        await eventually(lambda: _count(api.watches, 1))
+        await until(lambda: _count(api.watches, 1))
         await api.bookmark()  # the watch learns the current version without a change
         await api.drop_watches()
         await api.put(pod("engine-b", setup.ports[1]))  # while no watch is open
-        await eventually(lambda: _is(ids, {"engine-a", "engine-b"}))
+        await until(lambda: _is(ids, {"engine-a", "engine-b"}))
         watches = [c for c in api.calls if "watch" in c]
         assert watches[-1]["resourceVersion"] != ""
         assert len([c for c in api.calls if "watch" not in c]) == 1  # resumed, not relisted
 
         # The server forgets the versions the gateway knows: 410, then a fresh list that
         # also drops a pod deleted while the gateway could not see the event.
-        await eventually(lambda: _count(api.watches, 1))
+        await until(lambda: _count(api.watches, 1))
         await api.drop_watches()
         api.pods.pop("engine-a")  # deleted with its event compacted away
         await api.put(pod("engine-c", setup.ports[2]))
         api.compact()
-        await eventually(lambda: _is(ids, {"engine-b", "engine-c"}))
+        await until(lambda: _is(ids, {"engine-b", "engine-c"}))
         assert len([c for c in api.calls if "watch" not in c]) == 2
 
 
@@ -197,7 +188,7 @@ async def test_static_workers_stay_and_a_wrong_token_is_retried(setup: Setup) ->
         assert await metric(http, gateway, "gateway_discovery_up") == 0.0
         # The kubelet rotates the token file: read again on the next try.
         setup.token_file.write_text(api.token + "\n")
-        await eventually(lambda: _is(ids, {f"127.0.0.1:{setup.ports[2]}", "engine-a"}),
+        await until(lambda: _is(ids, {f"127.0.0.1:{setup.ports[2]}", "engine-a"}),
                          timeout_s=15)
         async with http.get(gateway + "/admin/workers") as response:
             discovery = (await response.json())["discovery"]
@@ -207,7 +198,7 @@ async def test_static_workers_stay_and_a_wrong_token_is_retried(setup: Setup) ->
         assert await metric(http, gateway, "gateway_discovery_up") == 1.0
         assert await metric(http, gateway, "gateway_discovery_pods") == 1.0
         await api.delete("engine-a")
-        await eventually(lambda: _is(ids, {f"127.0.0.1:{setup.ports[2]}"}))
+        await until(lambda: _is(ids, {f"127.0.0.1:{setup.ports[2]}"}))
 
 
 async def test_vllm_pods_annotate_their_kv_event_endpoints(setup: Setup) -> None:
@@ -255,4 +246,4 @@ async def test_a_pod_that_joins_is_probed_at_once_not_at_the_next_interval(
 
         assert await healthy() == {"engine-a"}  # the start-up round, after the first list
         await api.put(pod("engine-b", setup.ports[1]))
-        await eventually(lambda: _is(healthy, {"engine-a", "engine-b"}))
+        await until(lambda: _is(healthy, {"engine-a", "engine-b"}))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -20,7 +20,7 @@ from gateway.app import create_app as create_gateway
 from gateway.auth import TenantHasher
 from gateway.settings import GatewaySettings
 from infra.warming import follow
-from tests.conftest import FAST_WORKER, MODEL, RedisServer, free_port, serve
+from tests.conftest import FAST_WORKER, MODEL, RedisServer, free_port, serve, until
 from worker.server import create_app as create_worker
 
 TENANT_KEYS = ("key-alpha", "key-bravo", "key-charlie")
@@ -85,13 +85,6 @@ async def fleet(redis_server: RedisServer) -> AsyncIterator[Fleet]:
     yield f
     await f.close()
 
-
-async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
 
 
 async def traffic(gateway: str, rounds: int) -> None:
