@@ -88,7 +88,9 @@ def serve(settings: GatewaySettings) -> int:
         shutdown_timeout_s=settings.shutdown_timeout_s,
         on_ready=lambda: print(
             f"gateway listening on {base} (policy {settings.policy}, "
-            f"{len(settings.worker)} static workers, store {redact_url(settings.store)}, "
+            f"{len(settings.worker)} static workers, "
+            + (f"pods {settings.k8s_selector!r}, " if settings.k8s_selector else "")
+            + f"store {redact_url(settings.store)}, "
             f"loop {type(loop).__module__.split('.')[0]})"
             + (f", admin on 127.0.0.1:{settings.admin_port}" if admin else ""),
             flush=True,
