@@ -102,7 +102,7 @@ class DiscoveryCollector(Collector):
         up.add_metric([], 1.0 if d.up else 0.0)
         pods = GaugeMetricFamily("gateway_discovery_pods",
                                  "ready pods of the selector used as workers")
-        pods.add_metric([], float(len(d.status()["pods"])))
+        pods.add_metric([], float(d.pod_count()))
         errors = CounterMetricFamily("gateway_discovery_errors",
                                      "pod list or watch requests that failed")
         errors.add_metric([], float(d.errors))
@@ -208,14 +208,18 @@ class PodDiscovery:
     # -- what the pods say --------------------------------------------------------------------
     def _apply(self, name: str, pod: Mapping[str, Any] | None) -> None:
         """Pod ``name`` is now ``pod`` (None: deleted): add, replace or remove its worker."""
+        reason = ""
         try:
             worker = pod_worker(pod, self.options) if pod is not None else None
         except ValueError as exc:
-            self._skip(name, str(exc))
-            worker = None
+            reason, worker = str(exc), None
+        known = self._pods.get(name)
+        if worker is not None and known is None and name in self.pool:
+            reason, worker = "a worker of that id exists", None
+        if reason:
+            self._skip(name, reason)
         else:
             self._skipped.pop(name, None)
-        known = self._pods.get(name)
         if known == worker:
             return
         if known is not None and worker is not None and known.url == worker.url:
@@ -223,13 +227,10 @@ class PodDiscovery:
             if name in self.pool:
                 self.pool.set_events(name, worker.events)
             return
-        if name in self._pods:
+        if known is not None:
             del self._pods[name]
             self._remove(name)
         if worker is not None:
-            if name in self.pool:
-                self._skip(name, "a worker of that id exists")
-                return
             self._pods[name] = worker
             self.pool.add(worker.url, wid=name, source=SOURCE, events=worker.events)
             if self.joined is not None:
@@ -251,6 +252,10 @@ class PodDiscovery:
             self._apply(name, None)
         for name, pod in pods.items():
             self._apply(name, pod)
+
+    def pod_count(self) -> int:
+        """Pods used as workers now."""
+        return len(self._pods)
 
     def status(self) -> dict[str, Any]:
         """What ``/admin/workers`` says of discovery."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
 
-from gateway.discovery import KubernetesOptions, pod_worker
+from gateway.discovery import KubernetesOptions, PodDiscovery, pod_worker
 from gateway.kvevents.endpoints import EventEndpoints
+from gateway.pool import WorkerPool
+from gateway.routing.prefix_index import PrefixIndex
 from tests.k8s_api import pod
 
 NAMED = KubernetesOptions(selector="app=vllm", port="http")
@@ -85,3 +88,22 @@ def test_the_api_server_and_namespace_default_to_the_pods_own(
     with pytest.raises(ValueError, match="--k8s-api-url"):
         NAMED.resolved_api_url()
     assert KubernetesOptions(selector="x", namespace="llm").resolved_namespace() == "llm"
+
+
+def test_a_pod_named_as_another_worker_is_skipped_and_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pool = WorkerPool([], PrefixIndex())
+    pool.add("http://10.0.0.1:8000", wid="engine-a", source="registry")
+    discovery = PodDiscovery(pool, KubernetesOptions(selector="app=vllm", port="http",
+                                                     api_url="http://127.0.0.1:1"))
+    with caplog.at_level(logging.WARNING, logger="gateway.discovery"):
+        discovery._apply("engine-a", pod("engine-a", 8000))
+        discovery._apply("engine-a", pod("engine-a", 8000))  # an update of the same pod
+    assert [r.getMessage() for r in caplog.records] == [
+        "pod engine-a is not used as a worker: a worker of that id exists"]
+    assert discovery.status()["skipped"] == {"engine-a": "a worker of that id exists"}
+    assert pool.get("engine-a").source == "registry"
+    discovery._apply("engine-a", None)  # deleted: forgotten, the other worker untouched
+    assert discovery.status()["skipped"] == {}
+    assert "engine-a" in pool
