@@ -20,7 +20,15 @@ from aiohttp import web
 
 from gateway.app import create_app as create_gateway
 from gateway.settings import GatewaySettings
-from tests.conftest import FAST_WORKER, MODEL, admin_workers, free_port, serve, until
+from tests.conftest import (
+    FAST_WORKER,
+    MODEL,
+    Processes,
+    admin_workers,
+    free_port,
+    serve,
+    until,
+)
 from tests.k8s_api import KubernetesAPI, pod
 from worker.server import create_app as create_worker
 
@@ -247,3 +255,35 @@ async def test_a_pod_that_joins_is_probed_at_once_not_at_the_next_interval(
         assert await healthy() == {"engine-a"}  # the start-up round, after the first list
         await api.put(pod("engine-b", setup.ports[1]))
         await until(lambda: _is(healthy, {"engine-a", "engine-b"}))
+
+
+async def test_the_gateway_as_run_finds_worker_processes_by_their_pods(
+    processes: Processes, tmp_path: Path,
+) -> None:
+    """As a user runs them: ``python -m worker`` processes, and ``python -m gateway`` with only
+    a selector (no --worker, no store), against the API test server."""
+    api = KubernetesAPI()
+    api_port = free_port()
+    runner = await serve(api.app(), api_port)
+    try:
+        urls = [(await processes.worker())[0] for _ in range(2)]
+        for i, url in enumerate(urls):
+            await api.put(pod(f"engine-{i}", int(url.rsplit(":", 1)[1])))
+        token = tmp_path / "token"
+        token.write_text(api.token)
+        gateway = await processes.gateway(
+            "--k8s-selector", "app=vllm", "--k8s-api-url", f"http://127.0.0.1:{api_port}",
+            "--k8s-port", "http", "--k8s-token-file", str(token))
+        client = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+        reply = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+        assert reply.headers["x-route-worker"] in {"engine-0", "engine-1"}
+        await api.delete(reply.headers["x-route-worker"])
+        async with aiohttp.ClientSession() as http:
+            async def one_left() -> bool:
+                return len(await workers_of(http, gateway)) == 1
+
+            await until(one_left)
+    finally:
+        await processes.stop_all()
+        await runner.cleanup()
