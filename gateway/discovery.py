@@ -213,6 +213,8 @@ class PodDiscovery:
             worker = pod_worker(pod, self.options) if pod is not None else None
         except ValueError as exc:
             reason, worker = str(exc), None
+        except (AttributeError, KeyError, TypeError) as exc:  # not shaped like a pod
+            reason, worker = f"unreadable pod object ({type(exc).__name__}: {exc})", None
         known = self._pods.get(name)
         if worker is not None and known is None and name in self.pool:
             reason, worker = "a worker of that id exists", None
@@ -354,15 +356,17 @@ class PodDiscovery:
                     backoff = _BACKOFF_S[0]
                 except Gone:
                     version = ""  # the next round lists afresh
-                except (TimeoutError, aiohttp.ClientError, ValueError, KeyError,
-                        TypeError) as exc:
+                except Exception as exc:  # discovery must outlive any answer it gets
                     stop_if_cancelled()
                     if not isinstance(exc, TimeoutError | aiohttp.ClientError):
                         version = ""  # an answer we could not read: list afresh
                     self.up = False
                     self.errors += 1
                     self.last_error = f"{type(exc).__name__}: {exc}"[:300]
-                    log.warning("kubernetes pod discovery: %s: %s (retrying in %.1f s)",
-                                type(exc).__name__, exc, backoff)
+                    expected = isinstance(exc, TimeoutError | aiohttp.ClientError | ValueError
+                                          | KeyError | TypeError)
+                    log.log(logging.WARNING if expected else logging.ERROR,
+                            "kubernetes pod discovery: %s: %s (retrying in %.1f s)",
+                            type(exc).__name__, exc, backoff, exc_info=not expected)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, _BACKOFF_S[1])

@@ -107,3 +107,15 @@ def test_a_pod_named_as_another_worker_is_skipped_and_said_once(
     discovery._apply("engine-a", None)  # deleted: forgotten, the other worker untouched
     assert discovery.status()["skipped"] == {}
     assert "engine-a" in pool
+
+
+def test_an_object_not_shaped_like_a_pod_is_skipped_not_fatal() -> None:
+    pool = WorkerPool([], PrefixIndex())
+    discovery = PodDiscovery(pool, KubernetesOptions(selector="app=vllm", port="http",
+                                                     api_url="http://127.0.0.1:1"))
+    broken = pod("broken", 8001)
+    broken["status"] = "Running"  # a string where an object belongs
+    discovery._replace_all({"broken": broken, "good": pod("good", 8002)})
+    assert discovery.status()["pods"] == ["good"]
+    assert "unreadable pod object" in discovery.status()["skipped"]["broken"]
+    assert "good" in pool
