@@ -57,6 +57,7 @@ KV_REPLAY_ANNOTATION = "affinity-gateway/kv-replay"
 WATCH_TIMEOUT_S = 300  # the server ends each watch after this; it is resumed at once
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # one pod's JSON, managed fields included
 _BACKOFF_S = (0.5, 30.0)
+QUICK_END_S = 1.0  # a watch that ends this soon with no event is retried after a backoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,17 +172,20 @@ def pod_worker(pod: Mapping[str, Any], options: KubernetesOptions) -> PodWorker 
 
 async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     """The newline-delimited JSON documents of a watch response, as they arrive."""
-    buffer = b""
+    buffer = bytearray()
     async for chunk in response.content.iter_any():
+        start = len(buffer)
         buffer += chunk
-        while (end := buffer.find(b"\n")) >= 0:
-            line, buffer = buffer[:end], buffer[end + 1:]
+        while (end := buffer.find(b"\n", start)) >= 0:
+            line = bytes(buffer[:end])
+            del buffer[:end + 1]
+            start = 0
             if line.strip():
                 yield line
         if len(buffer) > MAX_EVENT_BYTES:
             raise ValueError(f"a watch event over {MAX_EVENT_BYTES} bytes")
     if buffer.strip():
-        yield buffer
+        yield bytes(buffer)
 
 
 class PodDiscovery:
@@ -202,6 +206,7 @@ class PodDiscovery:
         self.first_try = asyncio.Event()
         self.up = False  # the last list or watch was answered
         self.lists = 0  # full lists applied (the first, then one after each 410)
+        self.events = 0  # watch events read
         self.errors = 0
         self.last_error = ""
 
@@ -330,6 +335,7 @@ class PodDiscovery:
                     if obj.get("code") == 410:
                         raise Gone
                     raise ValueError(f"watch error {obj.get('code')}: {obj.get('message')}")
+                self.events += 1
                 meta = obj.get("metadata", {})
                 version = str(meta.get("resourceVersion", version))
                 if kind in ("ADDED", "MODIFIED"):
@@ -352,8 +358,17 @@ class PodDiscovery:
                             self.first_try.set()
                         log.info("kubernetes: %d ready pod(s) for %r in %s", len(self._pods),
                                  self.options.selector, self.namespace)
+                    began = asyncio.get_running_loop().time()
+                    events = self.events
                     version = await self.watch(http, version)
-                    backoff = _BACKOFF_S[0]
+                    if (self.events == events
+                            and asyncio.get_running_loop().time() - began < QUICK_END_S):
+                        # Ended at once with nothing said (a proxy that does not hold
+                        # streams?): wait before the next, as after an error.
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, _BACKOFF_S[1])
+                    else:
+                        backoff = _BACKOFF_S[0]
                 except Gone:
                     version = ""  # the next round lists afresh
                 except Exception as exc:  # discovery must outlive any answer it gets

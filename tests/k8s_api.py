@@ -84,6 +84,7 @@ class KubernetesAPI:
     def __init__(self, token: str = "secret-token", gone_as_status: bool = False) -> None:
         self.token = token
         self.gone_as_status = gone_as_status
+        self.hold_watches = True  # False: each watch ends at once, empty (a bad proxy)
         self.pods: dict[str, dict[str, Any]] = {}
         self.version = 100
         self.history: list[tuple[int, str, dict[str, Any]]] = []
@@ -179,6 +180,8 @@ class KubernetesAPI:
             return web.json_response(expired, status=410)
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
+        if not self.hold_watches:
+            return response
         self._streams[id(request)] = request
         try:
             if since < self.oldest - 1:

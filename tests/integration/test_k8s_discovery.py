@@ -4,6 +4,7 @@ those pods name, over real HTTP, as they become ready, stop being ready and go."
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -231,6 +232,20 @@ async def test_vllm_pods_annotate_their_kv_event_endpoints(setup: Setup) -> None
     assert workers["engine-a"]["url"] == f"http://127.0.0.1:{setup.ports[0]}"
     described = workers["engine-a"]["kv_events"]
     assert "tcp://127.0.0.1:5557" in str(described)
+
+
+async def test_watches_that_end_at_once_are_retried_with_a_backoff(setup: Setup) -> None:
+    """Something between the gateway and the API server that does not hold streams must not
+    turn discovery into a loop of requests."""
+    api = setup.api
+    api.hold_watches = False
+    await api.put(pod("engine-a", setup.ports[0]))
+    gateway, _ = await setup.gateway()
+    await asyncio.sleep(2.0)
+    watches = [c for c in api.calls if "watch" in c]
+    assert 1 <= len(watches) <= 6  # 0.5 + 1 s of backoff, where a loop would make hundreds
+    async with aiohttp.ClientSession() as http:
+        assert set(await workers_of(http, gateway)) == {"engine-a"}
 
 
 def test_selector_outside_a_pod_needs_the_api_url() -> None:
