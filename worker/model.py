@@ -376,10 +376,12 @@ class Transformer(nn.Module):
             keys, values = pool.read(layer, table, total)  # [total, kv_heads, hd]
             keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
             values = values.transpose(0, 1).repeat_interleave(group, dim=0)
+            # Batched (4-D) inputs: the fused kernels (flash, memory-efficient) take only
+            # those; 3-D ones fall back to the math kernel, which materializes n x total.
             attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1), keys, values, attn_mask=mask,
+                q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                 is_causal=causal and n > 1, scale=scale,
-            )  # [heads, n, hd]
+            )[0]  # [heads, n, hd]
             x = x + blk.wo(attn.transpose(0, 1).reshape(n, cfg.num_heads * hd))
             x = x + blk.mlp(x)
         if all_logits:
