@@ -884,6 +884,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateway policy, a comma list, or 'all' (default: the gateway default)")
     p.add_argument("--gateway", default="", help="replay through this running gateway instead")
     p.add_argument("--peers", action="store_true", help="also sglang-router and smg")
+    p.add_argument("--peer", action="append", default=[], choices=sorted(PEERS),
+                   help="also this peer (repeatable): --peers without the others")
     p.add_argument("--peer-variant", action="append", default=[], metavar="PEER[LABEL]=ARGS",
                    help="also run a peer with these arguments, reported as PEER[LABEL] "
                    "(repeatable), e.g. 'smg[tight]=--balance-abs-threshold 4 "
@@ -899,6 +901,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cached-us-per-token", type=float, default=0.0)
     p.add_argument("--decode-ms-per-token", type=float, default=0.0)
     p.add_argument("--max-running", type=int, default=32, help="worker admission limit")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                   help="extra worker flag, repeatable: --worker-arg=--engine=torch runs the "
+                   "real engine (its time replaces the simulated costs)")
     p.add_argument("--simulate", action="store_true",
                    help="also run the simulator on the same fleet for each gateway policy")
     p.add_argument("--sim-draws", type=int, default=1,
@@ -1002,6 +1007,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
         invisible_edits=args.invisible_edits, agreement=args.agreement,
         request_logs=args.request_logs, api=args.api,
+        extra_worker_args=tuple(args.worker_arg),
     )
 
 
@@ -1088,10 +1094,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         policies = parse_policies(args.policy)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.gateway and (args.peers or args.peer_variant or args.simulate or len(policies) > 1):
+    if args.gateway and (args.peers or args.peer or args.peer_variant or args.simulate
+                         or len(policies) > 1):
         parser.error("--gateway replays through that gateway only (no --peers, --simulate)")
     requests, source = load_requests(args)
     peers = list(PEERS) if args.peers else []
+    peers += [name for name in args.peer if name not in peers]
     try:
         variants = dict(peer_variant(spec) for spec in args.peer_variant)
     except ValueError as exc:

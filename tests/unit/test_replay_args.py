@@ -1,0 +1,33 @@
+"""``python -m loadtest replay``'s options that shape the fleet: extra worker flags, peers."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.replay import build_parser, config_from_args
+
+
+def _config(*argv: str) -> tuple[list[str], tuple[str, ...]]:
+    parser = build_parser()
+    args = parser.parse_args(["--workers", "2", *argv])
+    return args.peer, config_from_args(parser, args).worker_args()
+
+
+def test_worker_args_reach_every_worker_after_the_replay_own() -> None:
+    _, flags = _config("--worker-arg=--engine=torch", "--worker-arg=--device=cuda")
+    assert flags[-2:] == ("--engine=torch", "--device=cuda")
+    # The replay's own flags stay: a worker flag given twice takes its last value.
+    assert "--block-size" in flags
+    assert "--max-model-len" in flags
+
+
+def test_no_worker_args_by_default() -> None:
+    _, flags = _config()
+    assert not any(f.startswith("--engine") for f in flags)
+
+
+def test_one_peer_without_the_others() -> None:
+    peers, _ = _config("--peer", "sglang-router")
+    assert peers == ["sglang-router"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--peer", "nginx"])
