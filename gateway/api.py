@@ -340,6 +340,8 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "last_error": s.last_error,
                 "breaker": state.guard.breakers.state(s.worker.id, now),
                 "kind": s.worker.kind,
+                # The data-parallel engine rank it is behind its URL (null: the whole server).
+                "rank": s.worker.rank,
                 # How it joined: static (--worker), registry (the store), kubernetes (a pod).
                 "source": s.source,
                 "engine_metrics": dict(s.engine_metrics),

@@ -14,7 +14,9 @@ loop's next round starts) before it takes requests.
 
 Annotations on a pod name where its engine publishes KV events (``affinity-gateway/kv-events``
 and ``affinity-gateway/kv-replay``: a port, or a ``tcp://`` endpoint), as a ``--worker`` URL's
-fragment does (:mod:`gateway.kvevents.endpoints`).
+fragment does (:mod:`gateway.kvevents.endpoints`); ``affinity-gateway/dp-size: "N"`` says the pod
+serves N data-parallel engine ranks behind its port (vLLM's ``--data-parallel-size``), each
+routed to as a worker ``POD/dp<r>`` of its own.
 
 In a pod, the defaults need nothing else: the API server from ``KUBERNETES_SERVICE_HOST`` and
 ``KUBERNETES_SERVICE_PORT``, the service account's token (read again for every request, since
@@ -45,7 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.contracts.tasks import stop_if_cancelled
-from gateway.kvevents.endpoints import EventEndpoints
+from gateway.kvevents.endpoints import EventEndpoints, data_parallel_size
 from gateway.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ SOURCE = "kubernetes"  # the pool's source label of discovered workers
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 KV_EVENTS_ANNOTATION = "affinity-gateway/kv-events"
 KV_REPLAY_ANNOTATION = "affinity-gateway/kv-replay"
+DP_SIZE_ANNOTATION = "affinity-gateway/dp-size"
 WATCH_TIMEOUT_S = 300  # the server ends each watch after this; it is resumed at once
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # one pod's JSON, managed fields included
 _BACKOFF_S = (0.5, 30.0)
@@ -153,7 +156,7 @@ class PodWorker:
 def pod_worker(pod: Mapping[str, Any], options: KubernetesOptions) -> PodWorker | None:
     """The worker a pod is, or None while it is not one (not running and ready, no IP).
     Raises ValueError for a ready pod that cannot be one: no container port of that name, a
-    malformed KV-event annotation."""
+    malformed KV-event or data-parallel annotation."""
     ip = pod.get("status", {}).get("podIP")
     if not _ready(pod) or not isinstance(ip, str) or not ip:
         return None
@@ -167,7 +170,12 @@ def pod_worker(pod: Mapping[str, Any], options: KubernetesOptions) -> PodWorker 
         replay = annotations.get(KV_REPLAY_ANNOTATION, "")
         events = EventEndpoints(_endpoint(annotations[KV_EVENTS_ANNOTATION], ip),
                                 _endpoint(replay, ip) if replay else "")
-    return PodWorker(f"{options.scheme}://{host}:{port}", events)
+    url = f"{options.scheme}://{host}:{port}"
+    dp_size = str(annotations.get(DP_SIZE_ANNOTATION, "")).strip()
+    if dp_size and dp_size != "1":
+        url += f"#dp-size={dp_size}"
+        data_parallel_size(url)  # a malformed size makes the pod unusable, said once
+    return PodWorker(url, events)
 
 
 async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -21,10 +21,10 @@ from gateway.contracts.engine_metrics import (
     RUNNING,
     WAITING,
 )
-from gateway.kvevents.endpoints import EventEndpoints, split_url
+from gateway.kvevents.endpoints import EventEndpoints, data_parallel_size, split_url
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.ring import Ring
-from gateway.routing.types import PrefixMatcher, Snapshot, Worker, WorkerView
+from gateway.routing.types import PrefixMatcher, Snapshot, Worker, WorkerView, rank_suffix
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,8 @@ def _note_engine_times(state: WorkerState, metrics: Mapping[str, float]) -> None
 class WorkerPool:
     def __init__(self, urls: Iterable[str], index: PrefixIndex, private_blocks: int = 0) -> None:
         self._workers: dict[str, WorkerState] = {}
+        # An endpoint of data-parallel engine ranks (``#dp-size=N``) -> its ranks' worker ids.
+        self._ranks: dict[str, tuple[str, ...]] = {}
         self._index = index
         # Blocks an engine keeps outside its prefix cache for the request it is admitting (the
         # prompt's partial last block, then its output): a worker of N blocks keeps at most
@@ -200,25 +202,45 @@ class WorkerPool:
         events: EventEndpoints | None = None,
     ) -> str:
         """Add a worker (no-op if known). A ``#kv-events=...&kv-replay=...`` fragment on
-        ``url`` names where its engine publishes KV events (see gateway.kvevents.endpoints)."""
+        ``url`` names where its engine publishes KV events (see gateway.kvevents.endpoints);
+        ``#dp-size=N`` adds the N data-parallel ranks of the engine behind it instead, as
+        workers ``<wid>/dp0`` ... ``<wid>/dp<N-1>`` (the endpoint's id stands for all of them
+        in :meth:`remove`, :meth:`set_events` and ``in``)."""
+        dp_size = data_parallel_size(url)
         url, in_url = split_url(url)
         url = url.rstrip("/")
         events = events or in_url
         wid = wid or worker_id_for(url)
-        if wid not in self._workers:
-            by_url = kind_of_url(url)
-            worker = Worker(wid, by_url.target_url(url), weight=weight,
-                            kind=kind or by_url.name)
-            self._workers[wid] = WorkerState(worker, source=source, events=events)
-            self._stale.add(wid)
-            self._catalog = None
-            self._rebuild_ring()
-            log.info("worker %s joined (%s, %s)", wid, url, source)
-            if self.on_join is not None:
-                self.on_join(wid)
+        if dp_size > 1 and not kind_of_url(url).data_parallel_ranks:
+            raise ValueError(f"{url}: dp-size needs an http(s):// or vllm+http(s):// worker")
+        if dp_size == 1:
+            self._add_one(url, wid, weight, source, kind, events, None)
+        elif wid not in self._ranks and wid not in self._workers:
+            ranks = tuple(wid + rank_suffix(r) for r in range(dp_size))
+            self._ranks[wid] = ranks
+            for rank, rank_id in enumerate(ranks):
+                self._add_one(url, rank_id, weight, source, kind,
+                              events.for_rank(rank) if events else None, rank)
         return wid
 
+    def _add_one(self, url: str, wid: str, weight: float, source: str, kind: str | None,
+                 events: EventEndpoints | None, rank: int | None) -> None:
+        if wid in self._workers:
+            return
+        by_url = kind_of_url(url)
+        worker = Worker(wid, by_url.target_url(url), weight=weight, kind=kind or by_url.name,
+                        rank=rank)
+        self._workers[wid] = WorkerState(worker, source=source, events=events)
+        self._stale.add(wid)
+        self._catalog = None
+        self._rebuild_ring()
+        log.info("worker %s joined (%s, %s)", wid, url, source)
+        if self.on_join is not None:
+            self.on_join(wid)
+
     def remove(self, wid: str) -> None:
+        for rank_id in self._ranks.pop(wid, ()):
+            self.remove(rank_id)
         if self._workers.pop(wid, None) is not None:
             self._stale.add(wid)
             self._catalog = None
@@ -229,6 +251,8 @@ class WorkerPool:
                 self.on_leave(wid)
 
     def set_events(self, wid: str, events: EventEndpoints | None) -> None:
+        for rank, rank_id in enumerate(self._ranks.get(wid, ())):
+            self.set_events(rank_id, events.for_rank(rank) if events else None)
         state = self._workers.get(wid)
         if state is not None:
             state.events = events
@@ -299,13 +323,15 @@ class WorkerPool:
         self._ring_dirty = True
 
     def __contains__(self, wid: str) -> bool:
-        return wid in self._workers
+        return wid in self._workers or wid in self._ranks
 
     def states(self) -> list[WorkerState]:
         return list(self._workers.values())
 
     def get(self, wid: str) -> WorkerState:
-        return self._workers[wid]
+        """``wid``'s state; for an endpoint of data-parallel ranks, its rank 0's."""
+        ranks = self._ranks.get(wid)
+        return self._workers[ranks[0] if ranks else wid]
 
     # -- health -------------------------------------------------------------------------------
     def mark_up(

@@ -42,3 +42,5 @@ class BackendKind:
     # Its probe cannot confirm a registered cache size; the claim is believed, capped (see
     # gateway.registry_trust).
     trust_unconfirmed_capacity: bool = False
+    # It can pin a request to one data-parallel engine rank behind the URL (``#dp-size=N``).
+    data_parallel_ranks: bool = False

@@ -47,6 +47,9 @@ from gateway.contracts.kv_keys import engine_namespace
 from gateway.openai_schema import encode_body, with_fields
 from gateway.routing.types import Worker
 
+# The request header that pins a request to one data-parallel engine rank behind an endpoint
+# (vLLM's and SGLang's; case does not matter to either).
+RANK_HEADER = "X-data-parallel-rank"
 ENGINE_METRICS = (
     metric.RUNNING,
     metric.WAITING,
@@ -61,28 +64,37 @@ ENGINE_METRICS = (
 # Bytes of an unfinished stream event past which it is relayed as it is: no usage report is
 # that long.
 _MAX_PENDING_EVENT = 1 << 20
-_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)$", re.MULTILINE)
+_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{([^}]*)\})?\s+([-+0-9.eEinfINFaN]+)$",
+                     re.MULTILINE)
 _CACHE_INFO = re.compile(rf"^{re.escape(metric.CACHE_CONFIG_INFO)}\{{(?P<labels>[^}}]*)\}}",
                          re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+_ENGINE = re.compile(r'(?:^|[{,])\s*engine="([^"]*)"')
 
 
-def parse_engine_metrics(text: str) -> dict[str, float]:
+def parse_engine_metrics(text: str, rank: int | None = None) -> dict[str, float]:
     """Sum each of :data:`ENGINE_METRICS` over its label sets in a Prometheus text page, and
     the KV cache capacity (``num_gpu_blocks x block_size`` of ``vllm:cache_config_info``) as
     :data:`~gateway.backends.base.CACHE_CAPACITY_TOKENS`. A sample that is not a finite
     number is left out (one engine's ``NaN`` or ``+Inf`` must not reach the pool's load, nor
-    an infinite cache size the health round, which converts it to blocks)."""
+    an infinite cache size the health round, which converts it to blocks).
+
+    With ``rank``, only the series of that data-parallel engine (vLLM's label ``engine``)
+    count; a page whose series carry no ``engine`` label speaks for every rank alike."""
     out: dict[str, float] = {}
-    for name, value in _SAMPLE.findall(text):
+    want = None if rank is None or not _ENGINE.search(text) else str(rank)
+    for name, labels, value in _SAMPLE.findall(text):
         if name in ENGINE_METRICS:
+            if want is not None and _engine_of(labels) != want:
+                continue
             try:
                 sample = float(value)
             except ValueError:
                 continue
             if math.isfinite(sample):  # a NaN or an infinity would poison the load's sums
                 out[name] = out.get(name, 0.0) + sample
-    info = _CACHE_INFO.search(text)
+    info = next((m for m in _CACHE_INFO.finditer(text)
+                 if want is None or _engine_of(m.group("labels")) == want), None)
     if info is not None:
         labels = dict(_LABEL.findall(info.group("labels")))
         try:
@@ -92,6 +104,11 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
         if 0 < capacity < math.inf:  # an infinite size cannot be modelled in blocks
             out[CACHE_CAPACITY_TOKENS] = capacity
     return out
+
+
+def _engine_of(labels: str) -> str | None:
+    found = _ENGINE.search(labels)
+    return found.group(1) if found else None
 
 
 def model_versions(entries: list[dict[str, Any]]) -> dict[str, str]:
@@ -235,7 +252,7 @@ class OpenAIHTTPBackend:
         return self._client
 
     def _credentials(self, worker: Worker) -> dict[str, str]:
-        key = self._api_keys.get(worker.id, self._default_api_key)
+        key = self._api_keys.get(worker.endpoint_id, self._default_api_key)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _admin_credentials(self, worker: Worker) -> dict[str, str]:
@@ -255,12 +272,16 @@ class OpenAIHTTPBackend:
             headers = {**request.headers, **self._credentials(worker)}
             if request.request_id:
                 headers["x-request-id"] = request.request_id
+            if worker.rank is not None:
+                headers[RANK_HEADER] = str(worker.rank)
             target = URL(worker.url + request.path, encoded=True)
             return _opened(self._relay.send(target, headers, b"", request.method), False)
         headers = {**request.headers, **self._credentials(worker),
                    "Content-Type": "application/json"}
         if request.request_id:
             headers["x-request-id"] = request.request_id
+        if worker.rank is not None:  # the engine rank behind the endpoint that serves it
+            headers[RANK_HEADER] = str(worker.rank)
         namespace = request.namespace
         strip_usage = False
         if self._namespace_in_body:
@@ -359,7 +380,7 @@ class OpenAIHTTPBackend:
         ) as response:
             if response.status != 200:
                 return {}
-            return parse_engine_metrics(await response.text())
+            return parse_engine_metrics(await response.text(), worker.rank)
 
     async def close(self) -> None:
         self._relay.close()
@@ -405,6 +426,8 @@ def _builder(namespace_in_body: bool) -> Callable[[BackendOptions], OpenAIHTTPBa
 
 
 # Our reference worker, SGLang or any OpenAI-compatible server: the namespace as a header.
-OPENAI = BackendKind("openai", ("http", "https"), worker_id, target_url, _builder(False))
+OPENAI = BackendKind("openai", ("http", "https"), worker_id, target_url, _builder(False),
+                     data_parallel_ranks=True)
 # A vLLM server (``vllm+http://``): the namespace goes into ``cache_salt``.
-VLLM = BackendKind("vllm", ("vllm+http", "vllm+https"), worker_id, target_url, _builder(True))
+VLLM = BackendKind("vllm", ("vllm+http", "vllm+https"), worker_id, target_url, _builder(True),
+                   data_parallel_ranks=True)

@@ -7,6 +7,9 @@ A static worker announces its endpoints in the URL's fragment, which is never se
 (vLLM: ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
 "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'``). A registered worker puts
 them in its record (``kv_events``, ``kv_replay``).
+
+The fragment also says how many data-parallel engine ranks serve behind the URL
+(``dp-size=N``); their endpoints are rank 0's, each port plus the rank, as vLLM binds them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,26 @@ class EventEndpoints:
     events: str
     replay: str = ""
 
+    def for_rank(self, rank: int) -> EventEndpoints:
+        """Where data-parallel rank ``rank`` of the engine publishes, when these are rank 0's:
+        as vLLM's publisher binds them, each TCP port plus the rank, an ``ipc://`` path with
+        ``_dp<rank>`` appended."""
+        if rank == 0:
+            return self
+        return EventEndpoints(_offset(self.events, rank), _offset(self.replay, rank))
+
+
+def _offset(endpoint: str, rank: int) -> str:
+    if not endpoint:
+        return endpoint
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    offset = int(port) + rank
+    if offset > 65_535:
+        raise ValueError(f"KV-event endpoint {endpoint!r} has no port for rank {rank}")
+    return f"{base}:{offset}"
+
 
 _SCHEMES = ("tcp://", "ipc://")
 
@@ -32,15 +55,37 @@ def split_url(url: str) -> tuple[str, EventEndpoints | None]:
     base, sep, fragment = url.partition("#")
     if not sep:
         return url, None
-    options = dict(parse_qsl(fragment, keep_blank_values=True))
-    unknown = set(options) - {"kv-events", "kv-replay"}
-    if unknown:
-        raise ValueError(f"unknown worker URL option(s) {sorted(unknown)} in {url!r}; "
-                         "known: kv-events, kv-replay")
+    options = _options(url, fragment)
     events, replay = options.get("kv-events", ""), options.get("kv-replay", "")
     for endpoint in (events, replay):
         if endpoint and not endpoint.startswith(_SCHEMES):
             raise ValueError(f"KV-event endpoint must be tcp:// or ipc://, got {endpoint!r}")
+        if endpoint.startswith("tcp://") and not endpoint.rpartition(":")[2].isdigit():
+            raise ValueError(f"KV-event endpoint {endpoint!r} names no port")
     if replay and not events:
         raise ValueError(f"kv-replay needs kv-events in {url!r}")
     return base, EventEndpoints(events, replay) if events else None
+
+
+MAX_DP_SIZE = 256
+
+
+def data_parallel_size(url: str) -> int:
+    """The engine ranks behind a worker URL: ``#dp-size=N`` (vLLM's ``--data-parallel-size``
+    with one API server), each routed to as a worker of its own; 1 without the option. Raises
+    ValueError for a size that is not an integer from 1 to :data:`MAX_DP_SIZE`."""
+    _, sep, fragment = url.partition("#")
+    text = _options(url, fragment).get("dp-size", "1") if sep else "1"
+    if not text.isdigit() or not 1 <= int(text) <= MAX_DP_SIZE:
+        raise ValueError(f"dp-size must be an integer from 1 to {MAX_DP_SIZE}, got {text!r} "
+                         f"in {url!r}")
+    return int(text)
+
+
+def _options(url: str, fragment: str) -> dict[str, str]:
+    options = dict(parse_qsl(fragment, keep_blank_values=True))
+    unknown = set(options) - {"kv-events", "kv-replay", "dp-size"}
+    if unknown:
+        raise ValueError(f"unknown worker URL option(s) {sorted(unknown)} in {url!r}; "
+                         "known: kv-events, kv-replay, dp-size")
+    return options

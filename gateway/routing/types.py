@@ -20,9 +20,23 @@ class Worker:
     models: frozenset[str] = frozenset()
     weight: float = 1.0
     kind: str = "openai"  # which backend speaks to it (gateway.backends)
+    # A data-parallel rank of the engine behind ``url`` (``#dp-size=N`` on a worker URL):
+    # requests name it in ``X-data-parallel-rank``; None: the endpoint is one engine.
+    rank: int | None = None
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    @property
+    def endpoint_id(self) -> str:
+        """The id of the endpoint this worker is served at: its own, or, for a rank, the
+        endpoint's that its ranks share (credentials are the endpoint's)."""
+        return self.id if self.rank is None else self.id.removesuffix(rank_suffix(self.rank))
+
+
+def rank_suffix(rank: int) -> str:
+    """What a rank's worker id adds to its endpoint's: ``10.0.0.5:8000/dp1``."""
+    return f"/dp{rank}"
 
 
 @value
