@@ -40,9 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = app[ENGINE_KEY]
     cache = engine.stats().cache
     kind = "simulated" if settings.engine == "sim" else "real model"
+    ranks = settings.data_parallel_size
+    per_rank = f" per rank, {ranks} data-parallel ranks" if ranks > 1 else ""
     print(
         f"worker {settings.effective_worker_id}: engine={settings.engine} ({kind}) "
-        f"model={settings.model} cache={cache.num_blocks}x{cache.block_size} tokens "
+        f"model={settings.model} cache={cache.num_blocks}x{cache.block_size} tokens{per_rank} "
         f"max_running={settings.max_running} {engine.info()}",
         flush=True,
     )

@@ -8,6 +8,10 @@ parent hash, token ids, block size; the cache namespace in the first block's ``e
 vLLM sends one batch per engine step. With ``--kv-replay tcp://*:5558`` a ROUTER socket serves
 the last ``buffer_steps`` batches to a subscriber that missed some.
 
+With data-parallel ranks each rank's cache has a publisher of its own, bound where vLLM's
+rank binds it (:func:`worker.ranks.rank_endpoint`), and its batches carry the rank in
+``data_parallel_rank``.
+
 The PUB socket never blocks the event loop: above its high-water mark ZMQ drops batches, and
 subscribers see the gap in the sequence numbers and ask the replay socket.
 """
@@ -51,10 +55,12 @@ class KVEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
+        data_parallel_rank: int = 0,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.block_size = block_size
+        self.data_parallel_rank = data_parallel_rank
         self._topic = topic.encode("utf-8")
         self._hwm = hwm
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -98,7 +104,9 @@ class KVEventPublisher:
             self._pub = None
         for ctx in (self._ctx, self._actx):
             if ctx is not None:
-                ctx.term()
+                # Closes the sockets still open too: a replay socket whose bind failed, or
+                # whose task was cancelled before it ran (closed right after start()).
+                ctx.destroy(linger=0)
         self._ctx = self._actx = None
 
     # -- CacheListener --------------------------------------------------------------------------
@@ -130,7 +138,7 @@ class KVEventPublisher:
         self._flush_scheduled = False
         if not self._pending or self._pub is None:
             return
-        batch = EventBatch(time.time(), tuple(self._pending), 0)
+        batch = EventBatch(time.time(), tuple(self._pending), self.data_parallel_rank)
         self._pending.clear()
         seq = self._seq
         self._seq += 1

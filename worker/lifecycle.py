@@ -6,14 +6,15 @@
   flushes its cache. ``POST /admin/model {"revision": "..."}`` swaps the served revision in
   place (what a weight reload does), so that rollout can be exercised without a restart.
 * **TTL.** With ``--cache-ttl-s``, cached blocks no request has used for that long are dropped
-  (checked a few times per TTL), so stale prefixes do not linger in a quiet worker.
+  (checked a few times per TTL, in every data-parallel rank's cache), so stale prefixes do not
+  linger in a quiet worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,20 +77,21 @@ async def set_model(request: web.Request) -> web.Response:
     return web.json_response(identity.as_dict())
 
 
-async def _expire_loop(cache: PrefixCache, ttl_s: float) -> None:
+async def _expire_loop(caches: Sequence[PrefixCache], ttl_s: float) -> None:
     every = min(max(ttl_s / 4, 0.05), 5.0)
     while True:
         await asyncio.sleep(every)
-        cache.expire(ttl_s)
+        for cache in caches:
+            cache.expire(ttl_s)
 
 
 def ttl_context(
-    cache: PrefixCache, ttl_s: float
+    caches: Sequence[PrefixCache], ttl_s: float
 ) -> Callable[[web.Application], AsyncIterator[None]]:
-    """A cleanup context that expires the cache's idle blocks while the app runs."""
+    """A cleanup context that expires the caches' idle blocks while the app runs."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        async with running(_expire_loop(cache, ttl_s), "cache-ttl"):
+        async with running(_expire_loop(caches, ttl_s), "cache-ttl"):
             yield
 
     return ctx

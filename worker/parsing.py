@@ -33,6 +33,8 @@ class CommonParams:
     """Samples per prompt: each prompt runs once per sample, sharing its cached blocks."""
     stop: tuple[str, ...] = ()
     """Stop sequences: an output ends before the first of them (:mod:`worker.stops`)."""
+    data_parallel_rank: int | None = None
+    """SGLang's body field naming the engine rank to run on (range checked at dispatch)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,9 @@ def parse_common(
             priority = Priority.parse(raw_priority)
         except ValueError as exc:
             raise ApiError(str(exc), param="cache_priority", code="invalid_value") from exc
+    rank = body.get("data_parallel_rank")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+        raise _type_error("data_parallel_rank", "a non-negative integer")
     return CommonParams(
         model=model,
         max_tokens=max_tokens,
@@ -183,6 +188,7 @@ def parse_common(
         cache_priority=priority,
         n=n,
         stop=stop,
+        data_parallel_rank=rank,
     )
 
 

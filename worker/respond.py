@@ -25,7 +25,7 @@ from gateway.contracts.headers import (
     MATCHED_TOKENS_HEADER,
 )
 from worker.engines.base import Admission, Engine, GenerationRequest
-from worker.metrics import WorkerMetrics
+from worker.metrics import RankMetrics
 from worker.observe import PromptTiming, RequestTrace
 from worker.parsing import CommonParams
 from worker.stops import StopText
@@ -129,7 +129,7 @@ async def _produce(
     events.put_nowait(_Done(index, "stop" if text.stopped else "length", timing.output_tokens))
 
 
-def _observe(metrics: WorkerMetrics, timing: PromptTiming) -> None:
+def _observe(metrics: RankMetrics, timing: PromptTiming) -> None:
     if not timing.done:
         return  # cancelled: the client went away
     n = timing.output_tokens
@@ -191,7 +191,7 @@ class Job:
 
 async def _run_prompts(
     engine: Engine,
-    metrics: WorkerMetrics,
+    metrics: RankMetrics,
     job: Job,
     handle: Callable[[_Event], Awaitable[None]],
     trace: RequestTrace,
@@ -253,7 +253,7 @@ def _is_abort(exc: BaseException) -> bool:
 
 async def respond_whole(
     request: web.Request, job: Job, headers: dict[str, str], engine: Engine,
-    metrics: WorkerMetrics, trace: RequestTrace,
+    metrics: RankMetrics, trace: RequestTrace,
 ) -> web.Response:
     admissions: list[Admission] = []
     texts: list[list[str]] = [[] for _ in range(job.sequences)]
@@ -440,7 +440,7 @@ class _SseWriter:
 
 async def respond_stream(
     request: web.Request, job: Job, headers: dict[str, str], engine: Engine,
-    metrics: WorkerMetrics, trace: RequestTrace,
+    metrics: RankMetrics, trace: RequestTrace,
 ) -> web.StreamResponse:
     writer = _SseWriter(request, job, headers)
     try:

@@ -34,11 +34,20 @@ Cache priority: the ``cache_priority`` body field (``system`` / ``document`` / `
 default ``conversation``) tags the prompt's cached blocks; in a chat request the blocks of the
 leading system messages are tagged ``system``. Under memory pressure conversation blocks are
 evicted first and system blocks last (see :mod:`worker.kvcache`).
+
+Data-parallel ranks (``--data-parallel-size N``, :mod:`worker.ranks`): N engines, each with its
+own cache, behind this one endpoint, as vLLM serves them. A generation request runs on the rank
+its ``X-data-parallel-rank`` header names (400 for a value that names none), else on the least
+loaded rank, and the response says which in ``x-data-parallel-rank``. ``/metrics`` labels each
+rank's series ``engine="<rank>"``, ``/stats`` reports the totals plus each rank (``ranks``),
+``/admin/flush`` empties every rank, and rank r publishes its KV events at the configured ports
+plus r. With N = 1 none of this shows: no header is needed or sent, and no ``engine`` label.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -59,7 +68,7 @@ from gateway.contracts.tracing import Tracing
 from gateway.contracts.worker_record import WorkerRecord
 from worker.auth import auth_middleware
 from worker.embeddings import DEFAULT_DIMENSIONS, MAX_DIMENSIONS, as_base64, embed
-from worker.engines.base import Engine, EngineUnavailableError
+from worker.engines.base import Engine, EngineStats, EngineUnavailableError
 from worker.engines.sim import WORDS, SimCosts, SimEngine
 from worker.errors import ApiError, error_middleware
 from worker.hotprompts import HOT_PROMPTS_KEY, HotPrompts, export_handler
@@ -79,6 +88,15 @@ from worker.parsing import (
     parse_completion,
     parse_embedding,
 )
+from worker.ranks import (
+    RANK_HEADER,
+    RankPicker,
+    load_score,
+    parse_rank,
+    rank_endpoint,
+    total_by_key,
+    total_stats,
+)
 from worker.register import registration
 from worker.respond import Job, respond_stream, respond_whole, response_echo
 from worker.settings import SIM_DEFAULT_CACHE_BLOCKS, WorkerSettings
@@ -87,7 +105,11 @@ from worker.tokenize_lane import EncodeError, TokenizeLane
 from worker.tokenizer import HFTokenizer, Tokenizer, TokenizerUnavailableError, load_tokenizer
 
 SETTINGS_KEY = web.AppKey("worker_settings", WorkerSettings)
+# Rank 0's engine: what a single engine's properties (capacity, slots needed) are read from.
 ENGINE_KEY = web.AppKey("worker_engine", Engine)
+# Every data-parallel rank's engine, by rank (ENGINE_KEY's first).
+ENGINES_KEY = web.AppKey[tuple[Engine, ...]]("worker_engines")
+RANK_PICKER_KEY = web.AppKey("worker_rank_picker", RankPicker)
 TOKENIZER_KEY = web.AppKey("worker_tokenizer", Tokenizer)
 LANE_KEY = web.AppKey("worker_tokenize_lane", TokenizeLane)
 CHAT_TEMPLATE_KEY = web.AppKey("worker_chat_template", ChatTemplate)
@@ -167,20 +189,50 @@ def _check_length(
         )
 
 
+def _rank_for(request: web.Request, job: Job) -> int:
+    """The data-parallel rank that runs ``request``: the one its ``X-data-parallel-rank``
+    header names (vLLM's), else the one its body's ``data_parallel_rank`` names (SGLang's),
+    else the least loaded."""
+    engines = request.app[ENGINES_KEY]
+    pinned = request.headers.get(RANK_HEADER)
+    if pinned is not None:
+        try:
+            return parse_rank(pinned, len(engines))
+        except ValueError as exc:
+            raise ApiError(str(exc), code="invalid_value") from exc
+    in_body = job.common.data_parallel_rank
+    if in_body is not None:
+        if in_body >= len(engines):
+            raise ApiError(f"'data_parallel_rank' must be an integer from 0 to "
+                           f"{len(engines) - 1}, got {in_body}", param="data_parallel_rank",
+                           code="invalid_value")
+        return in_body
+    if len(engines) == 1:
+        return 0
+    return request.app[RANK_PICKER_KEY].pick([load_score(e.stats()) for e in engines])
+
+
 async def _run(request: web.Request, job: Job) -> web.StreamResponse:
     settings = request.app[SETTINGS_KEY]
+    rank = _rank_for(request, job)
     headers = {
         "x-worker-id": settings.effective_worker_id,
         "x-request-id": job.response_id,
         # New at every start: a gateway that sees it change knows this cache is cold.
         WORKER_BOOT_HEADER: request.app[BOOT_ID_KEY],
     }
-    engine, metrics = request.app[ENGINE_KEY], request.app[METRICS_KEY]
+    attributes: dict[str, str | int] = {
+        "gen_ai.request.model": job.model, "worker.prompts": len(job.token_lists),
+        "worker.id": settings.effective_worker_id,
+    }
+    if settings.data_parallel_size > 1:
+        headers["x-data-parallel-rank"] = str(rank)
+        attributes["worker.data_parallel_rank"] = rank
+    engine, metrics = request.app[ENGINES_KEY][rank], request.app[METRICS_KEY].rank(rank)
     loop = asyncio.get_running_loop()
     trace = RequestTrace.start(
         request.app[TRACING_KEY], request.headers, f"{request.method} {request.path}",
-        loop.time(), {"gen_ai.request.model": job.model, "worker.prompts": len(job.token_lists),
-                      "worker.id": settings.effective_worker_id},
+        loop.time(), attributes,
     )
     status, error = 500, ""
     try:
@@ -449,7 +501,8 @@ def reported_cache_tokens(settings: WorkerSettings, engine: Engine) -> int:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    """SGLang's ``/server_info``: what its routers read about a backend."""
+    """SGLang's ``/server_info``: what its routers read about a backend (the cache size is one
+    data-parallel rank's; ``dp_size`` says how many there are)."""
     settings = request.app[SETTINGS_KEY]
     info: dict[str, Any] = {
         "model_path": settings.model,
@@ -458,6 +511,7 @@ async def server_info(request: web.Request) -> web.Response:
         "max_running_requests": settings.max_running,
         "page_size": settings.block_size,
         "version": "reference-worker",
+        "dp_size": settings.data_parallel_size,
     }
     tokens = reported_cache_tokens(settings, request.app[ENGINE_KEY])
     if tokens:
@@ -482,21 +536,42 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def stats_payload(app: web.Application) -> dict[str, Any]:
+    """``/stats``: the engine's numbers; with data-parallel ranks their totals in the same
+    shape, plus each rank's own (``ranks``)."""
+    engines = app[ENGINES_KEY]
+    snapshots = [engine.stats() for engine in engines]
+    by_priority = [_cache_of(engine).cached_blocks_by_priority() for engine in engines]
+    if len(engines) == 1:
+        payload = _stats_of(app, snapshots[0], by_priority[0], engines[0])
+        payload["data_parallel_size"] = 1
+        return payload
+    payload = _stats_of(app, total_stats(snapshots), total_by_key(by_priority), engines[0])
+    payload["data_parallel_size"] = len(engines)
+    payload["ranks"] = [
+        {"rank": rank, **_stats_of(app, stats, blocks, engine)}
+        for rank, (stats, blocks, engine) in enumerate(
+            zip(snapshots, by_priority, engines, strict=True))
+    ]
+    return payload
+
+
+def _stats_of(app: web.Application, stats: EngineStats, cached_by_priority: dict[str, int],
+              engine: Engine) -> dict[str, Any]:
+    """One engine's ``/stats`` payload (or the ranks' totals, as one engine's)."""
     settings = app[SETTINGS_KEY]
-    stats = app[ENGINE_KEY].stats()
     cache = asdict(stats.cache)
     cache["hit_rate"] = (
         stats.cache.hit_tokens / stats.cache.queries_tokens if stats.cache.queries_tokens else 0.0
     )
     payload: dict[str, Any] = asdict(stats)
     payload["cache"] = cache
-    cache["cached_blocks_by_priority"] = _cache_of(app[ENGINE_KEY]).cached_blocks_by_priority()
+    cache["cached_blocks_by_priority"] = cached_by_priority
     payload.update(
         worker_id=settings.effective_worker_id,
         model=settings.model,
         engine=settings.engine,
         tokenizer=app[TOKENIZER_KEY].name,
-        engine_info=app[ENGINE_KEY].info(),
+        engine_info=engine.info(),
     )
     return payload
 
@@ -513,13 +588,14 @@ async def stats(request: web.Request) -> web.Response:
 
 async def flush(request: web.Request) -> web.Response:
     """Drop cached prefixes: all of them, or one namespace (``{"namespace": "..."}``, the
-    ``x-cache-namespace`` value and/or ``cache_salt`` as this worker combines them)."""
+    ``x-cache-namespace`` value and/or ``cache_salt`` as this worker combines them), in every
+    data-parallel rank."""
     raw = await request.read()
     body = decode_body(raw) if raw.strip() else {}
     namespace = body.get("namespace", request.query.get("namespace"))
     if namespace is not None and not isinstance(namespace, str):
         raise ApiError("'namespace' must be a string", param="namespace", code="invalid_type")
-    dropped = request.app[ENGINE_KEY].flush(namespace)
+    dropped = sum(engine.flush(namespace) for engine in request.app[ENGINES_KEY])
     return web.json_response({"flushed_blocks": dropped, "namespace": namespace})
 
 
@@ -572,30 +648,43 @@ def build_engine(settings: WorkerSettings, tokenizer: Tokenizer) -> Engine:
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     yield
     app[LANE_KEY].close()
-    close = getattr(app[ENGINE_KEY], "close", None)
-    if close is not None:
-        close()
+    for engine in app[ENGINES_KEY]:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
 
 
-def _kv_events(settings: WorkerSettings, cache: PrefixCache) -> Callable[
+def _kv_events(settings: WorkerSettings, caches: Sequence[PrefixCache]) -> Callable[
     [web.Application], AsyncIterator[None]
 ]:
-    """Publishes the cache's KV events while the app runs (see :mod:`worker.kv_events`)."""
+    """Publishes each rank's cache's KV events while the app runs, rank r at the configured
+    endpoints' ports + r (see :mod:`worker.kv_events`)."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        publisher = KVEventPublisher(
-            settings.kv_events, settings.kv_replay, block_size=cache.block_size,
-            buffer_steps=settings.kv_events_buffer,
-        )
-        publisher.start()
-        cache.listener = publisher
-        try:
+        async with contextlib.AsyncExitStack() as stack:
+            for rank, cache in enumerate(caches):
+                publisher = KVEventPublisher(
+                    rank_endpoint(settings.kv_events, rank),
+                    rank_endpoint(settings.kv_replay, rank),
+                    block_size=cache.block_size, buffer_steps=settings.kv_events_buffer,
+                    data_parallel_rank=rank,
+                )
+                await stack.enter_async_context(_publishing(publisher, cache))
             yield
-        finally:
-            cache.listener = None
-            await publisher.close()
 
     return ctx
+
+
+@contextlib.asynccontextmanager
+async def _publishing(publisher: KVEventPublisher, cache: PrefixCache) -> AsyncIterator[None]:
+    """``cache``'s events go to ``publisher`` (started and closed here)."""
+    try:
+        publisher.start()
+        cache.listener = publisher
+        yield
+    finally:
+        cache.listener = None
+        await publisher.close()
 
 
 def create_app(
@@ -617,9 +706,12 @@ def create_app(
     tok = tokenizer if tokenizer is not None else load_tokenizer(
         settings.tokenizer_file, settings.tokenizer
     )
-    engine = build_engine(settings, tok)
+    engines = tuple(build_engine(settings, tok) for _ in range(settings.data_parallel_size))
+    engine = engines[0]
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
+    app[ENGINES_KEY] = engines
+    app[RANK_PICKER_KEY] = RankPicker(len(engines))
     app[TOKENIZER_KEY] = tok
     app[LANE_KEY] = TokenizeLane(tok)
     try:
@@ -627,13 +719,14 @@ def create_app(
     except ChatTemplateError as exc:
         raise TokenizerUnavailableError(str(exc)) from exc
     app[IDENTITY_KEY] = identity_for(settings, tok)
+    caches = [_cache_of(e) for e in engines]
     if settings.cache_ttl_s > 0:
-        app.cleanup_ctx.append(ttl_context(_cache_of(engine), settings.cache_ttl_s))
+        app.cleanup_ctx.append(ttl_context(caches, settings.cache_ttl_s))
     app.cleanup_ctx.append(_engine_lifetime)
     if settings.kv_events:
-        app.cleanup_ctx.append(_kv_events(settings, _cache_of(engine)))
+        app.cleanup_ctx.append(_kv_events(settings, caches))
     app[METRICS_KEY] = WorkerMetrics(
-        engine, settings.model, report_cache_size=settings.report_cache_size,
+        engines, settings.model, report_cache_size=settings.report_cache_size,
         reported_cache_blocks=settings.reported_cache_blocks,
     )
     name_server(app, "affinity-worker")

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 from gateway.contracts.config import SettingsError, load_settings
 from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import TracingOptions
+from worker.ranks import rank_endpoint
 
 ENGINES = ("sim", "torch", "vllm")
 TOKENIZERS = ("hash", "chars")
@@ -17,6 +18,7 @@ DEVICES = ("auto", "cpu", "cuda")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 SIM_DEFAULT_CACHE_BLOCKS = 2048
+MAX_DATA_PARALLEL_SIZE = 64
 
 DESCRIPTION = (
     "Reference OpenAI-compatible inference worker with a real paged prefix cache. Engines: "
@@ -57,6 +59,16 @@ class WorkerSettings:
     max_running: int = field(
         default=8,
         metadata={"help": "Most requests running at once; the rest wait in a FIFO queue."},
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Data-parallel engine ranks behind this one endpoint, as vLLM's "
+                  "--data-parallel-size: N engines, each with its own KV cache of "
+                  "--cache-blocks. A request names its rank in the X-data-parallel-rank "
+                  "header, else the least loaded rank runs it. /metrics labels each rank's "
+                  "series engine=\"<rank>\"; rank r publishes its KV events at the ports of "
+                  f"--kv-events and --kv-replay plus r. From 1 to {MAX_DATA_PARALLEL_SIZE}; "
+                  "not with --store."},
     )
     stored_responses: int = field(
         default=1024,
@@ -291,6 +303,7 @@ class WorkerSettings:
             if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
                 raise SettingsError(f"{name} must be a tcp:// or ipc:// endpoint, got "
                                     f"{endpoint!r}")
+        self._check_data_parallel()
         if self.kv_events_buffer < 1:
             raise SettingsError("kv_events_buffer must be >= 1")
         if self.hot_prompts < 0:
@@ -303,6 +316,24 @@ class WorkerSettings:
             self.tracing_options()
         except ValueError as exc:
             raise SettingsError(str(exc)) from exc
+
+    def _check_data_parallel(self) -> None:
+        size = self.data_parallel_size
+        if not 1 <= size <= MAX_DATA_PARALLEL_SIZE:
+            raise SettingsError(
+                f"data_parallel_size must be from 1 to {MAX_DATA_PARALLEL_SIZE}, got {size}")
+        if size > 1 and self.store:
+            raise SettingsError(
+                f"data_parallel_size {size} cannot be combined with store: the registry "
+                "record does not describe data-parallel ranks yet. Run without --store and "
+                f"list the worker on the gateway as --worker 'http://HOST:PORT#dp-size={size}'"
+                f" (here: '{self.effective_public_url}#dp-size={size}')"
+            )
+        for endpoint in (self.kv_events, self.kv_replay):
+            try:
+                rank_endpoint(endpoint, size - 1)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from exc
 
     def registration_secret(self) -> bytes:
         try:

@@ -55,6 +55,8 @@ def vllm_command(settings: WorkerSettings, args: Sequence[str]) -> list[str]:
     ensure("--host", settings.host)
     ensure("--port", str(settings.port))
     ensure("--served-model-name", settings.model)
+    if settings.data_parallel_size > 1:
+        ensure("--data-parallel-size", str(settings.data_parallel_size))
     ensure("--enable-prefix-caching")
     ensure("--prefix-caching-hash-algo", "sha256_cbor")
     ensure("--enable-prompt-tokens-details")
