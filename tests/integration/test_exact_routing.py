@@ -15,8 +15,9 @@ from aiohttp import web
 
 from gateway.app import create_app as create_gateway
 from gateway.settings import GatewaySettings
+from infra.procs import free_port_block
 from loadtest.tiny_tokenizer import train
-from tests.conftest import FAST_WORKER, free_port, serve
+from tests.conftest import FAST_WORKER, free_port, serve, until
 from worker.server import create_app as create_worker
 
 
@@ -253,3 +254,55 @@ async def test_model_chat_template_and_bos_keep_predictions_exact(
     finally:
         for runner in setup.runners:
             await runner.cleanup()
+
+
+async def test_each_data_parallel_rank_feeds_its_own_events(tokenizer_file: str) -> None:
+    """One server of two engine ranks, listed with ``#dp-size=2`` and rank 0's event ports:
+    the gateway reads each rank's events at the ports plus its rank, and its predictions for
+    either rank are exact."""
+    port = free_port()
+    ev = free_port_block(4)
+    rp = ev + 2
+    settings = dataclasses.replace(
+        FAST_WORKER, port=port, cache_blocks=96, tokenizer_file=tokenizer_file,
+        data_parallel_size=2, kv_events=f"tcp://127.0.0.1:{ev}",
+        kv_replay=f"tcp://127.0.0.1:{rp}")
+    worker = await serve(create_worker(settings), port)
+    url = (f"http://127.0.0.1:{port}#dp-size=2&kv-events=tcp://127.0.0.1:{ev}"
+           f"&kv-replay=tcp://127.0.0.1:{rp}")
+    gport = free_port()
+    gateway = await serve(create_gateway(GatewaySettings(
+        port=gport, worker=(url,), tokenizer_file=tokenizer_file)), gport)
+    base = f"http://127.0.0.1:{gport}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            view = await live(s, base, 2)
+            feeds = {w["id"]: w["kv_events"]["endpoint"] for w in view["workers"]}
+            assert feeds == {f"127.0.0.1:{port}/dp{r}": f"tcp://127.0.0.1:{ev + r}"
+                             for r in range(2)}
+            for i in range(24):
+                await chat(s, base, system_prompt(i % 6), f"question {i} about invoices")
+                await asyncio.sleep(0.01)  # let the events of this reply arrive
+            view = await admin(s, base)
+            # A prompt run on rank 1 directly reaches the gateway through rank 1's feed alone.
+            body = {"model": FAST_WORKER.model, "prompt": system_prompt(50), "max_tokens": 1}
+            before = {w["id"]: w["kv_events"]["events"] for w in view["workers"]}
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                              headers={"X-data-parallel-rank": "1"}) as r:
+                assert r.status == 200
+
+            async def grown() -> bool:
+                after = {w["id"]: w["kv_events"]["events"]
+                         for w in (await admin(s, base))["workers"]}
+                return bool(after[f"127.0.0.1:{port}/dp1"] > before[f"127.0.0.1:{port}/dp1"])
+
+            await until(grown)
+            after = {w["id"]: w["kv_events"]["events"] for w in (await admin(s, base))["workers"]}
+            assert after[f"127.0.0.1:{port}/dp0"] == before[f"127.0.0.1:{port}/dp0"]
+        ranks = view["workers"]
+        responses = sum(w["predictions"]["responses"] for w in ranks)
+        assert responses > 0
+        assert sum(w["predictions"]["exact"] for w in ranks) == responses
+    finally:
+        await gateway.cleanup()
+        await worker.cleanup()
