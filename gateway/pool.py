@@ -200,13 +200,16 @@ class WorkerPool:
         source: str = "static",
         kind: str | None = None,
         events: EventEndpoints | None = None,
+        dp_size: int | None = None,
     ) -> str:
         """Add a worker (no-op if known). A ``#kv-events=...&kv-replay=...`` fragment on
         ``url`` names where its engine publishes KV events (see gateway.kvevents.endpoints);
         ``#dp-size=N`` adds the N data-parallel ranks of the engine behind it instead, as
         workers ``<wid>/dp0`` ... ``<wid>/dp<N-1>`` (the endpoint's id stands for all of them
-        in :meth:`remove`, :meth:`set_events` and ``in``)."""
-        dp_size = data_parallel_size(url)
+        in :meth:`remove`, :meth:`set_events`, :meth:`mark_up`, :meth:`set_weights`,
+        :meth:`set_capacity` and ``in``). ``dp_size`` (a registered worker's) overrides the
+        fragment's."""
+        dp_size = dp_size or data_parallel_size(url)
         url, in_url = split_url(url)
         url = url.rstrip("/")
         events = events or in_url
@@ -239,8 +242,17 @@ class WorkerPool:
             self.on_join(wid)
 
     def remove(self, wid: str) -> None:
+        """Remove a worker; an endpoint's id removes all its ranks."""
         for rank_id in self._ranks.pop(wid, ()):
             self.remove(rank_id)
+        state = self._workers.get(wid)
+        if state is not None and state.worker.rank is not None:
+            endpoint = state.worker.endpoint_id
+            others = tuple(r for r in self._ranks.get(endpoint, ()) if r != wid)
+            if others:
+                self._ranks[endpoint] = others
+            else:
+                self._ranks.pop(endpoint, None)
         if self._workers.pop(wid, None) is not None:
             self._stale.add(wid)
             self._catalog = None
@@ -267,9 +279,10 @@ class WorkerPool:
         return {wid: s.capacity_blocks for wid, s in self._workers.items()}
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
-        """New ring weights; the ring is rebuilt once, and only if one changed."""
+        """New ring weights (an endpoint's for each of its ranks); the ring is rebuilt once,
+        and only if one changed."""
         changed = False
-        for wid, weight in weights.items():
+        for wid, weight in self._per_worker(weights).items():
             state = self._workers.get(wid)
             if state is not None and abs(state.worker.weight - weight) > 1e-9:
                 state.worker = dataclasses.replace(state.worker, weight=weight)
@@ -277,6 +290,14 @@ class WorkerPool:
                 changed = True
         if changed:
             self._rebuild_ring()
+
+    def _per_worker(self, values: Mapping[str, float]) -> dict[str, float]:
+        """``values`` with each endpoint's value given to each of its ranks."""
+        out: dict[str, float] = {}
+        for wid, value in values.items():
+            for member in self._ranks.get(wid, (wid,)):
+                out[member] = value
+        return out
 
     def set_held_out(self, wid: str, held_out: bool) -> None:
         """Leave a worker out of routing (it is warming up) or take it back in."""
@@ -294,7 +315,10 @@ class WorkerPool:
             self._rebuild_ring()
 
     def set_capacity(self, wid: str, blocks: int) -> None:
-        """``wid``'s cache holds ``blocks`` (its reported size, in the index's blocks)."""
+        """``wid``'s cache holds ``blocks`` (its reported size, in the index's blocks; an
+        endpoint's: each of its ranks')."""
+        for rank_id in self._ranks.get(wid, ()):
+            self.set_capacity(rank_id, blocks)
         state = self._workers.get(wid)
         if state is not None and blocks > 0 and blocks != state.capacity_blocks:
             state.capacity_blocks = blocks
@@ -337,6 +361,8 @@ class WorkerPool:
     def mark_up(
         self, wid: str, models: frozenset[str], metrics: Mapping[str, float] | None = None
     ) -> None:
+        for rank_id in self._ranks.get(wid, ()):
+            self.mark_up(rank_id, models, metrics)
         state = self._workers.get(wid)
         if state is None:
             return

@@ -247,7 +247,7 @@ class StoreSync:
             known = record.id in self.pool
             if not known:
                 self.pool.add(record.url, wid=record.id, source="registry", kind=record.kind,
-                              events=events)
+                              events=events, dp_size=record.dp_size)
             if events is not None:
                 self.pool.set_events(record.id, events)
             if known:
@@ -255,7 +255,7 @@ class StoreSync:
             if record.models:
                 self.pool.mark_up(record.id, frozenset(record.models))
         for state in self.pool.states():
-            if (state.source == "registry" and state.worker.id not in registered
+            if (state.source == "registry" and state.worker.endpoint_id not in registered
                     and not state.healthy):
                 self.pool.remove(state.worker.id)
         self._apply_capacities(records)

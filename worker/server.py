@@ -773,6 +773,7 @@ def create_app(
             block_size=settings.block_size,
             kv_events=settings.advertised(settings.kv_events) if settings.kv_events else "",
             kv_replay=settings.advertised(settings.kv_replay) if settings.kv_replay else "",
+            dp_size=settings.data_parallel_size,
         ), settings.registration_secret())
         app.cleanup_ctx.append(registration(
             settings.store, record, every_s=settings.heartbeat_s, ttl_s=settings.registry_ttl_s,

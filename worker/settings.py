@@ -322,13 +322,6 @@ class WorkerSettings:
         if not 1 <= size <= MAX_DATA_PARALLEL_SIZE:
             raise SettingsError(
                 f"data_parallel_size must be from 1 to {MAX_DATA_PARALLEL_SIZE}, got {size}")
-        if size > 1 and self.store:
-            raise SettingsError(
-                f"data_parallel_size {size} cannot be combined with store: the registry "
-                "record does not describe data-parallel ranks yet. Run without --store and "
-                f"list the worker on the gateway as --worker 'http://HOST:PORT#dp-size={size}'"
-                f" (here: '{self.effective_public_url}#dp-size={size}')"
-            )
         for endpoint in (self.kv_events, self.kv_replay):
             try:
                 rank_endpoint(endpoint, size - 1)

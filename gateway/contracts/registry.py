@@ -4,7 +4,7 @@ Two keys per prefix ``{p}`` (``affinity`` by default) hold the registry:
 
 * ``{p}:workers``: a sorted set, worker id -> expiry in ms (stale members are pruned on read);
 * ``{p}:worker:<id>``: a hash of the record (url, models, capacity_blocks, block_size, kind,
-  kv_events, kv_replay, sig), expiring with the heartbeat TTL.
+  kv_events, kv_replay, dp_size, sig), expiring with the heartbeat TTL.
 
 The gateway's store (:class:`gateway.store.redis.RedisStore`) and the worker
 (:class:`RegistryClient`) write and read these keys through the functions here, so the schema
@@ -52,6 +52,7 @@ def record_fields(record: WorkerRecord) -> dict[str, str]:
         "kind": record.kind,
         "kv_events": record.kv_events,
         "kv_replay": record.kv_replay,
+        "dp_size": str(record.dp_size),
         "sig": record.signature,
     }
 
@@ -68,6 +69,7 @@ def record_from_fields(worker_id: str, row: Mapping[bytes | str, bytes | str]) -
         kind=f.get("kind", "openai"),
         kv_events=f.get("kv_events", ""),
         kv_replay=f.get("kv_replay", ""),
+        dp_size=int(f.get("dp_size", "1") or 1),
         signature=f.get("sig", ""),
     )
 

@@ -1,8 +1,9 @@
 """Signed worker registrations: Redis write access alone must not add a worker.
 
 A worker started with a registration secret signs its registry record (HMAC-SHA256 over every
-field a gateway acts on: id, URL, backend kind, models, cache size, KV-event endpoints); a
-gateway with the same secret ignores records whose signature is missing or wrong. Without it,
+field a gateway acts on: id, URL, backend kind, models, cache size, KV-event endpoints,
+data-parallel ranks); a gateway with the same secret ignores records whose signature is missing
+or wrong. Without it,
 anyone who can write to the store could register a server of their own and receive a share of
 the prompts (probe confirmation and weight caps bound the share, not the capture).
 
@@ -42,6 +43,8 @@ def _message(record: WorkerRecord) -> bytes:
         record.id, record.url, record.kind, list(record.models), record.capacity_blocks,
         record.block_size, record.kv_events, record.kv_replay,
     ]
+    if record.dp_size != 1:  # signed when it says something (records of one engine as before)
+        fields.append(record.dp_size)
     return _CONTEXT + json.dumps(fields, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 

@@ -19,6 +19,9 @@ class WorkerRecord:
     # "" = it publishes none (see gateway.kvevents).
     kv_events: str = ""
     kv_replay: str = ""
+    # Data-parallel engine ranks behind ``url`` (vLLM's --data-parallel-size), each routed to
+    # as a worker of its own; KV events above are rank 0's, rank r's at each port + r.
+    dp_size: int = 1
     # HMAC of the other fields under the registration secret ("" = unsigned); see
     # gateway.contracts.registry_signing.
     signature: str = ""

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 import xxhash
 
 from gateway.app import create_app as create_gateway
-from gateway.contracts.registry_signing import signed
+from gateway.contracts.registry_signing import signed, verified
 from gateway.settings import GatewaySettings
 from gateway.store.base import WorkerRecord
 from gateway.store.redis import RedisStore
@@ -183,3 +183,52 @@ async def test_unsigned_registrations_are_ignored_with_a_registry_secret(
 
 async def _contains(values: Any, item: str) -> bool:
     return item in await values
+
+
+async def test_a_registered_server_of_ranks_is_a_worker_per_rank(
+    redis_server: RedisServer,
+) -> None:
+    """A worker of 2 data-parallel ranks registers once, signed, with ``dp_size`` 2: the
+    gateway routes to each rank, and a record whose ``dp_size`` a Redis writer changed no
+    longer verifies."""
+    secret = "registration-secret-for-ranks"
+    port, gport = free_port(), free_port()
+    wid = f"127.0.0.1:{port}"
+    worker = await serve(create_worker(dataclasses.replace(
+        FAST_WORKER, port=port, store=redis_server.url, public_url=f"http://{wid}",
+        registry_secret=secret, heartbeat_s=0.2, registry_ttl_s=5.0, data_parallel_size=2,
+    )), port)
+    gateway = await serve(create_gateway(GatewaySettings(
+        port=gport, store=redis_server.url, health_interval_s=0.2, registry_secret=secret,
+    )), gport)
+    store = RedisStore(redis_server.url)
+    await store.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def healthy() -> dict[str, Any]:
+                async with http.get(f"http://127.0.0.1:{gport}/admin/workers") as resp:
+                    return {w["id"]: w for w in (await resp.json())["workers"] if w["healthy"]}
+
+            async def both_ranks() -> bool:
+                return set(await healthy()) == {f"{wid}/dp0", f"{wid}/dp1"}
+
+            await _until(both_ranks)
+            ranks = await healthy()
+            assert {w["source"] for w in ranks.values()} == {"registry"}
+            assert [ranks[f"{wid}/dp{r}"]["rank"] for r in (0, 1)] == [0, 1]
+            seen = set()
+            for i in range(16):
+                async with http.post(f"http://127.0.0.1:{gport}/v1/completions", json={
+                    "model": MODEL, "prompt": f"cold prompt {i} " * 20, "max_tokens": 1,
+                }) as resp:
+                    assert resp.status == 200
+                    seen.add(resp.headers["x-route-worker"])
+            assert seen == {f"{wid}/dp0", f"{wid}/dp1"}
+        (record,) = [r for r in await store.list_workers() if r.id == wid]
+        assert record.dp_size == 2
+        assert verified(record, secret.encode())
+        assert not verified(dataclasses.replace(record, dp_size=4), secret.encode())
+    finally:
+        await store.close()
+        for runner in (gateway, worker):
+            await runner.cleanup()

@@ -117,3 +117,23 @@ def test_a_pod_annotated_with_ranks_is_a_worker_per_rank() -> None:
     assert {s.source for s in pool.states()} == {"kubernetes"}
     discovery._apply("engine-a", None)  # deleted: both ranks leave
     assert pool.states() == []
+
+
+def test_what_is_said_of_an_endpoint_is_said_of_each_rank() -> None:
+    pool = WorkerPool([], PrefixIndex())
+    pool.add("http://10.0.0.5:8000", wid="engine-a", source="registry", dp_size=2)
+    ranks = ["engine-a/dp0", "engine-a/dp1"]
+    pool.mark_up("engine-a", frozenset({"m"}))
+    assert [pool.get(r).healthy for r in ranks] == [True, True]
+    assert [pool.get(r).worker.models for r in ranks] == [frozenset({"m"})] * 2
+    pool.set_weights({"engine-a": 2.0})
+    assert [pool.get(r).worker.weight for r in ranks] == [2.0, 2.0]
+    pool.set_capacity("engine-a", 300)
+    assert pool.capacities() == {"engine-a/dp0": 300, "engine-a/dp1": 300}
+    # One rank leaving leaves the endpoint its other rank.
+    pool.remove("engine-a/dp0")
+    assert "engine-a" in pool
+    assert pool.get("engine-a").worker.id == "engine-a/dp1"
+    pool.remove("engine-a/dp1")
+    assert "engine-a" not in pool
+    assert pool.states() == []

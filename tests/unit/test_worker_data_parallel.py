@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 
 from gateway.contracts.config import SettingsError
-from worker.__main__ import main
 from worker.engines.base import EngineStats
 from worker.kvcache import CacheStats
 from worker.ranks import (
@@ -142,23 +141,6 @@ def test_the_size_is_checked() -> None:
     for bad in (0, -1, 65):
         with pytest.raises(SettingsError, match="data_parallel_size must be from 1 to 64"):
             WorkerSettings(data_parallel_size=bad)
-
-
-def test_ranks_cannot_register_in_the_store() -> None:
-    # One rank registers as before.
-    assert WorkerSettings(store="redis://127.0.0.1:6379/0").store
-    with pytest.raises(SettingsError, match=r"cannot be combined with store.*"
-                                            r"--worker 'http://HOST:PORT#dp-size=2'"):
-        WorkerSettings(data_parallel_size=2, store="redis://127.0.0.1:6379/0")
-
-
-def test_the_command_line_refuses_ranks_with_a_store(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["--data-parallel-size", "3", "--store", "redis://127.0.0.1:6379/0",
-                 "--port", "8123"])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "data_parallel_size 3 cannot be combined with store" in err
-    assert "'http://127.0.0.1:8123#dp-size=3'" in err
 
 
 def test_every_rank_needs_its_event_ports() -> None:
