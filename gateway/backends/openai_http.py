@@ -22,6 +22,8 @@ gauges and counters (``vllm:num_requests_running``, ``..._waiting``, ``vllm:kv_c
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -230,6 +232,8 @@ class OpenAIHTTPBackend:
                                    ssl_context=ssl_context)
         # Parsed upstream URLs (worker URL + path): the client parses a string on every call.
         self._urls: dict[tuple[str, str], URL] = {}
+        # (server URL, endpoint id) -> the probe of it in flight, shared by its ranks.
+        self._probing: dict[tuple[str, str], asyncio.Future[tuple[WorkerProbe, str | None]]] = {}
 
     async def start(self) -> None:
         """Open the pooled session (it must be created inside the running event loop)."""
@@ -313,30 +317,48 @@ class OpenAIHTTPBackend:
         return _opened(self._relay.send(url, headers, data), strip_usage)
 
     async def probe(self, worker: Worker) -> WorkerProbe:
+        """``worker``'s health, models and engine metrics. The data-parallel ranks of one
+        server share one probe of it at a time (each takes its own engine's series), so a
+        round asks a server of N ranks once, not N times."""
+        key = (worker.url, worker.endpoint_id)
+        pending = self._probing.get(key)
+        if pending is None:
+            pending = self._probing[key] = asyncio.ensure_future(self._probe_server(worker))
+            pending.add_done_callback(lambda _: self._probing.pop(key, None))
+        # Shielded: one rank's caller going away must not cancel the others' probe.
+        probe, page = await asyncio.shield(pending)
+        if page is None:
+            return probe
+        return dataclasses.replace(probe, metrics=parse_engine_metrics(page, worker.rank))
+
+    async def _probe_server(self, worker: Worker) -> tuple[WorkerProbe, str | None]:
+        """A probe of the server ``worker`` is served at, and its ``/metrics`` page (None when
+        the probe failed before it, "" when the server exposes none)."""
         auth = self._credentials(worker)
         try:
             async with self._session.get(
                 worker.url + "/health", timeout=self._probe_timeout, headers=auth
             ) as health:
                 if health.status != 200:
-                    return WorkerProbe(False, frozenset(), f"/health answered {health.status}")
+                    return WorkerProbe(False, frozenset(),
+                                       f"/health answered {health.status}"), None
             async with self._session.get(
                 worker.url + "/v1/models", timeout=self._probe_timeout, headers=auth
             ) as listing:
                 if listing.status != 200:
                     return WorkerProbe(False, frozenset(),
-                                       f"/v1/models answered {listing.status}")
+                                       f"/v1/models answered {listing.status}"), None
                 payload = await listing.json(content_type=None)
-            metrics = await self._scrape(worker)
+            page = await self._scrape(worker)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             return WorkerProbe(False, frozenset(), f"{type(exc).__name__}: {exc}",
-                               timed_out=isinstance(exc, TimeoutError))
+                               timed_out=isinstance(exc, TimeoutError)), None
         entries = [
             m for m in payload.get("data", [])
             if isinstance(m, dict) and isinstance(m.get("id"), str)
         ] if isinstance(payload, dict) else []
         models = frozenset(str(m["id"]) for m in entries)
-        return WorkerProbe(True, models, metrics=metrics, versions=model_versions(entries))
+        return WorkerProbe(True, models, versions=model_versions(entries)), page
 
     async def invalidate(self, worker: Worker) -> str:
         """Drop the worker's cached prefixes (its model changed): our worker's
@@ -372,17 +394,19 @@ class OpenAIHTTPBackend:
         data = payload.get("data") if isinstance(payload, dict) else None
         return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
 
-    async def _scrape(self, worker: Worker) -> dict[str, float]:
-        """vLLM's engine metrics from ``/metrics``; empty if the server exposes none."""
+    async def _scrape(self, worker: Worker) -> str:
+        """The server's ``/metrics`` page; "" if it exposes none."""
         async with self._session.get(
             worker.url + "/metrics", timeout=self._probe_timeout,
             headers=self._credentials(worker),
         ) as response:
             if response.status != 200:
-                return {}
-            return parse_engine_metrics(await response.text(), worker.rank)
+                return ""
+            return await response.text()
 
     async def close(self) -> None:
+        for pending in self._probing.values():
+            pending.cancel()
         self._relay.close()
         if self._client is not None:
             await self._client.close()

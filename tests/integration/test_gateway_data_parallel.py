@@ -4,6 +4,7 @@ to the worker in ``X-data-parallel-rank`` with the endpoint's credentials."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +13,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
+from gateway.backends.kinds import BackendOptions
+from gateway.backends.openai_http import OPENAI
+from gateway.routing.types import Worker
 from tests.conftest import FAST_WORKER, admin_workers, free_port, gateway_over, serve, until
 from worker.server import create_app as create_worker
 
@@ -106,3 +111,42 @@ async def test_a_server_listed_whole_is_one_worker_whose_ranks_its_balancer_pick
         # The whole server's cache: the sum over its ranks is not what one prefix can use,
         # so the gateway models one rank's (the first engine series on the page).
         assert [w["capacity_blocks"] for w in workers.values()] == [256]
+
+
+async def test_the_ranks_of_a_server_share_one_probe_of_it() -> None:
+    hits: dict[str, int] = {}
+
+    @web.middleware
+    async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+        hits[request.path] = hits.get(request.path, 0) + 1
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    port = free_port()
+    app = create_worker(dataclasses.replace(FAST_WORKER, port=port, data_parallel_size=RANKS))
+    app.middlewares.append(count)
+    runner = await serve(app, port)
+    backend = OPENAI.build(BackendOptions(connect_timeout_s=2, read_timeout_s=5,
+                                          max_connections=8, max_connections_per_worker=8))
+    await backend.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # Rank 1 has a request running: its series, and only its, say so.
+        async with aiohttp.ClientSession() as http:
+            body = {"model": FAST_WORKER.model, "prompt": "x " * 50, "max_tokens": 400,
+                    "stream": True}
+            async with http.post(url + "/v1/completions", json=body,
+                                 headers={"X-data-parallel-rank": "1"}) as stream:
+                assert stream.status == 200
+                hits.clear()
+                ranks = [Worker(f"127.0.0.1:{port}/dp{r}", url, rank=r) for r in range(RANKS)]
+                probes = await asyncio.gather(*(backend.probe(w) for w in ranks))
+        assert hits == {"/health": 1, "/v1/models": 1, "/metrics": 1}
+        assert all(p.healthy and p.models == {FAST_WORKER.model} for p in probes)
+        assert [p.metrics.get("vllm:num_requests_running") for p in probes] == [0.0, 1.0, 0.0]
+        # Probes after that one ask again.
+        await backend.probe(ranks[0])
+        assert hits["/health"] == 2
+    finally:
+        await backend.close()
+        await runner.cleanup()
