@@ -174,7 +174,9 @@ def pod_worker(pod: Mapping[str, Any], options: KubernetesOptions) -> PodWorker 
     dp_size = str(annotations.get(DP_SIZE_ANNOTATION, "")).strip()
     if dp_size and dp_size != "1":
         url += f"#dp-size={dp_size}"
-        data_parallel_size(url)  # a malformed size makes the pod unusable, said once
+        ranks = data_parallel_size(url)  # a malformed size makes the pod unusable, said once
+        if events is not None:
+            events.ranks(ranks)  # so do event ports the ranks would share
     return PodWorker(url, events)
 
 

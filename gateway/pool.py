@@ -219,11 +219,11 @@ class WorkerPool:
         if dp_size == 1:
             self._add_one(url, wid, weight, source, kind, events, None)
         elif wid not in self._ranks and wid not in self._workers:
+            feeds = events.ranks(dp_size) if events else [None] * dp_size
             ranks = tuple(wid + rank_suffix(r) for r in range(dp_size))
             self._ranks[wid] = ranks
             for rank, rank_id in enumerate(ranks):
-                self._add_one(url, rank_id, weight, source, kind,
-                              events.for_rank(rank) if events else None, rank)
+                self._add_one(url, rank_id, weight, source, kind, feeds[rank], rank)
         return wid
 
     def _add_one(self, url: str, wid: str, weight: float, source: str, kind: str | None,

@@ -33,6 +33,19 @@ class EventEndpoints:
             return self
         return EventEndpoints(_offset(self.events, rank), _offset(self.replay, rank))
 
+    def ranks(self, size: int) -> list[EventEndpoints]:
+        """Each of ``size`` ranks' endpoints (:meth:`for_rank`). Raises ValueError when two
+        ranks' would be one (events and replay ports closer than ``size``: rank 1's events
+        would be rank 0's replay)."""
+        out = [self.for_rank(r) for r in range(size)]
+        bound = [e for pair in out for e in (pair.events, pair.replay) if e]
+        if len(set(bound)) < len(bound):
+            raise ValueError(
+                f"with {size} data-parallel ranks the KV-event endpoints {self.events!r} and "
+                f"{self.replay!r} overlap (each rank adds its rank to both ports): leave "
+                f"{size} ports between them")
+        return out
+
 
 def _offset(endpoint: str, rank: int) -> str:
     if not endpoint:

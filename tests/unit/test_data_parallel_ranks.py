@@ -137,3 +137,21 @@ def test_what_is_said_of_an_endpoint_is_said_of_each_rank() -> None:
     pool.remove("engine-a/dp1")
     assert "engine-a" not in pool
     assert pool.states() == []
+
+
+def test_ranks_whose_event_ports_would_collide_are_refused() -> None:
+    # vLLM adds the rank to both ports: rank 1's events would be rank 0's replay.
+    with pytest.raises(ValueError, match="leave 2 ports between them"):
+        WorkerPool(["http://h:8000#dp-size=2&kv-events=tcp://h:5557&kv-replay=tcp://h:5558"],
+                   PrefixIndex())
+    pool = WorkerPool(["http://h:8000#dp-size=2&kv-events=tcp://h:5557&kv-replay=tcp://h:5559"],
+                      PrefixIndex())
+    assert pool.event_endpoints()["h:8000/dp1"] == EventEndpoints("tcp://h:5558", "tcp://h:5560")
+
+
+def test_a_pod_whose_ranks_would_share_event_ports_is_not_a_worker() -> None:
+    options = KubernetesOptions(selector="app=vllm", port="http", api_url="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="leave 4 ports between them"):
+        pod_worker(pod("a", 8000, annotations={
+            "affinity-gateway/dp-size": "4", "affinity-gateway/kv-events": "5557",
+            "affinity-gateway/kv-replay": "5558"}), options)
