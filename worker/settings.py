@@ -327,6 +327,13 @@ class WorkerSettings:
                 rank_endpoint(endpoint, size - 1)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from exc
+        bound = [rank_endpoint(e, r) for e in (self.kv_events, self.kv_replay) if e
+                 for r in range(size)]
+        if len(set(bound)) < len(bound):
+            raise SettingsError(
+                f"with data_parallel_size {size} the KV-event endpoints {self.kv_events!r} and "
+                f"{self.kv_replay!r} overlap (rank r binds both ports + r): leave {size} ports "
+                "between them")
 
     def registration_secret(self) -> bytes:
         try:

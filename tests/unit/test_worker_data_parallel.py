@@ -154,6 +154,10 @@ def test_every_rank_needs_its_event_ports() -> None:
                        kv_replay="tcp://*:65535")
     # One rank keeps the endpoint as given.
     assert WorkerSettings(kv_events="tcp://*:65535").kv_events == "tcp://*:65535"
+    # Rank 1's events would be rank 0's replay.
+    with pytest.raises(SettingsError, match="leave 2 ports between them"):
+        WorkerSettings(data_parallel_size=2, kv_events="tcp://*:5557", kv_replay="tcp://*:5558")
+    assert WorkerSettings(kv_events="tcp://*:5557", kv_replay="tcp://*:5558").kv_replay
 
 
 def test_vllm_is_started_with_the_ranks() -> None:
