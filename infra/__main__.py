@@ -62,7 +62,10 @@ def _local_parser(targets: argparse._SubParsersAction[argparse.ArgumentParser]) 
     run.add_argument("--gateway-config", default=None, metavar="FILE",
                      help="TOML settings file for the gateway (python -m gateway --config)")
     run.add_argument("--model", default="sim-model", help="model name the workers serve")
-    run.add_argument("--cache-blocks", type=int, default=2048, help="KV blocks per worker")
+    run.add_argument("--cache-blocks", type=int, default=2048,
+                     help="KV blocks per worker (per engine rank with --dp-size)")
+    run.add_argument("--dp-size", type=int, default=1,
+                     help="data-parallel engine ranks per worker, each routed to on its own")
 
     def detached(name: str, text: str) -> argparse.ArgumentParser:
         p = actions.add_parser(name, help=text, description=text, formatter_class=_FMT)
@@ -76,7 +79,10 @@ def _local_parser(targets: argparse._SubParsersAction[argparse.ArgumentParser]) 
                     help="metadata store the workers register in (start gateways with it)")
     up.add_argument("--host", default="127.0.0.1", help="address the workers listen on")
     up.add_argument("--model", default="sim-model", help="model name the workers serve")
-    up.add_argument("--cache-blocks", type=int, default=2048, help="KV blocks per worker")
+    up.add_argument("--cache-blocks", type=int, default=2048,
+                    help="KV blocks per worker (per engine rank with --dp-size)")
+    up.add_argument("--dp-size", type=int, default=1,
+                    help="data-parallel engine ranks per worker (registered with them)")
     sc = detached("scale", "start or stop detached workers until N run")
     sc.add_argument("workers", type=int, help="number of workers wanted")
     _follow_args(sc)
@@ -173,19 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _local(args: argparse.Namespace) -> int:
     if args.action == "serve":
-        if args.workers < 1:
-            print("python -m infra: --workers must be >= 1", file=sys.stderr)
+        if args.workers < 1 or args.dp_size < 1:
+            print("python -m infra: --workers and --dp-size must be >= 1", file=sys.stderr)
             return 2
         cluster = LocalCluster(
             host=args.host, gateway_port=args.port, worker_base_port=args.worker_base_port,
             workers=args.workers, policy=args.policy or "", model=args.model,
-            cache_blocks=args.cache_blocks,
+            cache_blocks=args.cache_blocks, dp_size=args.dp_size,
             gateway_args=("--config", args.gateway_config) if args.gateway_config else (),
         )
         return asyncio.run(serve(cluster))
     if args.action == "up":
+        ranks = ["--data-parallel-size", str(args.dp_size)] if args.dp_size > 1 else []
         state = local_detached.up(args.run_dir, args.workers, store=args.store, host=args.host,
-                                  model=args.model, cache_blocks=args.cache_blocks)
+                                  model=args.model, cache_blocks=args.cache_blocks,
+                                  worker_args=ranks)
         print(f"{len(state.workers)} worker(s) up, registered in {state.store}: "
               + ", ".join(w.url for w in state.workers))
         print(f"gateway: python -m gateway --store {state.store}")

@@ -34,6 +34,9 @@ class LocalCluster:
     cache_blocks: int = 2048
     worker_args: tuple[str, ...] = field(default_factory=tuple)
     gateway_args: tuple[str, ...] = field(default_factory=tuple)
+    # Data-parallel engine ranks per worker (``--data-parallel-size``), each a worker of its
+    # own for the gateway (``#dp-size=N`` on its URL).
+    dp_size: int = 1
 
     def worker_urls(self) -> list[str]:
         return [f"http://{self.host}:{self.worker_base_port + i}" for i in range(self.workers)]
@@ -43,7 +46,9 @@ class LocalCluster:
             [
                 sys.executable, "-m", "worker", "--host", self.host,
                 "--port", str(self.worker_base_port + i), "--model", self.model,
-                "--cache-blocks", str(self.cache_blocks), *self.worker_args,
+                "--cache-blocks", str(self.cache_blocks),
+                *(("--data-parallel-size", str(self.dp_size)) if self.dp_size > 1 else ()),
+                *self.worker_args,
             ]
             for i in range(self.workers)
         ]
@@ -55,8 +60,9 @@ class LocalCluster:
         ]
         if self.policy:
             cmd += ["--policy", self.policy]
+        ranks = f"#dp-size={self.dp_size}" if self.dp_size > 1 else ""
         for url in self.worker_urls():
-            cmd += ["--worker", url]
+            cmd += ["--worker", url + ranks]
         return cmd
 
 
@@ -81,7 +87,8 @@ async def _run_until_stopped(cluster: LocalCluster, procs: list[asyncio.subproce
     print(
         f"\nGateway ready at {base}/v1 (OpenAI-compatible), policy {policy}, "
         f"{cluster.workers} workers on ports {cluster.worker_base_port}-"
-        f"{cluster.worker_base_port + cluster.workers - 1}.\n"
+        f"{cluster.worker_base_port + cluster.workers - 1}"
+        + (f", {cluster.dp_size} engine ranks each" if cluster.dp_size > 1 else "") + ".\n"
         f"Try:\n{sample_curl(base, cluster.model)}\n"
         f"Worker view: curl -s {base}/admin/workers   Metrics: {base}/metrics\n"
         "Press Ctrl-C to stop.\n",

@@ -11,6 +11,7 @@ from gateway.kvevents.endpoints import EventEndpoints, data_parallel_size, split
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Worker
+from infra.local import LocalCluster
 from tests.k8s_api import pod
 
 EVENTS = "#kv-events=tcp://10.0.0.5:5557&kv-replay=tcp://10.0.0.5:5600"
@@ -155,3 +156,15 @@ def test_a_pod_whose_ranks_would_share_event_ports_is_not_a_worker() -> None:
         pod_worker(pod("a", 8000, annotations={
             "affinity-gateway/dp-size": "4", "affinity-gateway/kv-events": "5557",
             "affinity-gateway/kv-replay": "5558"}), options)
+
+
+def test_a_local_cluster_of_ranks_starts_them_and_lists_them() -> None:
+    cluster = LocalCluster(workers=2, worker_base_port=9001, dp_size=4)
+    for cmd in cluster.worker_commands():
+        assert cmd[cmd.index("--data-parallel-size") + 1] == "4"
+    gateway = cluster.gateway_command()
+    assert [gateway[i + 1] for i, a in enumerate(gateway) if a == "--worker"] == [
+        "http://127.0.0.1:9001#dp-size=4", "http://127.0.0.1:9002#dp-size=4"]
+    plain = LocalCluster(workers=1)
+    assert "--data-parallel-size" not in plain.worker_commands()[0]
+    assert "#" not in " ".join(plain.gateway_command())
