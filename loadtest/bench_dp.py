@@ -12,9 +12,10 @@ of :mod:`loadtest.trace_workloads` closed-loop through, in turn:
   worker of its own, and each request names its rank in ``X-data-parallel-rank``;
 - ``ours:servers``: the gateway over the servers as wholes (each server's own balancer, least
   loaded first, picks the rank, as vLLM's does);
-- with ``--peers``, sglang-router (cache_aware) over the servers as wholes, and the same with
-  ``--dp-aware`` (it asks each server's ``/get_server_info`` for ``dp_size`` and names the rank
-  in the body's ``data_parallel_rank``, as SGLang's servers read it).
+- with ``--peers``, each installed peer (sglang-router, smg; cache_aware) over the servers as
+  wholes, and the same with ``--dp-aware`` (it asks each server's ``/get_server_info`` for
+  ``dp_size`` and names the rank in the body's ``data_parallel_rank``, as SGLang's servers read
+  it).
 
 Every rank's cache is flushed between routers. Reported per router: the block hit rate the
 servers measured (cached prompt tokens over prompt tokens, from each answer's
@@ -192,11 +193,13 @@ async def run(args: argparse.Namespace) -> list[RouterResult]:
                      "--max-model-len", "1000000"),
     )
     routers = [("ours:ranks", f"#dp-size={args.dp_size}"), ("ours:servers", "")]
-    peers = []
+    peers: list[tuple[str, str, tuple[str, ...]]] = []
     if args.peers:
-        if "sglang-router" not in available_peers():
-            raise PeerUnavailableError("sglang-router is not installed (pip install '.[peers]')")
-        peers = [("sglang-router", ()), ("sglang-router[dp-aware]", ("--dp-aware",))]
+        installed = available_peers()
+        if not installed:
+            raise PeerUnavailableError("no peer router is installed (pip install '.[peers]')")
+        for binary in installed:
+            peers += [(binary, binary, ()), (f"{binary}[dp-aware]", binary, ("--dp-aware",))]
     results: list[RouterResult] = []
     with tempfile.TemporaryDirectory(prefix="bench-dp-") as tmp:
         logs = Path(tmp)
@@ -208,9 +211,9 @@ async def run(args: argparse.Namespace) -> list[RouterResult]:
                     async with _gateway(cluster, urls, fragment, healthy, logs,
                                         name.replace(":", "-")) as url:
                         results.append(await _measure(name, url, urls, bodies, pooled, args))
-                for name, extra in peers:
+                for name, binary, extra in peers:
                     await _flush(urls)
-                    async with running_peer("sglang-router", urls, logs, extra=extra,
+                    async with running_peer(binary, urls, logs, extra=extra,
                                             log_name=name) as peer:
                         results.append(await _measure(name, peer.url, urls, bodies, pooled,
                                                       args))
@@ -269,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, default=8, help="per rank")
     p.add_argument("--prefill-us-per-token", type=float, default=20.0)
     p.add_argument("--policy", default=GatewaySettings().policy, help="the gateway's policy")
-    p.add_argument("--peers", action="store_true", help="also sglang-router, with --dp-aware")
+    p.add_argument("--peers", action="store_true",
+                   help="also the installed peers, with and without --dp-aware")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--json", action="store_true")
     return p
