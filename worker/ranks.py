@@ -2,7 +2,8 @@
 serves them.
 
 Each rank is an engine with its own KV cache. A request may name its rank in the
-``X-data-parallel-rank`` header (vLLM's); without one the least loaded rank runs it, scored as
+``X-data-parallel-rank`` header (vLLM's) or the body's ``data_parallel_rank`` (SGLang's);
+without either the least loaded rank runs it, scored as
 vLLM's balancer scores them (``waiting * 4 + running``), equal scores taken in turn so that
 idle ranks share the requests. Rank ``r`` publishes its KV events where vLLM's ZMQ publisher
 of rank ``r`` binds them: the configured TCP port plus ``r``, or an ``ipc://`` / ``inproc://``

@@ -37,11 +37,12 @@ evicted first and system blocks last (see :mod:`worker.kvcache`).
 
 Data-parallel ranks (``--data-parallel-size N``, :mod:`worker.ranks`): N engines, each with its
 own cache, behind this one endpoint, as vLLM serves them. A generation request runs on the rank
-its ``X-data-parallel-rank`` header names (400 for a value that names none), else on the least
-loaded rank, and the response says which in ``x-data-parallel-rank``. ``/metrics`` labels each
-rank's series ``engine="<rank>"``, ``/stats`` reports the totals plus each rank (``ranks``),
-``/admin/flush`` empties every rank, and rank r publishes its KV events at the configured ports
-plus r. With N = 1 none of this shows: no header is needed or sent, and no ``engine`` label.
+its ``X-data-parallel-rank`` header names (400 for a value that names none), or its body's
+``data_parallel_rank`` (SGLang's field), else on the least loaded rank, and the response says
+which in ``x-data-parallel-rank``. ``/metrics`` labels each rank's series ``engine="<rank>"``,
+``/stats`` reports the totals plus each rank (``ranks``), ``/admin/flush`` empties every rank,
+and rank r publishes its KV events at the configured ports plus r. With N = 1 none of this
+shows: no header is needed or sent, and no ``engine`` label.
 """
 
 from __future__ import annotations
