@@ -95,8 +95,10 @@ def parse_engine_metrics(text: str, rank: int | None = None) -> dict[str, float]
                 continue
             if math.isfinite(sample):  # a NaN or an infinity would poison the load's sums
                 out[name] = out.get(name, 0.0) + sample
-    info = next((m for m in _CACHE_INFO.finditer(text)
-                 if want is None or _engine_of(m.group("labels")) == want), None)
+    infos = list(_CACHE_INFO.finditer(text))
+    # vLLM labels each engine's cache geometry; one without the label is every rank's.
+    info = next((m for m in infos if want is None or _engine_of(m.group("labels")) in (want, None)),
+                None)
     if info is not None:
         labels = dict(_LABEL.findall(info.group("labels")))
         try:

@@ -168,3 +168,10 @@ def test_a_local_cluster_of_ranks_starts_them_and_lists_them() -> None:
     plain = LocalCluster(workers=1)
     assert "--data-parallel-size" not in plain.worker_commands()[0]
     assert "#" not in " ".join(plain.gateway_command())
+
+
+def test_a_cache_size_without_the_engine_label_is_every_ranks() -> None:
+    page = ('vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="50"} 1.0\n')
+    assert parse_engine_metrics(page, 1) == {
+        "vllm:num_requests_running": 2.0, "cache_capacity_tokens": 800.0}
