@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 
-from gateway.backends.base import CACHE_CAPACITY_TOKENS, WorkerProbe
+from gateway.backends.base import CACHE_CAPACITY_TOKENS, ENGINE_RANKS, WorkerProbe
 from gateway.contracts import engine_metrics as metric
 from gateway.lifecycle import CacheLifecycle
 from gateway.misses import MissTracker
@@ -36,6 +36,7 @@ class HealthChecker:
         self._misses = misses
         self._timed_out: set[str] = set()  # workers whose last probe timed out
         self._wake = asyncio.Event()  # set: probe now, not at the end of the interval
+        self._told_ranks: set[str] = set()  # workers said to be servers of several engines
 
     async def _probe(self, worker: Worker) -> WorkerProbe:
         try:
@@ -81,6 +82,7 @@ class HealthChecker:
             state.pool.mark_up(wid, probe.models, probe.metrics)
             if state.pool.set_versions(wid, probe.versions):
                 self._lifecycle.version_changed(worker)
+            self._note_ranks(worker, probe)
             capacity = probe.metrics.get(CACHE_CAPACITY_TOKENS, 0.0)
             if capacity > 0:  # the index models the worker's cache at its real size
                 blocks = max(1, int(capacity / state.settings.tokens_per_block()))
@@ -95,6 +97,16 @@ class HealthChecker:
             state.pool.mark_down(wid, probe.error)
             # Requests waiting on it for a first byte go elsewhere now.
             state.guard.ejections.eject(wid, probe.error)
+
+    def _note_ranks(self, worker: Worker, probe: WorkerProbe) -> None:
+        """Say once that a worker listed whole is a server of several data-parallel engines:
+        its own balancer scatters prefixes over their caches."""
+        ranks = int(probe.metrics.get(ENGINE_RANKS, 0))
+        if ranks > 1 and worker.rank is None and worker.id not in self._told_ranks:
+            self._told_ranks.add(worker.id)
+            log.warning("worker %s serves %d data-parallel engines behind one port, routed to as "
+                        "one worker: add '#dp-size=%d' to its URL for cache affinity per engine",
+                        worker.id, ranks, ranks)
 
     def wake(self, _: str = "") -> None:
         """Start the next round now (a worker joined: it takes requests once a probe passed,

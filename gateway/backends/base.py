@@ -26,6 +26,9 @@ class UpstreamBrokeOff(Exception):
 
 # Key in WorkerProbe.metrics: the worker's KV cache capacity in tokens (its blocks x block size).
 CACHE_CAPACITY_TOKENS = "cache_capacity_tokens"
+# How many data-parallel engines a server's metrics speak for (vLLM's ``engine`` label), when
+# more than one: probed as a whole, such a server is worth listing rank by rank.
+ENGINE_RANKS = "engine_ranks"
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from yarl import URL
 
 from gateway.backends.base import (
     CACHE_CAPACITY_TOKENS,
+    ENGINE_RANKS,
     UpstreamRequest,
     WorkerProbe,
 )
@@ -82,9 +83,14 @@ def parse_engine_metrics(text: str, rank: int | None = None) -> dict[str, float]
     an infinite cache size the health round, which converts it to blocks).
 
     With ``rank``, only the series of that data-parallel engine (vLLM's label ``engine``)
-    count; a page whose series carry no ``engine`` label speaks for every rank alike."""
+    count; a page whose series carry no ``engine`` label speaks for every rank alike. Without,
+    a page of several engines says how many in :data:`~gateway.backends.base.ENGINE_RANKS`."""
     out: dict[str, float] = {}
     want = None if rank is None or not _ENGINE.search(text) else str(rank)
+    if rank is None:
+        engines = {m.group(1) for m in _ENGINE.finditer(text)}
+        if len(engines) > 1:
+            out[ENGINE_RANKS] = float(len(engines))
     for name, labels, value in _SAMPLE.findall(text):
         if name in ENGINE_METRICS:
             if want is not None and _engine_of(labels) != want:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -102,15 +103,20 @@ async def test_the_ranks_use_the_endpoints_credentials(tmp_path: Path) -> None:
 
 
 async def test_a_server_listed_whole_is_one_worker_whose_ranks_its_balancer_picks(
-    dp_worker: str,
+    dp_worker: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    async with gateway_over([dp_worker]) as gateway, aiohttp.ClientSession() as http:
-        await _all_up(http, gateway, 1)
-        workers = await admin_workers(http, gateway)
-        assert [w["rank"] for w in workers.values()] == [None]
-        # The whole server's cache: the sum over its ranks is not what one prefix can use,
-        # so the gateway models one rank's (the first engine series on the page).
-        assert [w["capacity_blocks"] for w in workers.values()] == [256]
+    with caplog.at_level(logging.WARNING, logger="gateway.health"):
+        async with gateway_over([dp_worker]) as gateway, aiohttp.ClientSession() as http:
+            await _all_up(http, gateway, 1)
+            workers = await admin_workers(http, gateway)
+    (said,) = [r.getMessage() for r in caplog.records if "data-parallel" in r.getMessage()]
+    assert f"serves {RANKS} data-parallel engines" in said
+    assert f"'#dp-size={RANKS}'" in said
+    assert [w["engine_metrics"]["engine_ranks"] for w in workers.values()] == [RANKS]
+    assert [w["rank"] for w in workers.values()] == [None]
+    # The whole server's cache: the sum over its ranks is not what one prefix can use, so the
+    # gateway models one rank's (the first engine series on the page).
+    assert [w["capacity_blocks"] for w in workers.values()] == [256]
 
 
 async def test_the_ranks_of_a_server_share_one_probe_of_it() -> None:

@@ -308,7 +308,8 @@ async def test_an_engine_with_odd_metrics_costs_no_other_worker_its_health_round
     try:
         async with _probed_by_hand(odd_url, ok_url) as (pool, health):
             assert pool.healthy_ids() == {odd_id, ok_id}
-            assert pool.get(odd_id).engine_metrics == {"vllm:num_requests_running": 3.0}
+            assert pool.get(odd_id).engine_metrics == {"vllm:num_requests_running": 3.0,
+                                                       "engine_ranks": 2.0}
             async with _stopped(ok):
                 await health.probe_all()  # the odd engine answered in time: a timeout is ok's
                 assert pool.healthy_ids() == {odd_id}

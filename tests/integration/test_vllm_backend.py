@@ -25,6 +25,7 @@ def test_engine_metrics_page_gives_load_and_cache_capacity() -> None:
     metrics = parse_engine_metrics(page)
     assert metrics["vllm:num_requests_running"] == 5.0
     assert metrics["cache_capacity_tokens"] == 16 * 2048
+    assert metrics["engine_ranks"] == 2  # two engines behind the one server
     assert "cache_capacity_tokens" not in parse_engine_metrics(
         'vllm:cache_config_info{block_size="16"} 1.0\n'
     )
@@ -35,7 +36,7 @@ def test_engine_metrics_page_gives_load_and_cache_capacity() -> None:
         "vllm:num_requests_waiting +Inf\n"
         'vllm:cache_config_info{block_size="16",num_gpu_blocks="1e308"} 1.0\n'
     )
-    assert odd == {"vllm:num_requests_running": 3.0}
+    assert odd == {"vllm:num_requests_running": 3.0, "engine_ranks": 2.0}
     assert parse_engine_metrics(
         'vllm:cache_config_info{block_size="16",num_gpu_blocks="inf"} 1.0\n') == {}
 
