@@ -43,7 +43,7 @@ import aiohttp
 from gateway.settings import GatewaySettings
 from infra.local import LocalCluster, stop_processes
 from infra.procs import free_port_block, start_server
-from loadtest.bench_gateway import MODEL, percentile, wait_all_workers_up
+from loadtest.bench_gateway import MODEL, Reply, percentile, replay, wait_all_workers_up
 from loadtest.harness import interpreter
 from loadtest.peers import PeerUnavailableError, available_peers, running_peer
 from loadtest.replay import request_bodies
@@ -53,14 +53,6 @@ from loadtest.trace_workloads import TRACE_WORKLOADS, workload_trace
 HOST = "127.0.0.1"
 BLOCK_CHARS = 64  # one trace block: 16 tokens of the workers' 4-characters-per-token tokenizer
 START_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    status: int
-    seconds: float
-    input_tokens: int
-    matched_tokens: int
 
 
 @dataclass(slots=True)
@@ -77,42 +69,17 @@ class RouterResult:
     seconds: float
 
 
-def _int(headers: Any, name: str) -> int:
-    try:
-        return int(headers.get(name, 0))
-    except ValueError:
-        return 0
-
-
-async def _send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Answer:
-    started = time.perf_counter()
-    try:
-        async with session.post(url, json=body) as response:
-            await response.read()
-            h = response.headers
-            return Answer(response.status, time.perf_counter() - started,
-                          _int(h, "x-cache-input-tokens"), _int(h, "x-cache-matched-tokens"))
-    except (aiohttp.ClientError, TimeoutError):
-        return Answer(0, time.perf_counter() - started, 0, 0)
-
-
-async def _replay(url: str, bodies: Sequence[dict[str, Any]], concurrency: int) -> list[Answer]:
-    answers: list[Answer | None] = [None] * len(bodies)
-    order = iter(range(len(bodies)))
+async def _replay(url: str, bodies: Sequence[dict[str, Any]], concurrency: int) -> list[Reply]:
+    """The bodies sent closed-loop through ``url`` (each reply's cached and prompt tokens are
+    the worker's ``x-cache-*-tokens``)."""
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=2 * concurrency)
     ) as session:
-
-        async def sender() -> None:
-            for i in order:
-                answers[i] = await _send(session, url + "/v1/completions", bodies[i])
-
-        await asyncio.gather(*(sender() for _ in range(concurrency)))
-    return [a for a in answers if a is not None]
+        return await replay(session, url + "/v1/completions", bodies, concurrency)
 
 
-def summarize(router: str, answers: Sequence[Answer], seconds: float, pooled: float,
+def summarize(router: str, answers: Sequence[Reply], seconds: float, pooled: float,
               per_rank: Sequence[int]) -> RouterResult:
     """``per_rank``: the requests each rank of each server finished during the run."""
     ok = [a for a in answers if a.status == 200]
