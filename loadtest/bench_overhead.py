@@ -2,8 +2,8 @@
 
 ``python -m loadtest.bench_overhead [--workers 4] [--prefixes 20] [--requests 2000]
 [--concurrency 32] [--reps 3] [--sequential 300] [--routers ours,sglang-router,smg]
-[--procs 1] [--api chat|embeddings|responses] [--stream-tokens N] [--profile FILE] [--json]
-[--out FILE]``
+[--procs 1] [--api chat|embeddings|responses] [--stream-tokens N] [--own-core]
+[--profile FILE] [--json] [--out FILE]``
 
 One run, one set of workers:
 
@@ -34,6 +34,10 @@ One run, one set of workers:
    and the machine served just before it, so a fixed or rotating order biases whichever target
    follows another (by 0.1 ms at c=1 here). p50/p99 per target, minus the direct p50, and
    against sglang-router paired by round: the median of the per-round differences.
+   ``--own-core`` runs the rounds again with each router on a core of its own and the client
+   and the workers on the others (:mod:`loadtest.cpu_pin`): on shared cores the kernel wakes
+   a worker on the core of the router that wrote to it, where an event loop's work after the
+   write then waits with the request; a deployed router has cores of its own.
 4. **Streams** (``--stream-tokens N``): streamed answers of N token events, the router's CPU
    per stream and per event (:mod:`loadtest.overhead_stream`).
 5. **Long prompts** (``--long CHARS,...``): ``--long-requests`` sequential chat requests per
@@ -86,6 +90,7 @@ import aiohttp
 
 from infra.procs import free_port_block, start_server, stop_processes
 from loadtest.bench_normalize import LONG_TEXTS, agent_messages, long_text
+from loadtest.cpu_pin import own_core
 from loadtest.harness import (
     HOST,
     MODEL,
@@ -174,6 +179,9 @@ class OverheadConfig:
     # The workers' time per output token (0: events back to back). Paces streamed answers as
     # an engine does; every phase's answers take that much longer per token.
     decode_ms: float = 0.0
+    # The sequential rounds again with each router on a core of its own and the client and
+    # the workers on the others (loadtest.cpu_pin), as a router runs where it is deployed.
+    own_core: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +201,9 @@ class TargetResult:
     seq_p99_ms: float = 0.0
     seq_ms: list[float] = field(default_factory=list)  # each sequential round's latency
     seq_errors: int = 0
+    # The sequential rounds with each router on a core of its own (--own-core).
+    own_seq_p50_ms: float = 0.0
+    own_seq_ms: list[float] = field(default_factory=list)
     worker_share: dict[str, int] = field(default_factory=dict)  # x-worker-id, if relayed
     # Share of requests that reached their prefix's most used worker (1.0: every prefix always
     # went to one worker); 0 when the router does not relay the worker's id.
@@ -498,7 +509,9 @@ def _rotated(items: Sequence[Any], k: int) -> list[Any]:
 
 async def sequential(session: aiohttp.ClientSession, targets: Sequence[Target],
                      bodies: Sequence[bytes], rounds: int,
-                     results: dict[str, TargetResult]) -> None:
+                     results: dict[str, TargetResult]) -> dict[str, list[float]]:
+    """``rounds`` rounds of one request to each target in a shuffled order (after 20 rounds
+    of warm-up): each target's latencies in ms, round by round."""
     seconds: dict[str, list[float]] = {t.name: [] for t in targets}
     order = list(targets)
     shuffle = random.Random(0).shuffle
@@ -509,19 +522,18 @@ async def sequential(session: aiohttp.ClientSession, targets: Sequence[Target],
             if i >= 20:
                 seconds[target.name].append(s)
                 results[target.name].seq_errors += status != 200
-    for name, values in seconds.items():
-        ms = [s * 1e3 for s in values]
-        results[name].seq_ms = ms
-        results[name].seq_p50_ms = statistics.median(ms)
-        results[name].seq_p99_ms = percentile(ms, 99)
+    return {name: [s * 1e3 for s in values] for name, values in seconds.items()}
 
 
-def paired_ms(target: TargetResult, ref: TargetResult) -> float | None:
+def paired_ms(target: TargetResult, ref: TargetResult, own_core: bool = False) -> float | None:
     """The median over sequential rounds of ``target``'s latency less ``ref``'s in the same
-    round (None without rounds)."""
-    if not target.seq_ms or len(target.seq_ms) != len(ref.seq_ms):
+    round (None without rounds); ``own_core``: of the rounds with each router on its own
+    core."""
+    mine, theirs = ((target.own_seq_ms, ref.own_seq_ms) if own_core
+                    else (target.seq_ms, ref.seq_ms))
+    if not mine or len(mine) != len(theirs):
         return None
-    return statistics.median(t - r for t, r in zip(target.seq_ms, ref.seq_ms, strict=True))
+    return statistics.median(t - r for t, r in zip(mine, theirs, strict=True))
 
 
 # -- profile -------------------------------------------------------------------------------
@@ -585,7 +597,21 @@ async def run_bench(config: OverheadConfig, command: str, profile: Path | None) 
         for t in targets:  # warm every keep-alive pool and every router's tree
             await throughput(session, t, bodies[:200], config.concurrency, Counter())
         print("[bench] sequential ...", file=sys.stderr, flush=True)
-        await sequential(session, targets, bodies, config.sequential, results)
+        for name, ms in (await sequential(
+                session, targets, bodies, config.sequential, results)).items():
+            results[name].seq_ms, results[name].seq_p50_ms = ms, statistics.median(ms)
+            results[name].seq_p99_ms = percentile(ms, 99)
+        if config.own_core:
+            with own_core(t.pid for t in targets if t.pid) as pinned:
+                if pinned:
+                    print("[bench] sequential, each router on its own core ...",
+                          file=sys.stderr, flush=True)
+                    for name, ms in (await sequential(
+                            session, targets, bodies, config.sequential, results)).items():
+                        results[name].own_seq_ms = ms
+                        results[name].own_seq_p50_ms = statistics.median(ms)
+                else:
+                    skipped["own core"] = "fewer than two CPUs"
         async with profiling(ours, profile):
             for rep in range(config.reps):
                 for t in _rotated(targets, rep):
@@ -680,6 +706,10 @@ async def idle_cpu(targets: Sequence[Target], results: dict[str, TargetResult],
 
 
 # -- output --------------------------------------------------------------------------------
+
+
+def _signed(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:+.3f}"
 
 
 def _ratio(value: float, base: float) -> str:
@@ -778,10 +808,12 @@ def to_markdown(result: OverheadResult) -> str:
             f"{t.affinity:.3f} | "
             f"{f'{t.index_hits:.3f}' if t.index_hits >= 0 else '-'} | {errors} |")
     if ref is not None:
+        pinned = bool(ref.own_seq_ms)
         lines += ["", "Ratios to sglang-router (same run):", "",
                   "| target | req/s | p99 c=32 | CPU / req | added p50 c=1 (ms difference) | "
-                  "c=1 paired by round (ms) |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "c=1 paired by round (ms) |" + (" c=1 paired, each router on its own core "
+                                                  "(ms) |" if pinned else ""),
+                  "|---|---:|---:|---:|---:|---:|" + ("---:|" if pinned else "")]
         for t in result.targets:
             if t.name in (DIRECT, ref.name):
                 continue
@@ -791,7 +823,8 @@ def to_markdown(result: OverheadResult) -> str:
                 f"{_ratio(t.median('p99_ms'), ref.median('p99_ms'))} | "
                 f"{_ratio(t.median('cpu_s_per_1k'), ref.median('cpu_s_per_1k'))} | "
                 f"{t.seq_p50_ms - ref.seq_p50_ms:+.2f} | "
-                f"{'-' if paired_c1 is None else f'{paired_c1:+.3f}'} |")
+                f"{'-' if paired_c1 is None else f'{paired_c1:+.3f}'} |"
+                + (f" {_signed(paired_ms(t, ref, own_core=True))} |" if pinned else ""))
     ours = next((t for t in result.targets if t.name == "ours"), None)
     paired = [t for t in result.targets if ours is not None and t is not ours and t.reps
               and t.name != DIRECT and len(t.reps) == len(ours.reps)]
@@ -880,6 +913,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--stream-reps", type=int, default=3, help="rounds of streams")
     p.add_argument("--decode-ms", type=float, default=0.0,
                    help="the workers' ms per output token (paces streamed answers)")
+    p.add_argument("--own-core", action="store_true",
+                   help="run the sequential rounds again with each router on a core of its "
+                   "own and the client and the workers on the others (loadtest.cpu_pin)")
     p.add_argument("--profile", type=Path, help="py-spy our gateway; collapsed stacks to FILE")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path, help="also write the markdown to this file")
@@ -909,7 +945,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         api=args.api,
         stream=StreamConfig(tokens=args.stream_tokens, requests=args.stream_requests,
                             concurrency=args.stream_concurrency, reps=args.stream_reps),
-        decode_ms=args.decode_ms,
+        decode_ms=args.decode_ms, own_core=args.own_core,
         variants=tuple(
             (label, tuple(shlex.split(extra)))
             for label, _, extra in (v.partition("=") for v in args.variant)

@@ -34,6 +34,7 @@ from pathlib import Path
 import aiohttp
 
 from infra.procs import stop_processes
+from loadtest.cpu_pin import process_tree
 
 # name -> the PyPI release the benchmarks were run with (the `peers` extra pins the same).
 PEERS: dict[str, str] = {"sglang-router": "0.3.2", "smg": "1.13.0"}
@@ -129,29 +130,23 @@ def proc_tree_cpu_s(pid: int) -> float:
     included), so that 100 requests of 0.3 ms each read as 30 ms and not as 3 clock ticks
     (10 ms each, user + system from ``/proc/<pid>/stat``), which is the fallback.
     """
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        # Fields after the command name, which is in parentheses and may contain spaces.
-        rest = raw[raw.rindex(b")") + 2 :].split()
-        ppid, utime, stime = int(rest[1]), int(rest[11]), int(rest[12])
-        ticks[int(entry)] = (utime + stime) / os.sysconf("SC_CLK_TCK")
-        children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        if p in ticks:
-            exact = _process_cpu_s(p)
-            total += ticks[p] if exact is None else exact
-        todo.extend(children.get(p, ()))
+    total = 0.0
+    for p in process_tree(pid):
+        exact = _process_cpu_s(p)
+        total += _stat_cpu_s(p) if exact is None else exact
     return total
+
+
+def _stat_cpu_s(pid: int) -> float:
+    """``pid``'s user + system time in clock ticks from ``/proc/<pid>/stat`` (0 if gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return 0.0
+    # Fields after the command name, which is in parentheses and may contain spaces.
+    rest = raw[raw.rindex(b")") + 2 :].split()
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _process_cpu_s(pid: int) -> float | None:

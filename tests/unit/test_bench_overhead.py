@@ -96,6 +96,18 @@ def test_added_latency_is_paired_by_round_against_sglang_router() -> None:
     text = to_markdown(OverheadResult("cmd", OverheadConfig(), [
         TargetResult("direct", seq_ms=[1.0], seq_p50_ms=1.0), ours, ref], {}))
     assert "| ours | - | - | - | +3.90 | +0.100 |" in text
+    assert "own core" not in text  # --own-core not given
+
+
+def test_added_latency_on_own_cores_is_paired_by_round_too() -> None:
+    ours = TargetResult("ours", seq_ms=[1.5], seq_p50_ms=1.5, own_seq_ms=[1.4, 2.0, 2.6])
+    ref = TargetResult("sglang-router", seq_ms=[1.0], seq_p50_ms=1.0,
+                       own_seq_ms=[1.0, 1.8, 2.5])
+    assert abs((paired_ms(ours, ref, own_core=True) or 0) - 0.2) < 1e-9
+    assert paired_ms(TargetResult("floor", seq_ms=[1.0]), ref, own_core=True) is None
+    text = to_markdown(OverheadResult("cmd", OverheadConfig(own_core=True), [ours, ref], {}))
+    assert "c=1 paired, each router on its own core (ms) |" in text
+    assert "| ours | - | - | - | +0.50 | +0.500 | +0.200 |" in text
 
 
 def test_long_prompts_report_medians_the_ratio_and_decision_time() -> None:
