@@ -36,8 +36,8 @@ One run, one set of workers:
    against sglang-router paired by round: the median of the per-round differences.
    ``--own-core`` runs the rounds again with each router on a core of its own and the client
    and the workers on the others (:mod:`loadtest.cpu_pin`): on shared cores the kernel wakes
-   a worker on the core of the router that wrote to it, where an event loop's work after the
-   write then waits with the request; a deployed router has cores of its own.
+   a worker on the core of the router that wrote to it, where part of an event loop's work
+   after the write can wait with the request; a deployed router has cores of its own.
 4. **Streams** (``--stream-tokens N``): streamed answers of N token events, the router's CPU
    per stream and per event (:mod:`loadtest.overhead_stream`).
 5. **Long prompts** (``--long CHARS,...``): ``--long-requests`` sequential chat requests per

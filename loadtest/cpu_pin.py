@@ -4,9 +4,9 @@ On a machine where the client, the workers and the router share every core, the 
 a socket's reader on the core of the process that wrote to it (the write carries the hint
 that the writer is about to sleep). A Rust router's thread does sleep after its write; an
 event loop goes on with the request's bookkeeping, on the core where the worker it has just
-woken now waits or preempts it, while another core may idle. Its work after the write then
-lands on the request's path at one request in flight, which it does not where the router has
-cores of its own, as any deployment gives it (the engines run on their own hosts).
+woken now waits or preempts it, while another core may idle. Part of its work after the write
+can then land on the request's path at one request in flight, which it cannot where the router
+has cores of its own, as any deployment gives it (the engines run on their own hosts).
 :func:`own_core` pins each router (every thread of its process and of its descendants) to one
 core and everything else this process started to the other cores, for the length of a
 measurement; it is a benchmark's setting, never the gateway's.
