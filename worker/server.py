@@ -646,6 +646,20 @@ def build_engine(settings: WorkerSettings, tokenizer: Tokenizer) -> Engine:
     return SimEngine(cache, max_running=settings.max_running, costs=costs)
 
 
+def build_engines(settings: WorkerSettings, tokenizer: Tokenizer) -> tuple[Engine, ...]:
+    """One engine per data-parallel rank, every one with the cache of the first: a torch
+    engine with ``--cache-blocks 0`` sizes its pool from the memory available when it is
+    built, so sized one after the other each rank would get less than the one before (the
+    earlier ranks' models and pools are already loaded). As vLLM gives every rank the same
+    memory settings, the first rank's size holds for all."""
+    first = build_engine(settings, tokenizer)
+    if settings.data_parallel_size == 1:
+        return (first,)
+    same = replace(settings, cache_blocks=first.stats().cache.num_blocks)
+    return (first, *(build_engine(same, tokenizer)
+                     for _ in range(settings.data_parallel_size - 1)))
+
+
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     yield
     app[LANE_KEY].close()
@@ -707,7 +721,7 @@ def create_app(
     tok = tokenizer if tokenizer is not None else load_tokenizer(
         settings.tokenizer_file, settings.tokenizer
     )
-    engines = tuple(build_engine(settings, tok) for _ in range(settings.data_parallel_size))
+    engines = build_engines(settings, tok)
     engine = engines[0]
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine

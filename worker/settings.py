@@ -64,7 +64,8 @@ class WorkerSettings:
         default=1,
         metadata={"help": "Data-parallel engine ranks behind this one endpoint, as vLLM's "
                   "--data-parallel-size: N engines, each with its own KV cache of "
-                  "--cache-blocks. A request names its rank in the X-data-parallel-rank "
+                  "--cache-blocks (0: every rank the size the first rank's automatic sizing "
+                  "gives). A request names its rank in the X-data-parallel-rank "
                   "header, else the least loaded rank runs it. /metrics labels each rank's "
                   "series engine=\"<rank>\"; rank r publishes its KV events at the ports of "
                   f"--kv-events and --kv-replay plus r. From 1 to {MAX_DATA_PARALLEL_SIZE}; "

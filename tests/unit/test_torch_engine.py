@@ -12,8 +12,12 @@ torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed (optional extra: pip install '.[torch]')"
 )
 
+from worker.engines import torch_engine  # noqa: E402
 from worker.engines.base import GenerationRequest, RequestRejectedError  # noqa: E402
 from worker.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from worker.server import build_engines  # noqa: E402
+from worker.settings import WorkerSettings  # noqa: E402
+from worker.tokenizer import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")
 
@@ -192,3 +196,17 @@ async def test_empty_prompt_runs() -> None:
     finally:
         engine.close()
     assert (len(pieces), matched) == (3, 0)
+
+
+def test_every_data_parallel_rank_gets_the_first_ranks_automatic_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The memory each rank would find when built: less after every rank already loaded.
+    left = iter([16 * 2**20, 8 * 2**20, 4 * 2**20])
+    monkeypatch.setattr(torch_engine, "available_memory", lambda device: next(left))
+    settings = WorkerSettings(engine="torch", model_config="tiny", device="cpu",
+                              cache_blocks=0, cache_memory_fraction=0.5, data_parallel_size=3)
+    engines = build_engines(settings, load_tokenizer(settings.tokenizer_file, settings.tokenizer))
+    sizes = [engine.stats().cache.num_blocks for engine in engines]
+    assert sizes[0] > 1
+    assert sizes == [sizes[0]] * 3
