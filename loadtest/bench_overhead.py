@@ -708,6 +708,15 @@ async def idle_cpu(targets: Sequence[Target], results: dict[str, TargetResult],
 # -- output --------------------------------------------------------------------------------
 
 
+def _added(t: TargetResult, direct: TargetResult | None, own_core: bool = False) -> str:
+    """``t``'s sequential p50 over the direct one's (direct's own p50 in parentheses)."""
+    p50 = t.own_seq_p50_ms if own_core else t.seq_p50_ms
+    if t.name == DIRECT:
+        return f"({p50:.2f})"
+    base = 0.0 if direct is None else direct.own_seq_p50_ms if own_core else direct.seq_p50_ms
+    return f"{p50 - base:+.2f}"
+
+
 def _signed(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:+.3f}"
 
@@ -792,20 +801,24 @@ def to_markdown(result: OverheadResult) -> str:
            "`--log-level info`)." if c.request_logs else "No router logs each request (ours "
            "`--access-log off`, the peers at `--log-level warn`)."),
         "",
-        "| target | req/s c=32 | p50 ms | p99 ms | CPU s / 1k req | added p50 c=1 ms | "
-        "p99 c=1 ms | prefix affinity | index hits | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     direct = next((t for t in result.targets if t.name == DIRECT), None)
-    base_p50 = direct.seq_p50_ms if direct else 0.0
+    own_rounds = direct is not None and bool(direct.own_seq_ms)  # --own-core ran
+    lines += [
+        "| target | req/s c=32 | p50 ms | p99 ms | CPU s / 1k req | added p50 c=1 ms | "
+        "p99 c=1 ms | " + ("added p50 c=1 ms, each router on its own core | "
+                           if own_rounds else "")
+        + "prefix affinity | index hits | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if own_rounds else "") + "---:|---:|---:|",
+    ]
     for t in result.targets:
-        added = f"{t.seq_p50_ms - base_p50:+.2f}" if t.name != DIRECT else f"({t.seq_p50_ms:.2f})"
         cpu = f"{t.median('cpu_s_per_1k'):.3f}" if t.name != DIRECT else "-"
         errors = sum(r.errors for r in t.reps) + t.seq_errors
         lines.append(
             f"| {t.name} | {t.median('rps'):,.0f} | {t.median('p50_ms'):.2f} | "
-            f"{t.median('p99_ms'):.2f} | {cpu} | {added} | {t.seq_p99_ms:.2f} | "
-            f"{t.affinity:.3f} | "
+            f"{t.median('p99_ms'):.2f} | {cpu} | {_added(t, direct)} | {t.seq_p99_ms:.2f} | "
+            + (f"{_added(t, direct, own_core=True)} | " if own_rounds else "")
+            + f"{t.affinity:.3f} | "
             f"{f'{t.index_hits:.3f}' if t.index_hits >= 0 else '-'} | {errors} |")
     if ref is not None:
         pinned = bool(ref.own_seq_ms)

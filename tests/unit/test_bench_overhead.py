@@ -105,9 +105,17 @@ def test_added_latency_on_own_cores_is_paired_by_round_too() -> None:
                        own_seq_ms=[1.0, 1.8, 2.5])
     assert abs((paired_ms(ours, ref, own_core=True) or 0) - 0.2) < 1e-9
     assert paired_ms(TargetResult("floor", seq_ms=[1.0]), ref, own_core=True) is None
-    text = to_markdown(OverheadResult("cmd", OverheadConfig(own_core=True), [ours, ref], {}))
+    direct = TargetResult("direct", seq_ms=[0.5], seq_p50_ms=0.5, own_seq_ms=[0.7],
+                          own_seq_p50_ms=0.7)
+    ours.own_seq_p50_ms, ref.own_seq_p50_ms = 2.0, 1.8
+    text = to_markdown(OverheadResult("cmd", OverheadConfig(own_core=True),
+                                      [direct, ours, ref], {}))
     assert "c=1 paired, each router on its own core (ms) |" in text
     assert "| ours | - | - | - | +0.50 | +0.500 | +0.200 |" in text
+    # Also without a peer to pair with: the added p50 over direct, both ways.
+    assert "| added p50 c=1 ms, each router on its own core |" in text
+    assert "| ours | 0 | 0.00 | 0.00 | 0.000 | +1.00 | 0.00 | +1.30 |" in text
+    assert "| direct | 0 | 0.00 | 0.00 | - | (0.50) | 0.00 | (0.70) |" in text
 
 
 def test_long_prompts_report_medians_the_ratio_and_decision_time() -> None:
