@@ -82,7 +82,7 @@ from gateway.telemetry.metrics import (
     TokenizerCollector,
 )
 from gateway.telemetry.middleware import TELEMETRY_KEY, add_request_id, begin, sent_bytes
-from gateway.telemetry.record import Telemetry
+from gateway.telemetry.record import RequestRecord, Telemetry
 from gateway.tls import ServerTLS, server_tls, worker_context
 from gateway.warmup import WarmupManager, WarmupOptions
 from gateway.warmup_sources import PromptSample, WarmPrompt, load_warmup_file
@@ -125,13 +125,24 @@ def _as_gateway_error(exc: Exception, request: web.Request) -> GatewayError:
     return GatewayError("internal error in the gateway")
 
 
-async def _send(request: web.Request, response: web.StreamResponse) -> None:
+async def _send(
+    request: web.Request, response: web.StreamResponse, record: RequestRecord
+) -> None:
     """Write ``response`` out now (a streamed one already was): aiohttp would write it only
     after the middleware returns, so the request's telemetry would run first, on the
-    client's time, and its latency would leave out the write."""
+    client's time, and its latency would leave out the write. What the proxy left until the
+    answer is sent (:meth:`RequestRecord.after_sent`) runs right after the write, in the
+    same pass of the event loop, so no other request is decided in between; or, if the
+    write must wait for a slow client, at the loop's next pass, so the worker is not
+    counted busy for as long as the client takes to read."""
     if not response.prepared:
+        waiting = (asyncio.get_running_loop().call_soon(record.sent)
+                   if record.pending() else None)
         await response.prepare(request)
         await response.write_eof()
+        if waiting is not None:
+            waiting.cancel()
+            record.sent()
 
 
 def gateway_middleware(telemetry: Telemetry, auth: Auth, cors: Cors) -> Middleware:
@@ -162,7 +173,7 @@ def gateway_middleware(telemetry: Telemetry, auth: Auth, cors: Cors) -> Middlewa
             except Exception as exc:
                 error = _as_gateway_error(exc, request)
             else:
-                await _send(request, response)
+                await _send(request, response, record)
                 status, sent = response.status, sent_bytes(response)
                 return response
             record.error_code = error.code or error.type
@@ -171,7 +182,7 @@ def gateway_middleware(telemetry: Telemetry, auth: Auth, cors: Cors) -> Middlewa
             # the collector's rare full passes free, keeping the request's decoded body alive
             # (over 100 MB for an 8 MiB body of tiny items) long after the error was answered.
             error.__traceback__ = None
-            await _send(request, response)
+            await _send(request, response, record)
             status, sent = response.status, sent_bytes(response)
             return response
         except web.HTTPException as exc:

@@ -39,7 +39,7 @@ from gateway.contracts.headers import (
 from gateway.contracts.responses import RESPONSES_PATH, response_id_in, stores
 from gateway.errors import ConnectionQueueFull, GatewayError, NoWorkerAvailable, UpstreamError
 from gateway.guard import IdleTimer, NoFirstByte, SlotTimeout, UpstreamGuard
-from gateway.routing.types import Decision, NoCandidates, PrefixMatcher, RouteRequest
+from gateway.routing.types import Decision, NoCandidates, RouteRequest
 from gateway.session import Attempt, CacheUsage
 from gateway.state import GatewayState
 from gateway.telemetry.record import RequestRecord
@@ -105,14 +105,14 @@ async def dispatch(
     uses_index = session.router.uses_prefix_index
     started = 0.0  # when the current attempt's decision began
 
-    def observe(decision: Decision, index: PrefixMatcher) -> None:
-        observed.decided(decision, route_request, index if uses_index else None, started)
-
     def account(attempt: Attempt, decided_s: float) -> None:
-        """Record a decision (:meth:`RoutingSession.commit`), then what follows it: a
-        pre-warm of a hot prefix near its holder's bound, and the decision's metrics."""
+        """Record a decision (:meth:`RoutingSession.commit`) after its telemetry record,
+        which reads the index as the decision saw it; then what follows it: a pre-warm of a
+        hot prefix near its holder's bound, and the decision's metrics."""
         if attempt.committed or attempt.settled:
             return
+        observed.decided(attempt.decision, route_request,
+                         attempt.index if uses_index else None, started, started + decided_s)
         session.commit(attempt)
         decision = attempt.decision
         if uses_index:
@@ -129,7 +129,7 @@ async def dispatch(
         try:
             now = time.monotonic()
             blocked = frozenset(excluded) | guard.blocked(state.pool, now)
-            attempt = session.decide(route_request, now, blocked, tenant, observe,
+            attempt = session.decide(route_request, now, blocked, tenant,
                                      pinned="stored response" if only is not None else "")
         except NoCandidates:
             break
@@ -138,6 +138,7 @@ async def dispatch(
         wid = decision.worker_id
         guard.breakers.attempt(wid, now)
         release_slot = None
+        handed_off = False
         try:
             try:
                 # The request goes out before its decision is recorded, so the worker starts
@@ -148,7 +149,7 @@ async def dispatch(
                     account(attempt, decided_s)
                     release_slot = await guard.slots.take(wid)
                 worker = decision.worker.worker
-                attempt_upstream = upstream.with_headers(observed.upstream_headers({}))
+                attempt_upstream = upstream.with_headers(observed.upstream_headers({}, wid))
                 try:
                     opening = state.backend_for(worker).send(worker, attempt_upstream)
                 finally:
@@ -188,14 +189,13 @@ async def dispatch(
                         return await _relay_stream(state, http_request, observed, reply, attempt,
                                                    opened, pin)
                     payload = await _read_whole(reply)
-                    observed.upstream_done(reply.status if payload is not None else None,
-                                           "" if payload is not None else "broke off")
                     if payload is not None:
-                        state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
                         stored = response_id_in(payload) if pin is not None else None
                         if pin is not None and stored is not None:
                             await pin(stored)
+                        handed_off = True  # settled once the answer is out (_respond_whole)
                         return _respond_whole(state, observed, reply, payload, attempt)
+                    observed.upstream_done(None, "broke off")
                     # It broke off before the client saw a byte: try the next worker.
                     state.pool.mark_down(wid, "the connection broke off during its reply")
                     guard.breakers.failure(wid, time.monotonic())
@@ -215,8 +215,9 @@ async def dispatch(
             if release_slot is not None:
                 release_slot()
             guard.breakers.settled(wid)
-            # The client went away mid-relay: release the worker, with nothing to report.
-            session.completed(attempt, now=time.monotonic())
+            if not handed_off:
+                # The client went away mid-relay: release the worker, with nothing to report.
+                session.completed(attempt, now=time.monotonic())
     state.metrics.requests.labels(session.router.name, "unavailable").inc()
     if not problems and only is not None:
         raise NoWorkerAvailable(f"the worker that holds the previous response ({only}) is not "
@@ -342,11 +343,21 @@ def _respond_whole(
     payload: bytes,
     attempt: Attempt,
 ) -> web.Response:
-    stats = stats_from_headers(reply)
-    if stats is None and reply.status == 200:
-        stats = stats_from_usage(payload)
-    _report(observed, reply, stats)
-    state.session.completed(attempt, stats, time.monotonic())
+    """The worker's whole answer, as the client gets it. What the worker reported reusing is
+    read, and its attempt settled, once the answer is out (:meth:`RequestRecord.after_sent`):
+    nothing in the answer depends on it, and the client need not wait for it."""
+    answered, read_at = time.monotonic(), time.perf_counter()
+
+    def settle() -> None:
+        observed.upstream_done(reply.status, at=read_at)
+        stats = stats_from_headers(reply)
+        if stats is None and reply.status == 200:
+            stats = stats_from_usage(payload)
+        _report(observed, reply, stats)
+        state.session.completed(attempt, stats, answered)
+        state.metrics.requests.labels(attempt.decision.policy, str(reply.status)).inc()
+
+    observed.after_sent(settle)
     return web.Response(body=payload, status=reply.status,
                         headers=_client_headers(observed, attempt, reply))
 

@@ -10,6 +10,7 @@ ids and times only.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,9 @@ class Telemetry:
     window: RecentWindow = field(default_factory=RecentWindow)
 
     def finish(self, record: RequestRecord, status: int, sent_bytes: int) -> None:
-        """The response went out (or the client left): account for the whole request."""
+        """The response went out (or the client left): account for the whole request, after
+        what the proxy left until then (:meth:`RequestRecord.after_sent`)."""
+        record.sent()
         now = time.perf_counter()
         latency = now - record.started
         record.status = status
@@ -118,6 +121,7 @@ class RequestRecord:
     miss_cause: str = ""
     _upstream_span: Span | None = None
     _upstream_started: float = 0.0
+    _after_sent: list[Callable[[], None]] | None = None
 
     # -- hooks --------------------------------------------------------------------------------
     def parsed(
@@ -130,11 +134,12 @@ class RequestRecord:
 
     def decided(
         self, decision: Decision, request: RouteRequest, index: PrefixMatcher | None,
-        started: float,
+        started: float, ended: float | None = None,
     ) -> None:
-        """A worker was chosen. Call before the decision is recorded in the prefix index;
-        ``index`` is what routing matched against (None for policies without one): the
-        deepest match any worker held is read from it."""
+        """A worker was chosen (from ``started`` to ``ended``, perf_counter instants; None:
+        now). Call before the decision is recorded in the prefix index; ``index`` is what
+        routing matched against (None for policies without one): the deepest match any
+        worker held is read from it."""
         self.policy, self.reason = decision.policy, decision.reason
         self.kind = decision.label
         self.worker = decision.worker_id
@@ -164,11 +169,11 @@ class RequestRecord:
                     "affinity.prefix.blocks": len(blocks),
                     "affinity.prefix.anchor": request.key.anchor_hex,
                 })
-            span.end(end_time=_ns(time.perf_counter(), self))
+            span.end(end_time=_ns(time.perf_counter() if ended is None else ended, self))
 
-    def upstream_headers(self, headers: dict[str, str]) -> dict[str, str]:
-        """An attempt at the chosen worker starts: the headers to send it (the request id, and
-        the trace context when tracing)."""
+    def upstream_headers(self, headers: dict[str, str], worker: str = "") -> dict[str, str]:
+        """An attempt at the chosen worker (``worker``; default: the decided one) starts: the
+        headers to send it (the request id, and the trace context when tracing)."""
         self.attempts += 1
         self._upstream_started = time.perf_counter()
         out = {**headers, "x-request-id": self.request_id}
@@ -176,15 +181,17 @@ class RequestRecord:
         if tracer is not None and self.span is not None:
             self._upstream_span = tracer.start_span(
                 "upstream", context=set_span_in_context(self.span), kind=SpanKind.CLIENT,
-                attributes={"affinity.worker": self.worker, "affinity.attempt": self.attempts})
+                attributes={"affinity.worker": worker or self.worker,
+                            "affinity.attempt": self.attempts})
             out.update(self.telemetry.tracing.headers_for(self._upstream_span))
         return out
 
-    def upstream_done(self, status: int | None, error: str = "") -> None:
-        """The attempt ended: the whole reply was read (``status``) or it failed (``error``)."""
+    def upstream_done(self, status: int | None, error: str = "", at: float | None = None) -> None:
+        """The attempt ended (at ``at``, a perf_counter instant; None: now): the whole reply
+        was read (``status``) or it failed (``error``)."""
         if not self._upstream_started:
             return
-        elapsed = time.perf_counter() - self._upstream_started
+        elapsed = (time.perf_counter() if at is None else at) - self._upstream_started
         self._upstream_started = 0.0
         self.telemetry.metrics.upstream_seconds.labels(self.policy, self.worker).observe(elapsed)
         span, self._upstream_span = self._upstream_span, None
@@ -193,7 +200,7 @@ class RequestRecord:
                 span.set_attribute("http.response.status_code", status)
             if error or (status is not None and (status == 429 or status >= 500)):
                 span.set_status(Status(StatusCode.ERROR, error or f"HTTP {status}"))
-            span.end()
+            span.end(end_time=None if at is None else _ns(at, self))
 
     def first_byte(self) -> None:
         """The first byte of a streamed answer went to the client."""
@@ -205,6 +212,26 @@ class RequestRecord:
         self.input_tokens, self.cached_tokens = input_tokens, cached_tokens
         if self.telemetry.misses.worker_started(self.worker, worker_started):
             self.restarted = True
+
+    def after_sent(self, work: Callable[[], None]) -> None:
+        """``work`` (bookkeeping nothing in the answer depends on: reading the worker's report
+        of it, settling its attempt) waits until the answer is handed to the client, off the
+        client's time: :meth:`sent` runs it, in the order given, once, at the latest when
+        :meth:`Telemetry.finish` accounts for the request."""
+        if self._after_sent is None:
+            self._after_sent = [work]
+        else:
+            self._after_sent.append(work)
+
+    def pending(self) -> bool:
+        """Whether work waits for the answer to be sent (:meth:`after_sent`)."""
+        return self._after_sent is not None
+
+    def sent(self) -> None:
+        """The answer was handed to the client (or never will be): run what waited for it."""
+        waiting, self._after_sent = self._after_sent, None
+        for work in waiting or ():
+            work()
 
     # -- spans --------------------------------------------------------------------------------
     def end_span(self, status: int, now: float) -> None:
