@@ -104,11 +104,15 @@ async def dispatch(
     busy = 0  # attempts that found no free connection to their worker
     uses_index = session.router.uses_prefix_index
     started = 0.0  # when the current attempt's decision began
+    explained: dict[str, str] = {}  # the current attempt's x-route-* headers
 
     def account(attempt: Attempt, decided_s: float) -> None:
         """Record a decision (:meth:`RoutingSession.commit`) after its telemetry record,
         which reads the index as the decision saw it; then what follows it: a pre-warm of a
-        hot prefix near its holder's bound, and the decision's metrics."""
+        hot prefix near its holder's bound, the decision's metrics, and the headers that
+        explain it to the client (made while the worker computes, not on the client's
+        time once it has answered)."""
+        nonlocal explained
         if attempt.committed or attempt.settled:
             return
         observed.decided(attempt.decision, route_request,
@@ -120,6 +124,7 @@ async def dispatch(
                 decision, route_request, upstream, tenant, attempt.at) or ""
         state.metrics.decision_seconds.observe(decided_s)
         state.metrics.decisions.labels(decision.policy, decision.label).inc()
+        explained = route_headers(decision, route_request)
 
     for _ in range(settings.max_attempts):
         if backoff_s:
@@ -187,14 +192,15 @@ async def dispatch(
                     if stream:
                         state.metrics.requests.labels(decision.policy, str(reply.status)).inc()
                         return await _relay_stream(state, http_request, observed, reply, attempt,
-                                                   opened, pin)
+                                                   explained, opened, pin)
                     payload = await _read_whole(reply)
                     if payload is not None:
                         stored = response_id_in(payload) if pin is not None else None
                         if pin is not None and stored is not None:
                             await pin(stored)
                         handed_off = True  # settled once the answer is out (_respond_whole)
-                        return _respond_whole(state, observed, reply, payload, attempt)
+                        return _respond_whole(state, observed, reply, payload, attempt,
+                                              explained)
                     observed.upstream_done(None, "broke off")
                     # It broke off before the client saw a byte: try the next worker.
                     state.pool.mark_down(wid, "the connection broke off during its reply")
@@ -315,9 +321,11 @@ async def _read_whole(reply: UpstreamReply) -> bytes | None:
 
 
 def _client_headers(
-    observed: RequestRecord, attempt: Attempt, reply: UpstreamReply
+    observed: RequestRecord, attempt: Attempt, reply: UpstreamReply, explained: dict[str, str]
 ) -> dict[str, str]:
-    headers = route_headers(attempt.decision, attempt.request)
+    """The answer's headers: the decision's (``explained``: :func:`route_headers`, extended
+    here) with the gateway's timing and what the worker's reply says of its cache."""
+    headers = explained
     # Where the gateway's time went (W3C Server-Timing, milliseconds): from the request's
     # arrival to the decision that answered it, then to the worker's reply (its whole body;
     # a stream's first chunk).
@@ -342,6 +350,7 @@ def _respond_whole(
     reply: UpstreamReply,
     payload: bytes,
     attempt: Attempt,
+    explained: dict[str, str],
 ) -> web.Response:
     """The worker's whole answer, as the client gets it. What the worker reported reusing is
     read, and its attempt settled, once the answer is out (:meth:`RequestRecord.after_sent`):
@@ -359,7 +368,7 @@ def _respond_whole(
 
     observed.after_sent(settle)
     return web.Response(body=payload, status=reply.status,
-                        headers=_client_headers(observed, attempt, reply))
+                        headers=_client_headers(observed, attempt, reply, explained))
 
 
 async def _first_chunk(
@@ -390,13 +399,13 @@ async def _first_chunk(
 
 async def _relay_stream(
     state: GatewayState, http_request: web.Request, observed: RequestRecord,
-    reply: UpstreamReply, attempt: Attempt,
+    reply: UpstreamReply, attempt: Attempt, explained: dict[str, str],
     opened: tuple[bytes | None, AsyncIterator[bytes]] | None = None,
     pin: Callable[[str], Awaitable[None]] | None = None,
 ) -> web.StreamResponse:
     """Relay a stream; with ``pin``, its first chunks are held back until the response id in
     them is pinned (its first event), so a client that sees the id can refer to it."""
-    headers = _client_headers(observed, attempt, reply)
+    headers = _client_headers(observed, attempt, reply, explained)
     stats = stats_from_headers(reply)
     response = web.StreamResponse(status=reply.status, headers=headers)
     tail = b""  # the end of the stream, where a final usage chunk sits
