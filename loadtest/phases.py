@@ -1,8 +1,9 @@
 """Where one request's time goes inside the gateway at one request in flight.
 
-``python -m loadtest.phases [--requests N] [--gateway-arg=FLAG ...]`` starts four zero-cost
-reference workers and the gateway in front of them with a checkpoint before and after each of
-the functions in :data:`CHECKPOINTS`, sends ``N`` sequential chat requests (2,000-character
+``python -m loadtest.phases [--requests N] [--gateway-arg=FLAG ...] [--checkpoint
+MODULE:ATTR[:LABEL] ...]`` starts four zero-cost reference workers and the gateway in front of
+them with a checkpoint before and after each of the functions in :data:`CHECKPOINTS` (and each
+``--checkpoint``), sends ``N`` sequential chat requests (2,000-character
 system prompts, as ``bench_overhead`` does) on one keep-alive socket, and prints, for the
 requests after the first fifth, the median wall time between consecutive checkpoints, in the
 order a request passes them, the median from the first checkpoint to the last, and the
@@ -74,12 +75,13 @@ def resolve(module: str, path: str) -> tuple[Any, str, Callable[..., Any]]:
     return owner, name, getattr(owner, name)
 
 
-def install(log: list[tuple[str, int]]) -> None:
-    """Wrap every function of :data:`CHECKPOINTS` so that it appends ``(label>, ns)`` to
-    ``log`` as it starts and ``(label<, ns)`` as it returns (an awaited one: as its await
-    ends)."""
+def install(log: list[tuple[str, int]],
+            extra: Sequence[tuple[str, str, str]] = ()) -> None:
+    """Wrap every function of :data:`CHECKPOINTS` and ``extra`` so that it appends
+    ``(label>, ns)`` to ``log`` as it starts and ``(label<, ns)`` as it returns (an awaited
+    one: as its await ends)."""
     clock = time.perf_counter_ns
-    for module, path, label in CHECKPOINTS:
+    for module, path, label in (*CHECKPOINTS, *extra):
         owner, name, fn = resolve(module, path)
         enter, leave = label + ">", label + "<"
         wrapped: Callable[..., Any]
@@ -171,9 +173,21 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(requests: int, gateway_args: Sequence[str], logs: Path) -> dict[str, Any]:
-    """Run the workers and the timed gateway, send ``requests`` sequential requests, and
-    return the spans (:func:`spans`) and the gateway's CPU per request."""
+def checkpoint(spec: str) -> tuple[str, str, str]:
+    """``MODULE:ATTRIBUTE[:LABEL]`` (``gateway.pool:WorkerPool.snapshot:snapshot``) as a
+    checkpoint; the label defaults to the attribute."""
+    module, _, rest = spec.partition(":")
+    path, _, label = rest.partition(":")
+    if not module or not path:
+        raise ValueError(f"a checkpoint is MODULE:ATTRIBUTE[:LABEL], not {spec!r}")
+    return module, path, label or path
+
+
+async def measure(requests: int, gateway_args: Sequence[str], logs: Path,
+                  extra: Sequence[str] = ()) -> dict[str, Any]:
+    """Run the workers and the timed gateway (with the checkpoints of :data:`CHECKPOINTS`
+    and ``extra``, each ``MODULE:ATTRIBUTE[:LABEL]``), send ``requests`` sequential
+    requests, and return the spans (:func:`spans`) and the gateway's CPU per request."""
     base = free_port_block(WORKERS + 1)
     urls = [f"http://{HOST}:{base + i}" for i in range(WORKERS)]
     procs: list[asyncio.subprocess.Process] = []
@@ -184,7 +198,8 @@ async def measure(requests: int, gateway_args: Sequence[str], logs: Path) -> dic
                                 str(base + i), "--model", MODEL, *ZERO_COST_WORKER_ARGS],
                                url, logs / f"worker-{i}.log", procs)
         port = base + WORKERS
-        cmd = [sys.executable, "-m", "loadtest.phases", "--serve", str(log_path), "--",
+        cmd = [sys.executable, "-m", "loadtest.phases", "--serve", str(log_path),
+               *(f"--checkpoint={spec}" for spec in extra), "--",
                "--host", HOST, "--port", str(port), "--access-log", "off", *gateway_args]
         for url in urls:
             cmd += ["--worker", url]
@@ -211,10 +226,10 @@ async def measure(requests: int, gateway_args: Sequence[str], logs: Path) -> dic
             "gateway_cpu_ms_per_request": cpu * 1e3}
 
 
-def serve(log_path: str, argv: list[str]) -> int:
+def serve(log_path: str, argv: list[str], extra: Sequence[str] = ()) -> int:
     """The gateway with the checkpoints installed; the log written when it exits."""
     log: list[tuple[str, int]] = []
-    install(log)
+    install(log, [checkpoint(spec) for spec in extra])
     from gateway.__main__ import main
 
     try:
@@ -236,16 +251,24 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--serve"]:
         rest = args[2:]
-        return serve(args[1], rest[1:] if rest[:1] == ["--"] else rest)
+        extra = [a.removeprefix("--checkpoint=") for a in rest if a.startswith("--checkpoint=")]
+        rest = rest[len(extra):]
+        return serve(args[1], rest[1:] if rest[:1] == ["--"] else rest, extra)
     p = argparse.ArgumentParser(prog="python -m loadtest.phases", description=__doc__)
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
                    help="one more argument for the gateway (repeat; e.g. --gateway-arg=--policy"
                         " --gateway-arg=round_robin)")
+    p.add_argument("--checkpoint", action="append", default=[], metavar="MODULE:ATTR[:LABEL]",
+                   help="one more function to time (repeat; e.g. --checkpoint="
+                        "gateway.pool:WorkerPool.snapshot:snapshot); requests that skip it "
+                        "still count")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(args)
+    for spec in a.checkpoint:
+        checkpoint(spec)  # a malformed one is refused before anything starts
     with tempfile.TemporaryDirectory(prefix="phases-") as tmp:
-        result = asyncio.run(measure(a.requests, a.gateway_arg, Path(tmp)))
+        result = asyncio.run(measure(a.requests, a.gateway_arg, Path(tmp), a.checkpoint))
     print(json.dumps(result, indent=2) if a.json else report(result))
     return 0
 

@@ -9,15 +9,17 @@ from loadtest import phases
 
 
 async def test_every_request_passes_every_checkpoint_in_order(tmp_path: Path) -> None:
-    result = await phases.measure(40, [], tmp_path)
+    result = await phases.measure(40, [], tmp_path,
+                                  ["gateway.pool:WorkerPool.snapshot:snapshot"])
     assert result["requests"] == 32  # the first fifth is warm-up
     labels = [key for key, _ in result["spans_us"]]
     reached = {part for key in labels for part in key.split(" -> ")}
-    for _, _, label in phases.CHECKPOINTS:
+    for label in [label for _, _, label in phases.CHECKPOINTS] + ["snapshot"]:
         assert {label + ">", label + "<"} <= reached, label
     # In the order a request reaches them: the decision before the write to the worker,
     # the worker's reply before the write to the client.
     order = [key.split(" -> ")[0] for key in labels]
+    assert order.index("decide>") < order.index("snapshot>") < order.index("decide<")
     assert order.index("decide<") < order.index("write to worker>")
     assert order.index("worker's reply<") < order.index("write to client>")
     assert all(us >= 0 for _, us in result["spans_us"])

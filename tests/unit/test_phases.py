@@ -61,3 +61,11 @@ def test_wrapped_functions_return_what_they_did_and_log_around_the_call(
     assert asyncio.run(module.read()) == b"body"
     assert [label for label, _ in log] == ["sync>", "sync<", "async>", "async<"]
     assert [ns for _, ns in log] == sorted(ns for _, ns in log)
+
+
+def test_a_checkpoint_spec_names_module_attribute_and_label() -> None:
+    assert phases.checkpoint("gateway.pool:WorkerPool.snapshot:snapshot") == (
+        "gateway.pool", "WorkerPool.snapshot", "snapshot")
+    assert phases.checkpoint("gateway.api:prepare") == ("gateway.api", "prepare", "prepare")
+    with pytest.raises(ValueError, match="MODULE:ATTRIBUTE"):
+        phases.checkpoint("gateway.api")
