@@ -131,18 +131,13 @@ async def _send(
     """Write ``response`` out now (a streamed one already was): aiohttp would write it only
     after the middleware returns, so the request's telemetry would run first, on the
     client's time, and its latency would leave out the write. What the proxy left until the
-    answer is sent (:meth:`RequestRecord.after_sent`) runs right after the write, in the
-    same pass of the event loop, so no other request is decided in between; or, if the
-    write must wait for a slow client, at the loop's next pass, so the worker is not
-    counted busy for as long as the client takes to read."""
+    answer is sent (:meth:`RequestRecord.after_sent`) runs right after the write
+    (:meth:`RequestRecord.sending`)."""
     if not response.prepared:
-        waiting = (asyncio.get_running_loop().call_soon(record.sent)
-                   if record.pending() else None)
+        record.sending()
         await response.prepare(request)
         await response.write_eof()
-        if waiting is not None:
-            waiting.cancel()
-            record.sent()
+        record.sent()
 
 
 def gateway_middleware(telemetry: Telemetry, auth: Auth, cors: Cors) -> Middleware:

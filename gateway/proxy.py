@@ -443,13 +443,22 @@ async def _relay_stream(
             idle.close()
         # A reply not read to its end closes its connection: the worker sees its client leave.
         reply.release()
-    observed.upstream_done(reply.status, broke_off)
     # A usage event the backend held back from the client (it asked for it on our behalf).
     tail += getattr(reply, "withheld", b"")
-    usage = stats or stats_from_usage(tail)
-    _report(observed, reply, usage)
-    state.session.completed(attempt, usage, time.monotonic())
-    await response.write_eof()
+    ended, done_at = time.monotonic(), time.perf_counter()
+
+    def settle() -> None:  # once the stream's end is out (RequestRecord.after_sent)
+        observed.upstream_done(reply.status, broke_off, at=done_at)
+        usage = stats or stats_from_usage(tail)
+        _report(observed, reply, usage)
+        state.session.completed(attempt, usage, ended)
+
+    observed.after_sent(settle)
+    observed.sending()
+    try:
+        await response.write_eof()
+    finally:
+        observed.sent()
     return response
 
 

@@ -9,6 +9,7 @@ ids and times only.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,6 +123,7 @@ class RequestRecord:
     _upstream_span: Span | None = None
     _upstream_started: float = 0.0
     _after_sent: list[Callable[[], None]] | None = None
+    _soon: asyncio.Handle | None = None
 
     # -- hooks --------------------------------------------------------------------------------
     def parsed(
@@ -223,12 +225,20 @@ class RequestRecord:
         else:
             self._after_sent.append(work)
 
-    def pending(self) -> bool:
-        """Whether work waits for the answer to be sent (:meth:`after_sent`)."""
-        return self._after_sent is not None
+    def sending(self) -> None:
+        """The answer's last bytes are about to be written: what waits for them runs at the
+        event loop's next pass at the latest, if the write must wait for a slow client (so a
+        worker is not counted busy while a client reads); the caller calls :meth:`sent`
+        right after the write, in the same pass when it did not wait, so that no other
+        request is decided in between."""
+        if self._after_sent is not None and self._soon is None:
+            self._soon = asyncio.get_running_loop().call_soon(self.sent)
 
     def sent(self) -> None:
         """The answer was handed to the client (or never will be): run what waited for it."""
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         waiting, self._after_sent = self._after_sent, None
         for work in waiting or ():
             work()
