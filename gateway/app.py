@@ -34,6 +34,7 @@ from gateway.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
+from gateway.fingerprint_memo import FingerprintMemo
 from gateway.guard import ConnectionSlots, UpstreamGuard
 from gateway.health import HealthChecker
 from gateway.kvevents.source import ExactSource
@@ -415,6 +416,7 @@ def create_app(
         response_histories=ChatHistories(max_bytes=settings.chat_history_bytes, key="input",
                                          before=RESPONSES_BEFORE_INPUT),
         prompt_histories=PromptHistories(max_bytes=settings.chat_history_bytes),
+        fingerprints=FingerprintMemo(max_bytes=settings.chat_history_bytes),
         parse_pool=ParsePool(settings.parse_thread_items),
         normal_texts=NormalTexts(rewritten_bytes=settings.normal_text_bytes),
     )

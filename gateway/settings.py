@@ -245,9 +245,11 @@ class GatewaySettings:
     chat_history_bytes: int = field(
         default=32 * 1024 * 1024,
         metadata=_help("long chats remembered so that their next turn is decoded from its new "
-                       "messages on, and long completions prompts so that their next turn is "
-                       "decoded from what it adds: at most this many bytes of bodies each, in "
-                       "this process's memory only (0: off)"),
+                       "messages on, long completions prompts so that their next turn is "
+                       "decoded from what it adds, and long prompt texts so that their next "
+                       "turn is fingerprinted past them: at most this many bytes of bodies, and "
+                       "of texts, each, in this process's memory only (0: off); size it for the "
+                       "contexts of the sessions in flight at once"),
     )
     parse_thread_items: int = field(
         default=4096,

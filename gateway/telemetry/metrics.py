@@ -149,6 +149,9 @@ class MemoCollector(Collector):
             (CounterMetricFamily, "gateway_fingerprint_prefix_hits",
              "long prompts hashed past the prompt before them (an agent's next turn)",
              self._fingerprints.hits),
+            (GaugeMetricFamily, "gateway_fingerprint_memo_bytes",
+             "bytes of the long prompt texts kept for their next turn's fingerprint "
+             "(--chat-history-bytes)", self._fingerprints.held_bytes),
             (CounterMetricFamily, "gateway_thread_parses",
              "requests of very many items parsed on a thread, off the event loop "
              "(--parse-thread-items)", self._parses.parsed if self._parses is not None else 0),

@@ -77,3 +77,38 @@ def test_the_memo_holds_its_texts_within_its_budget() -> None:
     off = FingerprintMemo(max_bytes=0, min_chars=100)
     assert off.fingerprint(texts[0], NS, SMALL) == fingerprint(texts[0], NS, SMALL)
     assert len(off) == 0
+
+
+def test_sessions_that_share_an_opening_each_go_on_from_their_own_last_turn() -> None:
+    # Agents of one deployment: the same long system prompt and tools first, then each
+    # session's own context; their turns interleave.
+    memo = FingerprintMemo(min_chars=100)
+    shared = _text(1500, 3, "ab\u2019 \n")
+    sessions = [shared + _text(50, 20 + s, "xyz \n") for s in range(6)]
+    for turn in range(4):
+        for s in range(len(sessions)):
+            sessions[s] += _text(40 + turn, 100 * s + turn, "pq\u00e9 \n")
+            assert memo.fingerprint(sessions[s], NS, SMALL) == fingerprint(sessions[s], NS, SMALL)
+    assert memo.hits == 6 * 3  # every turn after each session's first
+    assert len(memo) == 6  # the last turn of each
+
+
+def test_a_full_memo_lets_the_least_recently_used_text_go() -> None:
+    texts = [_text(1000, 1, "abc ") + _text(1000, 50 + s, "xyz ") for s in range(4)]
+    memo = FingerprintMemo(max_bytes=6500, min_chars=100)  # three texts of 2,000 bytes
+    for text in texts:
+        memo.fingerprint(text, NS, SMALL)
+    assert (len(memo), memo.held_bytes) == (3, 6000)
+    # The first went; the three others are still gone on from.
+    for text in texts[1:]:
+        memo.fingerprint(text + "more", NS, SMALL)
+    assert memo.hits == 3
+    memo.fingerprint(texts[0] + "more", NS, SMALL)
+    assert memo.hits == 3
+    few = FingerprintMemo(min_chars=100, per_opening=2)  # at most two per opening
+    for text in texts[:3]:
+        few.fingerprint(text, NS, SMALL)
+    assert len(few) == 2
+    assert few.fingerprint(texts[0] + "more", NS, SMALL) == fingerprint(texts[0] + "more", NS,
+                                                                       SMALL)
+    assert few.hits == 0
