@@ -13,10 +13,13 @@ also the long prompts of ``loadtest.bench_overhead --long-text``), in ms, median
   ``fingerprint, next turn``: of texts that each add a line to the one before, hashed past it
   (:class:`gateway.fingerprint_memo.FingerprintMemo`).
 
-and on agent transcripts of ``--messages`` messages (a tool call, then its result of a few
-lines, in turn; :func:`transcript`): the body's JSON decoding, :func:`parse_chat` (validation,
-the rules, the canonical rendering with every tool call as canonical JSON) and the
-fingerprint of the rendering: what a request costs by its number of messages.
+on ``--sessions`` agents whose contexts share an opening, their turns interleaved
+(:func:`measure_sessions`: the fingerprint of each next turn, hashed past its session's last
+where the memo has it), and on agent transcripts of ``--messages`` messages (a tool call, then
+its result of a few lines, in turn; :func:`transcript`): the body's JSON decoding,
+:func:`parse_chat` (validation, the rules, the canonical rendering with every tool call as
+canonical JSON) and the fingerprint of the rendering: what a request costs by its number of
+messages.
 
 No I/O, no event loop: the part of a long request's CPU that grows with the text, apart from
 JSON decoding (orjson), reading and writing. To compare with another checkout, run this file
@@ -228,19 +231,54 @@ def to_markdown(result: dict[str, dict[str, float]], chars: int) -> str:
     return "\n".join(lines)
 
 
+def measure_sessions(sessions: int, turns: int, layouts: Sequence[str] = ("lines", "typeset"),
+                     opening_chars: int = 20_000, turn_chars: int = 4_000,
+                     seed: int = 0) -> dict[str, dict[str, float]]:
+    """Agents sharing an opening (one system prompt and tool list of ``opening_chars``), their
+    turns interleaved, each adding ``turn_chars`` of its own: per layout, the memo's
+    fingerprint of a turn in ms (median over the second half of the ``turns``), the texts'
+    length at the end and the share of turns hashed past their session's last one."""
+    from gateway.fingerprint_memo import FingerprintMemo
+
+    fp_opts = GatewaySettings().fingerprint_options()
+    namespace = Namespace(tenant="t", model="m", cache_salt="")
+    out = {}
+    for layout in layouts:
+        rng = random.Random(seed)
+        opening = long_text(rng, opening_chars, layout)
+        contexts = [f"{opening}\nsession {s}\n" for s in range(sessions)]
+        memo = FingerprintMemo()
+        times: list[float] = []
+        for turn in range(turns):
+            for s in range(sessions):
+                contexts[s] += long_text(rng, turn_chars, layout)
+                started = time.perf_counter()
+                memo.fingerprint(contexts[s], namespace, fp_opts)
+                if turn >= turns // 2:
+                    times.append(time.perf_counter() - started)
+        out[layout] = {"fingerprint, next turn": statistics.median(times) * 1e3,
+                       "chars": float(len(contexts[0])),
+                       "hit share": memo.hits / (sessions * turns)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--chars", type=int, default=640_000, help="text length in characters")
     p.add_argument("--runs", type=int, default=15, help="timed runs per part (median)")
     p.add_argument("--messages", default="10,100,1000",
                    help="transcript sizes in messages, comma-separated (empty: none)")
+    p.add_argument("--sessions", type=int, default=16,
+                   help="agents sharing an opening, their turns interleaved (0: none)")
+    p.add_argument("--session-turns", type=int, default=20, help="turns per agent")
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = p.parse_args(argv)
     result = measure(args.chars, args.runs)
     sizes = [int(n) for n in args.messages.split(",") if n.strip()]
     chats = measure_transcripts(sizes, args.runs) if sizes else {}
+    agents = measure_sessions(args.sessions, args.session_turns) if args.sessions else {}
     if args.json:
-        print(json.dumps({"texts": result, "transcripts": chats}, indent=2))
+        print(json.dumps({"texts": result, "transcripts": chats, "sessions": agents}, indent=2))
         return
     print(to_markdown(result, args.chars))
     if chats:
@@ -250,6 +288,14 @@ def main(argv: list[str] | None = None) -> None:
         for name, row in chats.items():
             cells = (f"{row[p]:.3f}" if p in row else "-" for p in parts)
             print(f"| {name} | " + " | ".join(cells) + " |")
+    if agents:
+        print(f"\n{args.sessions} agents sharing a 20,000-character opening, "
+              f"{args.session_turns} turns of 4,000 characters each, interleaved:\n")
+        print("| layout | fingerprint, next turn (ms) | characters at the end | turns hashed "
+              "past their last |\n|---|---:|---:|---:|")
+        for layout, row in agents.items():
+            print(f"| {layout} | {row['fingerprint, next turn']:.3f} | {row['chars']:,.0f} | "
+                  f"{row['hit share']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from loadtest.bench_normalize import (
     LONG_TEXTS,
     long_text,
     measure,
+    measure_sessions,
     measure_transcripts,
     to_markdown,
     transcript,
@@ -71,3 +72,12 @@ def test_a_long_transcripts_next_turn_is_timed_as_the_gateway_joins_it() -> None
     short, long = rows.values()
     assert "next turn: decode + parse_chat" not in short  # too short to be remembered
     assert long["next turn: decode + parse_chat"] > 0
+
+
+def test_interleaved_agents_sharing_an_opening_each_go_on_from_their_last_turn() -> None:
+    result = measure_sessions(sessions=5, turns=4, opening_chars=10_000, turn_chars=500)
+    assert list(result) == ["lines", "typeset"]
+    for row in result.values():
+        assert row["fingerprint, next turn"] > 0
+        assert row["chars"] > 10_000 + 4 * 500
+        assert row["hit share"] == 3 / 4  # every turn after each agent's first
