@@ -57,7 +57,7 @@ class FingerprintMemo:
     def fingerprint(self, text: str, namespace: Namespace,
                     opts: FingerprintOptions) -> PrefixKey:
         """:func:`fingerprint` of ``text``, hashed past the most recent kept text it begins
-        with."""
+        with (which this text then replaces)."""
         if len(text) < self.min_chars or not self.max_bytes:
             return fingerprint(text, namespace, opts)
         opening = (namespace.seed(), opts, hash(text[:self.min_chars]))
@@ -65,20 +65,18 @@ class FingerprintMemo:
         entries = self._entries
         size = len(text)
         prior = None
-        done = []  # kept texts this one begins with or equals: its next turn extends it
         for number in kept:
             _, earlier, earlier_key = entries[number]
             end = len(earlier)
             if (end <= size and text[max(0, end - _GUARD):end] == earlier[-_GUARD:]
                     and text.startswith(earlier)):
-                done.append(number)
-                if prior is None:
-                    prior = earlier_key
+                prior = earlier_key
+                # This text's next turn will extend this text, not the one it extends.
+                kept.remove(number)
+                self.held_bytes -= stored_bytes(entries.pop(number)[1])
+                break
         key = fingerprint(text, namespace, opts, prior)
         self.hits += prior is not None
-        for number in done:
-            kept.remove(number)
-            self.held_bytes -= stored_bytes(entries.pop(number)[1])
         number, self._next = self._next, self._next + 1
         kept.insert(0, number)
         entries[number] = (opening, text, key)
