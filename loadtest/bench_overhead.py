@@ -164,6 +164,9 @@ class OverheadConfig:
     long_reps: int = 1  # rounds over every size, targets in rotating order; medians reported
     long_text: str = "lines"  # one of LONG_TEXTS: how the long prompts' text is laid out
     long_unique: bool = False  # each long request with a system prompt of its own
+    # Agents whose loops (``--long-api completions``, ``--long-text transcript-turns``) share
+    # their long opening and interleave: ``long_requests`` turns each, one agent after the other.
+    long_sessions: int = 1
     # "chat", or "completions": an agent's loop over /v1/completions, each prompt the one
     # before and a line more
     long_api: str = "chat"
@@ -376,11 +379,14 @@ def long_bodies(config: OverheadConfig, chars: int, rep: int = 0) -> list[bytes]
             raise ValueError(f"--long-api completions takes a text layout, one of {LONG_TEXTS}")
         prompt = (f"Document {rep}.\n" if config.long_unique else "") + long_text(
             rng, chars, config.long_text)
+        sessions = config.long_sessions
+        agents = [prompt + (f"\nAgent {s}." if sessions > 1 else "") for s in range(sessions)]
         bodies = []
         for i in range(config.long_requests):
-            bodies.append(json.dumps({"model": MODEL, "max_tokens": 1, "temperature": 0,
-                                      "prompt": prompt}).encode())
-            prompt += f"\nTurn {i}: {words(rng, 12)}"
+            for s in range(sessions):
+                bodies.append(json.dumps({"model": MODEL, "max_tokens": 1, "temperature": 0,
+                                          "prompt": agents[s]}).encode())
+                agents[s] += f"\nTurn {i}: {words(rng, 12)}"
         return bodies
     chats = _long_chats(config, chars, rep, rng)
     if config.long_api == RESPONSES:
@@ -397,10 +403,16 @@ def _long_chats(config: OverheadConfig, chars: int, rep: int,
         # messages (a tool call and its result), as an agent's loop sends them.
         first = len(agent_messages(random.Random(config.seed + chars), chars=chars))
         turns = agent_messages(rng, messages=first + 2 * config.long_requests, chars=chars)
+        # Further agents go on from the same first turns with tool calls of their own.
+        loops = [turns] + [
+            turns[:first] + agent_messages(random.Random(config.seed + chars + s),
+                                           messages=first + 2 * config.long_requests,
+                                           chars=chars)[first:]
+            for s in range(1, config.long_sessions)]
         agent = {"role": "system", "content": "You are a coding agent."}
         return [{"model": MODEL, "max_tokens": 1, "temperature": 0,
-                 "messages": [agent, *turns[:first + 2 * i]]}
-                for i in range(config.long_requests)]
+                 "messages": [agent, *loop[:first + 2 * i]]}
+                for i in range(config.long_requests) for loop in loops]
     transcript = config.long_text == TRANSCRIPT
     history = agent_messages(rng, chars=chars) if transcript else []
     shared = "You are a coding agent." if transcript else long_text(rng, chars, config.long_text)
@@ -752,8 +764,10 @@ def long_table(result: OverheadResult) -> list[str]:
             if c.long_api == COMPLETIONS else
             f"{'Responses API' if c.long_api == RESPONSES else 'chat'} requests "
             f"{'each with its own' if c.long_unique else 'sharing one'} system prompt of")
+    agents = (f" from {c.long_sessions} agents sharing their opening, one turn each in turn,"
+              if c.long_sessions > 1 else "")
     lines = ["", f"Long prompts: {c.long_requests} sequential {what} "
-             f"the given size ({c.long_text}), {c.long_reps} round(s); "
+             f"the given size ({c.long_text}){agents}, {c.long_reps} round(s); "
              "router CPU ms per "
              "request, median (each round):", "",
              "| target | " + " | ".join(f"{s:,} chars" for s in sizes)
@@ -899,6 +913,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--long-unique", action="store_true",
                    help="give each long request a system prompt of its own (nothing in it was "
                         "seen before), instead of one they share")
+    p.add_argument("--long-sessions", type=int, default=1, metavar="N",
+                   help="with --long-api completions or --long-text transcript-turns: N "
+                        "agents that share their long opening, their turns interleaved "
+                        "(--long-requests turns each)")
     p.add_argument("--long-text", choices=(*LONG_TEXTS, TRANSCRIPT, TURNS), default="lines",
                    help="the long prompts' text: lines of words (as code and documents), one "
                         "line of words, lines a quarter of which end in spaces, lines with "
@@ -955,6 +973,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         long_chars=tuple(int(c) for c in args.long.split(",") if c.strip()),
         long_requests=args.long_requests, long_reps=args.long_reps, idle_s=args.idle_s,
         long_text=args.long_text, long_unique=args.long_unique, long_api=args.long_api,
+        long_sessions=args.long_sessions,
         api=args.api,
         stream=StreamConfig(tokens=args.stream_tokens, requests=args.stream_requests,
                             concurrency=args.stream_concurrency, reps=args.stream_reps),

@@ -232,6 +232,31 @@ def test_transcript_turns_grow_by_a_tool_call_and_its_result() -> None:
     assert sum(map(len, results)) >= 20_000
 
 
+def test_agents_sharing_an_opening_take_turns_each_extending_its_own_last() -> None:
+    config = OverheadConfig(long_requests=3, long_api="completions", long_sessions=4)
+    prompts = [json.loads(b)["prompt"] for b in long_bodies(config, 5_000)]
+    assert len(prompts) == 12  # three turns of each of four agents, one agent after another
+    opening = prompts[0].rpartition("\nAgent ")[0]
+    assert len(opening) >= 5_000
+    for i, prompt in enumerate(prompts):
+        assert prompt.startswith(f"{opening}\nAgent {i % 4}.")
+        if i >= 4:
+            assert prompt.startswith(prompts[i - 4] + "\nTurn ")
+    chats = OverheadConfig(long_requests=2, long_text="transcript-turns", long_sessions=3)
+    loops = [json.loads(b)["messages"] for b in long_bodies(chats, 20_000)]
+    assert len(loops) == 6
+    first = loops[0]
+    assert loops[1] == loops[2] == first  # every agent's first turn: the shared opening
+    for s in range(3):
+        later = loops[3 + s]
+        assert later[:len(first)] == first
+        assert [m["role"] for m in later[len(first):]] == ["assistant", "tool"]
+    assert loops[3][len(first):] != loops[4][len(first):]  # tool calls of their own
+    alone = OverheadConfig(long_requests=3, long_text="transcript-turns")
+    assert long_bodies(alone, 20_000) == long_bodies(
+        dataclasses.replace(chats, long_requests=3, long_sessions=1), 20_000)
+
+
 @pytest.mark.parametrize(("api", "expected"), [
     ("embeddings", lambda m: {"model": MODEL, "input": m[0]["content"] + "\n" + m[1]["content"]}),
     ("responses", lambda m: {"model": MODEL, "instructions": m[0]["content"],
