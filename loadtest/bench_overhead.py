@@ -764,7 +764,7 @@ def long_table(result: OverheadResult) -> list[str]:
             if c.long_api == COMPLETIONS else
             f"{'Responses API' if c.long_api == RESPONSES else 'chat'} requests "
             f"{'each with its own' if c.long_unique else 'sharing one'} system prompt of")
-    agents = (f" from {c.long_sessions} agents sharing their opening, one turn each in turn,"
+    agents = (f" from {c.long_sessions} agents sharing their opening, one turn each in turn"
               if c.long_sessions > 1 else "")
     lines = ["", f"Long prompts: {c.long_requests} sequential {what} "
              f"the given size ({c.long_text}){agents}, {c.long_reps} round(s); "
