@@ -30,8 +30,6 @@ import importlib
 import inspect
 import itertools
 import json
-import os
-import random
 import socket
 import statistics
 import sys
@@ -42,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from infra.procs import free_port_block, start_server, stop_processes
+from loadtest.bench_overhead import OverheadConfig, bodies_for
 from loadtest.harness import HOST, MODEL, ZERO_COST_WORKER_ARGS
-from loadtest.workloads import system_prompt, words
+from loadtest.peers import proc_tree_cpu_s
 
 # (module, attribute path, label): the functions timed, in the order a request reaches them.
 CHECKPOINTS: tuple[tuple[str, str, str], ...] = (
@@ -62,7 +61,6 @@ CHECKPOINTS: tuple[tuple[str, str, str], ...] = (
     ("gateway.telemetry.record", "Telemetry.finish", "telemetry"),
 )
 WORKERS = 4
-PROMPTS = 20
 
 
 def resolve(module: str, path: str) -> tuple[Any, str, Callable[..., Any]]:
@@ -137,19 +135,13 @@ def spans(log: Sequence[tuple[str, int]], skip_share: float = 0.2
     return [(key, statistics.median(by_span[key])) for key in order], total, len(kept)
 
 
-def _bodies(n: int) -> list[bytes]:
-    rng = random.Random(7)
-    prompts = [system_prompt(7, t, (1800, 2200)) for t in range(PROMPTS)]
-    out = []
-    for i in range(n):
-        body = {"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [
-            {"role": "system", "content": prompts[rng.randrange(PROMPTS)]},
-            {"role": "user", "content": f"Question {i}: {words(rng, 12)}?"}]}
-        raw = json.dumps(body).encode()
-        out.append(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
-                   b"Content-Type: application/json\r\nContent-Length: "
-                   + str(len(raw)).encode() + b"\r\n\r\n" + raw)
-    return out
+def _requests(n: int) -> list[bytes]:
+    """``n`` chat requests as they go on the wire: ``bench_overhead``'s bodies (one of its
+    system prompts and a unique question each)."""
+    bodies, _ = bodies_for(OverheadConfig(requests=n))
+    return [b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body for body in bodies]
 
 
 def _exchange(sock: socket.socket, request: bytes, buffered: bytes) -> bytes:
@@ -165,12 +157,6 @@ def _exchange(sock: socket.socket, request: bytes, buffered: bytes) -> bytes:
     while len(rest) < length:
         rest += sock.recv(65536)
     return rest[length:]
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rpartition(b")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def checkpoint(spec: str) -> tuple[str, str, str]:
@@ -205,16 +191,16 @@ async def measure(requests: int, gateway_args: Sequence[str], logs: Path,
             cmd += ["--worker", url]
         await start_server(cmd, f"http://{HOST}:{port}", logs / "gateway.log", procs)
         gateway = procs[-1]
-        wire = _bodies(requests)
+        wire = _requests(requests)
 
         def drive() -> float:
             with socket.create_connection((HOST, port)) as sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 buffered = b""
-                before = _cpu_s(gateway.pid)
+                before = proc_tree_cpu_s(gateway.pid)
                 for request in wire:
                     buffered = _exchange(sock, request, buffered)
-                return (_cpu_s(gateway.pid) - before) / len(wire)
+                return (proc_tree_cpu_s(gateway.pid) - before) / len(wire)
 
         cpu = await asyncio.to_thread(drive)
     finally:
