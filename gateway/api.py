@@ -356,7 +356,13 @@ async def admin_workers(request: web.Request) -> web.Response:
                 # Where routing learns what it caches: its KV events, or the model above.
                 "cache_source": state.exact.source_of(s.worker.id),
                 "kv_events": state.exact.describe(s.worker.id),
-                "predictions": {"responses": s.predictions, "exact": s.predicted_exactly},
+                # Of the responses whose cached tokens were predicted: how many exactly, how
+                # many over (the engine had evicted what the index still modelled: a few
+                # tokens at a cached prefix's tail when its pool held other requests' blocks,
+                # a whole prefix when an entry was stale) and under, with the tokens off.
+                "predictions": {"responses": s.predictions, "exact": s.predicted_exactly,
+                                "over": s.predicted_over, "under": s.predicted_under,
+                                "over_tokens": s.over_tokens, "under_tokens": s.under_tokens},
                 # down / warming (left out of routing, or its weight still ramping) / serving
                 "state": _worker_phase(s.healthy, warmup),
                 "warmup": warmup.as_dict() if warmup is not None else None,

@@ -77,6 +77,12 @@ class WorkerState:
     events: EventEndpoints | None = None  # where its engine publishes KV events
     predictions: int = 0  # responses whose cached tokens the gateway had predicted
     predicted_exactly: int = 0  # ... and got exactly right
+    # ... and predicted more cached tokens than the worker reused (the engine had evicted
+    # what the index still modelled), or fewer; and by how many tokens in all.
+    predicted_over: int = 0
+    predicted_under: int = 0
+    over_tokens: int = 0
+    under_tokens: int = 0
 
     mean_cost_tokens: float = 0.0  # moving average of the cost of requests routed here
     # Warm-up (gateway.warmup): left out of routing while it warms, then its ring weight
@@ -510,7 +516,15 @@ class WorkerPool:
         state = self._workers.get(wid)
         if state is not None:
             state.predictions += 1
-            state.predicted_exactly += predicted_tokens == matched_tokens
+            error = predicted_tokens - matched_tokens
+            if error > 0:
+                state.predicted_over += 1
+                state.over_tokens += error
+            elif error < 0:
+                state.predicted_under += 1
+                state.under_tokens -= error
+            else:
+                state.predicted_exactly += 1
 
     # -- routing input ------------------------------------------------------------------------
     @property

@@ -194,8 +194,14 @@ class RunResult:
     p99_ms: float
     cpu_s_per_1k: float | None
     seconds: float
-    # Share of responses whose cached tokens the gateway predicted exactly (/admin/workers).
+    # Share of responses whose cached tokens the gateway predicted exactly (/admin/workers),
+    # and the shares it predicted more (over) and fewer (under) than the worker reused, with
+    # the mean tokens off of each.
     exact_predictions: float | None = None
+    over_predictions: float | None = None
+    under_predictions: float | None = None
+    over_tokens_mean: float | None = None
+    under_tokens_mean: float | None = None
     # With --agreement: how often two dry runs of one request, one right after the other,
     # saw the same match on every worker ("view") and chose one worker (by the first's
     # kind): on two processes, and (the baseline) on one.
@@ -447,6 +453,8 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
         view = await gateway_view(session, url) if ours else GatewayView()
     result = summarize(router, repeat, replies, seconds, pooled, cpu_s, worker_ids, config)
     result.exact_predictions = view.exact_predictions
+    result.over_predictions, result.under_predictions = view.over, view.under
+    result.over_tokens_mean, result.under_tokens_mean = view.over_tokens, view.under_tokens
     result.namespace_model, result.prewarms = view.namespace_model, view.prewarms
     result.prewarms_used = view.prewarms_used
     result.gateway_inflight = statistics.fmean(samples) if samples else None
@@ -604,8 +612,13 @@ async def sample_agreement(url: str, bodies: Sequence[dict[str, Any]],
 class GatewayView:
     """What our gateway's ``/admin/workers`` says after a run."""
 
-    # The share of responses whose cached tokens it predicted exactly (None: no responses).
+    # The share of responses whose cached tokens it predicted exactly (None: no responses),
+    # over and under, and the mean tokens off of those.
     exact_predictions: float | None = None
+    over: float | None = None
+    under: float | None = None
+    over_tokens: float | None = None
+    under_tokens: float | None = None
     namespace_model: str = ""  # the model@version it keys the replay's model under
     prewarms: int = 0  # pre-warms it sent
     prewarms_used: int = 0  # ... that a later request for their prefix was routed to
@@ -618,14 +631,27 @@ async def gateway_view(session: aiohttp.ClientSession, url: str) -> GatewayView:
         async with session.get(url + "/admin/workers") as response:
             data = await response.json()
         rows = [w.get("predictions") or {} for w in data.get("workers", [])]
-        responses = sum(int(r.get("responses", 0)) for r in rows)
+
+        def total(name: str) -> int:
+            return sum(int(r.get(name, 0)) for r in rows)
+
+        def share(name: str) -> float | None:
+            return total(name) / responses if responses else None
+
+        def mean_off(name: str) -> float | None:
+            count = total(name)
+            return total(f"{name}_tokens") / count if count else None
+
+        responses = total("responses")
         model = data.get("namespaces", {}).get(MODEL, "")
         prewarm = data.get("prewarm", {})
         sent, used = prewarm.get("sent", 0), prewarm.get("used", 0)
         return GatewayView(
-            sum(int(r.get("exact", 0)) for r in rows) / responses if responses else None,
-            model if isinstance(model, str) else "", sent if isinstance(sent, int) else 0,
-            used if isinstance(used, int) else 0)
+            exact_predictions=share("exact"), over=share("over"), under=share("under"),
+            over_tokens=mean_off("over"), under_tokens=mean_off("under"),
+            namespace_model=model if isinstance(model, str) else "",
+            prewarms=sent if isinstance(sent, int) else 0,
+            prewarms_used=used if isinstance(used, int) else 0)
     return GatewayView()
 
 
@@ -796,7 +822,8 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
 
 MEDIAN_KEYS = ("block_hit_rate", "hit_over_bound", "routed_max_over_mean",
                "requests_max_over_mean", "prefill_max_over_mean", "p50_ms", "p99_ms",
-               "cpu_s_per_1k", "exact_predictions", "gateway_p50_ms", "gateway_p99_ms",
+               "cpu_s_per_1k", "exact_predictions", "over_predictions", "under_predictions",
+               "over_tokens_mean", "under_tokens_mean", "gateway_p50_ms", "gateway_p99_ms",
                "upstream_p50_ms", "upstream_p99_ms")
 
 

@@ -150,6 +150,8 @@ async def test_stale_index_entry_after_the_worker_flushed(start_cluster: StartCl
         report = await misses(http, url)
         async with http.get(url + "/metrics") as m:
             text = await m.text()
+        async with http.get(url + "/admin/workers") as w:
+            (predictions,) = [row["predictions"] for row in (await w.json())["workers"]]
     wid = cluster.worker_urls[0].removeprefix("http://")
     recent = report["recent"]
     assert isinstance(recent, list)
@@ -161,6 +163,11 @@ async def test_stale_index_entry_after_the_worker_flushed(start_cluster: StartCl
     assert recent[0]["cached_tokens"] == 0
     assert report["by_worker"] == {wid: {"stale_index_entry": 1}}
     assert f'gateway_cache_misses_total{{cause="stale_index_entry",worker="{wid}"}} 1.0' in text
+    # The flushed prefix counts as predicted over, by all it was predicted to hold.
+    assert predictions["responses"] == 3
+    assert predictions["exact"] + predictions["over"] + predictions["under"] == 3
+    assert predictions["over"] >= 1
+    assert predictions["over_tokens"] >= recent[0]["predicted_tokens"]
 
 
 async def test_restarted_worker_is_diagnosed(start_cluster: StartCluster) -> None:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from loadtest.replay import WARM_REQUESTS_PER_WORKER
 from loadtest.tiny_tokenizer import train
 from loadtest.traces import to_mooncake_lines
@@ -123,6 +125,11 @@ def test_replay_with_kv_events_runs_the_event_fed_gateway_too(tmp_path: Path) ->
     # of cached tokens is exact (nothing is evicted: the caches hold the whole trace).
     assert rows["ours+events:cache_aware"]["exact_predictions"] == 1.0
     assert rows["ours+hybrid:cache_aware"]["exact_predictions"] == 1.0
+    for row in rows.values():  # the shares add up, whatever the modelled view predicted
+        assert row["exact_predictions"] + row["over_predictions"] + row["under_predictions"] \
+            == pytest.approx(1.0)
+    assert rows["ours+hybrid:cache_aware"]["over_predictions"] == 0.0
+    assert rows["ours+hybrid:cache_aware"]["over_tokens_mean"] is None
 
 
 def test_the_simulator_routes_token_exact_replays_as_the_gateway_did(tmp_path: Path) -> None:

@@ -157,3 +157,14 @@ def test_the_time_to_first_token_is_the_mean_of_the_requests_started_since_the_l
     assert scrape(20.5, 200.0) == 0.2  # none started since: unchanged
     assert scrape(0.01, 1.0) is None  # counters went back: a restart, nothing known
     assert scrape(0.03, 3.0) == pytest.approx(0.01)
+
+
+def test_predictions_are_counted_exact_over_and_under_with_the_tokens_off() -> None:
+    pool = WorkerPool([URL], PrefixIndex())
+    for predicted, matched in ((64, 64), (64, 48), (128, 96), (0, 16), (32, 32)):
+        pool.record_prediction(WID, predicted, matched)
+    pool.record_prediction("10.9.9.9:1", 10, 0)  # a worker the pool no longer has
+    (state,) = pool.states()
+    assert state.predictions == 5
+    assert (state.predicted_exactly, state.predicted_over, state.predicted_under) == (2, 2, 1)
+    assert (state.over_tokens, state.under_tokens) == (16 + 32, 16)
