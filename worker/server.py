@@ -642,6 +642,7 @@ def build_engine(settings: WorkerSettings, tokenizer: Tokenizer) -> Engine:
         prefill_us_per_token=settings.prefill_us_per_token,
         prefill_us_per_cached_token=settings.prefill_us_per_cached_token,
         decode_ms_per_token=settings.decode_ms_per_token,
+        prefill_shared=settings.prefill_shared,
     )
     return SimEngine(cache, max_running=settings.max_running, costs=costs)
 

@@ -84,6 +84,13 @@ class WorkerSettings:
         default=5.0,
         metadata={"help": "Simulated prefill cost per cached prompt token, microseconds."},
     )
+    prefill_shared: bool = field(
+        default=False,
+        metadata={"help": "Simulated prefills share one engine's compute: while n requests "
+                  "are in prefill each progresses at 1/n of its speed, as prompts batched "
+                  "into an engine's steps do (off: each takes its own time whatever else "
+                  "runs, so a loaded worker is no slower than an idle one)."},
+    )
     decode_ms_per_token: float = field(
         default=5.0,
         metadata={"help": "Simulated time between output tokens, milliseconds (the first "

@@ -11,9 +11,12 @@ NOT do is run a model. Time follows a cost model (:class:`SimCosts`):
   the first output token is emitted right after prefill;
 * decode: ``decode_ms_per_token`` before each further output token.
 
-Running requests do not slow each other down (no batching model). The output is ``max_tokens``
-deterministic pseudo-words chosen by a PRNG seeded with the prompt's hash; the finish reason is
-always ``"length"``. Only prompt blocks are allocated (decode tokens take no KV blocks here).
+Running requests do not slow each other down, unless ``prefill_shared``: then the requests in
+prefill share the engine's compute, each progressing at ``1/n`` of its speed while ``n`` are in
+prefill (:mod:`worker.engines.compute`), so a worker given more work answers it later. The
+output is ``max_tokens`` deterministic pseudo-words chosen by a PRNG seeded with the prompt's
+hash; the finish reason is always ``"length"``. Only prompt blocks are allocated (decode tokens
+take no KV blocks here).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from worker.engines.base import (
     GenerationRequest,
     RequestRejectedError,
 )
+from worker.engines.compute import SharedCompute
 from worker.kvcache import Allocation, PrefixCache
 
 WORDS = (
@@ -52,6 +56,7 @@ class SimCosts:
     prefill_us_per_token: float = 200.0
     prefill_us_per_cached_token: float = 5.0
     decode_ms_per_token: float = 5.0
+    prefill_shared: bool = False  # the requests in prefill share the engine's compute
 
     def prefill_seconds(self, uncached_tokens: int, cached_tokens: int) -> float:
         micros = (
@@ -89,7 +94,7 @@ class SimGeneration:
 
     async def tokens(self) -> AsyncGenerator[str, None]:
         costs = self._engine.costs
-        await asyncio.sleep(self._admission.prefill_seconds)
+        await self._engine.prefill(self._admission.prefill_seconds)
         request = self._request
         words = pseudo_words(request.prompt_tokens, request.max_tokens, request.sample)
         for i, word in enumerate(words):
@@ -106,6 +111,15 @@ class SimEngine(QueuedEngine):
     def __init__(self, cache: PrefixCache, *, max_running: int, costs: SimCosts) -> None:
         super().__init__(cache, max_running)
         self.costs = costs
+        self._compute = SharedCompute() if costs.prefill_shared else None
+
+    async def prefill(self, seconds: float) -> None:
+        """A request's prefill: ``seconds`` of the engine alone, shared with the others in
+        prefill when the costs say so."""
+        if self._compute is not None:
+            await self._compute.run(seconds)
+        else:
+            await asyncio.sleep(seconds)
 
     @property
     def name(self) -> str:

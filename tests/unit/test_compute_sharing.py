@@ -1,0 +1,89 @@
+"""Prefill compute shared by the requests in prefill: the bookkeeping on explicit times, and
+the order in which the loop-driven version ends prefills (no wall-clock figure is asserted
+beyond the work done: an engine never finishes faster than its compute allows)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from worker.engines import GenerationRequest, SimCosts, SimEngine
+from worker.engines.compute import ProcessorSharing, SharedCompute
+from worker.kvcache import PrefixCache
+
+
+def test_jobs_started_together_share_the_engine() -> None:
+    ps = ProcessorSharing()
+    ps.add(1, 1.0, 0.0)
+    ps.add(2, 1.0, 0.0)
+    assert ps.next_end() == pytest.approx(2.0)
+    assert ps.advance(1.9) == []
+    assert sorted(ps.advance(2.0)) == [1, 2]
+    assert len(ps) == 0
+    assert ps.next_end() is None
+
+
+def test_a_short_job_arriving_later_ends_first_and_the_long_one_after_the_work() -> None:
+    ps = ProcessorSharing()
+    ps.add(1, 1.0, 0.0)  # alone until 0.5: 0.5 left
+    ps.add(2, 0.25, 0.5)  # then each at half speed
+    assert ps.next_end() == pytest.approx(1.0)
+    assert ps.advance(1.0) == [2]
+    assert ps.next_end() == pytest.approx(1.25)  # the 0.25 left of job 1, alone again
+    assert ps.advance(1.25) == [1]
+
+
+def test_a_job_given_up_gives_its_share_back() -> None:
+    ps = ProcessorSharing()
+    ps.add(1, 1.0, 0.0)
+    ps.add(2, 1.0, 0.0)
+    ps.remove(2, 0.5)  # job 1 has 0.75 left, alone from now
+    assert ps.next_end() == pytest.approx(1.25)
+    ps.remove(3, 0.6)  # an unknown job: nothing changes
+    assert ps.advance(1.25) == [1]
+
+
+async def test_the_loop_ends_prefills_in_processor_sharing_order() -> None:
+    compute = SharedCompute()
+    ended: list[str] = []
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def job(name: str, work_s: float, after_s: float = 0.0) -> None:
+        await asyncio.sleep(after_s)
+        await compute.run(work_s)
+        ended.append(name)
+
+    await asyncio.gather(job("long", 0.3), job("short", 0.05, after_s=0.05))
+    assert ended == ["short", "long"]
+    assert loop.time() - start >= 0.35 - 0.002  # all the work was done, one engine's worth
+
+
+async def test_a_cancelled_prefill_leaves_the_others_running() -> None:
+    compute = SharedCompute()
+    gone = asyncio.create_task(compute.run(10.0))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    await asyncio.wait_for(compute.run(0.02), timeout=5.0)  # not held behind the 10 s
+
+
+async def test_a_shared_engine_answers_two_prompts_together_no_faster_than_its_compute() -> None:
+    costs = SimCosts(prefill_us_per_token=1000.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0, prefill_shared=True)
+    engine = SimEngine(PrefixCache(64, 16), max_running=4, costs=costs)
+    loop = asyncio.get_running_loop()
+
+    async def answer(rid: str, first: int) -> float:
+        request = GenerationRequest(rid, list(range(first, first + 100)), 1, "")
+        async with engine.admit(request) as generation:
+            async for _ in generation.tokens():
+                pass
+        return loop.time()
+
+    start = loop.time()
+    ends = await asyncio.gather(answer("a", 0), answer("b", 1000))
+    # 100 uncached tokens at 1 ms each, twice: 0.2 s of one engine, not 0.1 s each in parallel.
+    assert min(ends) - start >= 0.2 - 0.002
