@@ -72,12 +72,13 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
     # ... so each worker was routed the same blocks: the balance agrees exactly, run by run.
     assert all(s["agreement"]["decisions"]["balance"] == 0.0 for s in sims.values())
     # And each simulated worker reused, request by request, what the live worker reported:
-    # its cache evicts as the engine's did. All but at most one request a run: the simulated
+    # its cache evicts as the engine's did. All but at most three requests a run: the simulated
     # zero-cost engine computes a request at once, and a live worker the machine stalls for a
     # few milliseconds admits the next one after its cache moved on (seen once in about 60
     # runs: a request that took the worker 3.9 ms where its neighbours took 0.7-1.3, found 0
-    # of its blocks live and 2 simulated). A divergence of the model misses many requests.
-    assert all(s["decisions"]["same_cached"] >= 1 - 1 / 60 for s in sims.values()), [
+    # of its blocks live and 2 simulated; twice in one round-robin run of a loaded clean-clone
+    # CI). A divergence of the model misses many requests (round-robin's evictions: most).
+    assert all(s["decisions"]["same_cached"] >= 1 - 3 / 60 for s in sims.values()), [
         (s["router"], [(r["decisions"]["same_cached"], r["decisions"]["prewarms"])
                        for r in s["runs"]]) for s in sims.values()]
     # The simulator again, from the saved report alone: same live rows, fresh simulated ones.
