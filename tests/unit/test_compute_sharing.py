@@ -5,6 +5,7 @@ beyond the work done: an engine never finishes faster than its compute allows)."
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -58,6 +59,28 @@ async def test_the_loop_ends_prefills_in_processor_sharing_order() -> None:
     await asyncio.gather(job("long", 0.3), job("short", 0.05, after_s=0.05))
     assert ended == ["short", "long"]
     assert loop.time() - start >= 0.35 - 0.002  # all the work was done, one engine's worth
+
+
+def test_a_start_or_a_leave_after_another_job_s_end_returns_that_job() -> None:
+    ps = ProcessorSharing()
+    ps.add(1, 1.0, 0.0)
+    assert ps.add(2, 1.0, 1.5) == [1]  # job 1 ended at 1.0, before its timer was seen
+    ps.add(3, 0.5, 1.5)
+    assert ps.remove(2, 3.0) == [3]  # job 3 ended at 2.5 (each at half speed from 1.5)
+    assert len(ps) == 0
+
+
+async def test_a_prefill_whose_timer_is_late_still_ends() -> None:
+    # The loop is busy past the first prefill's end, and the next prefill starts before the
+    # timer's callback runs: the first one is done in that start's bookkeeping, and must be
+    # woken there (it once was dropped from the bookkeeping and left waiting for ever).
+    compute = SharedCompute()
+    first = asyncio.create_task(compute.run(0.005))
+    await asyncio.sleep(0)  # the first prefill starts, its timer set 5 ms ahead
+    time.sleep(0.02)  # noqa: ASYNC251 -- on purpose: the loop is held past that end
+    second = asyncio.create_task(compute.run(0.005))
+    await asyncio.wait_for(first, 2.0)
+    await asyncio.wait_for(second, 2.0)
 
 
 async def test_a_cancelled_prefill_leaves_the_others_running() -> None:

@@ -42,15 +42,19 @@ class ProcessorSharing:
             del self._left[job]
         return done
 
-    def add(self, job: int, work_s: float, now: float) -> None:
-        """``job`` starts at ``now`` with ``work_s`` seconds of work."""
-        self.advance(now)
+    def add(self, job: int, work_s: float, now: float) -> list[int]:
+        """``job`` starts at ``now`` with ``work_s`` seconds of work; the jobs done by then
+        (a timer that fires late), removed."""
+        done = self.advance(now)
         self._left[job] = work_s
+        return done
 
-    def remove(self, job: int, now: float) -> None:
-        """``job`` leaves before its end (its request was given up)."""
-        self.advance(now)
+    def remove(self, job: int, now: float) -> list[int]:
+        """``job`` leaves before its end (its request was given up); the others done by then,
+        removed."""
+        done = self.advance(now)
         self._left.pop(job, None)
+        return [other for other in done if other != job]
 
     def next_end(self) -> float | None:
         """When the next job ends if none starts before (None: no job)."""
@@ -76,14 +80,22 @@ class SharedCompute:
         job = next(self._ids)
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters[job] = waiter
-        self._jobs.add(job, work_s, loop.time())
+        self._finish(self._jobs.add(job, work_s, loop.time()))
         self._schedule(loop)
         try:
             await waiter
         finally:
             if self._waiters.pop(job, None) is not None:  # given up before its end
-                self._jobs.remove(job, loop.time())
+                self._finish(self._jobs.remove(job, loop.time()))
                 self._schedule(loop)
+
+    def _finish(self, done: list[int]) -> None:
+        """Wake the requests whose prefill is done (every caller of ``advance`` passes its
+        result here: a job it returns is gone from the bookkeeping)."""
+        for job in done:
+            waiter = self._waiters.pop(job, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._timer is not None:
@@ -97,8 +109,5 @@ class SharedCompute:
         # The timer may fire a little before ``end`` (uvloop's clock counts milliseconds):
         # the job it was set for ends now all the same.
         self._timer = None
-        for job in self._jobs.advance(max(loop.time(), end)):
-            waiter = self._waiters.pop(job, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+        self._finish(self._jobs.advance(max(loop.time(), end)))
         self._schedule(loop)
