@@ -1,8 +1,8 @@
 """Live trace replay: reference workers, the gateway and (optionally) peer routers, side by side.
 
 ``python -m loadtest replay (--trace PATH | --workload W) --workers N --cache-blocks C
-[--concurrency K] [--policy P|all] [--gateway URL] [--peers] [--peer-variant PEER[LABEL]=ARGS]
-[--no-report-cache-size] [--repeat R] [--simulate] [--json]``
+[--concurrency K] [--policy P|all] [--gateway URL] [--gateway-variant LABEL=ARGS] [--peers]
+[--peer-variant PEER[LABEL]=ARGS] [--no-report-cache-size] [--repeat R] [--simulate] [--json]``
 
 N reference workers start on loopback (``python -m worker``, simulated engine) with the
 ``chars`` tokenizer (one token per 4 characters) and KV blocks of ``--block-chars / 4`` tokens,
@@ -10,7 +10,9 @@ so one trace block, synthesized as ``--block-chars`` characters of text
 (:class:`loadtest.textgen.TextSynth`), is exactly one cache block and a worker holds exactly
 ``C`` trace blocks. The trace is replayed closed-loop, in order, with ``K`` requests in flight
 (one ``/v1/completions`` call per trace request, ``--max-tokens`` output tokens) through each
-router in turn: the gateway with each ``--policy``, then, with ``--peers``, sglang-router and
+router in turn: the gateway with each ``--policy``, then each ``--gateway-variant``: the gateway
+with arguments of its own added last (a routing setting to compare side by side), reported as
+``ours[LABEL]:POLICY``, then, with ``--peers``, sglang-router and
 smg in cache_aware mode (:mod:`loadtest.peers`), and each ``--peer-variant``: a peer with
 arguments of its own (its balance thresholds, say), reported as ``PEER[LABEL]``. Between
 routers every worker's cache is flushed (``POST /admin/flush``), so each router starts from
@@ -59,6 +61,7 @@ import dataclasses
 import itertools
 import json
 import random
+import re
 import shlex
 import shutil
 import statistics
@@ -669,10 +672,10 @@ async def rebalance_actions(session: aiohttp.ClientSession, url: str,
 
 
 def gateway_command(fleet: Fleet, policy: str, events: bool = False,
-                    view: str = "hybrid") -> list[str]:
+                    view: str = "hybrid", extra: Sequence[str] = ()) -> list[str]:
     """The gateway's command line: ``policy`` over the fleet; with the fleet's tokenizer
     (token-exact keys) and, with ``events``, its workers' KV-event feeds, seen as ``view``
-    (``--kv-events-view``)."""
+    (``--kv-events-view``); ``extra`` arguments last (a variant's settings)."""
     cluster, config = fleet.cluster, fleet.config
     cmd = LocalCluster(
         host=cluster.host, gateway_port=cluster.gateway_port,
@@ -685,20 +688,22 @@ def gateway_command(fleet: Fleet, policy: str, events: bool = False,
         urls = dict(zip(fleet.urls, fleet.event_fragments, strict=True))
         cmd = [a + urls[a] if a in urls else a for a in cmd]
         cmd += ["--kv-events-view", view]
-    return cmd + gateway_log_args(config.request_logs)
+    return cmd + gateway_log_args(config.request_logs) + list(extra)
 
 
 @contextlib.asynccontextmanager
 async def gateway_running(fleet: Fleet, policy: str, events: bool = False,
-                          view: str = "hybrid") -> AsyncIterator[tuple[str, int]]:
-    """A fresh gateway with ``policy`` in front of the fleet: (URL, pid)."""
+                          view: str = "hybrid", extra: Sequence[str] = (),
+                          label: str = "") -> AsyncIterator[tuple[str, int]]:
+    """A fresh gateway with ``policy`` (and ``extra`` arguments, the variant ``label``) in
+    front of the fleet: (URL, pid)."""
     cluster = fleet.cluster
-    cmd = gateway_command(fleet, policy, events, view)
+    cmd = gateway_command(fleet, policy, events, view, extra)
     procs: list[asyncio.subprocess.Process] = []
     url = f"http://{cluster.host}:{cluster.gateway_port}"
     try:
-        await start_server(cmd, url, fleet.logs / f"gateway-{policy}{f'-{view}' * events}.log",
-                           procs, START_TIMEOUT_S)
+        log = f"gateway-{policy}{f'-{view}' * events}{label}.log"
+        await start_server(cmd, url, fleet.logs / log, procs, START_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             await wait_all_workers_up(session, url, cluster.workers, START_TIMEOUT_S)
         yield url, procs[0].pid
@@ -735,9 +740,13 @@ def request_bodies(requests: Sequence[TraceRequest], block_chars: int, max_token
 async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
                      policies: Sequence[str], peers: Sequence[str], repeats: int,
                      gateway: str = "",
-                     peer_args: Mapping[str, Sequence[str]] | None = None) -> list[RunResult]:
+                     peer_args: Mapping[str, Sequence[str]] | None = None,
+                     gateway_args: Mapping[str, Sequence[str]] | None = None,
+                     ) -> list[RunResult]:
     """Every router on each of ``repeats`` fleets. ``peers``: router names, a peer's own
-    (``smg``) or a variant of it (``smg[tight]``) run with ``peer_args[name]`` added."""
+    (``smg``) or a variant of it (``smg[tight]``) run with ``peer_args[name]`` added.
+    ``gateway_args``: our gateway's variants, label -> extra arguments, each run with every
+    policy as ``ours[label]:policy``."""
     bodies = request_bodies(requests, config.block_chars, config.max_tokens,
                             invisible_edits=config.invisible_edits, api=config.api)
     pooled = pooled_bound(requests, config.workers * config.cache_blocks)
@@ -752,7 +761,7 @@ async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
         for attempt in range(FLEET_ATTEMPTS):
             try:
                 results += await one_fleet(config, base, r, repeats, policies, peers, bodies,
-                                           pooled, peer_args or {})
+                                           pooled, peer_args or {}, gateway_args or {})
                 break
             except PeerUnavailableError:
                 raise
@@ -773,7 +782,8 @@ FLEET_ATTEMPTS = 3
 async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                     policies: Sequence[str], peers: Sequence[str],
                     bodies: Sequence[dict[str, Any]], pooled: float,
-                    peer_args: Mapping[str, Sequence[str]]) -> list[RunResult]:
+                    peer_args: Mapping[str, Sequence[str]],
+                    gateway_args: Mapping[str, Sequence[str]]) -> list[RunResult]:
     """One fleet on ports ``base``...: every router once, caches flushed between them."""
     results: list[RunResult] = []
     logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="replay-"))
@@ -785,16 +795,19 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                 warmed = await fleet.warm(session, bodies, config.concurrency)
             evented = [f"ours+{view}:{p}" for view in ("events", "hybrid") for p in policies
                        ] if config.kv_events else []
-            for router in [*(f"ours:{p}" for p in policies), *evented, *peers]:
+            variants = [f"ours[{label}]:{p}" for label in gateway_args for p in policies]
+            for router in [*(f"ours:{p}" for p in policies), *variants, *evented, *peers]:
                 async with aiohttp.ClientSession() as session:
                     await fleet.flush(session)
                 print(f"[replay] repeat {r + 1}/{repeats}: {router} ({len(bodies)} "
                       "requests) ...", file=sys.stderr, flush=True)
                 if router.startswith("ours"):
                     name, _, policy = router.partition(":")
+                    label = name.removeprefix("ours[").removesuffix("]") if "[" in name else ""
                     view = name.removeprefix("ours+")
                     async with gateway_running(
-                        fleet, policy, events=name != "ours", view=view
+                        fleet, policy, events=name.startswith("ours+"), view=view,
+                        extra=gateway_args.get(label, ()), label=label,
                     ) as (url, pid):
                         res = await measure(router, r, url, pid, fleet, bodies, pooled,
                                             config, ids, restart=True)
@@ -917,6 +930,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run a peer with these arguments, reported as PEER[LABEL] "
                    "(repeatable), e.g. 'smg[tight]=--balance-abs-threshold 4 "
                    "--balance-rel-threshold 1.2'")
+    p.add_argument("--gateway-variant", action="append", default=[], metavar="LABEL=ARGS",
+                   help="also run our gateway with these arguments, reported as "
+                   "ours[LABEL]:POLICY (repeatable), e.g. 'vg0=--volume-guard 0'")
     p.add_argument("--report-cache-size", action=argparse.BooleanOptionalAction, default=True,
                    help="workers publish vllm:cache_config_info (default yes)")
     p.add_argument("--repeat", type=int, default=1, help="fleets, each router once per fleet")
@@ -981,6 +997,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "(/admin/explain) and report how often they chose the same worker")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def gateway_variant(spec: str) -> tuple[str, list[str]]:
+    """Our gateway run with arguments of its own, ``LABEL=ARGS`` (``vg0=--volume-guard 0``):
+    the label (reported as ``ours[LABEL]:POLICY``) and the extra arguments. Raises
+    ``ValueError`` for a spec of another form."""
+    label, sep, args = spec.partition("=")
+    if not sep or re.fullmatch(r"[\w.-]+", label.strip()) is None:
+        raise ValueError(f"a gateway variant is LABEL=ARGS, not {spec!r}")
+    return label.strip(), shlex.split(args)
 
 
 def parse_policies(text: str) -> list[str]:
@@ -1122,7 +1148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.gateway and (args.peers or args.peer or args.peer_variant or args.simulate
-                         or len(policies) > 1):
+                         or args.gateway_variant or len(policies) > 1):
         parser.error("--gateway replays through that gateway only (no --peers, --simulate)")
     requests, source = load_requests(args)
     peers = list(PEERS) if args.peers else []
@@ -1133,8 +1159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     peers += [name for name in variants if name not in peers]
     try:
+        ours = dict(gateway_variant(spec) for spec in args.gateway_variant)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
         results = asyncio.run(run_replay(config, requests, policies, peers, args.repeat,
-                                         args.gateway.rstrip("/"), variants))
+                                         args.gateway.rstrip("/"), variants, ours))
     except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError,
             PeerUnavailableError) as exc:
         print(f"python -m loadtest replay: {exc}", file=sys.stderr)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.replay import WARM_REQUESTS_PER_WORKER
+from loadtest.replay import WARM_REQUESTS_PER_WORKER, gateway_variant
 from loadtest.tiny_tokenizer import train
 from loadtest.traces import to_mooncake_lines
 from tests.integration.test_loadtest import _run_loadtest
@@ -96,6 +96,32 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
                for s in resimulated["simulated"])
     points = json.loads((tmp_path / "tl" / "ours-cache_aware-0.json").read_text())
     assert sum(p["workers"]["*"]["requests"] for p in points) == 60
+
+
+def test_a_gateway_variant_runs_the_gateway_with_its_own_arguments(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    tiny_trace(trace)
+    code, stdout, stderr = _run_loadtest(
+        ["replay", "--trace", str(trace), "--workers", "2", "--cache-blocks", "20",
+         "--concurrency", "4", "--policy", "consistent_hash",
+         "--gateway-variant", "rr=--policy round_robin", "--json"],
+        tmp_path, timeout_s=180,
+    )
+    assert code == 0, stderr[-3000:]
+    rows = {r["router"]: r for r in json.loads(stdout)["medians"]}
+    assert list(rows) == ["ours:consistent_hash", "ours[rr]:consistent_hash"]
+    # The variant's arguments come last, so its gateway routed in turn: even request counts;
+    # hashing each prompt to one worker does not split the trace's 4 prompts 30/30.
+    assert rows["ours[rr]:consistent_hash"]["requests_max_over_mean"] == 1.0
+    assert rows["ours:consistent_hash"]["requests_max_over_mean"] > 1.0
+
+
+def test_a_gateway_variant_is_a_label_and_arguments() -> None:
+    assert gateway_variant("vg0=--volume-guard 0 --ring-choices 2") == (
+        "vg0", ["--volume-guard", "0", "--ring-choices", "2"])
+    for bad in ("vg0", "v g=--x 1", "=--x 1"):
+        with pytest.raises(ValueError, match="LABEL=ARGS"):
+            gateway_variant(bad)
 
 
 def _token_replay(tmp_path: Path, cache_blocks: int, concurrency: int,
