@@ -163,10 +163,11 @@ class PreWarmer:
     def _waiting_outgrows_prefill(self, decision: Decision, request: RouteRequest, block: int,
                                   now: float) -> bool:
         """The cost rule's spread is near for a prefix asked for again: the holder's wait (its
-        queued prefill above the pool's mean, and one prefill of this prompt per request its
-        engine has waiting beyond the least-waiting worker's) has reached ``fraction`` of the
-        prefill a move would add (in the policy's terms), and the held prefix (``block``) is
-        a repeat, its heat (this request included) at least ``repeat_heat``.
+        queued prefill above the least-queued worker's, and one prefill of this prompt per
+        request its engine has waiting beyond the least-waiting worker's) has reached
+        ``fraction`` of the prefill a move would add (in the policy's terms), and the held
+        prefix (``block``) is a repeat, its heat (this request included) at least
+        ``repeat_heat``.
 
         The spread this anticipates is a later request for the same prefix while the holder
         is still busy. A prefix asked for once (a conversation's previous turn, whose next
@@ -182,13 +183,14 @@ class PreWarmer:
         # One pass over the healthy workers: the holder, the queued prefill, the least waiting.
         holder_id = decision.worker.id
         holder = None
-        healthy = queued = holder_waiting = 0
-        least_waiting = -1
+        queued = holder_waiting = 0
+        least_queued = least_waiting = -1
         for s in self.pool.states():
             if not s.healthy:
                 continue
-            healthy += 1
             queued += s.inflight_prefill
+            if least_queued < 0 or s.inflight_prefill < least_queued:
+                least_queued = s.inflight_prefill
             waiting = s.waiting_requests()
             if least_waiting < 0 or waiting < least_waiting:
                 least_waiting = waiting
@@ -199,7 +201,7 @@ class PreWarmer:
         saved = prompt * min(decision.match_blocks, blocks) / blocks
         behind = 1.0 + queued / prompt
         excess = self.options.wait_weight * excess_wait(
-            holder.inflight_prefill, holder_waiting, queued / healthy, least_waiting, prompt)
+            holder.inflight_prefill, holder_waiting, least_queued, least_waiting, prompt)
         return saved > 0 and excess >= self.options.fraction * saved * behind
 
     def _hot_near_bound(

@@ -130,7 +130,9 @@ class GatewaySettings:
                        "not) exceed this x its share of the pool's by more than twice the "
                        "request gets no credit for a session's next turn (a request that "
                        "extends a prompt it holds) when the session routed at least half a "
-                       "worker's share recently (0: never)"),
+                       "worker's share recently; evens out routed volume (KV memory) at the "
+                       "price of a prefill of the session's history per move (0: never, "
+                       "the default; 1.2 is the tested setting)"),
     )
     quick_first_token_s: float = field(
         default=_POLICY.quick_first_token_s,

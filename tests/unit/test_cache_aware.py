@@ -144,17 +144,16 @@ def _spread(prefill: Mapping[str, int], held: Mapping[str, int], prompt: int,
 
 
 # Queued prefill Q per worker (tokens); w2 holds all 10 blocks of the prompt.
-# cost = prefill * (1 + evict x fill) * (1 + sum Q / P) + max(0, Q - mean Q)   (T = 0 here)
+# cost = prefill * (1 + evict x fill) * (1 + sum Q / P) + (Q - min Q)   (T = 0 here)
 SPREAD_CASES = [
     # Nobody queues: the holder wins, however many requests shared the prefix before.
     pytest.param({}, 400, "w2", id="idle-pool-stays-on-holder"),
-    # Holder 1600 queued, the others 0: mean 400. Holder: 0 + 1200. Others: 400 x (1 + 4)
-    # = 2000: the holder still wins, a move adds more work than it saves.
+    # Holder 1600 queued, the others 0. Holder: 0 + 1600. Others: 400 x (1 + 4) = 2000:
+    # the holder still wins, a move adds more work than it saves.
     pytest.param({"w2": 1600}, 400, "w2", id="moderate-queue-stays"),
-    # Holder 8000: mean 2000. Holder: 6000. Others: 400 x 21 = 8400: the busier the pool,
-    # the dearer every miss.
+    # Holder 8000. Others: 400 x 21 = 8400: the busier the pool, the dearer every miss.
     pytest.param({"w2": 8000}, 400, "w2", id="busy-pool-miss-is-dear"),
-    # A short prompt (40): others 40 x (1 + 200) = 8040 against the holder's 6000.
+    # A short prompt (40): others 40 x (1 + 200) = 8040 against the holder's 8000.
     pytest.param({"w2": 8000}, 40, "w2", id="short-prompt-stays"),
 ]
 
@@ -168,22 +167,31 @@ def test_a_whole_prefix_stays_on_its_holder_unless_waiting_costs_more(
 
 
 def test_a_partial_holder_spreads_when_its_queue_costs_more_than_the_prefill() -> None:
-    # w2 holds 2 of 10 blocks (saves 20% of P = 1000). Queues: w2 9000, the others 0;
-    # mean 2250. w2: 800 x (1 + 9) + 6750 = 14750; an idle worker: 1000 x 10 = 10000.
+    # w2 holds 2 of 10 blocks (saves 20% of P = 1000). Queues: w2 9000, the others 0.
+    # w2: 800 x (1 + 9) + 9000 = 17000; an idle worker: 1000 x 10 = 10000.
     chosen, why = _spread({"w2": 9000}, {"w2": 2}, 1000)
     assert chosen != "w2"
     assert why.startswith("spread: w2 outscored (depth=2)")
-    # With w2's queue at the mean (all four at 2250) it keeps its prefix.
+    # With the same queue everywhere (2250 each) it keeps its prefix.
     even = dict.fromkeys(IDS, 2250)
     assert _spread(even, {"w2": 2}, 1000) == ("w2", "prefix_hit depth=2")
 
 
 def test_a_full_cache_makes_a_move_dearer() -> None:
-    # w2 holds 5 of 10 blocks; queues w2 5000, others 0; mean 1250, P = 1000 (x 6).
-    # Room everywhere: w2 500 x 6 + 3750 = 6750 > an idle worker's 1000 x 6 = 6000: moves.
-    # Full caches: w2 500 x 2 x 6 + 3750 = 9750 < 1000 x 2 x 6 = 12000: stays.
+    # w2 holds 5 of 10 blocks; queues w2 5000, others 0; P = 1000 (x 6).
+    # Room everywhere: w2 500 x 6 + 5000 = 8000 > an idle worker's 1000 x 6 = 6000: moves.
+    # Full caches: w2 500 x 2 x 6 + 5000 = 11000 < 1000 x 2 x 6 = 12000: stays.
     assert _spread({"w2": 5000}, {"w2": 5}, 1000)[0] != "w2"
     assert _spread({"w2": 5000}, {"w2": 5}, 1000, full=True)[0] == "w2"
+
+
+def test_a_prefill_that_must_be_done_goes_where_the_least_is_queued() -> None:
+    # w0 holds 2 of 10 blocks under a queue of 9000 and spreads; of the others, all busy
+    # (w1 500, w2 100, w3 800 queued), w2 makes it wait least: every token queued ahead on an
+    # engine whose prefills share compute slows it. Measured against the mean queue (2600),
+    # all three looked equally idle and the ring's first, w1, took it.
+    chosen, why = _spread({"w0": 9000, "w1": 500, "w2": 100, "w3": 800}, {"w0": 2}, 1000)
+    assert (chosen, why.split(" -> ")[0]) == ("w2", "spread: w0 outscored (depth=2)")
 
 
 def _with_fills(held: int, fills: Mapping[str, int]) -> tuple[str, str]:
@@ -287,7 +295,7 @@ def _branch_route(
                              loads.get(w, 0)) for w in IDS)
     request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
                            16 * len(prompt) + 10, 16 * len(prompt))
-    engine = build_engine("cache_aware", opts or PolicyOptions())
+    engine = build_engine("cache_aware", opts or GUARD)
     return engine.route(request, Snapshot(views, index.at(0.0), RING))
 
 
@@ -403,6 +411,10 @@ def test_requests_waiting_in_the_holders_engine_move_its_prefix(
 LONG = tuple(range(2000, 2100))  # a long session's history: 100 blocks
 
 
+# The volume guard is off by default; these tests set it to its tested value.
+GUARD = PolicyOptions(volume_guard=1.2)
+
+
 def _volume_route(heavy_turns: int, opts: PolicyOptions | None = None) -> Decision:
     """w1 holds the long session, recorded ``heavy_turns`` times; w0 took the session's first
     20 blocks once, w2 and w3 one 20-block prompt each. The request is the session's next turn
@@ -417,7 +429,7 @@ def _volume_route(heavy_turns: int, opts: PolicyOptions | None = None) -> Decisi
     prompt = (*LONG, 5000, 5001, 5002, 5003)
     request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
                            16 * len(prompt) + 10, 16 * len(prompt))
-    engine = build_engine("cache_aware", opts or PolicyOptions())
+    engine = build_engine("cache_aware", opts or GUARD)
     return engine.route(request, Snapshot(views, index.at(0.0), RING))
 
 
@@ -429,6 +441,7 @@ def _volume_route(heavy_turns: int, opts: PolicyOptions | None = None) -> Decisi
     # 424 blocks (w0's 20 and this request included), over half a worker's share (58): it moves.
     pytest.param(3, None, True, id="over-its-share-by-more-than-the-slack-moves"),
     pytest.param(6, PolicyOptions(volume_guard=0.0), False, id="volume-guard-0-never-moves"),
+    pytest.param(6, PolicyOptions(), False, id="off-by-default"),
 ])
 def test_a_holder_over_its_share_of_the_recent_volume_loses_the_session(
     turns: int, opts: PolicyOptions | None, moved: bool
@@ -477,7 +490,7 @@ def test_a_moved_session_goes_where_the_volume_is_least_when_no_holder_has_room(
     worker with the least recent volume (w2: 20 blocks, w3: 40), not to w0 for the 20 blocks
     it would save."""
     views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
-    decision = build_engine("cache_aware").route(
+    decision = build_engine("cache_aware", GUARD).route(
         _session_request(NEXT_TURN), Snapshot(views, _no_room_on_w0(2).at(0.0), RING))
     assert decision.worker_id == "w2"
     assert decision.placement == "volume: least recent volume"
@@ -492,7 +505,7 @@ def test_workers_equal_for_a_moved_session_resolve_in_ring_order() -> None:
     index = _no_room_on_w0(1)
     first = next(wid for wid in RING.walk(NEXT_TURN[3]) if wid in ("w2", "w3"))
     views = [WorkerView(Worker(w, f"http://{w}")) for w in IDS]
-    engine = build_engine("cache_aware")
+    engine = build_engine("cache_aware", GUARD)
     chosen = {engine.route(_session_request(NEXT_TURN),
                            Snapshot(tuple(order), index.at(0.0), RING)).worker_id
               for order in (views, views[::-1])}
@@ -525,7 +538,8 @@ def test_a_medium_session_moves_only_where_a_holder_of_its_trunk_has_room(
         index.record(tuple(range(9000 + 100 * i, 9060 + 100 * i)), wid, 0.0)
     views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
     request = _session_request((*session, 7110, 7111))
-    decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(0.0), RING))
+    snapshot = Snapshot(views, index.at(0.0), RING)
+    decision = build_engine("cache_aware", GUARD).route(request, snapshot)
     if trunk_elsewhere:
         assert decision.worker_id == "w0"
         assert decision.kind is DecisionKind.DIVERTED
@@ -551,7 +565,8 @@ def test_the_volume_guard_leaves_a_shared_prompt_with_its_holder() -> None:
     prompt = (*LONG, 7000)
     request = RouteRequest(PrefixKey(prompt, prompt[3], 64 * len(prompt)), "m",
                            16 * len(prompt) + 10, 16 * len(prompt))
-    decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(0.0), RING))
+    snapshot = Snapshot(views, index.at(0.0), RING)
+    decision = build_engine("cache_aware", GUARD).route(request, snapshot)
     assert decision.worker_id == "w1"
     assert decision.kind is DecisionKind.PREFIX_HIT
 
@@ -573,6 +588,7 @@ def test_the_volume_guard_leaves_a_light_session_with_its_holder() -> None:
                            16 * len(prompt) + 10, 16 * len(prompt))
     # w1: 250 + 12 recent blocks against 1.2 x 322 / 4 + 24 = 120.6: over; but the session
     # routed 10 + 12 blocks, under half a worker's share (40.25).
-    decision = build_engine("cache_aware").route(request, Snapshot(views, index.at(0.0), RING))
+    snapshot = Snapshot(views, index.at(0.0), RING)
+    decision = build_engine("cache_aware", GUARD).route(request, snapshot)
     assert decision.worker_id == "w1"
     assert decision.kind is DecisionKind.PREFIX_HIT

@@ -42,10 +42,16 @@ left the request is placed like a cold prefix, from the ring anchor past the tru
 trunk's few holders. That holds only for a trunk whose branches grow (the index learns it per
 trunk: later requests extended what went on from it, as sessions' next turns do, at least as
 often as they reused it from inside, as questions on a shared document do); the branches of a
-trunk they reuse stay with the trunk. *Volume*: sessions stick to their worker, so a worker's
-load over a minute is the sessions it was given, and one long-context session can be twice a
-worker's mean prompt volume while its requests in flight look like anyone's. A holder whose
-recent routed prompt blocks (cached or not, halved every 30 s) are over ``volume_guard`` (1.2)
+trunk they reuse stay with the trunk. *Volume* (off by default: ``volume_guard`` 0): sessions
+stick to their worker, so a worker's routed volume over a minute is the sessions it was given,
+and one long-context session can be twice a worker's mean prompt volume while its requests in
+flight look like anyone's. Evening that out means moving sessions, each move a prefill of its
+whole history; the cost rule already moves one when waiting on its holder costs more than
+that, so the guard buys no latency: on engines whose prefills share compute it cost agent
+sessions 1.4-1.7x p99 and 4-5 points of hit rate, for routed volume 1.27x the mean instead of
+1.9-2.1x (BENCHMARKS.md, "the volume guard off by default"). With ``volume_guard`` set (1.2
+is the tested value) a holder whose
+recent routed prompt blocks (cached or not, halved every 30 s) are over ``volume_guard``
 times its share of the pool's, by more than twice the request, gets no credit for a request that
 extends a prompt it holds (a session's next turn; not for prompts shared from inside, whose
 copies move no load), when the session itself routed at least half a worker's share recently,
@@ -118,8 +124,10 @@ class PolicyOptions:
     # cache_aware: a holder whose recent routed prompt blocks (cached or not) are over this x
     # its share of the pool's, by more than twice the request's blocks, gets no credit for a
     # session's next turn, when the session routed at least half a worker's share: one long
-    # session cannot make a worker's load. 0: never.
-    volume_guard: float = 1.2
+    # session cannot make a worker's volume. 0: never (the default: each move redoes a whole
+    # history's prefill, and on engines whose prefills share compute that cost agent
+    # sessions 1.4-1.7x p99 for no latency gained on any workload; 1.2 evens routed volume).
+    volume_guard: float = 0.0
     # cache_aware: a worker whose engine's recent requests got their first token within this
     # many seconds on average is exempt from the hard bound (tokens in flight there make
     # nobody wait as long as a prefill elsewhere takes); gateway.pool.QUEUE_FLOOR_S. 0: never.

@@ -4,7 +4,7 @@ For a request of ``P`` prompt tokens whose first ``d`` of ``n`` blocks a worker 
 
     prefill = P * (1 - d / n) * (1 + evict_weight * F)
     cost    = prefill_weight * prefill * (1 + Q_all / P)
-              + wait_weight * (max(0, Q - mean Q) + P * (R - min R))
+              + wait_weight * ((Q - min Q) + P * (R - min R))
               + queue_weight * T
 
 ``F`` is the share of the worker's modelled cache in use (1 once full), ``Q`` its queued
@@ -24,8 +24,15 @@ This is "spread when it beats waiting", in prefill tokens on both sides:
   warms up), and an empty cache, a worker just added, as free room;
 * extra prefill is work every request queued in the pool waits for in turn, so on a busy pool
   it counts once per prompt of this size queued (``1 + Q_all / P``; 1 on an idle pool);
-* waiting is only saved where the holder's queue is longer than the others' (queues every
-  worker has are waited for wherever the request goes);
+* waiting is only saved where a worker's queue is longer than the shortest candidate's (the
+  queue every worker has is waited for wherever the request goes). The shortest, not the
+  mean: a request that must prefill anyway (a new session off a shared system prompt, a
+  prefix whose holder is overloaded) goes where the least prefill is queued, since on an
+  engine whose prefills share its compute every token queued there slows it down (and on
+  one that prefills in turn it waits for all of it). Measured against the mean, every
+  worker below it looked equally idle and such prefills landed on workers busy with others:
+  on agent sessions with shared prefill compute, p90 1.1-1.4x the Rust routers', against
+  0.95-1.1x now (BENCHMARKS.md, "the volume guard off by default");
 * an engine can queue without any prefill to do: when every running slot is taken (cached
   requests decoding), requests wait for admission, and the engine says how many
   (``num_requests_waiting``). Each one ahead is priced as one prefill of this prompt (a slot
@@ -54,12 +61,12 @@ from gateway.routing.engine import Context
 from gateway.routing.types import WorkerView
 
 
-def excess_wait(inflight_prefill: float, waiting: int, mean_prefill: float,
+def excess_wait(inflight_prefill: float, waiting: int, least_prefill: float,
                 least_waiting: int, prompt: float) -> float:
     """What waiting on a worker costs beyond the other candidates, in prefill tokens: its
-    queued prefill above their mean, and one prefill of the ``prompt`` per request its engine
-    has waiting beyond the least-waiting candidate's."""
-    return max(0.0, inflight_prefill - mean_prefill) + prompt * (waiting - least_waiting)
+    queued prefill above the least-queued candidate's, and one prefill of the ``prompt`` per
+    request its engine has waiting beyond the least-waiting candidate's."""
+    return inflight_prefill - least_prefill + prompt * (waiting - least_waiting)
 
 
 class CacheCostScorer:
@@ -84,21 +91,23 @@ class CacheCostScorer:
         matches = ctx.matches
         if blocks == 0 or ctx.branch_anchor is not None or not matches:
             return {w.id: 0.0 for w in candidates}
-        # One pass: whether a candidate holds any of it, the queued prefill, the least waiting.
+        # One pass: whether a candidate holds any of it, the queued prefill (in all, the
+        # least), the least waiting.
         held = False
         queued = 0
-        least_waiting = -1
+        least_queued = least_waiting = -1
         for w in candidates:
             if not held and matches.get(w.id, 0):
                 held = True
             queued += w.inflight_prefill
+            if least_queued < 0 or w.inflight_prefill < least_queued:
+                least_queued = w.inflight_prefill
             if least_waiting < 0 or w.waiting_requests < least_waiting:
                 least_waiting = w.waiting_requests
         if not held:
             return {w.id: 0.0 for w in candidates}
         prompt = max(ctx.request.prompt_tokens, 1)
         fill = ctx.snapshot.index.fill
-        mean_wait = queued / len(candidates)
         behind = 1.0 + queued / prompt
         costs: dict[str, float] = {}
         evict = self.evict_weight
@@ -110,9 +119,8 @@ class CacheCostScorer:
             if prefill > 0.0 and evict:
                 prefill *= 1.0 + evict * fill(wid)  # what it evicts, now or soon
             # excess_wait(), inline: once per candidate and decision.
-            excess = w.inflight_prefill - mean_wait
             costs[wid] = (prefill_weight * prefill * behind
-                          + wait_weight * ((excess if excess > 0.0 else 0.0)
+                          + wait_weight * (w.inflight_prefill - least_queued
                                            + prompt * (w.waiting_requests - least_waiting))
                           + queue_weight * w.inflight_tokens)
         worst = max(costs.values())
