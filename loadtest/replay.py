@@ -110,6 +110,7 @@ from loadtest.trace_workloads import TRACE_WORKLOADS, workload_trace
 from loadtest.traces import TraceRequest, read_mooncake
 from loadtest.workloads import COMPLETIONS_PATH, LiveSpec, trace_body
 from worker.engines.sim import SimCosts
+from worker.settings import parse_settings as parse_worker_settings
 
 HOST = "127.0.0.1"
 # The path each --api sends to.
@@ -176,9 +177,9 @@ class ReplayConfig:
         )
 
     def sim_costs(self) -> SimCosts:
-        return SimCosts(prefill_us_per_token=self.prefill_us_per_token,
-                        prefill_us_per_cached_token=self.cached_us_per_token,
-                        decode_ms_per_token=self.decode_ms_per_token)
+        """The costs the fleet's workers simulate, read from their own arguments by their own
+        parser (``--worker-arg=--prefill-shared`` included)."""
+        return SimCosts.of(parse_worker_settings(self.worker_args()))
 
 
 @dataclass(slots=True)

@@ -262,7 +262,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         workers=config.workers, cache_blocks=config.cache_blocks, policy=policy,
         mode="replay" if timed else "sequential",
         concurrency=None if timed else config.concurrency, max_running=config.max_running,
-        costs=config.sim_costs(), index_knows_capacity=config.report_cache_size,
+        costs=config.sim_costs(), serial_prefill=False,  # as the reference worker runs them
+        index_knows_capacity=config.report_cache_size,
         key_blocks_per_block=0 if tokens else config.block_chars // 64,
         private_blocks=1 if tokens else 0,
         route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),

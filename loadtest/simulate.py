@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-ms-per-token", type=float, default=DEFAULT_COSTS.decode_ms_per_token)
     p.add_argument("--parallel-prefill", action="store_true",
                    help="prefills on one worker do not wait for each other")
+    p.add_argument("--prefill-shared", action="store_true",
+                   help="prefills on one worker share its compute, each at 1/n of its speed "
+                   "while n are in prefill (the reference worker's --prefill-shared)")
     p.add_argument("--load-factor", type=float, help="bounded-load factor c (gateway default)")
     p.add_argument("--policy-option", action="append", default=[], metavar="NAME=VALUE",
                    help="set a field of gateway.routing.policies.PolicyOptions (repeatable)")
@@ -130,6 +133,7 @@ def config_from_args(args: argparse.Namespace, policy: str) -> SimConfig:
         prefill_us_per_token=args.prefill_us_per_token,
         prefill_us_per_cached_token=args.cached_us_per_token,
         decode_ms_per_token=args.decode_ms_per_token,
+        prefill_shared=args.prefill_shared,
     )
     config = SimConfig(
         workers=args.workers, cache_blocks=args.cache_blocks, policy=policy, mode=mode,

@@ -638,13 +638,7 @@ def build_engine(settings: WorkerSettings, tokenizer: Tokenizer) -> Engine:
         )
         return TorchEngine.build(config, detokenizer(tokenizer))
     cache = PrefixCache(settings.cache_blocks or SIM_DEFAULT_CACHE_BLOCKS, settings.block_size)
-    costs = SimCosts(
-        prefill_us_per_token=settings.prefill_us_per_token,
-        prefill_us_per_cached_token=settings.prefill_us_per_cached_token,
-        decode_ms_per_token=settings.decode_ms_per_token,
-        prefill_shared=settings.prefill_shared,
-    )
-    return SimEngine(cache, max_running=settings.max_running, costs=costs)
+    return SimEngine(cache, max_running=settings.max_running, costs=SimCosts.of(settings))
 
 
 def build_engines(settings: WorkerSettings, tokenizer: Tokenizer) -> tuple[Engine, ...]:

@@ -63,7 +63,11 @@ prefix; blocks of running requests cannot be evicted) and release happens at com
 Prefill costs ``SimCosts.prefill_seconds(uncached_tokens, cached_tokens)`` with
 ``cached_tokens = min(matched_blocks * 512, input_tokens)``; prefills run one at a time per worker
 in admission order (prefill is compute bound: a worker's uncached tokens queue up), unless
-``serial_prefill`` is off. The first token comes at the end of prefill (TTFT = dispatch to end of
+``serial_prefill`` is off (each takes its own time, whatever else runs: the reference worker's
+default). With ``SimCosts.prefill_shared`` they share the engine's compute as the reference
+worker's ``--prefill-shared`` does, with its own bookkeeping
+(:class:`worker.engines.compute.ProcessorSharing`): while ``n`` are in prefill each progresses at
+``1/n`` of its speed. The first token comes at the end of prefill (TTFT = dispatch to end of
 prefill: queue + prefill wait + prefill), then decode takes ``SimCosts.decode_seconds(output)``
 and runs alongside other requests' decode without slowing them.
 
@@ -117,6 +121,7 @@ from gateway.store.memory import MemoryStore
 from gateway.warmup_sources import WarmPrompt
 from loadtest.sim.routers import build_router
 from loadtest.traces import BLOCK_TOKENS, TraceRequest
+from worker.engines.compute import ProcessorSharing
 from worker.engines.sim import SimCosts
 from worker.kvcache import CacheFullError, PrefixCache
 
@@ -145,6 +150,8 @@ class SimConfig:
     speedup: float = 1.0
     max_running: int = 32
     costs: SimCosts = DEFAULT_COSTS
+    # Prefills one at a time per worker; off, each its own time (costs.prefill_shared:
+    # sharing the engine's compute instead, whatever this says).
     serial_prefill: bool = True
     # The gateway's policy options (load factor, weights...), its defaults unless replaced.
     policy_options: PolicyOptions = field(default_factory=PolicyOptions)
@@ -343,8 +350,9 @@ class _Telemetry:
 
 class _SimWorker:
     __slots__ = (
-        "blocks", "cache", "first_token_s", "matched_blocks", "max_queue", "prefill_free_at",
-        "queue", "queue_s", "routed", "running", "started", "worker",
+        "blocks", "cache", "compute", "compute_round", "first_token_s", "first_tokens",
+        "in_prefill", "matched_blocks", "max_queue", "prefill_free_at", "queue", "queue_s",
+        "routed", "running", "started", "worker",
     )
 
     def __init__(self, worker: Worker, cache: PrefixCache) -> None:
@@ -361,14 +369,21 @@ class _SimWorker:
         # and times to first token.
         self.started = 0
         self.queue_s = 0.0
+        self.first_tokens = 0
         self.first_token_s = 0.0
+        # With SimCosts.prefill_shared: the engine's compute shared by the requests in
+        # prefill (the worker's own bookkeeping), those requests by job number, and the
+        # round of the timer set for the next prefill to end (an older timer is void).
+        self.compute = ProcessorSharing()
+        self.in_prefill: dict[int, _Job] = {}
+        self.compute_round = 0
 
     def metrics(self) -> dict[str, float]:
         """What the engine's ``/metrics`` says now, as the gateway's probe reads it."""
         return {RUNNING: float(self.running), WAITING: float(len(self.queue)),
                 QUEUE_TIME_SUM: self.queue_s, QUEUE_TIME_COUNT: float(self.started),
                 FIRST_TOKEN_TIME_SUM: self.first_token_s,
-                FIRST_TOKEN_TIME_COUNT: float(self.started)}
+                FIRST_TOKEN_TIME_COUNT: float(self.first_tokens)}
 
     def result(self) -> WorkerResult:
         return WorkerResult(self.worker.id, self.routed, self.blocks, self.matched_blocks,
@@ -386,6 +401,7 @@ class ClusterSim:
         self.index = PrefixIndex(config.index_capacity, config.index_ttl_s)
         self.pool = WorkerPool((), self.index, private_blocks=config.private_blocks)
         self._private = 0  # private blocks handed out so far (their ids: negative)
+        self._prefill_jobs = 0  # prefills started on shared compute so far (their numbers)
         for wid in ids:
             self.pool.add(f"sim://{wid}", wid=wid)
             self.pool.mark_up(wid, frozenset())
@@ -571,22 +587,47 @@ class ClusterSim:
                     self._count_losses(job)
             cached = min(alloc.matched_blocks * BLOCK_TOKENS, req.input_tokens)
             prefill = costs.prefill_seconds(req.input_tokens - cached, cached)
+            w.started += 1
+            w.queue_s += now - job.arrived
+            if costs.prefill_shared and prefill > 0.0:
+                self._prefill_jobs += 1
+                w.in_prefill[self._prefill_jobs] = job
+                self._prefilled(w, w.compute.add(self._prefill_jobs, prefill, now), now)
+                continue
             start = max(now, w.prefill_free_at) if self.config.serial_prefill else now
             first_token = start + prefill
             if self.config.serial_prefill:
                 w.prefill_free_at = first_token
-            if job.attempt is not None:
-                self._ttft.append(first_token - job.issued)
-            w.started += 1
-            w.queue_s += now - job.arrived
-            w.first_token_s += first_token - job.arrived
-            if self.config.streaming and job.attempt is not None:
-                self._at(first_token, functools.partial(self._first_token, job.attempt))
-            # The engine frees the blocks when its own work is done; the gateway settles the
-            # request when its reply came back (``_complete``: its live hold, with
-            # request_delays).
-            done = first_token + costs.decode_seconds(req.output_tokens)
-            self._at(done, functools.partial(self._complete, w, job))
+            self._first_token_at(w, job, first_token)
+
+    def _prefilled(self, w: _SimWorker, done: Sequence[int], now: float) -> None:
+        """Shared prefill compute: the jobs ``done`` by ``now`` have their first token; the
+        timer is set again for the next one to end (the requests still in prefill share the
+        engine among fewer)."""
+        for number in done:
+            self._first_token_at(w, w.in_prefill.pop(number), now)
+        w.compute_round += 1
+        end = w.compute.next_end()
+        if end is not None:
+            self._at(end, functools.partial(self._compute_tick, w, w.compute_round))
+
+    def _compute_tick(self, w: _SimWorker, round_: int, now: float) -> None:
+        if round_ == w.compute_round:  # else a request started since: a later timer is set
+            self._prefilled(w, w.compute.advance(now), now)
+
+    def _first_token_at(self, w: _SimWorker, job: _Job, first_token: float) -> None:
+        """``job``'s prefill ends at ``first_token``: its first token, then its decode."""
+        if job.attempt is not None:
+            self._ttft.append(first_token - job.issued)
+        w.first_tokens += 1
+        w.first_token_s += first_token - job.arrived
+        if self.config.streaming and job.attempt is not None:
+            self._at(first_token, functools.partial(self._first_token, job.attempt))
+        # The engine frees the blocks when its own work is done; the gateway settles the
+        # request when its reply came back (``_complete``: its live hold, with
+        # request_delays).
+        done = first_token + self.config.costs.decode_seconds(job.req.output_tokens)
+        self._at(done, functools.partial(self._complete, w, job))
 
     def _count_losses(self, job: _Job) -> None:
         best, pooled = job.best_blocks, job.pooled_blocks

@@ -345,3 +345,27 @@ def test_responses_bodies_carry_the_completions_text_as_input() -> None:
     for p, r in zip(plain, asked, strict=True):
         assert r == {"model": p["model"], "input": p["prompt"],
                      "max_output_tokens": p["max_tokens"], "temperature": 0}
+
+
+def test_the_simulator_runs_prefills_as_the_fleets_workers_do() -> None:
+    # The costs come from the workers' own arguments, read by their own parser; a reference
+    # worker runs its prefills side by side (each its own time), or sharing its compute with
+    # --prefill-shared, never one after the other.
+    requests = [TraceRequest(i, 0.0, 2000, 1, prefix_key([10 * i + 1, 10 * i + 2], 2000))
+                for i in range(2)]
+    ends = {}
+    for extra in ((), ("--prefill-shared",)):
+        config = ReplayConfig(workers=1, cache_blocks=100, concurrency=2,
+                              prefill_us_per_token=50.0, extra_worker_args=extra)
+        assert config.sim_costs().prefill_shared is bool(extra)
+        assert config.sim_costs().prefill_us_per_token == 50.0
+        sim = simulated(requests, config, "round_robin", 0.5, delays=((0.0, 0.0), (0.0, 0.0)))
+        ends[extra] = sim["sim_seconds"]
+    from loadtest.replay_sim import live_units
+
+    # One prompt's prefill on an engine of its own (in the replay's units: the text the
+    # trace's blocks are sent as).
+    alone = live_units(requests, config)[0].input_tokens * 50e-6
+    assert alone > 0
+    assert ends[()] == pytest.approx(alone)  # side by side
+    assert ends[("--prefill-shared",)] == pytest.approx(2 * alone)  # sharing, ending together

@@ -10,6 +10,11 @@ from typing import Any
 
 import pytest
 
+from gateway.contracts.engine_metrics import (
+    FIRST_TOKEN_TIME_COUNT,
+    FIRST_TOKEN_TIME_SUM,
+    QUEUE_TIME_COUNT,
+)
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.rebalance import Shed
 from gateway.routing.policies import POLICY_NAMES
@@ -177,6 +182,49 @@ def test_replay_serializes_prefill_per_worker() -> None:
     assert fast.sim_seconds == pytest.approx(0.25 + 0.05)
 
 
+def test_shared_prefill_compute_splits_the_engine_between_the_prefills() -> None:
+    """With the worker's ``prefill_shared`` the prefills in progress share one engine (its
+    own processor-sharing bookkeeping), so prefills started together end together, and one
+    that starts later slows the others from then on: neither the serial nor the parallel
+    model gives these instants."""
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0, prefill_shared=True)
+    together = trace([1], [2], tokens=500)  # 0.05 s of prefill each, both at t=0
+    shared = simulate(together, config(1, 8, "round_robin", mode="replay", concurrency=None,
+                                       costs=costs))
+    assert shared.ttft_s == pytest.approx((0.10, 0.10))
+    # The second arrives at 0.02 s: the first has 0.03 s of work left, done at half speed by
+    # 0.08 s; the second then has 0.02 s of its 0.05 s left, alone: done at 0.10 s.
+    later = trace([1], [2], tokens=500, gap_s=0.02)
+    shared = simulate(later, config(1, 8, "round_robin", mode="replay", concurrency=None,
+                                    costs=costs))
+    assert shared.ttft_s == pytest.approx((0.08, 0.08))  # from each one's own arrival
+    assert shared.sim_seconds == pytest.approx(0.10)
+    # Whatever serial_prefill says: the costs are the engine's own.
+    serial = simulate(later, config(1, 8, "round_robin", mode="replay", concurrency=None,
+                                    costs=costs, serial_prefill=True))
+    assert serial.ttft_s == shared.ttft_s
+    # On two workers each prefill has an engine to itself.
+    apart = simulate(together, config(2, 8, "round_robin", mode="replay", concurrency=None,
+                                      costs=costs))
+    assert apart.ttft_s == pytest.approx((0.05, 0.05))
+
+
+def test_shared_prefill_metrics_count_first_tokens_when_they_come() -> None:
+    """The engine's time-to-first-token histogram counts a request when its prefill ends;
+    the admission-wait histogram when it is admitted."""
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0, prefill_shared=True)
+    sim = ClusterSim(config(1, 8, "round_robin", mode="replay", concurrency=None,
+                            costs=costs, probe_interval_s=0.0))
+    sim.run(trace([1], [2], tokens=500))
+    (worker,) = sim.workers.values()
+    metrics = worker.metrics()
+    assert metrics[FIRST_TOKEN_TIME_COUNT] == 2
+    assert metrics[FIRST_TOKEN_TIME_SUM] == pytest.approx(0.20)
+    assert metrics[QUEUE_TIME_COUNT] == 2
+
+
 def test_requests_wait_for_blocks_held_by_running_ones() -> None:
     costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
                      decode_ms_per_token=0.0)
@@ -208,6 +256,24 @@ def test_cli_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "replay, speedup 2.0" in table
     for name in policy_names():
         assert f"| {name} |" in table
+
+
+def test_cli_prefill_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Four 1,000-token prompts at once on one worker, 0.1 s of prefill each: one after the
+    # other (the default), side by side, or sharing the engine.
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(to_mooncake_lines([(0.0, 1000, 1, [i]) for i in range(4)]))
+                    + "\n", encoding="utf-8")
+    base = ["--trace", str(path), "--workers", "1", "--cache-blocks", "8", "--policy",
+            "round_robin", "--mode", "replay", "--prefill-us-per-token", "100",
+            "--decode-ms-per-token", "0", "--json"]
+    p50 = {}
+    for flag in ("", "--parallel-prefill", "--prefill-shared"):
+        assert cli.main([*base, *([flag] if flag else [])]) == 0
+        p50[flag] = json.loads(capsys.readouterr().out)["ttft_p50"]
+    assert p50[""] == pytest.approx(0.2)  # the nearest-rank median of 0.1, 0.2, 0.3, 0.4
+    assert p50["--parallel-prefill"] == pytest.approx(0.1)
+    assert p50["--prefill-shared"] == pytest.approx(0.4)  # all four end together
 
 
 def test_ring_seeds_name_other_fleets() -> None:

@@ -27,7 +27,7 @@ import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -40,6 +40,9 @@ from worker.engines.base import (
 )
 from worker.engines.compute import SharedCompute
 from worker.kvcache import Allocation, PrefixCache
+
+if TYPE_CHECKING:
+    from worker.settings import WorkerSettings
 
 WORDS = (
     "the", "of", "and", "cache", "block", "token", "prefix", "route", "worker", "model",
@@ -68,6 +71,17 @@ class SimCosts:
     def decode_seconds(self, output_tokens: int) -> float:
         """Decode time of ``output_tokens`` tokens (the first one is free: it ends prefill)."""
         return max(output_tokens - 1, 0) * self.decode_ms_per_token / 1e3
+
+    @classmethod
+    def of(cls, settings: WorkerSettings) -> SimCosts:
+        """The costs a worker started with ``settings`` simulates (so that a simulator of
+        such workers reads them from the same arguments)."""
+        return cls(
+            prefill_us_per_token=settings.prefill_us_per_token,
+            prefill_us_per_cached_token=settings.prefill_us_per_cached_token,
+            decode_ms_per_token=settings.decode_ms_per_token,
+            prefill_shared=settings.prefill_shared,
+        )
 
 
 def pseudo_words(prompt_tokens: Sequence[int], count: int, sample: int = 0) -> list[str]:
