@@ -240,6 +240,10 @@ class RunResult:
     # Per request, in trace order: the blocks its worker reported reusing
     # (x-cache-matched-tokens), which the simulator's workers are compared with.
     cached_blocks: list[int] = field(default_factory=list)
+    # Per request, in trace order, where every reply said both (ours): seconds from the
+    # gateway's decision to the worker's engine freeing the request's blocks
+    # (x-engine-done-at - x-route-at), when the simulator's workers free them too.
+    engine_held_s: list[float] = field(default_factory=list)
     # The engine scrapes (health probes' /metrics) the gateway routed on, each at its instant
     # on the decision instants: the view of a worker counts its engine's running and waiting
     # requests at the last scrape (gateway.pool.WorkerState.view).
@@ -360,6 +364,14 @@ def decision_instants(replies: Sequence[Reply]) -> list[float]:
     return [] if first is None else [round(r.decided_at - first, 6) for r in replies]
 
 
+def engine_holds(replies: Sequence[Reply]) -> list[float]:
+    """Each reply's seconds from the gateway's decision to its engine freeing the request's
+    blocks; empty unless every reply said both."""
+    if not all(r.decided_at and r.engine_done_at for r in replies):
+        return []
+    return [round(r.engine_done_at - r.decided_at, 6) for r in replies]
+
+
 def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float,
               pooled: float, cpu_s: float | None, worker_ids: Sequence[str],
               config: ReplayConfig) -> RunResult:
@@ -401,6 +413,7 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
         routed_to=[r.worker for r in replies],
         prewarmed_to=[r.prewarmed_to for r in replies] if decided else [],
         cached_blocks=[r.matched_tokens // bt for r in replies],
+        engine_held_s=engine_holds(replies),
         route_reasons=[r.reason for r in replies] if any(r.reason for r in replies) else [],
         worker_ids=list(worker_ids), per_worker=dict(sorted(per_worker.items())),
         gateway_p50_ms=statistics.median(own) if said else None,

@@ -216,7 +216,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
               cached: Sequence[int] = (),
               rebalanced: Sequence[Mapping[str, Any]] | None = None,
               scrapes: Sequence[Mapping[str, Any]] = (),
-              prewarmed: Sequence[str] = ()) -> dict[str, Any]:
+              prewarmed: Sequence[str] = (),
+              engine_held: Sequence[float] = ()) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
     concurrency, keys (the gateway's own, :func:`gateway_keys`, else the trace's in the
     gateway's shape) and timing: each request's own ``delays`` (:func:`request_delays`), or
@@ -225,7 +226,9 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     request (``routed_to``), ``same_worker`` is the share of requests the simulator sent
     where the gateway did; with the blocks each request's live worker reported reusing
     (``cached``), ``same_cached`` is the share of requests whose simulated worker reused as
-    many.
+    many. With the seconds from each decision to the live engine freeing the request's
+    blocks (``engine_held``, :attr:`RunResult.engine_held_s`), the simulated workers free
+    them then.
 
     With the gateway's own decision instants (``decided_s``, per request in trace order), the
     client is not simulated at all: each request is decided at its live instant, in the live
@@ -250,6 +253,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         units = [replace(units[i], arrival_s=decided_s[i]) for i in order]
         delays = [(0.0, delays[i][1]) for i in order]
         keys = [keys[i] for i in order] if len(keys) == len(order) else ()
+        engine_held = ([engine_held[i] for i in order] if len(engine_held) == len(order)
+                       else ())
     prewarm_log: tuple[str, ...] = ()
     if timed and len(prewarmed) == len(order) and "prewarm" not in (overrides or {}):
         prewarm_log = tuple(prewarmed[i] for i in order)
@@ -268,6 +273,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         private_blocks=1 if tokens else 0,
         route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
         request_delays=tuple(delays), route_keys=tuple(keys),
+        engine_holds=tuple(engine_held) if len(engine_held) == len(units) else (),
         decision_gap_s=0.0 if timed else decision_gap_s, rebalance_log=logged,
         scrape_log=tuple((float(x["decided_s"]), str(x["worker"]), dict(x["metrics"]))
                          for x in scrapes) if timed else (),
@@ -362,7 +368,8 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
                     for wait, hold in delays] if draw else delays
         samples.append(simulated(requests, config, policy, pooled, timing, run.worker_ids,
                                  jittered, keys, run.routed_to, decision_gap(run),
-                                 overrides=overrides, units=units))
+                                 overrides=overrides, units=units,
+                                 engine_held=run.engine_held_s))
     out = dict(samples[0])
     for key in SIM_KEYS:
         out[key] = statistics.fmean(s[key] for s in samples)
@@ -373,7 +380,8 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
         decided = simulated(requests, config, policy, pooled, timing, run.worker_ids, delays,
                             keys, run.routed_to, decided_s=run.decided_s, overrides=overrides,
                             units=units, cached=run.cached_blocks, rebalanced=run.rebalance,
-                            scrapes=run.engine_scrapes, prewarmed=run.prewarmed_to)
+                            scrapes=run.engine_scrapes, prewarmed=run.prewarmed_to,
+                            engine_held=run.engine_held_s)
         out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "same_cached",
                                                     "prewarms", "prewarms_used")}
     return out

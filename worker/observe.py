@@ -27,6 +27,7 @@ class PromptTiming:
     admitted: float = 0.0
     first_token: float = 0.0
     done: float = 0.0
+    freed_at: float = 0.0  # time.monotonic() when its KV blocks went back to the cache
     output_tokens: int = 0
     input_tokens: int = 0
     cached_tokens: int = 0

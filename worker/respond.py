@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.contracts.headers import (
+    ENGINE_DONE_HEADER,
     HIT_RATIO_HEADER,
     INPUT_TOKENS_HEADER,
     MATCHED_BLOCKS_HEADER,
@@ -126,6 +128,7 @@ async def _produce(
         if rest := text.flush():
             events.put_nowait(_Piece(index, rest))
     timing.done = loop.time()
+    timing.freed_at = time.monotonic()
     events.put_nowait(_Done(index, "stop" if text.stopped else "length", timing.output_tokens))
 
 
@@ -271,11 +274,13 @@ async def respond_whole(
     await _run_prompts(engine, metrics, job, collect, trace)
     report = CacheReport.of(admissions)
     tokens = sum(end.tokens for end in ends)
+    headers = {**headers, **report.headers(),
+               ENGINE_DONE_HEADER: f"{max(p.freed_at for p in trace.prompts):.6f}"}
     if job.kind == "response":
         body = response_object(job, "".join(texts[0]), report, tokens)
         if job.on_response is not None:
             job.on_response(body)
-        return web.json_response(body, headers={**headers, **report.headers()})
+        return web.json_response(body, headers=headers)
     finish = {end.index: end.finish for end in ends}
     choices: list[dict[str, Any]] = []
     for i, pieces in enumerate(texts):
@@ -288,7 +293,7 @@ async def respond_whole(
         choices.append(choice)
     body = job.envelope(job.object_name, choices)
     body["usage"] = report.usage(tokens)
-    return web.json_response(body, headers={**headers, **report.headers()})
+    return web.json_response(body, headers=headers)
 
 
 def response_defaults() -> dict[str, Any]:

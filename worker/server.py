@@ -25,7 +25,9 @@ Cache report: every completion response carries, summed over its prompts,
   ``matched_tokens``, ``matched_blocks``, ``cache_hit_ratio``;
 * headers ``x-cache-input-tokens``, ``x-cache-matched-tokens``, ``x-cache-matched-blocks``,
   ``x-cache-hit-ratio`` (plus ``x-worker-id`` and ``x-request-id``). A streaming response sends
-  its headers once every prompt is admitted (blocks allocated), before the first token.
+  its headers once every prompt is admitted (blocks allocated), before the first token; a
+  whole one also says when the engine freed the request's blocks (``x-engine-done-at``, the
+  host's monotonic clock), which the live replay's simulator follows.
 
 Cache namespace: the ``cache_salt`` body field and/or the ``x-cache-namespace`` header; requests
 in different namespaces share no blocks.

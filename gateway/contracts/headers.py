@@ -11,5 +11,10 @@ HIT_RATIO_HEADER = "x-cache-hit-ratio"
 CACHE_STAT_HEADERS = (INPUT_TOKENS_HEADER, MATCHED_TOKENS_HEADER, MATCHED_BLOCKS_HEADER,
                       HIT_RATIO_HEADER)
 
+# When the worker's engine finished a whole (non-streamed) response's request and freed its KV
+# blocks: seconds on the host's monotonic clock, the clock of the gateway's ``x-route-at``
+# (the reference worker; the live replay's simulator frees the blocks then too).
+ENGINE_DONE_HEADER = "x-engine-done-at"
+
 # The worker process's boot id: a new value means it restarted with a cold cache.
 WORKER_BOOT_HEADER = "x-worker-boot-id"

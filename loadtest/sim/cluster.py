@@ -45,10 +45,15 @@ it. Both delays are 0 by default (time is the workers' cost model alone). The li
 (:mod:`loadtest.replay`) gives each request its own measured timing instead
 (``request_delays``): the wait before its decision and the gateway's hold from the decision to
 the worker's reply, so that every request is decided when it was live and counts in flight on
-its worker for as long as it did there. Its worker still runs it for its cost model's time
-only: an engine frees a request's blocks when it has computed it, not when the gateway reads
-the reply, and requests reach each worker in the order they were routed, so the blocks go
-back to the worker's LRU in the order they did live (the order a full cache evicts them in).
+its worker for as long as it did there. Its worker frees the prompt's blocks when the live
+engine did (``engine_holds``, as the reference worker says: ``x-engine-done-at``), or after
+its cost model's time if that is later; without them, after its cost model's time. An
+engine puts a request's blocks back at the young end of its LRU when it frees them, so the
+order requests end in is the order a full cache keeps their prefixes in. Neither the gateway's
+hold (the reply's way back reorders requests that end together) nor the cost model (a live
+engine on a loaded machine runs longer than it says; with prefills sharing compute the
+simulated caches kept 1-2 points more of Mooncake's blocks than the live ones) gives that
+order.
 One event loop decides one request at a time, in the
 order they reach it: decisions keep the order requests were sent in, at least
 ``decision_gap_s`` apart (the gateway's CPU time per request, in the replay). That spacing
@@ -172,6 +177,10 @@ class SimConfig:
     # cost model's time, and the gateway settles it when its hold ends (or when the worker is
     # done, if that is later).
     request_delays: tuple[tuple[float, float], ...] = ()
+    # Per request, by position in the trace: seconds from the decision to the live engine
+    # freeing the request's blocks; given, the simulated worker frees them then (or at its
+    # cost model's end, if later).
+    engine_holds: tuple[float, ...] = ()
     # The gateway's time per decision: one event loop decides one request at a time, in the
     # order they reach it, so two decisions are at least this far apart.
     decision_gap_s: float = 0.0
@@ -330,6 +339,7 @@ class _Job:
     best_blocks: int = 0  # ... and the most any worker held when it was routed
     private: Sequence[int] = ()  # hashes of its private blocks (SimConfig.private_blocks)
     arrived: float = 0.0  # when it reached the worker (the engine's histograms count from here)
+    freed_at: float | None = None  # with engine_holds: when the live engine freed its blocks
 
 
 class _Telemetry:
@@ -505,9 +515,11 @@ class ClusterSim:
         w = self.workers[decision.worker_id]
         self._assignments[pos] = w.worker.id
         w.routed += 1
+        freed = self.config.engine_holds
         w.queue.append(_Job(req, str(req.index), issued, attempt,
                             None if hold is None else now + hold, pos,
-                            pooled_blocks=pooled, best_blocks=best, arrived=now))
+                            pooled_blocks=pooled, best_blocks=best, arrived=now,
+                            freed_at=now + freed[pos] if pos < len(freed) else None))
         w.max_queue = max(w.max_queue, len(w.queue))
         if self.router.uses_prefix_index:  # as the gateway does after each decision
             logged = self.config.prewarm_log
@@ -623,10 +635,12 @@ class ClusterSim:
         w.first_token_s += first_token - job.arrived
         if self.config.streaming and job.attempt is not None:
             self._at(first_token, functools.partial(self._first_token, job.attempt))
-        # The engine frees the blocks when its own work is done; the gateway settles the
-        # request when its reply came back (``_complete``: its live hold, with
-        # request_delays).
+        # The engine frees the blocks when its own work is done (when the live one did, with
+        # engine_holds); the gateway settles the request when its reply came back
+        # (``_complete``: its live hold, with request_delays).
         done = first_token + self.config.costs.decode_seconds(job.req.output_tokens)
+        if job.freed_at is not None:
+            done = max(done, job.freed_at)
         self._at(done, functools.partial(self._complete, w, job))
 
     def _count_losses(self, job: _Job) -> None:

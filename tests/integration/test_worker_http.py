@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,10 @@ async def test_completion_reports_cache_stats_in_usage_and_headers(worker: Worke
     assert float(warm.headers["x-cache-hit-ratio"]) == pytest.approx(
         warm_usage["cache_hit_ratio"], abs=1e-6
     )
+    # When the engine freed the request's blocks, on the host's monotonic clock: after the
+    # first request's, before this reply was read.
+    assert (float(cold.headers["x-engine-done-at"]) < float(warm.headers["x-engine-done-at"])
+            <= time.monotonic())
 
 
 async def test_cache_salt_and_namespace_header_isolate(worker: Worker) -> None:

@@ -369,3 +369,31 @@ def test_the_simulator_runs_prefills_as_the_fleets_workers_do() -> None:
     assert alone > 0
     assert ends[()] == pytest.approx(alone)  # side by side
     assert ends[("--prefill-shared",)] == pytest.approx(2 * alone)  # sharing, ending together
+
+
+def test_a_worker_frees_a_request_when_its_live_engine_did() -> None:
+    """As above, but each live engine said when it freed the request's blocks (A 0.3 s after
+    its decision, B 0.1 s after its own): B's go back to the LRU first, so C's 8 blocks evict
+    B's deepest 4 and A's prompt again (D) finds all 8 of its blocks."""
+    a = prefix_key(range(8), 512 * 8)
+    reqs = [TraceRequest(0, 0.0, 512 * 8, 1, a),
+            TraceRequest(1, 0.0, 512 * 8, 1, prefix_key(range(100, 108), 512 * 8)),
+            TraceRequest(2, 0.0, 512 * 8, 1, prefix_key(range(200, 208), 512 * 8)),
+            TraceRequest(3, 0.0, 512 * 8, 1, a)]
+    config = ReplayConfig(workers=1, cache_blocks=20, concurrency=4)
+    holds = [(0.0, 0.31), (0.0, 0.11), (0.0, 0.01), (0.0, 0.01)]
+    sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=holds,
+                    decided_s=(0.0, 0.0001, 0.5, 0.6), cached=(0, 0, 0, 8),
+                    engine_held=(0.3, 0.1, 0.005, 0.005))
+    assert sim["block_hit_rate"] == pytest.approx(8 / 32)
+    assert sim["same_cached"] == 1.0
+
+
+def test_engine_holds_come_from_the_decision_and_the_engines_instant() -> None:
+    from loadtest.replay import engine_holds
+
+    said = [Reply(200, "w", 10, 0, 0.1, decided_at=100.0, engine_done_at=100.25),
+            Reply(200, "w", 10, 0, 0.1, decided_at=100.5, engine_done_at=100.5625)]
+    assert engine_holds(said) == [0.25, 0.0625]
+    # A reply that did not say (a peer's, a failure): none at all.
+    assert engine_holds([*said, Reply(200, "w", 10, 0, 0.1, decided_at=101.0)]) == []
