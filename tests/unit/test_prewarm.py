@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable
 
 from gateway.backends.base import UpstreamRequest
-from gateway.fingerprint import Namespace, fingerprint
+from gateway.fingerprint import Namespace, PrefixKey, fingerprint
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.routing.prefix_index import PrefixIndex
@@ -167,6 +167,53 @@ async def test_a_prefix_asked_for_once_is_not_warmed_however_long_the_queue() ->
     would only evict other prefixes from the next worker's cache."""
     after, _ = await cost_rule(asked=1)
     assert after == [[], []]
+
+
+async def from_a_trunk(branches: str) -> tuple[list[str], str]:
+    """A 4-block trunk on its holder that earlier prompts went on from, as ``branches``:
+    "sessions" (their next turns extended them) or "documents" (questions on one shared it
+    from inside); then a request with 8 blocks of its own past the trunk, decided onto the
+    holder of the trunk while much prefill is queued there. The pre-warms placed, and the
+    worker next on the ring."""
+    index = PrefixIndex()
+    pool = WorkerPool(URLS, index)
+    for state in pool.states():
+        pool.mark_up(state.worker.id, frozenset({"m"}))
+    trunk = (1, 2, 3, 4)
+    blocks = (*trunk, *range(100, 108))
+    request = RouteRequest(key=PrefixKey(blocks, blocks[3], 64 * len(blocks)), model="m",
+                           cost_tokens=300, prompt_tokens=250)
+    holder = pool.ring.owner(request.key.anchor)
+    assert holder is not None
+    tails = ([(10, 11), (20, 21), (20, 21, 22), (20, 21, 22, 23)] if branches == "sessions"
+             else [(10, 11, 12), (20, 21, 22), (20, 21, 23), (20, 21, 24)])
+    for tail in tails:
+        index.record((*trunk, *tail), holder, 0.0)
+    index.record(blocks, holder, 0.0)  # recorded at its decision, before the pre-warmer runs
+    placed: list[str] = []
+
+    async def replay(wid: str, prompt: WarmPrompt) -> bool:
+        placed.append(wid)
+        return True
+
+    warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
+    pool.acquire(holder, 3000, prefill=2500)
+    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
+    warmer.after_route(decision(pool, holder, len(trunk), 0, 1000.0, 3), request, upstream, "",
+                       0.0)
+    await asyncio.sleep(0.01)
+    return placed, next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+
+
+async def test_a_request_past_a_fork_of_sessions_is_not_copied_for_the_trunk() -> None:
+    """The copy is the whole request: past a trunk whose branches are documents, the rest is
+    a document the questions on it share, and it is copied when the holder's queue nears
+    what a move adds; past a trunk whose branches are sessions, the rest is one session's
+    own history, which only its next turn would use, and it is not."""
+    placed, expected = await from_a_trunk("documents")
+    assert placed == [expected]
+    placed, _ = await from_a_trunk("sessions")
+    assert placed == []
 
 
 async def test_stats_count_what_was_sent_placed_failed_and_in_flight() -> None:
