@@ -113,18 +113,24 @@ def test_at_the_gateways_decision_instants_requests_are_decided_in_that_order() 
     assert untimed["same_worker"] == 0.5
 
 
-def test_a_worker_frees_a_request_when_done_whatever_the_gateways_hold() -> None:
-    """Two prompts of 8 blocks on one worker of 20 (free costs), A held longer than B live:
-    the engine frees each one when it has computed it, in the order they reached it (A, then
-    B), not when the gateway read the reply. So the 8 blocks of C evict A's deepest 4, and A's
-    prompt again (D) finds 4 of its 8 blocks, with the live holds as with equal ones (were A's
-    blocks kept until its reply came back, C would evict B's and D would find all 8)."""
+def a_b_c_then_a() -> tuple[list[TraceRequest], ReplayConfig]:
+    """Prompts A, B and C of 8 blocks each, then A again, for one worker of 20 blocks."""
     a = prefix_key(range(8), 512 * 8)
     reqs = [TraceRequest(0, 0.0, 512 * 8, 1, a),
             TraceRequest(1, 0.0, 512 * 8, 1, prefix_key(range(100, 108), 512 * 8)),
             TraceRequest(2, 0.0, 512 * 8, 1, prefix_key(range(200, 208), 512 * 8)),
             TraceRequest(3, 0.0, 512 * 8, 1, a)]
-    config = ReplayConfig(workers=1, cache_blocks=20, concurrency=4)
+    return reqs, ReplayConfig(workers=1, cache_blocks=20, concurrency=4)
+
+
+def test_a_worker_frees_a_request_when_done_whatever_the_gateways_hold() -> None:
+    """Two prompts of 8 blocks on one worker of 20 (free costs), A held longer than B live
+    and no engine saying when it freed them:
+    the engine frees each one when it has computed it, in the order they reached it (A, then
+    B), not when the gateway read the reply. So the 8 blocks of C evict A's deepest 4, and A's
+    prompt again (D) finds 4 of its 8 blocks, with the live holds as with equal ones (were A's
+    blocks kept until its reply came back, C would evict B's and D would find all 8)."""
+    reqs, config = a_b_c_then_a()
     decided = (0.0, 0.0001, 0.5, 0.6)
     for holds in ([(0.0, 0.3), (0.0, 0.1), (0.0, 0.01), (0.0, 0.01)], [(0.0, 0.01)] * 4):
         sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=holds,
@@ -375,12 +381,7 @@ def test_a_worker_frees_a_request_when_its_live_engine_did() -> None:
     """As above, but each live engine said when it freed the request's blocks (A 0.3 s after
     its decision, B 0.1 s after its own): B's go back to the LRU first, so C's 8 blocks evict
     B's deepest 4 and A's prompt again (D) finds all 8 of its blocks."""
-    a = prefix_key(range(8), 512 * 8)
-    reqs = [TraceRequest(0, 0.0, 512 * 8, 1, a),
-            TraceRequest(1, 0.0, 512 * 8, 1, prefix_key(range(100, 108), 512 * 8)),
-            TraceRequest(2, 0.0, 512 * 8, 1, prefix_key(range(200, 208), 512 * 8)),
-            TraceRequest(3, 0.0, 512 * 8, 1, a)]
-    config = ReplayConfig(workers=1, cache_blocks=20, concurrency=4)
+    reqs, config = a_b_c_then_a()
     holds = [(0.0, 0.31), (0.0, 0.11), (0.0, 0.01), (0.0, 0.01)]
     sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=holds,
                     decided_s=(0.0, 0.0001, 0.5, 0.6), cached=(0, 0, 0, 8),
