@@ -174,8 +174,8 @@ class SimConfig:
     # Per request, by position in the trace: (seconds from the client's send to the decision,
     # seconds from the decision to settlement, the worker's own time included), as a live run
     # measured them. Given, they replace both delays above; a request's worker runs it for its
-    # cost model's time, and the gateway settles it when its hold ends (or when the worker is
-    # done, if that is later).
+    # cost model's time (or until its live engine was done: engine_holds), and the gateway
+    # settles it when its hold ends (or when the worker is done, if that is later).
     request_delays: tuple[tuple[float, float], ...] = ()
     # Per request, by position in the trace: seconds from the decision to the live engine
     # freeing the request's blocks; given, the simulated worker frees them then (or at its
