@@ -132,6 +132,13 @@ class PrefixKey:
         """How many leading checkpoints lie within the first ``depth`` blocks."""
         return bisect.bisect_right(self.depths, depth) if self.depths else depth
 
+    def cut(self, checkpoints: int, text_chars: int) -> PrefixKey:
+        """The key of this prompt's first ``text_chars`` characters, whose last full block is
+        checkpoint ``checkpoints - 1`` (at least one): its first ``checkpoints`` hashes, the
+        same anchor."""
+        depths = self.depths[:checkpoints] if self.depths else ()
+        return PrefixKey(self.blocks[:checkpoints], self.anchor, text_chars, depths)
+
     def anchor_past(self, depth: int) -> int:
         """The ring anchor of the rest of the prompt after its first ``depth`` blocks: the
         deepest checkpoint as far past ``depth`` as :attr:`anchor` is past the start (the

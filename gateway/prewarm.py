@@ -12,10 +12,14 @@ reached ``fraction`` of what a move would add for a prefix asked for again (``re
 conversation's previous turn is not, and its copy would only evict other prefixes) whose
 copy adds no session's own history past it (the index's record of the fork), or the
 prefix is hot and the holder's load with this request has reached ``fraction`` of its bound,
-the spread is imminent; it then replays this request as a prefill-only request (``max_tokens``
-1, the same body and namespace) on the first worker of the ring walk that does not hold the
-prefix, and records it there at once, as a routed request is recorded at its decision. When
-the spread happens, the new holder answers from its cache.
+the spread is imminent; it then replays the held prefix of this request as a prefill-only
+request (``max_tokens`` 1, the same namespace, the body cut to the held prefix of its prompt by
+:func:`gateway.prompt_cut.cut_body`, or whole where it cannot be cut) on the first worker of
+the ring walk that does not hold the prefix, and records it there at once, as a routed request
+is recorded at its decision. When the spread happens, the new holder answers from its cache.
+The part past the held prefix (a RAG question, a session's own history) is not copied: only
+this request would use it, and on the other worker it would take cache blocks from prefixes
+that are used.
 
 At most one pre-warm per prefix at a time and per ``cooldown_s``, and ``max_inflight`` in all;
 the request body is used while the replay is in flight and then dropped (nothing is stored).
@@ -30,7 +34,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.backends.base import UpstreamRequest
+from gateway.fingerprint import PrefixKey
 from gateway.pool import WorkerPool
+from gateway.prompt_cut import cut_body
 from gateway.routing.policies.cache_cost import excess_wait
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Decision, RouteRequest
@@ -58,6 +64,19 @@ class PrewarmOptions:
     # The cost rule warms only a prefix asked for again: its heat (decayed request count, the
     # request that triggers it included) at least this.
     repeat_heat: float = 2.0
+    # Characters per fingerprint block, to cut a copy to the held prefix (0: keys that are not
+    # character blocks, such as token-exact keys: the whole request is copied).
+    block_chars: int = 64
+
+
+def held_prefix(key: PrefixKey, match_blocks: int, block_chars: int) -> PrefixKey:
+    """The part of a prompt's ``key`` a pre-warm copies: its checkpoints within the
+    ``match_blocks`` blocks its holder has (the whole key where that is all of it). The
+    simulator cuts its pre-warms with it too."""
+    held = key.checkpoints_within(match_blocks)
+    if held < 1 or held >= len(key.blocks):
+        return key
+    return key.cut(held, key.depth_at(held - 1) * block_chars)
 
 
 class PreWarmer:
@@ -85,7 +104,13 @@ class PreWarmer:
         target = self.target(decision, request, now, len(self._tasks))
         if target is None:
             return None
-        prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, request.key,
+        key, body = request.key, upstream.body
+        if self.options.block_chars and not request.block_tokens:
+            held = held_prefix(key, decision.match_blocks, self.options.block_chars)
+            cut = cut_body(upstream.path, body, held.text_chars) if held is not key else None
+            if cut is not None:
+                key, body = held, cut
+        prompt = WarmPrompt(upstream.path, body, tenant, request.model, key,
                             namespace=upstream.namespace)
         # Recorded now, at the decision that chose it; sent by the task.
         task = asyncio.ensure_future(self._replay(target, prompt))
@@ -176,19 +201,14 @@ class PreWarmer:
         other prefixes from the target's cache: on the Mooncake trace 84-87 % of such
         copies were never used.
 
-        The copy is the whole request, not only the held prefix: where that prefix is a fork
-        whose branches are sessions (the index's record of it: later prompts extended them
-        at least as often as they shared them from inside), the part past it is one
-        session's history, which only that session's next turn would use, so it is not
-        copied either. On multi-turn chat, a copy of a new session for the sake of its
-        system prompt cost 0.7 points of hit rate and bought no latency; a RAG document
-        past the same kind of prefix is shared by the questions on it, and stays copied."""
+        The copy is the held prefix (``after_route``), which is what this rule found hot:
+        the part past it (a question, one session's history) would be used by this request
+        alone. (A copy of the whole request once fired on multi-turn chat for a new
+        session's system prompt and copied that session's history into another worker's
+        tight cache: 0.7 points of hit rate, no latency.)"""
         if self.index.heat(block, now) < self.options.repeat_heat:
             return False
         key = request.key
-        if (key.checkpoints_within(decision.match_blocks) < len(key.blocks)
-                and self.index.branches_grow(block, unseen=False)):
-            return False  # past the held prefix: one session's own history
         blocks = key.total_blocks
         if not blocks:
             return False

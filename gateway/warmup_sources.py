@@ -42,9 +42,11 @@ Tenancy = Callable[[str, str], tuple[str, str]]
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-# Fields of a sampled body that a prefill-only replay must not carry.
+# Fields of a sampled body that a prefill-only replay must not carry. Its ``tools`` stay: a
+# chat template renders them at the top of the prompt, so a replay without them would warm
+# another prefix; a forced ``tool_choice`` or an output format would constrain its one token.
 _DROPPED_FIELDS = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs",
-                   "max_completion_tokens", "tools", "tool_choice", "response_format")
+                   "max_completion_tokens", "tool_choice", "response_format")
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,7 +114,7 @@ from gateway.contracts.engine_metrics import (
 )
 from gateway.fingerprint import FingerprintOptions, PrefixKey, checkpoint_depths
 from gateway.pool import WorkerPool
-from gateway.prewarm import PreWarmer, PrewarmOptions
+from gateway.prewarm import PreWarmer, PrewarmOptions, held_prefix
 from gateway.rebalance import RebalanceAction, RebalanceOptions, Rebalancer
 from gateway.routing.policies import PolicyOptions
 from gateway.routing.prefix_index import PrefixIndex
@@ -198,6 +198,9 @@ class SimConfig:
     streaming: bool = False
     # The gateway's predictive pre-warming (gateway.prewarm), its default unless replaced.
     prewarm: bool = field(default_factory=lambda: bool(GatewaySettings().prewarm))
+    # A pre-warm copies the prefix its holder has (gateway.prewarm.held_prefix), as the gateway
+    # does with character keys; False: the whole request, as it does with token-exact keys.
+    prewarm_cut: bool = True
     # The gateway's rebalancer, every this many simulated seconds (0: off).
     rebalance_interval_s: float = field(
         default_factory=lambda: _gateway_default("rebalance_interval_s"))
@@ -529,19 +532,28 @@ class ClusterSim:
             else:
                 target = self.prewarmer.target(decision, route_request, now, self._prewarms)
             if target is not None:
+                if self.config.prewarm_cut:
+                    key = held_prefix(key, decision.match_blocks, 1)
                 self._prewarm(target, req, key, now, hold)
         self._pump(w, now)
 
     def _prewarm(self, wid: str, req: TraceRequest, key: PrefixKey, now: float,
                  hold: float | None) -> None:
-        """The gateway's pre-warm of ``req``'s prompt on ``wid``: recorded in the index as it
-        is sent, replayed there prefill-only (it takes cache blocks as any request does, and
-        counts in no client figure), one of the pre-warmer's slots held for as long as the
-        request that caused it was."""
+        """The gateway's pre-warm of ``req``'s held prefix (``key``, cut by
+        :func:`~gateway.prewarm.held_prefix`) on ``wid``: recorded in the index as it is sent,
+        replayed there prefill-only (its trace blocks within the cut; it takes cache blocks as
+        any request does, and counts in no client figure), one of the pre-warmer's slots held
+        for as long as the request that caused it was."""
         self.index.record(key.blocks, wid, now, key.depths)
         self._prewarms += 1
         w = self.workers[wid]
-        w.queue.append(_Job(replace(req, output_tokens=1), f"prewarm-{self.prewarmer.sent}",
+        copied = req
+        blocks = key.total_blocks // (self.config.key_blocks_per_block or 1)
+        if 0 < blocks < len(req.blocks):
+            tokens = max(1, req.input_tokens * blocks // len(req.blocks))
+            chars = req.key.text_chars * blocks // len(req.blocks)
+            copied = replace(req, input_tokens=tokens, key=req.key.cut(blocks, chars))
+        w.queue.append(_Job(replace(copied, output_tokens=1), f"prewarm-{self.prewarmer.sent}",
                             now, None, None if hold is None else now + hold, arrived=now))
         self._pump(w, now)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -17,8 +18,11 @@ from gateway.app import backend_options
 from gateway.backends.base import Backend, UpstreamRequest
 from gateway.backends.registry import build_backends
 from gateway.fingerprint import Namespace, fingerprint
+from gateway.normalize import render_chat
 from gateway.pool import WorkerPool
+from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.types import Decision, DecisionKind, RouteRequest
 from gateway.settings import GatewaySettings
 from gateway.store.memory import MemoryStore
 from gateway.sync import StoreSync
@@ -140,3 +144,44 @@ async def test_a_prewarm_reaches_the_worker_before_the_requests_routed_after_it(
     assert await asyncio.ensure_future(prewarm)
     assert prompt_tokens > 16
     assert cached >= prompt_tokens - 16  # every full block of the prompt
+
+
+async def test_a_prewarm_copies_only_the_prefix_its_holder_held(setup: Setup) -> None:
+    """The pre-warmer, handed to the manager as the gateway does, copies a chat's held prefix
+    (its system prompt, which the busy holder had) to the next worker, and not the question
+    of the request that caused the copy (the live worker's cache, asked over HTTP)."""
+    messages = [{"role": "system", "content": TEXT},
+                {"role": "user", "content": "Which tyre fits a touring frame? " * 20}]
+    first = {"model": MODEL, "max_tokens": 1, "messages": messages}
+    key = fingerprint(render_chat(messages), Namespace(model=MODEL))
+    system = key.checkpoints_within(len(render_chat(messages[:1])) // 64)
+    for _ in range(2):  # asked for before, on the holder (the worker nothing listens on)
+        setup.index.record(key.blocks[:system], setup.dead, 0.0, key.depths[:system])
+    setup.pool.acquire(setup.dead, 3000, prefill=2500)  # and busy there
+    warmer = PreWarmer(setup.pool, setup.index, setup.manager.prewarm, PrewarmOptions())
+    view = setup.pool.snapshot(0.0).by_id[setup.dead]  # type: ignore[index]
+    decision = Decision(worker=type(view)(view.worker, True, 3, 0), policy="cache_aware",
+                        kind=DecisionKind.PREFIX_HIT, match_blocks=key.depth_at(system - 1))
+    request = RouteRequest(key=key, model=MODEL, cost_tokens=300, prompt_tokens=250)
+    target = warmer.after_route(decision, request,
+                                UpstreamRequest("/v1/chat/completions", first), "", 0.0)
+    assert target == setup.live
+    for _ in range(100):  # the copy's reply
+        if not warmer.stats()["inflight"]:
+            break
+        await asyncio.sleep(0.01)
+    assert warmer.stats()["placed"] == 1
+
+    async def cached(body: dict[str, Any]) -> tuple[int, int]:
+        worker = setup.pool.get(setup.live).worker
+        reply = await setup.backend.open(worker, UpstreamRequest("/v1/chat/completions", body))
+        try:
+            await reply.read()
+            return (int(reply.headers.get("x-cache-matched-tokens", "0")),
+                    int(reply.headers["x-cache-input-tokens"]))
+        finally:
+            reply.release()
+
+    again, prompt_tokens = await cached(first)
+    assert again >= len(TEXT) // 4 - 32  # the system prompt was there (about 4 characters
+    assert again < prompt_tokens - 64  # a token); the first question was not

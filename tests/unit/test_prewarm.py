@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from typing import Any
 
 from gateway.backends.base import UpstreamRequest
 from gateway.fingerprint import Namespace, PrefixKey, fingerprint
+from gateway.normalize import render_chat
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.routing.prefix_index import PrefixIndex
@@ -169,51 +171,73 @@ async def test_a_prefix_asked_for_once_is_not_warmed_however_long_the_queue() ->
     assert after == [[], []]
 
 
-async def from_a_trunk(branches: str) -> tuple[list[str], str]:
-    """A 4-block trunk on its holder that earlier prompts went on from, as ``branches``:
-    "sessions" (their next turns extended them) or "documents" (questions on one shared it
-    from inside); then a request with 8 blocks of its own past the trunk, decided onto the
-    holder of the trunk while much prefill is queued there. The pre-warms placed, and the
-    worker next on the ring."""
+async def copy_of_half(path: str, body: dict[str, Any], text: str,
+                       block_tokens: int = 0) -> tuple[WarmPrompt, PrefixKey]:
+    """The pre-warm of a request whose holder held the first half of its prompt (``text``,
+    its fingerprint text), asked for twice before, decided onto that holder while much
+    prefill is queued there; and the request's key."""
     index = PrefixIndex()
     pool = WorkerPool(URLS, index)
     for state in pool.states():
         pool.mark_up(state.worker.id, frozenset({"m"}))
-    trunk = (1, 2, 3, 4)
-    blocks = (*trunk, *range(100, 108))
-    request = RouteRequest(key=PrefixKey(blocks, blocks[3], 64 * len(blocks)), model="m",
-                           cost_tokens=300, prompt_tokens=250)
-    holder = pool.ring.owner(request.key.anchor)
+    key = fingerprint(text, Namespace(model="m"))
+    request = RouteRequest(key=key, model="m", cost_tokens=300, prompt_tokens=250,
+                           block_tokens=block_tokens)
+    holder = pool.ring.owner(key.anchor)
     assert holder is not None
-    tails = ([(10, 11), (20, 21), (20, 21, 22), (20, 21, 22, 23)] if branches == "sessions"
-             else [(10, 11, 12), (20, 21, 22), (20, 21, 23), (20, 21, 24)])
-    for tail in tails:
-        index.record((*trunk, *tail), holder, 0.0)
-    index.record(blocks, holder, 0.0)  # recorded at its decision, before the pre-warmer runs
-    placed: list[str] = []
+    half = key.checkpoints_within(key.total_blocks // 2)
+    for _ in range(2):
+        index.record(key.blocks[:half], holder, 0.0, key.depths[:half])
+    index.record(key.blocks, holder, 0.0, key.depths)  # at its decision
+    copies: list[WarmPrompt] = []
 
     async def replay(wid: str, prompt: WarmPrompt) -> bool:
-        placed.append(wid)
+        copies.append(prompt)
         return True
 
     warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
     pool.acquire(holder, 3000, prefill=2500)
-    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
-    warmer.after_route(decision(pool, holder, len(trunk), 0, 1000.0, 3), request, upstream, "",
-                       0.0)
+    warmer.after_route(decision(pool, holder, key.depth_at(half - 1), 0, 1000.0, 3), request,
+                       UpstreamRequest(path, body), "", 0.0)
     await asyncio.sleep(0.01)
-    return placed, next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+    assert len(copies) == 1
+    return copies[0], key
 
 
-async def test_a_request_past_a_fork_of_sessions_is_not_copied_for_the_trunk() -> None:
-    """The copy is the whole request: past a trunk whose branches are documents, the rest is
-    a document the questions on it share, and it is copied when the holder's queue nears
-    what a move adds; past a trunk whose branches are sessions, the rest is one session's
-    own history, which only its next turn would use, and it is not."""
-    placed, expected = await from_a_trunk("documents")
-    assert placed == [expected]
-    placed, _ = await from_a_trunk("sessions")
-    assert placed == []
+async def test_a_prewarm_copies_the_held_prefix_of_a_completions_prompt() -> None:
+    """Only the prefix the holder held is copied (what a later request for it reuses; the
+    rest is this request's own), keyed as its own text would be."""
+    prompt = TEXT + "Question: where is my parcel? " * 10
+    copy, key = await copy_of_half("/v1/completions", {"model": "m", "prompt": prompt}, prompt)
+    chars = key.total_blocks // 2 * 64
+    assert copy.body["prompt"] == prompt[:chars]
+    assert copy.key.blocks == fingerprint(prompt[:chars], Namespace(model="m")).blocks
+    assert copy.key.text_chars == chars
+    assert copy.key.anchor == key.anchor
+    assert copy.replay_body()["max_tokens"] == 1
+
+
+async def test_a_prewarm_copies_the_held_prefix_of_a_chat() -> None:
+    """A chat is cut inside the message the held prefix ends in; its rendering is the
+    request's text up to the cut."""
+    messages = [{"role": "system", "content": TEXT},
+                {"role": "user", "content": "Document: " + "the parcel went north. " * 60}]
+    text = render_chat(messages)
+    copy, key = await copy_of_half("/v1/chat/completions", {"model": "m", "messages": messages},
+                                   text)
+    chars = key.total_blocks // 2 * 64
+    assert len(copy.body["messages"]) == 2  # cut inside the user's document
+    assert render_chat(copy.body["messages"]) == text[:chars]
+    assert copy.key.blocks == fingerprint(text[:chars], Namespace(model="m")).blocks
+
+
+async def test_a_prewarm_with_token_keys_copies_the_whole_request() -> None:
+    """Token-exact keys count tokens, not characters: no cut."""
+    prompt = TEXT + "Question: where is my parcel? " * 10
+    body = {"model": "m", "prompt": prompt}
+    copy, key = await copy_of_half("/v1/completions", body, prompt, block_tokens=16)
+    assert copy.body == body
+    assert copy.key == key
 
 
 async def test_stats_count_what_was_sent_placed_failed_and_in_flight() -> None:

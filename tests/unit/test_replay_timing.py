@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gateway.fingerprint import PrefixKey
 from loadtest.harness import Reply, server_timing
 from loadtest.replay import (
     DryRunPair,
@@ -30,6 +31,7 @@ from loadtest.replay_sim import (
     with_overrides,
 )
 from loadtest.sim import ClusterSim, SimConfig
+from loadtest.sim.cluster import gateway_key
 from loadtest.traces import TraceRequest, prefix_key
 
 
@@ -250,6 +252,32 @@ def test_the_simulator_pre_warms_as_the_gateway_does() -> None:
             served.setdefault(request.key.blocks[3], set()).add(worker)
         holders[prewarm] = sum(len(workers) for workers in served.values())
     assert holders[True] > holders[False]
+
+
+def test_the_simulator_copies_the_held_prefix_as_the_gateway_does() -> None:
+    # A pre-warm copies the prefix its holder had (gateway.prewarm.held_prefix): on RAG some
+    # copies stop where the document's question begins; copying whole requests, none do.
+    requests, base = rag_under_load()
+    for cut in (True, False):
+        sim = ClusterSim(dataclasses.replace(base, prewarm_cut=cut))
+        copies: list[tuple[TraceRequest, PrefixKey]] = []
+        original = sim._prewarm
+
+        def spy(wid: str, req: TraceRequest, key: PrefixKey, *args: Any,
+                copies: list[tuple[TraceRequest, PrefixKey]] = copies,
+                original: Any = original) -> None:
+            copies.append((req, key))
+            original(wid, req, key, *args)
+
+        sim._prewarm = spy  # type: ignore[method-assign,assignment]
+        sim.run(requests)
+        assert copies
+        whole = gateway_key(requests[0].key, 1)  # the key blocks of one trace block
+        assert len(whole.blocks) == len(requests[0].blocks)
+        short = [key for req, key in copies if key.total_blocks < len(req.blocks)]
+        assert bool(short) is cut
+        for req, key in copies:  # a prefix of the request's own key
+            assert key.blocks == gateway_key(req.key, 1).blocks[:len(key.blocks)]
 
 
 def test_a_live_runs_prewarms_are_placed_where_it_placed_them() -> None:
