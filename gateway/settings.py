@@ -407,6 +407,12 @@ class GatewaySettings:
                        "bound, replay the prefix on the next holder before the spread "
                        "(see gateway.prewarm)"),
     )
+    prewarm_whole: bool = field(
+        default=False,
+        metadata=_help("a pre-warm replays the whole request, not only the prefix its holder "
+                       "held (the part past it is usually that request's own: a question, a "
+                       "session's history)"),
+    )
     prewarm_fraction: float = field(
         default=0.8, metadata=_help("share of the holder's load bound at which a hot prefix "
                                     "is pre-warmed on its next holder")

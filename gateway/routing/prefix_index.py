@@ -236,14 +236,16 @@ class PrefixIndex:
         node = self._nodes.get(block)
         return node is not None and depth > node.end
 
-    def branches_grow(self, block: int) -> bool:
+    def branches_grow(self, block: int, unseen: bool | None = None) -> bool:
         """Whether the prompts that went on from the fork ``block`` names grow: later prompts
         extended them (went on from the end of one, as a session's next turn does) at least
         as often as they reused them (went on from inside one, as requests sharing a document
-        after a system prompt do). A fork with no such record yet is taken to be like the
-        pool's forks so far; true before anything is seen."""
+        after a system prompt do). A fork with no such record yet is ``unseen``, or with None
+        taken to be like the pool's forks so far (true before anything is seen)."""
         stats = self._forks.get(block)
         if stats is None or stats.extended + stats.reused == 0.0:
+            if unseen is not None:
+                return unseen
             stats = self._pool_forks
         return stats.extended >= stats.reused
 

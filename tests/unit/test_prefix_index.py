@@ -336,6 +336,18 @@ def test_branches_grow_tells_sessions_from_shared_documents(
     assert idx.at(9.0).branches_grow(P(trunk)[-1]) is expected
 
 
+@pytest.mark.parametrize("unseen", [True, False])
+def test_a_fork_with_no_record_of_its_own_can_be_taken_as_told(unseen: bool) -> None:
+    """Asked with ``unseen``, a fork with no record of its own is that, not the pool's; a
+    fork with its own record answers from it either way."""
+    idx = PrefixIndex()
+    for i, text in enumerate(["SSSSAAAA", "SSSSBBBB", "SSSSBBBBbb", "TTTTAAAA", "TTTTBBBB"]):
+        idx.record(P(text), f"w{i % 3}", float(i))
+    assert idx.branches_grow(P("TTTT")[-1]) is True  # like the pool's forks: sessions
+    assert idx.branches_grow(P("TTTT")[-1], unseen=unseen) is unseen
+    assert idx.branches_grow(P("SSSS")[-1], unseen=unseen) is True
+
+
 @pytest.mark.parametrize(("shared", "expected"), [(45, True), (40, False)])
 def test_branches_grow_sees_an_extension_through_sparse_checkpoints(
     shared: int, expected: bool

@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
+import pytest
+
 from gateway.backends.base import UpstreamRequest
 from gateway.fingerprint import Namespace, PrefixKey, fingerprint
 from gateway.normalize import render_chat
@@ -171,8 +173,8 @@ async def test_a_prefix_asked_for_once_is_not_warmed_however_long_the_queue() ->
     assert after == [[], []]
 
 
-async def copy_of_half(path: str, body: dict[str, Any], text: str,
-                       block_tokens: int = 0) -> tuple[WarmPrompt, PrefixKey]:
+async def copy_of_half(path: str, body: dict[str, Any], text: str, block_tokens: int = 0,
+                       block_chars: int = 64) -> tuple[WarmPrompt, PrefixKey]:
     """The pre-warm of a request whose holder held the first half of its prompt (``text``,
     its fingerprint text), asked for twice before, decided onto that holder while much
     prefill is queued there; and the request's key."""
@@ -195,7 +197,8 @@ async def copy_of_half(path: str, body: dict[str, Any], text: str,
         copies.append(prompt)
         return True
 
-    warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
+    warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8,
+                                                           block_chars=block_chars))
     pool.acquire(holder, 3000, prefill=2500)
     warmer.after_route(decision(pool, holder, key.depth_at(half - 1), 0, 1000.0, 3), request,
                        UpstreamRequest(path, body), "", 0.0)
@@ -231,13 +234,63 @@ async def test_a_prewarm_copies_the_held_prefix_of_a_chat() -> None:
     assert copy.key.blocks == fingerprint(text[:chars], Namespace(model="m")).blocks
 
 
-async def test_a_prewarm_with_token_keys_copies_the_whole_request() -> None:
-    """Token-exact keys count tokens, not characters: no cut."""
+@pytest.mark.parametrize(("block_tokens", "block_chars"), [(16, 64), (0, 0)])
+async def test_a_prewarm_with_token_keys_or_told_so_copies_the_whole_request(
+        block_tokens: int, block_chars: int) -> None:
+    """Token-exact keys count tokens, not characters: no cut; nor with ``block_chars`` 0
+    (``--prewarm-whole``)."""
     prompt = TEXT + "Question: where is my parcel? " * 10
     body = {"model": "m", "prompt": prompt}
-    copy, key = await copy_of_half("/v1/completions", body, prompt, block_tokens=16)
+    copy, key = await copy_of_half("/v1/completions", body, prompt, block_tokens, block_chars)
     assert copy.body == body
     assert copy.key == key
+
+
+async def from_a_trunk(branches: str) -> tuple[list[str], str]:
+    """A 4-block trunk on its holder that earlier prompts went on from, as ``branches``:
+    "sessions" (their next turns extended them) or "documents" (questions on one shared it
+    from inside); then a request with 8 blocks of its own past the trunk, decided onto the
+    holder of the trunk while much prefill is queued there. The pre-warms placed, and the
+    worker next on the ring."""
+    index = PrefixIndex()
+    pool = WorkerPool(URLS, index)
+    for state in pool.states():
+        pool.mark_up(state.worker.id, frozenset({"m"}))
+    trunk = (1, 2, 3, 4)
+    blocks = (*trunk, *range(100, 108))
+    request = RouteRequest(key=PrefixKey(blocks, blocks[3], 64 * len(blocks)), model="m",
+                           cost_tokens=300, prompt_tokens=250)
+    holder = pool.ring.owner(request.key.anchor)
+    assert holder is not None
+    tails = ([(10, 11), (20, 21), (20, 21, 22), (20, 21, 22, 23)] if branches == "sessions"
+             else [(10, 11, 12), (20, 21, 22), (20, 21, 23), (20, 21, 24)])
+    for tail in tails:
+        index.record((*trunk, *tail), holder, 0.0)
+    index.record(blocks, holder, 0.0)  # recorded at its decision, before the pre-warmer runs
+    placed: list[str] = []
+
+    async def replay(wid: str, prompt: WarmPrompt) -> bool:
+        placed.append(wid)
+        return True
+
+    warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8))
+    pool.acquire(holder, 3000, prefill=2500)
+    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
+    warmer.after_route(decision(pool, holder, len(trunk), 0, 1000.0, 3), request, upstream, "",
+                       0.0)
+    await asyncio.sleep(0.01)
+    return placed, next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+
+
+async def test_a_request_past_a_fork_of_sessions_is_not_copied_for_the_trunk() -> None:
+    """Past a trunk whose branches are documents, the questions on each share it, and it is
+    copied when the holder's queue nears what a move adds; a trunk whose branches are
+    sessions would be used by new sessions only (the next turns go to their own holders),
+    which without the copy prefill it once anyway: it is not copied."""
+    placed, expected = await from_a_trunk("documents")
+    assert placed == [expected]
+    placed, _ = await from_a_trunk("sessions")
+    assert placed == []
 
 
 async def test_stats_count_what_was_sent_placed_failed_and_in_flight() -> None:
