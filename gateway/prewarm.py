@@ -9,8 +9,8 @@ next request goes to another worker, which prefills the whole prefix on the crit
 pre-warmer watches the same quantities right after each decision: when the chosen worker held
 the prefix, has at least ``min_holder_requests`` in flight, and either its excess wait has
 reached ``fraction`` of what a move would add for a prefix asked for again (``repeat_heat``: a
-conversation's previous turn is not, and its copy would only evict other prefixes) whose
-copy adds no session's own history past it (the index's record of the fork), or the
+conversation's previous turn is not, and its copy would only evict other prefixes) that is
+not a trunk that sessions go on from (the index's record of the fork), or the
 prefix is hot and the holder's load with this request has reached ``fraction`` of its bound,
 the spread is imminent; it then replays the held prefix of this request as a prefill-only
 request (``max_tokens`` 1, the same namespace, the body cut to the held prefix of its prompt by
