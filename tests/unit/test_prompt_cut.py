@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -91,3 +92,48 @@ def test_a_completions_prompt_is_cut_where_its_text_is(prompt: Any, chars: int,
                                                        expected: Any) -> None:
     cut = cut_body(COMPLETIONS, {"model": "m", "prompt": prompt}, chars)
     assert (cut["prompt"] if cut is not None else None) == expected
+
+
+def random_chat(rng: random.Random) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    """A chat of 1-6 messages of every shape the renderer knows, and tools or none."""
+    def text() -> str:
+        return "".join(rng.choice("ab \u00e9\u4e2d\U0001f600\n") for _ in range(rng.randint(0, 40)))
+
+    messages: list[dict[str, Any]] = []
+    for _ in range(rng.randint(1, 6)):
+        role = rng.choice(["system", "user", "assistant", "tool"])
+        message: dict[str, Any] = {"role": role}
+        shape = rng.random()
+        if shape < 0.5:
+            message["content"] = text()
+        elif shape < 0.8:
+            message["content"] = [rng.choice([{"type": "text", "text": text()},
+                                              {"type": "image_url", "image_url": {"url": text()}}])
+                                  for _ in range(rng.randint(1, 3))]
+        else:
+            message["content"] = None
+            message["tool_calls"] = [{"id": "c", "type": "function",
+                                      "function": {"name": "f", "arguments": text()}}]
+        if rng.random() < 0.2:
+            message["name"] = text()[:5]
+        if role == "tool" and rng.random() < 0.7:
+            message["tool_call_id"] = "c"
+        messages.append(message)
+    return messages, (TOOLS if rng.random() < 0.3 else None)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_no_cut_of_any_chat_renders_past_its_cut_or_off_its_text(seed: int) -> None:
+    rng = random.Random(seed)
+    messages, tools = random_chat(rng)
+    body: dict[str, Any] = {"messages": messages}
+    if tools:
+        body["tools"] = tools
+    text = render_chat(messages, tools)
+    for chars in range(len(text) + 1):
+        cut = cut_body(CHAT, body, chars)
+        if cut is not None:
+            rendered = render_chat(cut["messages"], tools)
+            assert text.startswith(rendered)
+            assert 0 < len(rendered) <= chars
+            assert cut["messages"]  # never an empty chat
