@@ -411,9 +411,9 @@ def create_app(
             pool, index, warmup.prewarm, PrewarmOptions(
                 enabled=settings.prewarm, hot_threshold=hot,
                 fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
-                block_chars=0 if settings.prewarm_whole else
-                settings.fingerprint_options().block_chars,
-            )),
+                block_chars=settings.fingerprint_options().block_chars,
+                whole=settings.prewarm_whole,
+            ), leading_ids=exact.leading_ids),
         chat_histories=ChatHistories(max_bytes=settings.chat_history_bytes),
         response_histories=ChatHistories(max_bytes=settings.chat_history_bytes, key="input",
                                          before=RESPONSES_BEFORE_INPUT),

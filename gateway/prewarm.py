@@ -28,12 +28,14 @@ the request body is used while the replay is in flight and then dropped (nothing
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.backends.base import UpstreamRequest
+from gateway.contracts.engine_paths import COMPLETIONS_PATH
 from gateway.fingerprint import PrefixKey
 from gateway.pool import WorkerPool
 from gateway.prompt_cut import cut_body
@@ -45,6 +47,9 @@ from gateway.warmup_sources import WarmPrompt
 # Called at the decision that chose the pre-warm (it may record it then); the awaitable it
 # returns sends it (WarmupManager.prewarm).
 Replay = Callable[[str, WarmPrompt], Awaitable[bool]]
+# A request's first N token ids as its engine runs them (None: not to be had); with token-exact
+# keys (PromptTokenizer.leading_ids).
+LeadingIds = Callable[[UpstreamRequest, int], Awaitable[list[int] | None]]
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +69,10 @@ class PrewarmOptions:
     # The cost rule warms only a prefix asked for again: its heat (decayed request count, the
     # request that triggers it included) at least this.
     repeat_heat: float = 2.0
-    # Characters per fingerprint block, to cut a copy to the held prefix (0: keys that are not
-    # character blocks, such as token-exact keys: the whole request is copied).
+    # Characters per fingerprint block, to cut a copy to the held prefix.
     block_chars: int = 64
+    # Copy the whole request, not only the held prefix (--prewarm-whole).
+    whole: bool = False
 
 
 def held_prefix(key: PrefixKey, match_blocks: int, block_chars: int) -> PrefixKey:
@@ -81,10 +87,11 @@ def held_prefix(key: PrefixKey, match_blocks: int, block_chars: int) -> PrefixKe
 
 class PreWarmer:
     def __init__(self, pool: WorkerPool, index: PrefixIndex, replay: Replay,
-                 options: PrewarmOptions) -> None:
+                 options: PrewarmOptions, leading_ids: LeadingIds | None = None) -> None:
         self.pool = pool
         self.index = index
         self._replay = replay  # records one prefill-only request, then sends it (WarmupManager)
+        self._leading_ids = leading_ids  # with token-exact keys: a request's first token ids
         self.options = options
         self.sent = 0  # pre-warms started
         self.placed = 0  # pre-warms that succeeded
@@ -104,19 +111,36 @@ class PreWarmer:
         target = self.target(decision, request, now, len(self._tasks))
         if target is None:
             return None
-        key, body = request.key, upstream.body
-        if self.options.block_chars and not request.block_tokens:
-            held = held_prefix(key, decision.match_blocks, self.options.block_chars)
-            cut = cut_body(upstream.path, body, held.text_chars) if held is not key else None
-            if cut is not None:
-                key, body = held, cut
-        prompt = WarmPrompt(upstream.path, body, tenant, request.model, key,
+        prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, request.key,
                             namespace=upstream.namespace)
-        # Recorded now, at the decision that chose it; sent by the task.
-        task = asyncio.ensure_future(self._replay(target, prompt))
+        held = held_prefix(request.key, decision.match_blocks,
+                           request.block_tokens or self.options.block_chars)
+        if held is request.key or self.options.whole:
+            task = asyncio.ensure_future(self._replay(target, prompt))
+        elif request.block_tokens:  # token-exact keys: the held token ids, once encoded
+            task = asyncio.ensure_future(self._copy_ids(target, prompt, upstream, held))
+        else:
+            cut = cut_body(upstream.path, upstream.body, held.text_chars)
+            if cut is not None:
+                prompt = dataclasses.replace(prompt, body=cut, key=held)
+            # Recorded now, at the decision that chose it; sent by the task.
+            task = asyncio.ensure_future(self._replay(target, prompt))
         self._tasks.add(task)
         task.add_done_callback(self._settled)
         return target
+
+    async def _copy_ids(self, target: str, prompt: WarmPrompt, upstream: UpstreamRequest,
+                        held: PrefixKey) -> bool:
+        """With token-exact keys, the held prefix is ``held.text_chars`` tokens: sent as a
+        completions request of those token ids (the engine caches a chat's blocks by its
+        ids, whichever way they came), recorded once they are known; the whole request where
+        they cannot be had (no tokenizer, content that is not text)."""
+        ids = (await self._leading_ids(upstream, held.text_chars)
+               if self._leading_ids is not None else None)
+        if ids is not None:
+            body = {"model": upstream.body.get("model", prompt.model), "prompt": ids}
+            prompt = dataclasses.replace(prompt, path=COMPLETIONS_PATH, body=body, key=held)
+        return await self._replay(target, prompt)
 
     def target(self, decision: Decision, request: RouteRequest, now: float,
                inflight: int) -> str | None:

@@ -25,10 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.contracts.engine_paths import CHAT_PATH, COMPLETIONS_PATH
 from gateway.normalize import render_messages, render_tools
-
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_PATH = "/v1/chat/completions"
 
 
 def cut_body(path: str, body: Mapping[str, Any], chars: int) -> dict[str, Any] | None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.contracts.engine_paths import CHAT_PATH, COMPLETIONS_PATH
 from gateway.contracts.responses import RESPONSES_PATH
 from gateway.errors import GatewayError
 from gateway.fingerprint import FingerprintOptions, Namespace, PrefixKey, fingerprint
@@ -40,8 +41,6 @@ from gateway.routing.ring import Ring
 # A tenant's name and a cache_salt -> (its keyed tenant id, the cache namespace workers see).
 Tenancy = Callable[[str, str], tuple[str, str]]
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
 # Fields of a sampled body that a prefill-only replay must not carry. Its ``tools`` stay: a
 # chat template renders them at the top of the prompt, so a replay without them would warm
 # another prefix; a forced ``tool_choice`` or an output format would constrain its one token.

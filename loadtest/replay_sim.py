@@ -270,7 +270,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         costs=config.sim_costs(), serial_prefill=False,  # as the reference worker runs them
         index_knows_capacity=config.report_cache_size,
         key_blocks_per_block=0 if tokens else config.block_chars // 64,
-        private_blocks=1 if tokens else 0, prewarm_cut=not tokens,
+        private_blocks=1 if tokens else 0,
         route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
         request_delays=tuple(delays), route_keys=tuple(keys),
         engine_holds=tuple(engine_held) if len(engine_held) == len(units) else (),

@@ -7,9 +7,11 @@ pooling) and its tokenizer at these paths; sglang-router and smg relay them as w
 
 from __future__ import annotations
 
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
 # What every backend serves (SageMaker endpoints included), and whose streams report their
 # usage only when asked (``stream_options.include_usage``).
-COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+COMPLETION_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})
 # Requests a pooling model runs: they may use the engine's prefix cache, so they carry the
 # tenant's cache namespace as completions do.
 POOLING_PATHS = (

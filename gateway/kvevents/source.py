@@ -21,7 +21,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from gateway.backends.base import UpstreamRequest
+from gateway.contracts.engine_paths import COMPLETIONS_PATH
 from gateway.contracts.kv_keys import engine_namespace
+from gateway.contracts.responses import RESPONSES_PATH, as_chat_body
 from gateway.kvevents.endpoints import EventEndpoints
 from gateway.kvevents.hybrid import HybridMatcher
 from gateway.kvevents.index import ExactIndex, ExactMatcher
@@ -133,6 +136,18 @@ class ExactSource:
         return await self.tokenizer.key(
             body, chat=chat, salt=engine_namespace(tenant, cache_salt)
         )
+
+    async def leading_ids(self, upstream: UpstreamRequest, tokens: int) -> list[int] | None:
+        """The first ``tokens`` token ids the engine runs for ``upstream`` (the pre-warmer's
+        copy of a held prefix; a Responses request as the chat it amounts to); None without a
+        tokenizer or where they cannot be had."""
+        if self.tokenizer is None:
+            return None
+        body = upstream.body
+        if upstream.path == RESPONSES_PATH:
+            body = as_chat_body(body)
+        return await self.tokenizer.leading_ids(
+            body, chat=upstream.path != COMPLETIONS_PATH, tokens=tokens)
 
     def matcher(self, base: PrefixMatcher, now: float) -> PrefixMatcher:
         if not self.index.has_live:

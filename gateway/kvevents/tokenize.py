@@ -161,6 +161,16 @@ class PromptTokenizer:
     def _keyed_body(
         self, body: Mapping[str, Any], chat: bool, seed: int
     ) -> TokenizedPrompt | None:
+        prompt = self._engine_prompt(body, chat)
+        if isinstance(prompt, tuple):
+            return self._keyed_text(*prompt, seed)
+        return None if prompt is None else self._keyed_ids(prompt, seed)
+
+    def _engine_prompt(
+        self, body: Mapping[str, Any], chat: bool
+    ) -> tuple[str, bool] | list[int] | None:
+        """What the engine encodes for ``body``: its text and whether the tokenizer's special
+        tokens are added, or the token ids it was given (None: neither, module docstring)."""
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list):
@@ -173,17 +183,46 @@ class PromptTokenizer:
                 continue_final_message=body.get("continue_final_message") is True,
                 extra=kwargs if isinstance(kwargs, Mapping) else None,
             )
-            return self._keyed_text(text, body.get("add_special_tokens") is True, seed)
+            return text, body.get("add_special_tokens") is True
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return self._keyed_text(prompt, body.get("add_special_tokens") is not False, seed)
+            return prompt, body.get("add_special_tokens") is not False
         if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
         ):
-            return self._keyed_ids(list(prompt), seed)
+            return list(prompt)
         return None
+
+    async def leading_ids(
+        self, body: Mapping[str, Any], *, chat: bool, tokens: int
+    ) -> list[int] | None:
+        """The first ``tokens`` token ids the engine runs for ``body`` (encoded whole, off the
+        event loop), or None where there are fewer, where the request cannot be tokenized
+        here, or where a message has content that is not text (an image's tokens are not
+        its ids alone). The pre-warmer copies a held prefix with them."""
+        messages = body.get("messages") if chat else None
+        if isinstance(messages, list) and any(
+                isinstance(m, dict) and isinstance(m.get("content"), list)
+                and any(not (isinstance(p, dict) and p.get("type") == "text")
+                        for p in m["content"]) for m in messages):
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._leading_ids, body, chat, tokens)
+
+    def _leading_ids(
+        self, body: Mapping[str, Any], chat: bool, tokens: int
+    ) -> list[int] | None:
+        try:
+            prompt = self._engine_prompt(body, chat)
+            if isinstance(prompt, tuple):
+                prompt = list(self._encoding(*prompt).ids)
+        except (ChatFormatError, ValueError, TypeError, OverflowError):
+            return None
+        except Exception:  # the tokenizer library raises its own exception types
+            return None
+        return None if prompt is None or len(prompt) < tokens else prompt[:tokens]
 
     def _keyed_text(self, text: str, special: bool, seed: int) -> TokenizedPrompt:
         enc = self.prefixes.encode(text, special=special, seed=seed)

@@ -199,7 +199,7 @@ class SimConfig:
     # The gateway's predictive pre-warming (gateway.prewarm), its default unless replaced.
     prewarm: bool = field(default_factory=lambda: bool(GatewaySettings().prewarm))
     # A pre-warm copies the prefix its holder has (gateway.prewarm.held_prefix), as the gateway
-    # does with character keys; False: the whole request, as it does with token-exact keys.
+    # does; False: the whole request, as with --prewarm-whole.
     prewarm_cut: bool = True
     # The gateway's rebalancer, every this many simulated seconds (0: off).
     rebalance_interval_s: float = field(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from gateway.app import backend_options
 from gateway.backends.base import Backend, UpstreamRequest
 from gateway.backends.registry import build_backends
 from gateway.fingerprint import Namespace, fingerprint
+from gateway.kvevents.tokenize import PromptTokenizer, TokenizerOptions
 from gateway.normalize import render_chat
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
@@ -28,6 +30,7 @@ from gateway.store.memory import MemoryStore
 from gateway.sync import StoreSync
 from gateway.warmup import WarmupManager, WarmupOptions
 from gateway.warmup_sources import WarmPrompt
+from loadtest.tiny_tokenizer import train
 from tests.conftest import FAST_WORKER, MODEL, free_port, serve
 from worker.server import create_app as create_worker
 
@@ -185,3 +188,68 @@ async def test_a_prewarm_copies_only_the_prefix_its_holder_held(setup: Setup) ->
     again, prompt_tokens = await cached(first)
     assert again >= len(TEXT) // 4 - 32  # the system prompt was there (about 4 characters
     assert again < prompt_tokens - 64  # a token); the first question was not
+
+
+async def test_with_token_keys_a_prewarm_of_token_ids_warms_the_chat(tmp_path: Path) -> None:
+    """With token-exact keys the pre-warmer sends the held prefix as a completions request of
+    the chat's leading token ids; the reference worker (same tokenizer) then finds that
+    prefix for the chat itself, and not its question."""
+    tok_path = str(train(tmp_path / "tokenizer.json"))
+    port = free_port()
+    runner = await serve(create_worker(dataclasses.replace(
+        FAST_WORKER, port=port, tokenizer_file=tok_path)), port)
+    live, dead = f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"
+    index = PrefixIndex()
+    pool = WorkerPool([f"http://{live}", f"http://{dead}"], index)
+    for state in pool.states():
+        pool.mark_up(state.worker.id, frozenset({MODEL}))
+    backends = build_backends(backend_options(GatewaySettings(connect_timeout_s=0.5)))
+    for backend in backends.values():
+        await backend.start()
+    tokenizer = PromptTokenizer(TokenizerOptions(tok_path, threads=1))
+    try:
+        sync = StoreSync(MemoryStore(), pool, index, origin="test", tokens_per_block=16.0,
+                         shares_state=False)
+        manager = WarmupManager(pool, index, sync, lambda w: backends[w.kind], WarmupOptions())
+
+        async def leading_ids(upstream: UpstreamRequest, tokens: int) -> list[int] | None:
+            return await tokenizer.leading_ids(upstream.body, chat=True, tokens=tokens)
+
+        messages = [{"role": "system", "content": TEXT},
+                    {"role": "user", "content": "Which tyre fits a touring frame? " * 20}]
+        chat = {"model": MODEL, "max_tokens": 1, "messages": messages}
+        tokenized = await tokenizer.key(chat, chat=True, salt="")
+        assert tokenized is not None
+        key = tokenized.key
+        system = len(tokenizer.encode(TEXT)) // 16 - 2  # blocks well inside the system prompt
+        for _ in range(2):  # asked for before, on the holder nothing listens on
+            index.record(key.blocks[:system], dead, 0.0)
+        pool.acquire(dead, 3000, prefill=2500)
+        warmer = PreWarmer(pool, index, manager.prewarm, PrewarmOptions(), leading_ids)
+        view = pool.snapshot(0.0).by_id[dead]  # type: ignore[index]
+        decision = Decision(worker=type(view)(view.worker, True, 3, 0), policy="cache_aware",
+                            kind=DecisionKind.PREFIX_HIT, match_blocks=system)
+        request = RouteRequest(key=key, model=MODEL, cost_tokens=300, prompt_tokens=250,
+                               block_tokens=16)
+        upstream = UpstreamRequest("/v1/chat/completions", chat)
+        assert warmer.after_route(decision, request, upstream, "", 0.0) == live
+        for _ in range(200):  # the copy's reply
+            if warmer.stats()["placed"]:
+                break
+            await asyncio.sleep(0.01)
+        assert warmer.stats()["placed"] == 1
+        assert index.match(key.blocks, 0.0).get(live) == system  # recorded as the held blocks
+        reply = await backends[pool.get(live).worker.kind].open(pool.get(live).worker, upstream)
+        try:
+            await reply.read()
+            cached = int(reply.headers.get("x-cache-matched-tokens", "0"))
+            prompt_tokens = int(reply.headers["x-cache-input-tokens"])
+        finally:
+            reply.release()
+        assert cached == system * 16  # the held blocks, found by the chat
+        assert cached < prompt_tokens - 64
+    finally:
+        tokenizer.close()
+        for backend in backends.values():
+            await backend.close()
+        await runner.cleanup()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from gateway.contracts.engine_paths import CHAT_PATH
 from gateway.fingerprint import FingerprintOptions, Namespace, fingerprint
 from gateway.normalize import NormalizeOptions
 from gateway.openai_schema import parse_chat
-from gateway.warmup_sources import CHAT_PATH, Namespaces, peer_prompt
+from gateway.warmup_sources import Namespaces, peer_prompt
 from worker.hotprompts import HotPrompts
 
 

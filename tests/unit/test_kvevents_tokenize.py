@@ -44,6 +44,29 @@ async def test_chat_keys_match_the_workers_tokens(
     assert tokenizer.stats.seconds > 0
 
 
+async def test_leading_ids_are_the_first_tokens_the_engine_runs(
+    tokenizer: PromptTokenizer, tok_path: str
+) -> None:
+    """A chat's first N token ids as the worker encodes its rendered chat (the pre-warmer sends
+    a held prefix with them); a completions prompt's with its special tokens; None for fewer
+    tokens than asked, or a chat with an image (its tokens are not its ids alone)."""
+    messages = [{"role": "system", "content": "You answer billing questions. " * 5},
+                {"role": "user", "content": "Where is my invoice?"}]
+    worker_ids = HFTokenizer(tok_path).encode(render_chat(messages))
+    ids = await tokenizer.leading_ids({"messages": messages}, chat=True, tokens=12)
+    assert ids == worker_ids[:12]
+    assert await tokenizer.leading_ids({"messages": messages}, chat=True,
+                                       tokens=len(worker_ids) + 1) is None
+    prompt = await tokenizer.leading_ids({"prompt": "one prompt " * 9}, chat=False, tokens=5)
+    assert prompt == tokenizer.encode("one prompt " * 9, special=True)[:5]
+    assert await tokenizer.leading_ids({"prompt": [5, 6, 7, 8]}, chat=False,
+                                       tokens=3) == [5, 6, 7]
+    image = [{"role": "user", "content": [
+        {"type": "text", "text": "What is this? " * 9},
+        {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]
+    assert await tokenizer.leading_ids({"messages": image}, chat=True, tokens=4) is None
+
+
 async def test_completion_prompts(tokenizer: PromptTokenizer) -> None:
     ids = await tokenizer.key({"prompt": [5, 6, 7, 8, 9]}, chat=False, salt="")
     assert ids is not None

@@ -6,13 +6,11 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-import pytest
-
 from gateway.backends.base import UpstreamRequest
 from gateway.fingerprint import Namespace, PrefixKey, fingerprint
 from gateway.normalize import render_chat
 from gateway.pool import WorkerPool
-from gateway.prewarm import PreWarmer, PrewarmOptions
+from gateway.prewarm import LeadingIds, PreWarmer, PrewarmOptions
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Decision, DecisionKind, RouteRequest
 from gateway.warmup_sources import WarmPrompt
@@ -174,7 +172,8 @@ async def test_a_prefix_asked_for_once_is_not_warmed_however_long_the_queue() ->
 
 
 async def copy_of_half(path: str, body: dict[str, Any], text: str, block_tokens: int = 0,
-                       block_chars: int = 64) -> tuple[WarmPrompt, PrefixKey]:
+                       whole: bool = False, leading_ids: LeadingIds | None = None,
+                       ) -> tuple[WarmPrompt, PrefixKey]:
     """The pre-warm of a request whose holder held the first half of its prompt (``text``,
     its fingerprint text), asked for twice before, decided onto that holder while much
     prefill is queued there; and the request's key."""
@@ -198,7 +197,7 @@ async def copy_of_half(path: str, body: dict[str, Any], text: str, block_tokens:
         return True
 
     warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8,
-                                                           block_chars=block_chars))
+                                                           whole=whole), leading_ids)
     pool.acquire(holder, 3000, prefill=2500)
     warmer.after_route(decision(pool, holder, key.depth_at(half - 1), 0, 1000.0, 3), request,
                        UpstreamRequest(path, body), "", 0.0)
@@ -234,14 +233,42 @@ async def test_a_prewarm_copies_the_held_prefix_of_a_chat() -> None:
     assert copy.key.blocks == fingerprint(text[:chars], Namespace(model="m")).blocks
 
 
-@pytest.mark.parametrize(("block_tokens", "block_chars"), [(16, 64), (0, 0)])
-async def test_a_prewarm_with_token_keys_or_told_so_copies_the_whole_request(
-        block_tokens: int, block_chars: int) -> None:
-    """Token-exact keys count tokens, not characters: no cut; nor with ``block_chars`` 0
-    (``--prewarm-whole``)."""
+async def test_a_prewarm_told_so_copies_the_whole_request() -> None:
+    """``--prewarm-whole``: no cut."""
     prompt = TEXT + "Question: where is my parcel? " * 10
     body = {"model": "m", "prompt": prompt}
-    copy, key = await copy_of_half("/v1/completions", body, prompt, block_tokens, block_chars)
+    copy, key = await copy_of_half("/v1/completions", body, prompt, whole=True)
+    assert copy.body == body
+    assert copy.key == key
+
+
+async def test_with_token_keys_a_prewarm_copies_the_held_token_ids() -> None:
+    """Token-exact keys count tokens: the held prefix is sent as a completions request of its
+    token ids (a chat's too), keyed by the held blocks; without the ids (no tokenizer, an
+    image in the chat), the whole request."""
+    messages = [{"role": "system", "content": TEXT},
+                {"role": "user", "content": "Document: " + "the parcel went north. " * 60}]
+    body = {"model": "m", "messages": messages}
+    asked: list[int] = []
+
+    async def ids(upstream: UpstreamRequest, tokens: int) -> list[int] | None:
+        asked.append(tokens)
+        return list(range(tokens))
+
+    copy, key = await copy_of_half("/v1/chat/completions", body, render_chat(messages),
+                                   block_tokens=16, leading_ids=ids)
+    half = key.total_blocks // 2
+    assert asked == [half * 16]
+    assert copy.path == "/v1/completions"
+    assert copy.body == {"model": "m", "prompt": list(range(half * 16))}
+    assert copy.key.blocks == key.blocks[:half]
+    assert copy.key.text_chars == half * 16  # tokens
+
+    async def none(upstream: UpstreamRequest, tokens: int) -> list[int] | None:
+        return None
+
+    copy, key = await copy_of_half("/v1/chat/completions", body, render_chat(messages),
+                                   block_tokens=16, leading_ids=none)
     assert copy.body == body
     assert copy.key == key
 
