@@ -31,8 +31,9 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.backends.base import UpstreamRequest
 from gateway.contracts.engine_paths import COMPLETIONS_PATH
@@ -46,7 +47,7 @@ from gateway.warmup_sources import WarmPrompt
 
 # Called at the decision that chose the pre-warm (it may record it then); the awaitable it
 # returns sends it (WarmupManager.prewarm).
-Replay = Callable[[str, WarmPrompt], Awaitable[bool]]
+Replay = Callable[[str, WarmPrompt, Coroutine[Any, Any, WarmPrompt] | None], Awaitable[bool]]
 # A request's first N token ids as its engine runs them (None: not to be had); with token-exact
 # keys (PromptTokenizer.leading_ids).
 LeadingIds = Callable[[UpstreamRequest, int], Awaitable[list[int] | None]]
@@ -115,32 +116,33 @@ class PreWarmer:
                             namespace=upstream.namespace)
         held = held_prefix(request.key, decision.match_blocks,
                            request.block_tokens or self.options.block_chars)
-        if held is request.key or self.options.whole:
-            task = asyncio.ensure_future(self._replay(target, prompt))
-        elif request.block_tokens:  # token-exact keys: the held token ids, once encoded
-            task = asyncio.ensure_future(self._copy_ids(target, prompt, upstream, held))
-        else:
-            cut = cut_body(upstream.path, upstream.body, held.text_chars)
-            if cut is not None:
-                prompt = dataclasses.replace(prompt, body=cut, key=held)
-            # Recorded now, at the decision that chose it; sent by the task.
-            task = asyncio.ensure_future(self._replay(target, prompt))
+        later = None
+        if held is not request.key and not self.options.whole:
+            if request.block_tokens and self._leading_ids is not None:
+                later = self._held_ids(prompt, upstream, held)  # token-exact keys
+                prompt = dataclasses.replace(prompt, key=held)
+            elif not request.block_tokens:
+                cut = cut_body(upstream.path, upstream.body, held.text_chars)
+                if cut is not None:
+                    prompt = dataclasses.replace(prompt, body=cut, key=held)
+        # Recorded now, at the decision that chose it; sent by the task.
+        task = asyncio.ensure_future(self._replay(target, prompt, later))
         self._tasks.add(task)
         task.add_done_callback(self._settled)
         return target
 
-    async def _copy_ids(self, target: str, prompt: WarmPrompt, upstream: UpstreamRequest,
-                        held: PrefixKey) -> bool:
-        """With token-exact keys, the held prefix is ``held.text_chars`` tokens: sent as a
-        completions request of those token ids (the engine caches a chat's blocks by its
-        ids, whichever way they came), recorded once they are known; the whole request where
-        they cannot be had (no tokenizer, content that is not text)."""
-        ids = (await self._leading_ids(upstream, held.text_chars)
-               if self._leading_ids is not None else None)
-        if ids is not None:
-            body = {"model": upstream.body.get("model", prompt.model), "prompt": ids}
-            prompt = dataclasses.replace(prompt, path=COMPLETIONS_PATH, body=body, key=held)
-        return await self._replay(target, prompt)
+    async def _held_ids(self, prompt: WarmPrompt, upstream: UpstreamRequest,
+                        held: PrefixKey) -> WarmPrompt:
+        """With token-exact keys the held prefix is ``held.text_chars`` tokens: the request
+        that caches it is a completions request of those token ids (an engine caches a chat's
+        blocks by its ids, whichever way they came), once they are encoded; the whole request
+        where they cannot be had (content that is not text, a prompt the tokenizer refuses)."""
+        assert self._leading_ids is not None
+        ids = await self._leading_ids(upstream, held.text_chars)
+        if ids is None:
+            return prompt
+        body = {"model": upstream.body.get("model", prompt.model), "prompt": ids}
+        return dataclasses.replace(prompt, path=COMPLETIONS_PATH, body=body, key=held)
 
     def target(self, decision: Decision, request: RouteRequest, now: float,
                inflight: int) -> str | None:

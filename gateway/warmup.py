@@ -385,14 +385,18 @@ class WarmupManager:
             self.sync.assigned(prompt.key, wid)
         return ok
 
-    def prewarm(self, wid: str, prompt: WarmPrompt) -> Awaitable[bool]:
+    def prewarm(self, wid: str, prompt: WarmPrompt,
+                later: Coroutine[Any, Any, WarmPrompt] | None = None) -> Awaitable[bool]:
         """The pre-warmer's replay of ``prompt`` on ``wid``, recorded at once: it is called at
         the decision that chose it, and recorded then, as a routed request is (it goes to a
         serving worker, whose engine admits it ahead of the requests routed after it and
         evicts for it then; recorded at the reply, the index would meanwhile predict blocks
         those evictions took). The awaitable it returns sends it, and forgets it again if it
-        fails."""
+        fails. ``later``: the request to send is ready only then (a held prefix's token ids,
+        still to be encoded); ``prompt.key`` is what it caches."""
         if wid not in self.pool:
+            if later is not None:
+                later.close()
             return _refused()
         worker = self.pool.get(wid).worker
         key = prompt.key
@@ -404,7 +408,15 @@ class WarmupManager:
         # Written now, as a routed request is when its decision is made: sent from the task
         # that awaits it, it would reach the worker after requests routed meanwhile, which the
         # index already predicts find its blocks.
-        return self._prewarmed(worker, prompt, held, self._start(worker, prompt))
+        sending = self._start(worker, prompt) if later is None else self._ready(worker, later)
+        return self._prewarmed(worker, prompt, held, sending)
+
+    async def _ready(self, worker: Worker,
+                     later: Coroutine[Any, Any, WarmPrompt]) -> UpstreamReply:
+        sending = self._start(worker, await later)
+        if sending is None:
+            raise BackendUnavailable(f"{worker.id} cannot take a pre-warm")
+        return await sending
 
     async def _prewarmed(self, worker: Worker, prompt: WarmPrompt, held: int,
                          sending: Coroutine[Any, Any, UpstreamReply] | None) -> bool:

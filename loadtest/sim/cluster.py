@@ -98,9 +98,9 @@ import heapq
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import xxhash
 
@@ -737,7 +737,8 @@ class ClusterSim:
         )
 
 
-async def _no_replay(wid: str, prompt: WarmPrompt) -> bool:
+async def _no_replay(wid: str, prompt: WarmPrompt,
+                     later: Coroutine[Any, Any, WarmPrompt] | None = None) -> bool:
     """The simulator replays pre-warms itself (:meth:`ClusterSim._prewarm`)."""
     return False
 

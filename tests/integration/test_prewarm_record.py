@@ -233,12 +233,14 @@ async def test_with_token_keys_a_prewarm_of_token_ids_warms_the_chat(tmp_path: P
                                block_tokens=16)
         upstream = UpstreamRequest("/v1/chat/completions", chat)
         assert warmer.after_route(decision, request, upstream, "", 0.0) == live
+        # Recorded at the decision as the held blocks, before its ids are even encoded.
+        assert index.match(key.blocks, 0.0).get(live) == system
         for _ in range(200):  # the copy's reply
             if warmer.stats()["placed"]:
                 break
             await asyncio.sleep(0.01)
         assert warmer.stats()["placed"] == 1
-        assert index.match(key.blocks, 0.0).get(live) == system  # recorded as the held blocks
+        assert index.match(key.blocks, 0.0).get(live) == system
         reply = await backends[pool.get(live).worker.kind].open(pool.get(live).worker, upstream)
         try:
             await reply.read()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 from gateway.backends.base import UpstreamRequest
@@ -16,6 +16,7 @@ from gateway.routing.types import Decision, DecisionKind, RouteRequest
 from gateway.warmup_sources import WarmPrompt
 
 URLS = [f"http://10.0.0.{i}:8001" for i in range(1, 5)]
+Later = Coroutine[Any, Any, WarmPrompt] | None  # a copy's request, ready later
 TEXT = "You are the support desk. " * 40
 
 
@@ -56,7 +57,7 @@ async def run(heat: int, inflight: int, depth: int | None = None, calls: int = 1
     pool, index, request, holder = setup(heat)
     placed: list[str] = []
 
-    async def replay(wid: str, prompt: WarmPrompt) -> bool:
+    async def replay(wid: str, prompt: WarmPrompt, later: Later = None) -> bool:
         placed.append(wid)
         index.record(prompt.key.blocks, wid, 0.0, prompt.key.depths)
         return True
@@ -85,7 +86,7 @@ async def test_the_prewarm_is_handed_over_at_its_decision() -> None:
     pool, index, request, holder = setup(10)
     called: list[str] = []
 
-    def replay(wid: str, prompt: WarmPrompt) -> Awaitable[bool]:
+    def replay(wid: str, prompt: WarmPrompt, later: Later = None) -> Awaitable[bool]:
         called.append(wid)
         return asyncio.sleep(0, True)
 
@@ -104,7 +105,7 @@ async def test_a_prewarm_counts_used_once_a_request_is_routed_to_its_copy() -> N
     (once); decisions to its holder, or without a match there, do not."""
     pool, index, request, holder = setup(10)
 
-    def replay(wid: str, prompt: WarmPrompt) -> Awaitable[bool]:
+    def replay(wid: str, prompt: WarmPrompt, later: Later = None) -> Awaitable[bool]:
         index.record(prompt.key.blocks, wid, 0.0, prompt.key.depths)
         return asyncio.sleep(0, True)
 
@@ -139,7 +140,7 @@ async def cost_rule(asked: int) -> tuple[list[list[str]], str]:
     pool, index, request, holder = half_held(asked)
     placed: list[str] = []
 
-    async def replay(wid: str, prompt: WarmPrompt) -> bool:
+    async def replay(wid: str, prompt: WarmPrompt, later: Later = None) -> bool:
         placed.append(wid)
         return True
 
@@ -192,8 +193,8 @@ async def copy_of_half(path: str, body: dict[str, Any], text: str, block_tokens:
     index.record(key.blocks, holder, 0.0, key.depths)  # at its decision
     copies: list[WarmPrompt] = []
 
-    async def replay(wid: str, prompt: WarmPrompt) -> bool:
-        copies.append(prompt)
+    async def replay(wid: str, prompt: WarmPrompt, later: Later = None) -> bool:
+        copies.append(await later if later is not None else prompt)
         return True
 
     warmer = PreWarmer(pool, index, replay, PrewarmOptions(hot_threshold=8.0, fraction=0.8,
@@ -296,7 +297,7 @@ async def from_a_trunk(branches: str) -> tuple[list[str], str]:
     index.record(blocks, holder, 0.0)  # recorded at its decision, before the pre-warmer runs
     placed: list[str] = []
 
-    async def replay(wid: str, prompt: WarmPrompt) -> bool:
+    async def replay(wid: str, prompt: WarmPrompt, later: Later = None) -> bool:
         placed.append(wid)
         return True
 
@@ -325,7 +326,7 @@ async def test_stats_count_what_was_sent_placed_failed_and_in_flight() -> None:
     waiting for its worker is in flight, and none is counted placed before it answers."""
     answers: list[asyncio.Future[bool]] = []
 
-    async def replay(wid: str, prompt: WarmPrompt) -> bool:
+    async def replay(wid: str, prompt: WarmPrompt, later: Later = None) -> bool:
         answers.append(asyncio.get_running_loop().create_future())
         return await answers[-1]
 
@@ -355,11 +356,11 @@ def test_a_known_prewarm_is_counted_as_the_rule_would_whatever_the_rule_says() -
     # target() counts its own.
     pool, index, request, holder = setup(heat=10)
     other = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
-    warmer = PreWarmer(pool, index, lambda wid, prompt: asyncio.sleep(0, True),
+    warmer = PreWarmer(pool, index, lambda wid, prompt, later: asyncio.sleep(0, True),
                        PrewarmOptions(hot_threshold=8.0, fraction=0.8))
     busy = decision(pool, holder, request.key.total_blocks, 900, 1000.0, 3)
     assert warmer.target(busy, request, 0.0, 0) == other  # the rule fires here ...
-    warmer = PreWarmer(pool, index, lambda wid, prompt: asyncio.sleep(0, True),
+    warmer = PreWarmer(pool, index, lambda wid, prompt, later: asyncio.sleep(0, True),
                        PrewarmOptions(hot_threshold=8.0, fraction=0.8))
     assert warmer.replayed(busy, request, 0.0, "") is None  # ... but live placed none
     assert warmer.sent == 0
