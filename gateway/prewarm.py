@@ -99,6 +99,7 @@ class PreWarmer:
         # Pre-warms a later request for their prefix was routed to (used), and the worker of
         # each pre-warm not used yet, by anchor (the last one per prefix).
         self.used = 0
+        self.cut = 0  # pre-warms that copied only the held prefix (the rest: whole requests)
         self._unused: dict[int, str] = {}
         self._recent: dict[int, float] = {}  # anchor -> when its last pre-warm started
         self._tasks: set[asyncio.Future[bool]] = set()
@@ -125,6 +126,7 @@ class PreWarmer:
                 cut = cut_body(upstream.path, upstream.body, held.text_chars)
                 if cut is not None:
                     prompt = dataclasses.replace(prompt, body=cut, key=held)
+                    self.cut += 1
         # Recorded now, at the decision that chose it; sent by the task.
         task = asyncio.ensure_future(self._replay(target, prompt, later))
         self._tasks.add(task)
@@ -141,6 +143,7 @@ class PreWarmer:
         ids = await self._leading_ids(upstream, held.text_chars)
         if ids is None:
             return prompt
+        self.cut += 1
         body = {"model": upstream.body.get("model", prompt.model), "prompt": ids}
         return dataclasses.replace(prompt, path=COMPLETIONS_PATH, body=body, key=held)
 
@@ -304,11 +307,12 @@ class PreWarmer:
     def stats(self) -> dict[str, int | bool]:
         """Counts since start, for ``/admin/workers``: pre-warms started, placed (the worker
         answered), failed, still in flight, and used (a later request for the prefix was
-        routed to the pre-warmed worker: the copy paid off, as far as the index knows)."""
+        routed to the pre-warmed worker: the copy paid off, as far as the index knows), and
+        cut (copies of the held prefix alone; the others copied the whole request)."""
         inflight = len(self._tasks)
         return {"enabled": self.options.enabled, "sent": self.sent, "placed": self.placed,
                 "failed": self.sent - self.placed - inflight, "inflight": inflight,
-                "used": self.used}
+                "used": self.used, "cut": self.cut}
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -174,10 +174,10 @@ async def test_a_prefix_asked_for_once_is_not_warmed_however_long_the_queue() ->
 
 async def copy_of_half(path: str, body: dict[str, Any], text: str, block_tokens: int = 0,
                        whole: bool = False, leading_ids: LeadingIds | None = None,
-                       ) -> tuple[WarmPrompt, PrefixKey]:
+                       ) -> tuple[WarmPrompt, PrefixKey, int]:
     """The pre-warm of a request whose holder held the first half of its prompt (``text``,
     its fingerprint text), asked for twice before, decided onto that holder while much
-    prefill is queued there; and the request's key."""
+    prefill is queued there; the request's key; the pre-warmer's count of cut copies."""
     index = PrefixIndex()
     pool = WorkerPool(URLS, index)
     for state in pool.states():
@@ -204,14 +204,18 @@ async def copy_of_half(path: str, body: dict[str, Any], text: str, block_tokens:
                        UpstreamRequest(path, body), "", 0.0)
     await asyncio.sleep(0.01)
     assert len(copies) == 1
-    return copies[0], key
+    cut = warmer.stats()["cut"]
+    assert isinstance(cut, int)
+    return copies[0], key, cut
 
 
 async def test_a_prewarm_copies_the_held_prefix_of_a_completions_prompt() -> None:
     """Only the prefix the holder held is copied (what a later request for it reuses; the
     rest is this request's own), keyed as its own text would be."""
     prompt = TEXT + "Question: where is my parcel? " * 10
-    copy, key = await copy_of_half("/v1/completions", {"model": "m", "prompt": prompt}, prompt)
+    copy, key, cut = await copy_of_half("/v1/completions", {"model": "m", "prompt": prompt},
+                                        prompt)
+    assert cut == 1
     chars = key.total_blocks // 2 * 64
     assert copy.body["prompt"] == prompt[:chars]
     assert copy.key.blocks == fingerprint(prompt[:chars], Namespace(model="m")).blocks
@@ -226,8 +230,9 @@ async def test_a_prewarm_copies_the_held_prefix_of_a_chat() -> None:
     messages = [{"role": "system", "content": TEXT},
                 {"role": "user", "content": "Document: " + "the parcel went north. " * 60}]
     text = render_chat(messages)
-    copy, key = await copy_of_half("/v1/chat/completions", {"model": "m", "messages": messages},
-                                   text)
+    copy, key, cut = await copy_of_half("/v1/chat/completions",
+                                        {"model": "m", "messages": messages}, text)
+    assert cut == 1
     chars = key.total_blocks // 2 * 64
     assert len(copy.body["messages"]) == 2  # cut inside the user's document
     assert render_chat(copy.body["messages"]) == text[:chars]
@@ -238,7 +243,8 @@ async def test_a_prewarm_told_so_copies_the_whole_request() -> None:
     """``--prewarm-whole``: no cut."""
     prompt = TEXT + "Question: where is my parcel? " * 10
     body = {"model": "m", "prompt": prompt}
-    copy, key = await copy_of_half("/v1/completions", body, prompt, whole=True)
+    copy, key, cut = await copy_of_half("/v1/completions", body, prompt, whole=True)
+    assert cut == 0
     assert copy.body == body
     assert copy.key == key
 
@@ -256,8 +262,9 @@ async def test_with_token_keys_a_prewarm_copies_the_held_token_ids() -> None:
         asked.append(tokens)
         return list(range(tokens))
 
-    copy, key = await copy_of_half("/v1/chat/completions", body, render_chat(messages),
-                                   block_tokens=16, leading_ids=ids)
+    copy, key, cut = await copy_of_half("/v1/chat/completions", body, render_chat(messages),
+                                        block_tokens=16, leading_ids=ids)
+    assert cut == 1
     half = key.total_blocks // 2
     assert asked == [half * 16]
     assert copy.path == "/v1/completions"
@@ -268,8 +275,9 @@ async def test_with_token_keys_a_prewarm_copies_the_held_token_ids() -> None:
     async def none(upstream: UpstreamRequest, tokens: int) -> list[int] | None:
         return None
 
-    copy, key = await copy_of_half("/v1/chat/completions", body, render_chat(messages),
-                                   block_tokens=16, leading_ids=none)
+    copy, key, cut = await copy_of_half("/v1/chat/completions", body, render_chat(messages),
+                                        block_tokens=16, leading_ids=none)
+    assert cut == 0
     assert copy.body == body
     assert copy.key == key
 
