@@ -14,9 +14,10 @@ not a trunk that sessions go on from (the index's record of the fork), or the
 prefix is hot and the holder's load with this request has reached ``fraction`` of its bound,
 the spread is imminent; it then replays the held prefix of this request as a prefill-only
 request (``max_tokens`` 1, the same namespace, the body cut to the held prefix of its prompt by
-:func:`gateway.prompt_cut.cut_body`, or whole where it cannot be cut) on the first worker of
-the ring walk that does not hold the prefix, and records it there at once, as a routed request
-is recorded at its decision. When the spread happens, the new holder answers from its cache.
+:func:`gateway.prompt_cut.cut_body`; with token-exact keys a completions request of the held
+prefix's token ids; the whole request where neither can be had) on the first worker of the
+ring walk that does not hold the prefix, and records it there at once, as a routed request is
+recorded at its decision. When the spread happens, the new holder answers from its cache.
 The part past the held prefix (a RAG question, a session's own history) is not copied: only
 this request would use it, and on the other worker it would take cache blocks from prefixes
 that are used.
