@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
 import pytest
 
 from gateway.normalize import render_chat
+from gateway.openai_schema import ClientJSON
 from gateway.prompt_cut import cut_body
 
 CHAT = "/v1/chat/completions"
@@ -137,3 +139,13 @@ def test_no_cut_of_any_chat_renders_past_its_cut_or_off_its_text(seed: int) -> N
             assert text.startswith(rendered)
             assert 0 < len(rendered) <= chars
             assert cut["messages"]  # never an empty chat
+
+
+def test_a_cut_of_the_clients_own_bytes_is_a_new_body() -> None:
+    """A body forwarded as the client's bytes (``ClientJSON``) is cut into a plain object, so
+    the backend encodes the cut prompt instead of sending the client's whole bytes."""
+    body = {"model": "m", "prompt": "abcdefgh"}
+    cut = cut_body(COMPLETIONS, ClientJSON(body, json.dumps(body).encode()), 3)
+    assert cut is not None
+    assert type(cut) is dict
+    assert cut == {"model": "m", "prompt": "abc"}
