@@ -6,11 +6,13 @@ import asyncio
 from collections.abc import Awaitable, Coroutine
 from typing import Any
 
+import pytest
+
 from gateway.backends.base import UpstreamRequest
 from gateway.fingerprint import Namespace, PrefixKey, fingerprint
 from gateway.normalize import render_chat
 from gateway.pool import WorkerPool
-from gateway.prewarm import LeadingIds, PreWarmer, PrewarmOptions
+from gateway.prewarm import LeadingIds, PreWarmer, PrewarmOptions, held_prefix
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import Decision, DecisionKind, RouteRequest
 from gateway.warmup_sources import WarmPrompt
@@ -380,3 +382,15 @@ def test_a_known_prewarm_is_counted_as_the_rule_would_whatever_the_rule_says() -
     used = decision(pool, other, request.key.total_blocks, 0, 1000.0, 0)
     warmer.replayed(used, request, 3.0, "")
     assert warmer.used == 1  # a later request routed to the pre-warmed worker used it
+
+
+@pytest.mark.parametrize("match", [5, 100, 257, 700, 1500, 2999])
+def test_the_held_prefix_is_keyed_as_its_own_text_would_be(match: int) -> None:
+    """Past the dense blocks the checkpoints thin out; the held prefix of a long prompt is
+    still the key of the text cut where it ends, checkpoint for checkpoint."""
+    text = "".join(f"line {i} of a long document\n" for i in range(7000))
+    key = fingerprint(text, Namespace(model="m"))
+    held = held_prefix(key, match, 64)
+    own = fingerprint(text[:held.text_chars], Namespace(model="m"))
+    assert (held.blocks, held.depths) == (own.blocks, own.depths)
+    assert held.total_blocks <= match
