@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -24,7 +23,7 @@ from gateway.normalize import render_chat
 from gateway.pool import WorkerPool
 from gateway.prewarm import PreWarmer, PrewarmOptions
 from gateway.routing.prefix_index import PrefixIndex
-from gateway.routing.types import Decision, DecisionKind, RouteRequest
+from gateway.routing.types import Decision, DecisionKind, RouteRequest, Worker
 from gateway.settings import GatewaySettings
 from gateway.store.memory import MemoryStore
 from gateway.sync import StoreSync
@@ -100,6 +99,18 @@ def held(index: PrefixIndex, wid: str, p: WarmPrompt) -> int:
     return index.match(p.key.blocks, 0.0).get(wid, 0)
 
 
+async def cache_usage(backend: Backend, worker: Worker,
+                      request: UpstreamRequest) -> tuple[int, int]:
+    """``request`` sent to ``worker``: the prompt tokens it found cached, and its prompt's."""
+    reply = await backend.open(worker, request)
+    try:
+        await reply.read()
+        return (int(reply.headers.get("x-cache-matched-tokens", "0")),
+                int(reply.headers["x-cache-input-tokens"]))
+    finally:
+        reply.release()
+
+
 async def test_a_prewarm_counts_from_its_decision(setup: Setup) -> None:
     p = prompt()
     task = asyncio.ensure_future(setup.manager.prewarm(setup.live, p))
@@ -137,13 +148,7 @@ async def test_a_prewarm_reaches_the_worker_before_the_requests_routed_after_it(
     worker = setup.pool.get(setup.live).worker
     routed = UpstreamRequest(path="/v1/completions",
                              body={"model": MODEL, "prompt": TEXT, "max_tokens": 1})
-    reply = await setup.backend.open(worker, routed)
-    try:
-        await reply.read()
-        cached = int(reply.headers.get("x-cache-matched-tokens", "0"))
-        prompt_tokens = int(reply.headers["x-cache-input-tokens"])
-    finally:
-        reply.release()
+    cached, prompt_tokens = await cache_usage(setup.backend, worker, routed)
     assert await asyncio.ensure_future(prewarm)
     assert prompt_tokens > 16
     assert cached >= prompt_tokens - 16  # every full block of the prompt
@@ -175,17 +180,9 @@ async def test_a_prewarm_copies_only_the_prefix_its_holder_held(setup: Setup) ->
         await asyncio.sleep(0.01)
     assert warmer.stats()["placed"] == 1
 
-    async def cached(body: dict[str, Any]) -> tuple[int, int]:
-        worker = setup.pool.get(setup.live).worker
-        reply = await setup.backend.open(worker, UpstreamRequest("/v1/chat/completions", body))
-        try:
-            await reply.read()
-            return (int(reply.headers.get("x-cache-matched-tokens", "0")),
-                    int(reply.headers["x-cache-input-tokens"]))
-        finally:
-            reply.release()
-
-    again, prompt_tokens = await cached(first)
+    again, prompt_tokens = await cache_usage(
+        setup.backend, setup.pool.get(setup.live).worker,
+        UpstreamRequest("/v1/chat/completions", first))
     assert again >= len(TEXT) // 4 - 32  # the system prompt was there (about 4 characters
     assert again < prompt_tokens - 64  # a token); the first question was not
 
@@ -241,13 +238,8 @@ async def test_with_token_keys_a_prewarm_of_token_ids_warms_the_chat(tmp_path: P
             await asyncio.sleep(0.01)
         assert warmer.stats()["placed"] == 1
         assert index.match(key.blocks, 0.0).get(live) == system
-        reply = await backends[pool.get(live).worker.kind].open(pool.get(live).worker, upstream)
-        try:
-            await reply.read()
-            cached = int(reply.headers.get("x-cache-matched-tokens", "0"))
-            prompt_tokens = int(reply.headers["x-cache-input-tokens"])
-        finally:
-            reply.release()
+        worker = pool.get(live).worker
+        cached, prompt_tokens = await cache_usage(backends[worker.kind], worker, upstream)
         assert cached == system * 16  # the held blocks, found by the chat
         assert cached < prompt_tokens - 64
     finally:
