@@ -59,6 +59,14 @@ def _prompt_chars(body: Mapping[str, Any], chat: bool) -> int:
     return len(prompt) if isinstance(prompt, str) else 1 << 30
 
 
+def _has_parts_not_text(messages: Any) -> bool:
+    """Whether a chat's messages carry a content part that is not text (an image)."""
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(not (isinstance(p, dict) and p.get("type") == "text") for p in m["content"])
+        for m in messages)
+
+
 class TokenizerError(ValueError):
     """The tokenizer file cannot be loaded."""
 
@@ -202,11 +210,7 @@ class PromptTokenizer:
         event loop), or None where there are fewer, where the request cannot be tokenized
         here, or where a message has content that is not text (an image's tokens are not
         its ids alone). The pre-warmer copies a held prefix with them."""
-        messages = body.get("messages") if chat else None
-        if isinstance(messages, list) and any(
-                isinstance(m, dict) and isinstance(m.get("content"), list)
-                and any(not (isinstance(p, dict) and p.get("type") == "text")
-                        for p in m["content"]) for m in messages):
+        if chat and _has_parts_not_text(body.get("messages")):
             return None
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._leading_ids, body, chat, tokens)
@@ -218,9 +222,7 @@ class PromptTokenizer:
             prompt = self._engine_prompt(body, chat)
             if isinstance(prompt, tuple):
                 prompt = list(self._encoding(*prompt).ids)
-        except (ChatFormatError, ValueError, TypeError, OverflowError):
-            return None
-        except Exception:  # the tokenizer library raises its own exception types
+        except Exception:  # the template's ChatFormatError, the tokenizer library's own types
             return None
         return None if prompt is None or len(prompt) < tokens else prompt[:tokens]
 
