@@ -50,6 +50,7 @@ class WorkerState:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     inflight_prefill: int = 0  # predicted uncached prompt tokens of requests before 1st token
+    copies: int = 0  # the volume guard's copies of sessions in flight there (gateway.prewarm)
     # ticket -> (checkpoint hashes, predicted cached prompt tokens) of each request in flight
     inflight_prompts: dict[int, tuple[Sequence[int], int]] = field(default_factory=dict)
     remote_tokens: int = 0  # in flight from other gateway replicas, as last read
@@ -130,7 +131,7 @@ class WorkerState:
             worker = dataclasses.replace(worker, weight=worker.weight * self.ramp)
         return WorkerView(worker, self.healthy and not self.held_out, requests, tokens,
                           self.inflight_prefill, tuple(self.inflight_prompts.values()),
-                          self.waiting_requests(), self.first_token_s)
+                          self.waiting_requests(), self.first_token_s, self.copies)
 
 
 def _mean_since(metrics: Mapping[str, float], sum_name: str, count_name: str,
@@ -487,6 +488,14 @@ class WorkerPool:
         alpha = 1.0 if state.routed == 1 else _COST_EWMA
         state.mean_cost_tokens += alpha * (tokens - state.mean_cost_tokens)
         return ticket
+
+    def copying(self, wid: str, change: int) -> None:
+        """A copy of a session starts (``change`` 1) or ends (-1) on ``wid``: the volume
+        guard sends no other there meanwhile (``WorkerView.copies``)."""
+        state = self._workers.get(wid)
+        if state is not None:
+            self._stale.add(wid)
+            state.copies = max(0, state.copies + change)
 
     def release(self, wid: str, tokens: int, prefill: int = 0, ticket: int = 0) -> None:
         """The request is over; ``prefill``: its prompt tokens still counted as queued;

@@ -101,6 +101,7 @@ class PreWarmer:
         # each pre-warm not used yet, by anchor (the last one per prefix).
         self.used = 0
         self.cut = 0  # pre-warms that copied only the held prefix (the rest: whole requests)
+        self.sessions = 0  # of them, copies of a session the volume guard moves (copy_to)
         self._unused: dict[int, str] = {}
         self._recent: dict[int, float] = {}  # anchor -> when its last pre-warm started
         self._tasks: set[asyncio.Future[bool]] = set()
@@ -114,12 +115,13 @@ class PreWarmer:
         target = self.target(decision, request, now, len(self._tasks))
         if target is None:
             return None
+        session = target == decision.copy_to  # the volume guard's copy of a session: whole
         prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, request.key,
                             namespace=upstream.namespace)
         held = held_prefix(request.key, decision.match_blocks,
                            request.block_tokens or self.options.block_chars)
         later = None
-        if held is not request.key and not self.options.whole:
+        if held is not request.key and not self.options.whole and not session:
             if request.block_tokens and self._leading_ids is not None:
                 later = self._held_ids(prompt, upstream, held)  # token-exact keys
                 prompt = dataclasses.replace(prompt, key=held)
@@ -132,6 +134,8 @@ class PreWarmer:
         task = asyncio.ensure_future(self._replay(target, prompt, later))
         self._tasks.add(task)
         task.add_done_callback(self._settled)
+        if session:
+            task.add_done_callback(lambda _: self.copied(target))
         return target
 
     async def _held_ids(self, prompt: WarmPrompt, upstream: UpstreamRequest,
@@ -155,8 +159,17 @@ class PreWarmer:
         its cooldown. Pure bookkeeping, no I/O: the simulator decides with it too.
 
         Every decision also tells whether it used a pre-warm: routed, with a prefix match, to
-        the worker the last pre-warm of its prefix went to (``used``)."""
+        the worker the last pre-warm of its prefix went to (``used``).
+
+        A decision that names a worker to copy its session to (``Decision.copy_to``: the
+        volume guard keeps a session on its holder until a copy of it is made elsewhere) is
+        pre-warmed there, its whole prompt, whether or not the pre-warm rule is on: that copy
+        is how the session moves without a prefill on a request's path; the pool counts it in
+        flight on its worker until :meth:`copied` (``WorkerView.copies``)."""
         self._count_use(decision, request)
+        if decision.copy_to:
+            self._copy_started(decision.copy_to)
+            return decision.copy_to
         target = self._choose(decision, request, now, inflight)
         if target is not None:
             self._note(request, target, now)
@@ -172,8 +185,21 @@ class PreWarmer:
         self._count_use(decision, request)
         if not target:
             return None
-        self._note(request, target, now)
+        if target == decision.copy_to:
+            self._copy_started(target)
+        else:
+            self._note(request, target, now)
         return target
+
+    def _copy_started(self, target: str) -> None:
+        self.pool.copying(target, 1)
+        self.sessions += 1
+        self.sent += 1
+
+    def copied(self, target: str) -> None:
+        """A session's copy to ``target`` is over (answered or failed): the worker can take
+        another. The simulator calls it when its copy is done."""
+        self.pool.copying(target, -1)
 
     def _count_use(self, decision: Decision, request: RouteRequest) -> None:
         anchor = request.key.anchor
@@ -308,12 +334,13 @@ class PreWarmer:
     def stats(self) -> dict[str, int | bool]:
         """Counts since start, for ``/admin/workers``: pre-warms started, placed (the worker
         answered), failed, still in flight, and used (a later request for the prefix was
-        routed to the pre-warmed worker: the copy paid off, as far as the index knows), and
-        cut (copies of the held prefix alone; the others copied the whole request)."""
+        routed to the pre-warmed worker: the copy paid off, as far as the index knows), cut
+        (copies of the held prefix alone; the others copied the whole request), and sessions
+        (copies of a session the volume guard moves)."""
         inflight = len(self._tasks)
         return {"enabled": self.options.enabled, "sent": self.sent, "placed": self.placed,
                 "failed": self.sent - self.placed - inflight, "inflight": inflight,
-                "used": self.used, "cut": self.cut}
+                "used": self.used, "cut": self.cut, "sessions": self.sessions}
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -134,6 +134,14 @@ class GatewaySettings:
                        "price of a prefill of the session's history per move (0: never, "
                        "the default; 1.2 is the tested setting)"),
     )
+    volume_copy: bool = field(
+        default=_POLICY.volume_copy,
+        metadata=_help("cache_aware, with the volume guard: a session over it moves only to a "
+                       "worker that holds a copy of its prompt, which a prefill-only request "
+                       "makes while its holder keeps serving it, so no request redoes the "
+                       "session's history (false: the session moves at once, its next "
+                       "request prefills the history there)"),
+    )
     quick_first_token_s: float = field(
         default=_POLICY.quick_first_token_s,
         metadata=_help("cache_aware: a worker whose engine reports a mean time to first token "

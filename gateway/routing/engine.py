@@ -10,6 +10,7 @@ Pure and synchronous: no awaits, no network, no clocks. The cluster simulator ru
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import field
 from typing import Protocol
@@ -110,6 +111,11 @@ class Profile:
     # for a session's next turn when the session is heavy (:meth:`RoutingEngine._volume`).
     # 0: never.
     volume_guard: float = 0.0
+    # With the volume guard: a session over it moves only to a worker that already holds as
+    # much of its prompt (a copy); until one does, its holder keeps it and the decision names
+    # the worker to copy the prompt to (``Decision.copy_to``), so a move is never a prefill
+    # on a request's path. False: the session moves at once and the request redoes it.
+    volume_copy: bool = False
 
 
 def _pool_weight(snapshot: Snapshot) -> float:
@@ -154,8 +160,9 @@ class RoutingEngine:
         if matches and profile.branch_guard > 0:
             branch, matches = self._branch(request, snapshot, matches, deepest)
         over: Mapping[str, int] = {}
+        copying: Mapping[str, int] = {}
         if matches and branch is None and profile.volume_guard > 0:
-            matches, over = self._volume(request, snapshot, matches, deepest)
+            matches, over, copying = self._volume(request, snapshot, matches, deepest)
         anchor = request.key.anchor if branch is None else branch
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
         limit = profile.candidate_limit
@@ -183,7 +190,10 @@ class RoutingEngine:
             chosen, how = self._move(ctx, candidates)  # the volume guard moved the session
         else:
             chosen, how = profile.picker.pick(ctx, candidates, totals)
-        return self._decision(ctx, chosen, how, dropped, totals, over)
+        decision = self._decision(ctx, chosen, how, dropped, totals, over)
+        if chosen.id in copying:
+            return self._copy(ctx, decision, candidates, copying[chosen.id])
+        return decision
 
     def _matches(self, request: RouteRequest, snapshot: Snapshot) -> tuple[dict[str, int], int]:
         """Known holders of at least ``min_match_blocks`` of the prefix (worker -> depth in
@@ -249,8 +259,9 @@ class RoutingEngine:
 
     def _volume(
         self, request: RouteRequest, snapshot: Snapshot, matches: dict[str, int], deepest: int
-    ) -> tuple[dict[str, int], dict[str, int]]:
-        """The matches that keep their credit under the volume guard, and those that lose it.
+    ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """The matches that keep their credit under the volume guard, those that lose it,
+        and (``volume_copy``) those that keep it only until a copy of the session is made.
 
         Sessions stick to the worker that holds their history, so a worker's load over a
         minute is the sessions it was given, and one long-context session can be most of a
@@ -282,12 +293,18 @@ class RoutingEngine:
         known prefix ends (``PrefixMatcher.extends``: a session's next turn): requests
         sharing a system prompt or a document from inside are not a session, a copy of what
         they share moves no load, and they spread only when waiting on the holder costs more
-        than the prefill (``cache_cost``)."""
+        than the prefill (``cache_cost``).
+
+        With ``volume_copy`` a holder over its bound loses its credit only when another
+        holder of at least as much of the prompt is within its own bound: the session moves
+        to its copy and nothing is redone on the request's path. Without such a copy the
+        holder keeps the session (returned among the third mapping) and the decision names
+        where to copy it (:meth:`_copy`); its next turn finds the copy."""
         index = snapshot.index
         key = request.key
         if deepest >= len(key.blocks) or not index.extends(key.blocks[deepest - 1],
                                                             key.depth_at(deepest)):
-            return matches, {}  # not a session's next turn
+            return matches, {}, {}  # not a session's next turn
         size = key.total_blocks
         share = _volume_share(snapshot, size)
         session = index.session_blocks(key.blocks[deepest - 1]) + size
@@ -296,21 +313,30 @@ class RoutingEngine:
         by_id = snapshot.by_id
         kept: dict[str, int] = {}
         over: dict[str, int] = {}
+        copying: dict[str, int] = {}
 
         def room(wid: str) -> bool:
             return _has_room(index, wid, _weight(by_id, wid), size, share, guard)
 
+        def within(wid: str) -> bool:  # keeps its credit: within its bound and the slack
+            return index.recent_blocks(wid) + size <= guard * share * _weight(by_id, wid) + slack
+
         for wid, depth in matches.items():
             fair = share * _weight(by_id, wid)
-            if index.recent_blocks(wid) + size <= guard * fair + slack:
+            if within(wid):
                 kept[wid] = depth
             elif session >= VOLUME_SESSION_SHARE * fair or (
                     session >= VOLUME_MEDIUM_SHARE * fair
                     and any(room(other) for other in matches if other != wid)):
-                over[wid] = depth
+                if not self.profile.volume_copy or any(
+                        d >= depth and within(other) for other, d in matches.items()
+                        if other != wid):
+                    over[wid] = depth
+                else:
+                    kept[wid] = copying[wid] = depth
             else:
                 kept[wid] = depth
-        return kept, over
+        return kept, over, copying
 
     def _move(self, ctx: Context, candidates: Sequence[WorkerView]) -> tuple[WorkerView, str]:
         """Where a session the volume guard moved goes: the worker that can take the most of
@@ -348,6 +374,20 @@ class RoutingEngine:
             chosen = min((w for w in room if matches[w.id] == most), key=lightest)
             return chosen, "volume: holder with room"
         return min(candidates, key=lightest), "volume: least recent volume"
+
+    def _copy(self, ctx: Context, decision: Decision, candidates: Sequence[WorkerView],
+              depth: int) -> Decision:
+        """``decision`` kept a session on a holder over the volume guard (``volume_copy``):
+        the same decision, naming the worker to copy the session's prompt to, chosen as
+        :meth:`_move` chooses where a session goes among the candidates that hold less of it
+        and are not making another copy (``WorkerView.copies``). One at a time: copies to the
+        worker with the least volume came in bursts, several whole histories prefilled there
+        at once beside the new sessions placed there, and every request on it waited."""
+        others = [w for w in candidates if ctx.matches.get(w.id, 0) < depth and not w.copies]
+        if not others:
+            return decision
+        target, _ = self._move(ctx, others)
+        return dataclasses.replace(decision, copy_to=target.id)
 
     @staticmethod
     def _narrow(

@@ -61,6 +61,8 @@ class WorkerView:
     # Mean seconds to the first token of the requests its engine started lately (vLLM's
     # ``time_to_first_token`` histogram between two scrapes); None: the engine does not say.
     first_token_s: float | None = None
+    # Copies of sessions the volume guard is making there (gateway.prewarm): one at a time.
+    copies: int = 0
     id: str = field(init=False)  # = worker.id; a plain attribute, read on every decision
 
     def __post_init__(self) -> None:
@@ -201,6 +203,9 @@ class Decision:
     scores: Mapping[str, float] = field(default_factory=dict)
     # The chosen worker's load bound in tokens (before this request), when the policy has one.
     load_bound: float | None = None
+    # The volume guard kept a session on this worker until a copy of its prompt is made on
+    # ``copy_to`` (the pre-warmer sends it; the session's next turn moves there).
+    copy_to: str = ""
     worker_id: str = field(init=False, compare=False, repr=False)  # = worker.id, read often
 
     def __post_init__(self) -> None:
@@ -236,6 +241,8 @@ class Decision:
                         f" depth={self.match_blocks}")
             case _:
                 text = self.placement
+        if self.copy_to:
+            text = f"{text} (session copied to {self.copy_to})"
         return f"{text} {self.note}" if self.note else text
 
 

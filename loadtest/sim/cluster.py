@@ -343,6 +343,7 @@ class _Job:
     private: Sequence[int] = ()  # hashes of its private blocks (SimConfig.private_blocks)
     arrived: float = 0.0  # when it reached the worker (the engine's histograms count from here)
     freed_at: float | None = None  # with engine_holds: when the live engine freed its blocks
+    copy_of: str = ""  # the volume guard's copy of a session: the worker it goes to
 
 
 class _Telemetry:
@@ -532,18 +533,20 @@ class ClusterSim:
             else:
                 target = self.prewarmer.target(decision, route_request, now, self._prewarms)
             if target is not None:
-                if self.config.prewarm_cut:
+                session = target == decision.copy_to  # the volume guard's copy: whole
+                if self.config.prewarm_cut and not session:
                     key = held_prefix(key, decision.match_blocks, 1)
-                self._prewarm(target, req, key, now, hold)
+                self._prewarm(target, req, key, now, hold, session)
         self._pump(w, now)
 
     def _prewarm(self, wid: str, req: TraceRequest, key: PrefixKey, now: float,
-                 hold: float | None) -> None:
+                 hold: float | None, session: bool = False) -> None:
         """The gateway's pre-warm of ``req``'s held prefix (``key``, cut by
         :func:`~gateway.prewarm.held_prefix`) on ``wid``: recorded in the index as it is sent,
         replayed there prefill-only (its trace blocks within the cut; it takes cache blocks as
         any request does, and counts in no client figure), one of the pre-warmer's slots held
-        for as long as the request that caused it was."""
+        for as long as the request that caused it was. ``session``: the volume guard's copy of
+        a session, whose end the pre-warmer is told (``PreWarmer.copied``)."""
         self.index.record(key.blocks, wid, now, key.depths)
         self._prewarms += 1
         w = self.workers[wid]
@@ -554,7 +557,8 @@ class ClusterSim:
             chars = req.key.text_chars * blocks // len(req.blocks)
             copied = replace(req, input_tokens=tokens, key=req.key.cut(blocks, chars))
         w.queue.append(_Job(replace(copied, output_tokens=1), f"prewarm-{self.prewarmer.sent}",
-                            now, None, None if hold is None else now + hold, arrived=now))
+                            now, None, None if hold is None else now + hold, arrived=now,
+                            copy_of=wid if session else ""))
         self._pump(w, now)
 
     def _settle(self, job: _Job) -> None:
@@ -680,6 +684,8 @@ class ClusterSim:
 
     def _prewarmed(self, job: _Job) -> None:
         self._prewarms -= 1
+        if job.copy_of:
+            self.prewarmer.copied(job.copy_of)
 
     # -- the event loop -------------------------------------------------------------------------
 

@@ -411,8 +411,9 @@ def test_requests_waiting_in_the_holders_engine_move_its_prefix(
 LONG = tuple(range(2000, 2100))  # a long session's history: 100 blocks
 
 
-# The volume guard is off by default; these tests set it to its tested value.
-GUARD = PolicyOptions(volume_guard=1.2)
+# The volume guard is off by default; these tests set it to its tested value, moving a session
+# at once (the copy that moves it without a prefill is tested after them).
+GUARD = PolicyOptions(volume_guard=1.2, volume_copy=False)
 
 
 def _volume_route(heavy_turns: int, opts: PolicyOptions | None = None) -> Decision:
@@ -547,6 +548,77 @@ def test_a_medium_session_moves_only_where_a_holder_of_its_trunk_has_room(
     else:
         assert decision.worker_id == "w1"
         assert decision.kind is DecisionKind.PREFIX_HIT
+
+
+# With ``volume_copy`` (the default when the guard is on) a session over the guard moves only
+# to a worker that holds a copy of it: until one does, its holder keeps it and the decision
+# names where to copy it.
+COPY = PolicyOptions(volume_guard=1.2)
+
+
+def test_a_session_over_the_guard_stays_and_is_copied_where_it_would_move() -> None:
+    """The moved case above (w1 over its bound with the session, w0 holding its first 20
+    blocks with room) with copies: the request stays on w1, a prefix hit of all 100 blocks,
+    and the decision names w0, where the cold move would have gone, to copy it to."""
+    decision = _volume_route(3, COPY)
+    assert decision.worker_id == "w1"
+    assert decision.kind is DecisionKind.PREFIX_HIT
+    assert decision.match_blocks == 100
+    assert decision.copy_to == "w0"
+    assert decision.reason == "prefix_hit depth=100 (session copied to w0)"
+    # Within the slack nothing is copied.
+    assert _volume_route(2, COPY).copy_to == ""
+
+
+def test_a_worker_making_a_copy_gets_no_other() -> None:
+    """As above, with w0 (where the copy would go) already making a copy of another session:
+    the copy goes to the next choice, the worker with the least recent volume."""
+    index = PrefixIndex()
+    for _ in range(3):
+        index.record(LONG, "w1", 0.0)
+    index.record(LONG[:20], "w0", 0.0)
+    for i, wid in enumerate(("w2", "w3", "w3")):
+        index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}"), copies=int(w == "w0")) for w in IDS)
+    decision = build_engine("cache_aware", COPY).route(
+        _session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
+    assert (decision.worker_id, decision.copy_to) == ("w1", "w2")
+
+
+def _copied(busy: bool) -> Decision:
+    """w1 holds the long session (3 turns) and three other 100-block prompts: 600 recent
+    blocks; w2 holds a copy of the session (100 blocks) and, when ``busy``, six other
+    100-block prompts. Idle, w2 is within its bound with the next turn (204 against
+    1.2 x 276 + 208); busy, it is over it like w1 (804 against 1.2 x 426 + 208)."""
+    index = PrefixIndex()
+    for _ in range(3):
+        index.record(LONG, "w1", 0.0)
+    for i in range(3):
+        index.record(tuple(range(10000 + 100 * i, 10100 + 100 * i)), "w1", 0.0)
+    index.record(LONG, "w2", 0.0)
+    for i in range(6 if busy else 0):
+        index.record(tuple(range(20000 + 100 * i, 20100 + 100 * i)), "w2", 0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
+    engine = build_engine("cache_aware", COPY)
+    return engine.route(_session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
+
+
+def test_a_session_over_the_guard_moves_to_its_copy() -> None:
+    """Once w2 holds a copy of the whole session and is within its own bound, the next turn
+    goes there: a prefix hit of all 100 blocks, nothing redone, and nothing copied again."""
+    decision = _copied(busy=False)
+    assert decision.worker_id == "w2"
+    assert decision.kind is DecisionKind.PREFIX_HIT
+    assert decision.match_blocks == 100
+    assert decision.copy_to == ""
+
+
+def test_a_copy_on_a_worker_over_its_own_bound_does_not_take_the_session() -> None:
+    """w2's copy does not take the session where w2 is over its own bound too: the holder
+    keeps it, and it is copied to a worker that holds none of it."""
+    decision = _copied(busy=True)
+    assert decision.worker_id in ("w1", "w2")
+    assert decision.copy_to in ("w0", "w3")
 
 
 def test_the_volume_guard_must_be_off_or_at_least_1() -> None:

@@ -251,6 +251,50 @@ async def test_a_prewarm_told_so_copies_the_whole_request() -> None:
     assert copy.key == key
 
 
+async def test_a_session_the_volume_guard_moves_is_copied_whole_whatever_the_rule() -> None:
+    """A decision naming a worker to copy its session to (``copy_to``) is pre-warmed there
+    even with the pre-warm rule off and nothing queued on the holder: the whole request
+    (its next turn extends all of it)."""
+    pool, index, request, holder = half_held(asked=0)
+    prompt = TEXT + "Observation: the tests pass. " * 10
+    body = {"model": "m", "prompt": prompt}
+    other = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+    copies: list[tuple[str, WarmPrompt]] = []
+
+    async def replay(wid: str, copy: WarmPrompt, later: Later = None) -> bool:
+        copies.append((wid, copy))
+        return True
+
+    warmer = PreWarmer(pool, index, replay, PrewarmOptions(enabled=False))
+    view = pool.snapshot(0.0).by_id[holder]  # type: ignore[index]
+    kept = Decision(worker=view, policy="cache_aware", kind=DecisionKind.PREFIX_HIT,
+                    match_blocks=request.key.total_blocks // 2, copy_to=other)
+    upstream = UpstreamRequest("/v1/completions", body)
+    assert warmer.after_route(kept, request, upstream, "", 0.0) == other
+    await asyncio.sleep(0.01)
+    assert [(wid, c.body, c.key) for wid, c in copies] == [(other, body, request.key)]
+    assert warmer.stats()["sessions"] == 1
+    assert warmer.stats()["cut"] == 0
+    # The pool counts it in flight on its worker until it is answered (the volume guard
+    # sends no other copy there meanwhile).
+    gate = asyncio.Event()
+
+    async def slow(wid: str, copy: WarmPrompt, later: Later = None) -> bool:
+        await gate.wait()
+        return True
+
+    warmer._replay = slow
+    assert warmer.after_route(kept, request, upstream, "", 0.0) == other
+    assert pool.snapshot(0.0).by_id[other].copies == 1  # type: ignore[index]
+    gate.set()
+    await asyncio.sleep(0.01)
+    assert pool.snapshot(0.0).by_id[other].copies == 0  # type: ignore[index]
+    # Without ``copy_to`` the rule decides, and it is off.
+    plain = Decision(worker=view, policy="cache_aware", kind=DecisionKind.PREFIX_HIT,
+                     match_blocks=request.key.total_blocks // 2)
+    assert warmer.after_route(plain, request, upstream, "", 0.0) is None
+
+
 async def test_with_token_keys_a_prewarm_copies_the_held_token_ids() -> None:
     """Token-exact keys count tokens: the held prefix is sent as a completions request of its
     token ids (a chat's too), keyed by the held blocks; without the ids (no tokenizer, an

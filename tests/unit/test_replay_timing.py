@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.fingerprint import PrefixKey
+from gateway.routing.policies import PolicyOptions
 from loadtest.harness import Reply, server_timing
 from loadtest.replay import (
     DryRunPair,
@@ -265,11 +266,11 @@ def test_the_simulator_copies_the_held_prefix_as_the_gateway_does() -> None:
 
         def spy(wid: str, req: TraceRequest, key: PrefixKey, *args: Any,
                 copies: list[tuple[TraceRequest, PrefixKey]] = copies,
-                original: Any = original) -> None:
+                original: Any = original, **kwargs: Any) -> None:
             copies.append((req, key))
-            original(wid, req, key, *args)
+            original(wid, req, key, *args, **kwargs)
 
-        sim._prewarm = spy  # type: ignore[method-assign,assignment]
+        sim._prewarm = spy  # type: ignore[method-assign]
         sim.run(requests)
         assert copies
         whole = gateway_key(requests[0].key, 1)  # the key blocks of one trace block
@@ -278,6 +279,56 @@ def test_the_simulator_copies_the_held_prefix_as_the_gateway_does() -> None:
         assert bool(short) is cut
         for req, key in copies:  # a prefix of the request's own key
             assert key.blocks == gateway_key(req.key, 1).blocks[:len(key.blocks)]
+
+
+def test_the_simulator_moves_sessions_by_copies_as_the_gateway_does() -> None:
+    # Long agent sessions with the volume guard on: the simulated gateway copies sessions
+    # whole (the request's own key, every block) to where they move, never two at once to one
+    # worker, and then routes their next turns there; the guard evens the routed volume out
+    # without the cold moves' misses (the same guard moving sessions at once misses more).
+    from loadtest.replay_sim import live_units
+    from loadtest.trace_workloads import workload_trace
+
+    config = ReplayConfig(workers=16, cache_blocks=2000, concurrency=32)
+    requests = live_units(workload_trace("agent-sessions", 2400, 0)[2000:], config)
+    base = SimConfig(workers=16, cache_blocks=2000, policy="cache_aware", concurrency=32,
+                     costs=config.sim_costs(), key_blocks_per_block=1,
+                     request_delays=((0.01, 0.007),), decision_gap_s=0.0003)
+    results = {}
+    for copy in (True, False):
+        options = PolicyOptions(volume_guard=1.2, volume_copy=copy)
+        sim = ClusterSim(dataclasses.replace(base, policy_options=options))
+        copies: list[tuple[str, TraceRequest, PrefixKey]] = []
+        busy: dict[str, int] = {}
+        original, done = sim._prewarm, sim._prewarmed
+
+        def spy(wid: str, req: TraceRequest, key: PrefixKey, *args: Any,
+                copies: list[tuple[str, TraceRequest, PrefixKey]] = copies,
+                original: Any = original, busy: dict[str, int] = busy,
+                **kwargs: Any) -> None:
+            copies.append((wid, req, key))
+            busy[wid] = busy.get(wid, 0) + 1
+            assert busy[wid] == 1  # one copy at a time per worker
+            original(wid, req, key, *args, **kwargs)
+
+        def finished(job: Any, done: Any = done, busy: dict[str, int] = busy) -> None:
+            busy[job.copy_of] -= 1
+            done(job)
+
+        sim._prewarm = spy  # type: ignore[method-assign]
+        sim._prewarmed = finished  # type: ignore[method-assign]
+        result = sim.run(requests)
+        results[copy] = result
+        assert bool(copies) is copy
+        for _, req, key in copies:
+            assert key.blocks == gateway_key(req.key, 1).blocks  # whole
+        if copy:
+            assert sum(w == dest for dest, *_ in copies for w in result.assignments) > 0
+    moved = results[True]
+    cold = results[False]
+    assert moved.reasons.get("diverted:volume_guard", 0) == 0
+    assert cold.reasons.get("diverted:volume_guard", 0) > 0
+    assert moved.matched_blocks > cold.matched_blocks
 
 
 def test_a_live_runs_prewarms_are_placed_where_it_placed_them() -> None:
@@ -294,11 +345,11 @@ def test_a_live_runs_prewarms_are_placed_where_it_placed_them() -> None:
         base, prewarm_log=tuple(target if i in (5, 9) else "" for i in range(len(requests)))))
     original = logged._prewarm
 
-    def spy(wid: str, req: TraceRequest, *args: Any) -> None:
+    def spy(wid: str, req: TraceRequest, *args: Any, **kwargs: Any) -> None:
         placed.append((req.index, wid))
-        original(wid, req, *args)
+        original(wid, req, *args, **kwargs)
 
-    logged._prewarm = spy  # type: ignore[method-assign,assignment]
+    logged._prewarm = spy  # type: ignore[method-assign]
     result = logged.run(requests)
     assert result.prewarms == 2
     assert placed == [(requests[5].index, target), (requests[9].index, target)]

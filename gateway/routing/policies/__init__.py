@@ -128,6 +128,10 @@ class PolicyOptions:
     # history's prefill, and on engines whose prefills share compute that cost agent
     # sessions 1.4-1.7x p99 for no latency gained on any workload; 1.2 evens routed volume).
     volume_guard: float = 0.0
+    # cache_aware, with the volume guard: a session over it moves only to a worker holding a
+    # copy of its prompt, which the pre-warmer makes while its holder keeps serving it (no
+    # prefill on a request's path); False: it moves at once and the request redoes its history.
+    volume_copy: bool = True
     # cache_aware: a worker whose engine's recent requests got their first token within this
     # many seconds on average is exempt from the hard bound (tokens in flight there make
     # nobody wait as long as a prefill elsewhere takes); gateway.pool.QUEUE_FLOOR_S. 0: never.
@@ -174,6 +178,7 @@ def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEng
                 uses_prefix_index=True, min_match_blocks=opts.min_match_blocks,
                 candidate_limit=opts.candidate_limit, hot_threshold=opts.hot_threshold,
                 branch_guard=opts.branch_guard, volume_guard=opts.volume_guard,
+                volume_copy=opts.volume_copy,
             )
         case _:
             raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

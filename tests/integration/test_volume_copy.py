@@ -1,0 +1,76 @@
+"""The volume guard moves a heavy session by copying it first: through the real gateway in
+front of reference workers over HTTP, a session whose holder is over the guard stays there
+while a prefill-only copy of its whole prompt goes to another worker, and its next turn goes
+to that copy and finds all of it in the worker's cache (nothing redone on a request's path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from tests.conftest import MODEL, StartCluster, admin_workers, until
+
+BASE = "Tool schema and house rules of a coding agent, kept verbatim in every turn. " * 27
+TURN = "Observation: the build failed at step N; the agent reads the log and retries. " * 5
+
+
+async def _complete(http: aiohttp.ClientSession, gateway: str,
+                    prompt: str) -> tuple[str, str, int, int]:
+    """The chosen worker, the route reason, and the prompt tokens the worker found cached
+    and was sent."""
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    async with http.post(gateway + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        await response.read()
+        return (response.headers["x-route-worker"], response.headers["x-route-reason"],
+                int(response.headers["x-cache-matched-tokens"]),
+                int(response.headers["x-cache-input-tokens"]))
+
+
+async def _prewarm_stats(http: aiohttp.ClientSession, gateway: str) -> dict[str, Any]:
+    async with http.get(gateway + "/admin/workers") as response:
+        stats: dict[str, Any] = (await response.json())["prewarm"]
+        return stats
+
+
+async def test_a_session_over_the_volume_guard_moves_to_a_copy_of_itself(
+        start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(workers=4, volume_guard=1.2)
+    gateway = cluster.gateway_url
+    async with aiohttp.ClientSession() as http:
+        await until(lambda: _all_up(http, gateway))
+        prompt = BASE
+        holder, _, _, _ = await _complete(http, gateway, prompt)
+        copied_to = ""
+        for _ in range(8):  # the session's turns, each extending the last, until one is copied
+            prompt += TURN
+            worker, reason, _, _ = await _complete(http, gateway, prompt)
+            assert worker == holder, reason  # never moved cold
+            if "session copied to " in reason:
+                copied_to = reason.rsplit("session copied to ", 1)[1].rstrip(")")
+                break
+        assert copied_to
+        assert copied_to != holder
+
+        async def placed() -> bool:
+            stats = await _prewarm_stats(http, gateway)
+            return bool(stats["placed"] >= 1 and not stats["inflight"])
+
+        await until(placed)
+        stats = await _prewarm_stats(http, gateway)
+        assert stats["sessions"] == 1
+        copied_tokens = len(prompt) // 4  # the chars tokenizer: one token per 4 characters
+
+        prompt += TURN  # the next turn goes to the copy, which holds the whole last turn
+        worker, reason, cached, sent = await _complete(http, gateway, prompt)
+        assert worker == copied_to, reason
+        assert reason.startswith("prefix_hit")
+        assert cached >= copied_tokens - 16  # every full block of the copied prompt
+        assert cached < sent
+
+
+async def _all_up(http: aiohttp.ClientSession, gateway: str) -> bool:
+    workers = await admin_workers(http, gateway)
+    return len(workers) == 4 and all(w["healthy"] for w in workers.values())
