@@ -556,18 +556,36 @@ def test_a_medium_session_moves_only_where_a_holder_of_its_trunk_has_room(
 COPY = PolicyOptions(volume_guard=1.2)
 
 
-def test_a_session_over_the_guard_stays_and_is_copied_where_it_would_move() -> None:
-    """The moved case above (w1 over its bound with the session, w0 holding its first 20
-    blocks with room) with copies: the request stays on w1, a prefix hit of all 100 blocks,
-    and the decision names w0, where the cold move would have gone, to copy it to."""
+def test_a_session_over_the_guard_stays_and_is_copied() -> None:
+    """The moved case above (w1 over its bound with the session; w0, w2 and w3 each with 20
+    recent blocks, none prefilling) with copies: the request stays on w1, a prefix hit of
+    all 100 blocks, and the decision names the first of the three on the ring from the
+    request's anchor to copy it to."""
     decision = _volume_route(3, COPY)
     assert decision.worker_id == "w1"
     assert decision.kind is DecisionKind.PREFIX_HIT
     assert decision.match_blocks == 100
-    assert decision.copy_to == "w0"
-    assert decision.reason == "prefix_hit depth=100 (session copied to w0)"
+    first = next(w for w in RING.walk(NEXT_TURN[3]) if w != "w1")
+    assert decision.copy_to == first
+    assert decision.reason == f"prefix_hit depth=100 (session copied to {first})"
     # Within the slack nothing is copied.
     assert _volume_route(2, COPY).copy_to == ""
+
+
+def test_a_copy_goes_where_no_prefill_is_queued_before_where_volume_is_least() -> None:
+    """w2 has the least recent volume but is prefilling a prompt; w0 and w3, with more
+    volume, are not: the copy (a whole history's prefill) goes to the lighter of those two,
+    not beside w2's prefill."""
+    index = PrefixIndex()
+    for _ in range(3):
+        index.record(LONG, "w1", 0.0)
+    for i, wid in enumerate(("w0", "w0", "w2", "w3", "w3", "w3")):
+        index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}"), inflight_prefill=500 * (w == "w2"))
+                  for w in IDS)
+    decision = build_engine("cache_aware", COPY).route(
+        _session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
+    assert (decision.worker_id, decision.copy_to) == ("w1", "w0")
 
 
 def test_a_worker_making_a_copy_gets_no_other() -> None:
