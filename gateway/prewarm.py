@@ -181,11 +181,13 @@ class PreWarmer:
         worker a live gateway pre-warmed at the same decision ("" for none), counted and
         remembered as :meth:`target` would, whatever the rule says now. The simulator
         replays a live run's pre-warms with it: whether the rule fires can turn on a request
-        settling a moment sooner or later, which the simulator only approximates."""
+        settling a moment sooner or later, which the simulator only approximates. At a
+        decision that asks for a copy of its session (``copy_to``), the one placed is that
+        copy, wherever the gateway sent it."""
         self._count_use(decision, request)
         if not target:
             return None
-        if target == decision.copy_to:
+        if decision.copy_to:  # the copy of a session this decision asks for, where it went
             self._copy_started(target)
         else:
             self._note(request, target, now)

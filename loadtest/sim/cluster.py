@@ -533,7 +533,7 @@ class ClusterSim:
             else:
                 target = self.prewarmer.target(decision, route_request, now, self._prewarms)
             if target is not None:
-                session = target == decision.copy_to  # the volume guard's copy: whole
+                session = bool(decision.copy_to)  # the volume guard's copy: whole
                 if self.config.prewarm_cut and not session:
                     key = held_prefix(key, decision.match_blocks, 1)
                 self._prewarm(target, req, key, now, hold, session)

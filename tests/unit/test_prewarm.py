@@ -295,6 +295,27 @@ async def test_a_session_the_volume_guard_moves_is_copied_whole_whatever_the_rul
     assert warmer.after_route(plain, request, upstream, "", 0.0) is None
 
 
+def test_a_replayed_copy_of_a_session_counts_as_one_wherever_it_went() -> None:
+    """The simulator at a live run's decision instants: where its decision asks for a copy of
+    the session and the live gateway copied it (to whichever worker), that copy is placed
+    as the session's copy (counted, and the worker making it given no other)."""
+    pool, index, request, holder = half_held(asked=0)
+    warmer = PreWarmer(pool, index, _never, PrewarmOptions())
+    view = pool.snapshot(0.0).by_id[holder]  # type: ignore[index]
+    others = [w for w in pool.ring.walk(request.key.anchor) if w != holder]
+    asked = Decision(worker=view, policy="cache_aware", kind=DecisionKind.PREFIX_HIT,
+                     match_blocks=request.key.total_blocks // 2, copy_to=others[0])
+    assert warmer.replayed(asked, request, 0.0, others[1]) == others[1]
+    assert warmer.stats()["sessions"] == 1
+    assert pool.snapshot(0.0).by_id[others[1]].copies == 1  # type: ignore[index]
+    warmer.copied(others[1])
+    assert pool.snapshot(0.0).by_id[others[1]].copies == 0  # type: ignore[index]
+
+
+async def _never(wid: str, prompt: WarmPrompt, later: Later = None) -> bool:
+    raise AssertionError("nothing is sent when a known pre-warm is replayed")
+
+
 async def test_with_token_keys_a_prewarm_copies_the_held_token_ids() -> None:
     """Token-exact keys count tokens: the held prefix is sent as a completions request of its
     token ids (a chat's too), keyed by the held blocks; without the ids (no tokenizer, an
