@@ -130,9 +130,8 @@ class GatewaySettings:
                        "not) exceed this x its share of the pool's by more than twice the "
                        "request gets no credit for a session's next turn (a request that "
                        "extends a prompt it holds) when the session routed at least half a "
-                       "worker's share recently; evens out routed volume (KV memory) at the "
-                       "price of a prefill of the session's history per move (0: never, "
-                       "the default; 1.2 is the tested setting)"),
+                       "worker's share recently: evens out routed volume (KV memory), the "
+                       "session moving to a copy of it (see volume_copy) (0: never)"),
     )
     volume_copy: bool = field(
         default=_POLICY.volume_copy,

@@ -411,8 +411,8 @@ def test_requests_waiting_in_the_holders_engine_move_its_prefix(
 LONG = tuple(range(2000, 2100))  # a long session's history: 100 blocks
 
 
-# The volume guard is off by default; these tests set it to its tested value, moving a session
-# at once (the copy that moves it without a prefill is tested after them).
+# These tests set the volume guard to move a session at once (--no-volume-copy); the default,
+# which moves it to a copy of itself, is tested after them.
 GUARD = PolicyOptions(volume_guard=1.2, volume_copy=False)
 
 
@@ -442,7 +442,8 @@ def _volume_route(heavy_turns: int, opts: PolicyOptions | None = None) -> Decisi
     # 424 blocks (w0's 20 and this request included), over half a worker's share (58): it moves.
     pytest.param(3, None, True, id="over-its-share-by-more-than-the-slack-moves"),
     pytest.param(6, PolicyOptions(volume_guard=0.0), False, id="volume-guard-0-never-moves"),
-    pytest.param(6, PolicyOptions(), False, id="off-by-default"),
+    # The default moves a session only to a copy of it: until one exists, the holder keeps it.
+    pytest.param(6, PolicyOptions(), False, id="by-default-the-holder-keeps-it-until-a-copy"),
 ])
 def test_a_holder_over_its_share_of_the_recent_volume_loses_the_session(
     turns: int, opts: PolicyOptions | None, moved: bool
@@ -550,10 +551,9 @@ def test_a_medium_session_moves_only_where_a_holder_of_its_trunk_has_room(
         assert decision.kind is DecisionKind.PREFIX_HIT
 
 
-# With ``volume_copy`` (the default when the guard is on) a session over the guard moves only
-# to a worker that holds a copy of it: until one does, its holder keeps it and the decision
-# names where to copy it.
-COPY = PolicyOptions(volume_guard=1.2)
+# By default (``volume_copy``) a session over the guard moves only to a worker that holds a
+# copy of it: until one does, its holder keeps it and the decision names where to copy it.
+COPY = PolicyOptions()
 
 
 def test_a_session_over_the_guard_stays_and_is_copied() -> None:

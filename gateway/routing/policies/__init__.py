@@ -42,24 +42,29 @@ left the request is placed like a cold prefix, from the ring anchor past the tru
 trunk's few holders. That holds only for a trunk whose branches grow (the index learns it per
 trunk: later requests extended what went on from it, as sessions' next turns do, at least as
 often as they reused it from inside, as questions on a shared document do); the branches of a
-trunk they reuse stay with the trunk. *Volume* (off by default: ``volume_guard`` 0): sessions
-stick to their worker, so a worker's routed volume over a minute is the sessions it was given,
-and one long-context session can be twice a worker's mean prompt volume while its requests in
-flight look like anyone's. Evening that out means moving sessions, each move a prefill of its
-whole history; the cost rule already moves one when waiting on its holder costs more than
-that, so the guard buys no latency: on engines whose prefills share compute it cost agent
-sessions 1.4-1.7x p99 and 4-5 points of hit rate, for routed volume 1.27x the mean instead of
-1.9-2.1x (BENCHMARKS.md, "the volume guard off by default"). With ``volume_guard`` set (1.2
-is the tested value) a holder whose
-recent routed prompt blocks (cached or not, halved every 30 s) are over ``volume_guard``
-times its share of the pool's, by more than twice the request, gets no credit for a request that
-extends a prompt it holds (a session's next turn; not for prompts shared from inside, whose
-copies move no load), when the session itself routed at least half a worker's share recently,
-or a fifth of it when another holder of part of its prompt (the trunk it shares) has room for
-the request (lighter sessions are balanced by where new ones are placed). The session moves
+trunk they reuse stay with the trunk. *Volume* (``volume_guard`` 1.2): sessions stick to
+their worker, so a worker's routed volume over a minute is the sessions it was given, and one
+long-context session can be twice a worker's mean prompt volume while its requests in flight
+look like anyone's. A holder whose recent routed prompt blocks (cached or not, halved every
+30 s) are over ``volume_guard`` times its share of the pool's, by more than twice the request,
+gets no credit for a request that extends a prompt it holds (a session's next turn; not for
+prompts shared from inside, whose copies move no load), when the session itself routed at
+least half a worker's share recently, or a fifth of it when another holder of part of its
+prompt (the trunk it shares) has room for the request (lighter sessions are balanced by where
+new ones are placed). With ``volume_copy`` (the default) the session moves only to a worker
+that already holds as much of it and is within its own bound: until one does, its holder
+keeps it and the decision names where to copy it (``Decision.copy_to``: of the workers holding
+less of it and not already making a copy, the one with the least prefill queued, then the
+least recent volume), and the pre-warmer sends its whole prompt there as a prefill-only
+request, so its next turn moves without redoing its history on a request's path. On agent
+sessions that keeps the hit rate of sessions kept whole (0.996-0.999 of the bound) at routed
+volume 1.30-1.31x the mean instead of 1.6-3.1x (BENCHMARKS.md, "the volume guard moves a
+session by copying it first"). Without copies the session moves at once
 (``DecisionKind.DIVERTED`` by ``volume_guard``), paying one prefill of its history, to the
 worker that can take the most of its next turns: the holder of most of its prompt among those
-with room within 1.2 times their share, else the worker with the least recent volume. The
+with room within 1.2 times their share, else the worker with the least recent volume; that
+cost agent sessions 5 points of hit rate and, on engines whose prefills share compute,
+1.4-1.7x p99. 0 turns the guard off. The
 guard credits a holder with the prefill a move would redo (its bound grows by the prompt tokens
 it holds for the request): a conversation is not moved off its worker because its own earlier
 turns are in flight there. Its bound also grows by the cached
@@ -124,10 +129,8 @@ class PolicyOptions:
     # cache_aware: a holder whose recent routed prompt blocks (cached or not) are over this x
     # its share of the pool's, by more than twice the request's blocks, gets no credit for a
     # session's next turn, when the session routed at least half a worker's share: one long
-    # session cannot make a worker's volume. 0: never (the default: each move redoes a whole
-    # history's prefill, and on engines whose prefills share compute that cost agent
-    # sessions 1.4-1.7x p99 for no latency gained on any workload; 1.2 evens routed volume).
-    volume_guard: float = 0.0
+    # session cannot make a worker's volume. 0: never.
+    volume_guard: float = 1.2
     # cache_aware, with the volume guard: a session over it moves only to a worker holding a
     # copy of its prompt, which the pre-warmer makes while its holder keeps serving it (no
     # prefill on a request's path); False: it moves at once and the request redoes its history.
