@@ -379,29 +379,30 @@ class RoutingEngine:
               depth: int) -> Decision:
         """``decision`` kept a session on a holder over the volume guard (``volume_copy``):
         the same decision, naming the worker to copy the session's prompt to. Of the
-        candidates that hold less of it and are not making another copy
-        (``WorkerView.copies``), the one with the least prefill queued, then the least recent
-        volume per unit of weight, then ring order from the request's anchor.
+        candidates that hold less of it, are not making another copy (``WorkerView.copies``)
+        and have no prefill queued, the one with the least recent volume per unit of weight,
+        then the first in ring order from the request's anchor; with none such, no copy now
+        (the session stays, and its next turn asks again).
 
-        A copy is a prefill of the session's whole history: sent where other prompts are
-        being prefilled (the holders of the trunk new sessions start from, or several copies
-        to the one worker with the least volume) it and they share the engine's compute, and
-        the requests there waited for all of them (agent sessions on engines whose prefills
-        share compute: p99 1.3-1.4x the guard's without copies; copying to the least busy
-        worker, 0.65-1.07x)."""
-        others = [w for w in candidates if ctx.matches.get(w.id, 0) < depth and not w.copies]
+        A copy is a prefill of the session's whole history, made with capacity nothing else
+        uses: sent where other prompts are being prefilled (the holders of the trunk new
+        sessions start from, several copies to the one worker with the least volume, or the
+        worker with the least prefill queued while every worker had some) it and they shared
+        the engine's compute, and the requests there waited for all of them (agent sessions
+        on engines whose prefills share compute: p99 1.3-1.5x the guard's without copies;
+        copying only to an idle worker, 0.95-1.05x)."""
+        others = [w for w in candidates if ctx.matches.get(w.id, 0) < depth and not w.copies
+                  and not w.inflight_prefill]
         if not others:
             return decision
         index = ctx.snapshot.index
         order = {wid: i for i, wid in enumerate(ctx.snapshot.ring.walk(ctx.anchor))}
-        least = min(w.inflight_prefill for w in others)
 
         def lightest(view: WorkerView) -> tuple[float, int]:
             return (index.recent_blocks(view.id) / (view.worker.weight or 1.0),
                     order.get(view.id, len(order)))
 
-        target = min((w for w in others if w.inflight_prefill == least), key=lightest)
-        return dataclasses.replace(decision, copy_to=target.id)
+        return dataclasses.replace(decision, copy_to=min(others, key=lightest).id)
 
     @staticmethod
     def _narrow(

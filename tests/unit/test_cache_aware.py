@@ -572,20 +572,22 @@ def test_a_session_over_the_guard_stays_and_is_copied() -> None:
     assert _volume_route(2, COPY).copy_to == ""
 
 
-def test_a_copy_goes_where_no_prefill_is_queued_before_where_volume_is_least() -> None:
+@pytest.mark.parametrize("busy", [("w2",), ("w0", "w2", "w3")])
+def test_a_copy_goes_only_where_no_prefill_is_queued(busy: tuple[str, ...]) -> None:
     """w2 has the least recent volume but is prefilling a prompt; w0 and w3, with more
     volume, are not: the copy (a whole history's prefill) goes to the lighter of those two,
-    not beside w2's prefill."""
+    not beside w2's prefill. With every other worker prefilling, nothing is copied now."""
     index = PrefixIndex()
     for _ in range(3):
         index.record(LONG, "w1", 0.0)
     for i, wid in enumerate(("w0", "w0", "w2", "w3", "w3", "w3")):
         index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
-    views = tuple(WorkerView(Worker(w, f"http://{w}"), inflight_prefill=500 * (w == "w2"))
+    views = tuple(WorkerView(Worker(w, f"http://{w}"), inflight_prefill=500 * (w in busy))
                   for w in IDS)
     decision = build_engine("cache_aware", COPY).route(
         _session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
-    assert (decision.worker_id, decision.copy_to) == ("w1", "w0")
+    assert decision.worker_id == "w1"
+    assert decision.copy_to == ("w0" if len(busy) == 1 else "")
 
 
 def test_a_worker_making_a_copy_gets_no_other() -> None:

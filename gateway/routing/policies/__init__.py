@@ -54,12 +54,12 @@ prompt (the trunk it shares) has room for the request (lighter sessions are bala
 new ones are placed). With ``volume_copy`` (the default) the session moves only to a worker
 that already holds as much of it and is within its own bound: until one does, its holder
 keeps it and the decision names where to copy it (``Decision.copy_to``: of the workers holding
-less of it and not already making a copy, the one with the least prefill queued, then the
-least recent volume), and the pre-warmer sends its whole prompt there as a prefill-only
-request, so its next turn moves without redoing its history on a request's path. On agent
-sessions that keeps the hit rate of sessions kept whole (0.996-0.999 of the bound) at routed
-volume 1.30-1.31x the mean instead of 1.6-3.1x (BENCHMARKS.md, "the volume guard moves a
-session by copying it first"). Without copies the session moves at once
+less of it with no prefill queued and no other copy under way, the one with the least recent
+volume; with none, no copy yet), and the pre-warmer sends its whole prompt there as a
+prefill-only request, so its next turn moves without redoing its history on a request's path.
+On agent sessions that keeps the hit rate of sessions kept whole (0.997-0.998 of the bound)
+at routed volume 1.27-1.34x the mean instead of 1.6-3.1x (BENCHMARKS.md, "the volume guard
+moves a session by copying it first"). Without copies the session moves at once
 (``DecisionKind.DIVERTED`` by ``volume_guard``), paying one prefill of its history, to the
 worker that can take the most of its next turns: the holder of most of its prompt among those
 with room within 1.2 times their share, else the worker with the least recent volume; that
