@@ -58,7 +58,7 @@ less of it with no prefill queued and no other copy under way, the one with the 
 volume; with none, no copy yet), and the pre-warmer sends its whole prompt there as a
 prefill-only request, so its next turn moves without redoing its history on a request's path.
 On agent sessions that keeps the hit rate of sessions kept whole (0.997-0.998 of the bound)
-at routed volume 1.27-1.34x the mean instead of 1.6-3.1x (BENCHMARKS.md, "the volume guard
+at routed volume 1.27-1.34x the mean instead of 1.6-3.2x (BENCHMARKS.md, "the volume guard
 moves a session by copying it first"). Without copies the session moves at once
 (``DecisionKind.DIVERTED`` by ``volume_guard``), paying one prefill of its history, to the
 worker that can take the most of its next turns: the holder of most of its prompt among those
