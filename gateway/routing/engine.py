@@ -389,8 +389,8 @@ class RoutingEngine:
         sessions start from, several copies to the one worker with the least volume, or the
         worker with the least prefill queued while every worker had some) it and they shared
         the engine's compute, and the requests there waited for all of them (agent sessions
-        on engines whose prefills share compute: p99 1.3-1.5x the guard's without copies;
-        copying only to an idle worker, 0.95-1.05x)."""
+        on engines whose prefills share compute: p99 1.3-1.5x that of sessions kept whole;
+        copying only to an idle worker, 0.7-1.0x)."""
         others = [w for w in candidates if ctx.matches.get(w.id, 0) < depth and not w.copies
                   and not w.inflight_prefill]
         if not others:
