@@ -11,7 +11,7 @@ Pure and synchronous: no awaits, no network, no clocks. The cluster simulator ru
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
 from typing import Protocol
 
@@ -134,6 +134,20 @@ def _has_room(index: PrefixMatcher, wid: str, weight: float, size: int, share: f
               guard: float) -> bool:
     """Whether ``wid`` can take ``size`` more blocks within ``guard`` times its share."""
     return index.recent_blocks(wid) + size <= guard * share * weight
+
+
+def _by_volume(ctx: Context) -> Callable[[WorkerView], tuple[float, int]]:
+    """The sort key of the volume guard's destinations: least recent routed volume per unit
+    of weight, equals in ring order from the request's anchor, as the picker's are (gateway
+    replicas and the simulator choose alike whatever order their pools list workers in)."""
+    index = ctx.snapshot.index
+    order = {wid: i for i, wid in enumerate(ctx.snapshot.ring.walk(ctx.anchor))}
+
+    def key(view: WorkerView) -> tuple[float, int]:
+        return (index.recent_blocks(view.id) / (view.worker.weight or 1.0),
+                order.get(view.id, len(order)))
+
+    return key
 
 
 def _weight(by_id: Mapping[str, WorkerView] | None, wid: str) -> float:
@@ -359,14 +373,7 @@ class RoutingEngine:
         guard = self.profile.volume_guard
         matches = ctx.matches
 
-        # Equals resolve in ring order from the request's anchor, as the picker's do: gateway
-        # replicas (and the simulator) choose alike whatever order their pools list workers in.
-        order = {wid: i for i, wid in enumerate(snapshot.ring.walk(ctx.anchor))}
-
-        def lightest(view: WorkerView) -> tuple[float, int]:
-            volume = index.recent_blocks(view.id) / (view.worker.weight or 1.0)
-            return volume, order.get(view.id, len(order))
-
+        lightest = _by_volume(ctx)
         room = [w for w in candidates if matches.get(w.id, 0)
                 and _has_room(index, w.id, w.worker.weight, size, share, guard)]
         if room:
@@ -395,14 +402,7 @@ class RoutingEngine:
                   and not w.inflight_prefill]
         if not others:
             return decision
-        index = ctx.snapshot.index
-        order = {wid: i for i, wid in enumerate(ctx.snapshot.ring.walk(ctx.anchor))}
-
-        def lightest(view: WorkerView) -> tuple[float, int]:
-            return (index.recent_blocks(view.id) / (view.worker.weight or 1.0),
-                    order.get(view.id, len(order)))
-
-        return dataclasses.replace(decision, copy_to=min(others, key=lightest).id)
+        return dataclasses.replace(decision, copy_to=min(others, key=_by_volume(ctx)).id)
 
     @staticmethod
     def _narrow(
