@@ -132,6 +132,17 @@ class PrefixKey:
         """How many leading checkpoints lie within the first ``depth`` blocks."""
         return bisect.bisect_right(self.depths, depth) if self.depths else depth
 
+    def goes_on_from(self, other: PrefixKey) -> bool:
+        """Whether this prompt starts with the whole of ``other``'s, to the deeper of its last
+        two checkpoints that this key has too (a prompt's last full block is a checkpoint of
+        its own; those before it lie where any prompt of that length has them). O(log n)."""
+        for i in range(len(other.blocks) - 1, max(len(other.blocks) - 3, -1), -1):
+            depth = other.depth_at(i)
+            j = min(self.checkpoints_within(depth), len(self.blocks))
+            if j and self.depth_at(j - 1) == depth:
+                return self.blocks[j - 1] == other.blocks[i]
+        return False
+
     def cut(self, checkpoints: int, text_chars: int) -> PrefixKey:
         """The key of this prompt's first ``text_chars`` characters, whose last full block is
         checkpoint ``checkpoints - 1`` (at least one): its first ``checkpoints`` hashes, the

@@ -55,6 +55,8 @@ LeadingIds = Callable[[UpstreamRequest, int], Awaitable[list[int] | None]]
 
 log = logging.getLogger(__name__)
 
+_UNUSED_COPIES = 64  # session copies per worker remembered until a request uses them
+
 
 @dataclass(frozen=True, slots=True)
 class PrewarmOptions:
@@ -97,12 +99,15 @@ class PreWarmer:
         self.options = options
         self.sent = 0  # pre-warms started
         self.placed = 0  # pre-warms that succeeded
-        # Pre-warms a later request for their prefix was routed to (used), and the worker of
-        # each pre-warm not used yet, by anchor (the last one per prefix).
+        # Pre-warms a later request for their prefix was routed to (used, session copies
+        # included), and the worker of each pre-warm not used yet, by anchor (the last one
+        # per prefix).
         self.used = 0
         self.cut = 0  # pre-warms that copied only the held prefix (the rest: whole requests)
         self.sessions = 0  # of them, copies of a session the volume guard moves (copy_to)
         self._unused: dict[int, str] = {}
+        # Session copies not used yet, by the worker they went to: the keys copied there.
+        self._unused_copies: dict[str, list[PrefixKey]] = {}
         self._recent: dict[int, float] = {}  # anchor -> when its last pre-warm started
         self._tasks: set[asyncio.Future[bool]] = set()
 
@@ -159,7 +164,8 @@ class PreWarmer:
         its cooldown. Pure bookkeeping, no I/O: the simulator decides with it too.
 
         Every decision also tells whether it used a pre-warm: routed, with a prefix match, to
-        the worker the last pre-warm of its prefix went to (``used``).
+        the worker the last pre-warm of its prefix went to, or to a worker a session was
+        copied to with a prompt that goes on from the copy (``used``).
 
         A decision that names a worker to copy its session to (``Decision.copy_to``: the
         volume guard keeps a session on its holder until a copy of it is made elsewhere) is
@@ -168,7 +174,7 @@ class PreWarmer:
         flight on its worker until :meth:`copied` (``WorkerView.copies``)."""
         self._count_use(decision, request)
         if decision.copy_to:
-            self._copy_started(decision.copy_to)
+            self._copy_started(decision.copy_to, request.key)
             return decision.copy_to
         target = self._choose(decision, request, now, inflight)
         if target is not None:
@@ -188,15 +194,19 @@ class PreWarmer:
         if not target:
             return None
         if decision.copy_to:  # the copy of a session this decision asks for, where it went
-            self._copy_started(target)
+            self._copy_started(target, request.key)
         else:
             self._note(request, target, now)
         return target
 
-    def _copy_started(self, target: str) -> None:
+    def _copy_started(self, target: str, key: PrefixKey) -> None:
         self.pool.copying(target, 1)
         self.sessions += 1
         self.sent += 1
+        copies = self._unused_copies.setdefault(target, [])
+        copies.append(key)
+        if len(copies) > _UNUSED_COPIES:  # bounded: the oldest is taken as never used
+            del copies[0]
 
     def copied(self, target: str) -> None:
         """A session's copy to ``target`` is over (answered or failed): the worker can take
@@ -204,10 +214,18 @@ class PreWarmer:
         self.pool.copying(target, -1)
 
     def _count_use(self, decision: Decision, request: RouteRequest) -> None:
+        if decision.match_blocks <= 0:
+            return
         anchor = request.key.anchor
-        if decision.match_blocks > 0 and self._unused.get(anchor) == decision.worker_id:
+        if self._unused.get(anchor) == decision.worker_id:
             del self._unused[anchor]
             self.used += 1
+        elif copies := self._unused_copies.get(decision.worker_id):
+            for i, copied in enumerate(copies):
+                if request.key.goes_on_from(copied):
+                    del copies[i]
+                    self.used += 1
+                    break
 
     def _choose(self, decision: Decision, request: RouteRequest, now: float,
                 inflight: int) -> str | None:
@@ -336,7 +354,8 @@ class PreWarmer:
     def stats(self) -> dict[str, int | bool]:
         """Counts since start, for ``/admin/workers``: pre-warms started, placed (the worker
         answered), failed, still in flight, and used (a later request for the prefix was
-        routed to the pre-warmed worker: the copy paid off, as far as the index knows), cut
+        routed to the pre-warmed worker, or a session's next turn to its copy: the copy paid
+        off, as far as the index knows), cut
         (copies of the held prefix alone; the others copied the whole request), and sessions
         (copies of a session the volume guard moves)."""
         inflight = len(self._tasks)

@@ -60,7 +60,7 @@ async def test_a_session_over_the_volume_guard_moves_to_a_copy_of_itself(
 
         await until(placed)
         stats = await _prewarm_stats(http, gateway)
-        assert stats["sessions"] == 1
+        assert (stats["sessions"], stats["used"]) == (1, 0)
         copied_tokens = len(prompt) // 4  # the chars tokenizer: one token per 4 characters
 
         prompt += TURN  # the next turn goes to the copy, which holds the whole last turn
@@ -69,6 +69,7 @@ async def test_a_session_over_the_volume_guard_moves_to_a_copy_of_itself(
         assert reason.startswith("prefix_hit")
         assert cached >= copied_tokens - 16  # every full block of the copied prompt
         assert cached < sent
+        assert (await _prewarm_stats(http, gateway))["used"] == 1  # the copy paid off
 
 
 async def _all_up(http: aiohttp.ClientSession, gateway: str) -> bool:

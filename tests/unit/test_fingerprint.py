@@ -283,3 +283,32 @@ def test_anchor_past_names_what_follows_the_trunk(trunk: int) -> None:
     assert depth > trunk
     inside = [d for d in a.depths if trunk < d <= trunk + 3]
     assert depth == (inside[-1] if inside else min(d for d in a.depths if d > trunk))
+
+
+@pytest.mark.parametrize("extra", [0, 8 * 3, 8 * 40])
+def test_a_prompt_goes_on_from_an_earlier_turn_it_extends(extra: int) -> None:
+    """A session's next turn goes on from the whole of its last one, whether or not that
+    turn's last block is a checkpoint of the longer prompt; a prompt that parts from it
+    before its last two checkpoints, a shorter one, or another session's does not (where it
+    parts past the deeper of the two that both have is not seen: within a stride, 1/32 of
+    the depth by default)."""
+    opts = FingerprintOptions(block_chars=8, dense_blocks=4, checkpoint_ratio=2)
+    turn = _text(8 * 45 + 5, 1)  # 45 blocks: depth 45 is no checkpoint of a longer prompt
+    last = fingerprint(turn, NS, opts)
+    assert 45 not in checkpoint_depths(45 + extra // 8 + 1, opts)
+    following = fingerprint(turn + _text(extra + 8, 2), NS, opts)
+    assert following.goes_on_from(last)
+    assert last.goes_on_from(last)
+    parted = fingerprint(turn[: 8 * 30] + "#" * (8 * 15 + 5 + extra + 8), NS, opts)
+    assert not parted.goes_on_from(last)
+    assert not fingerprint(turn[: 8 * 20], NS, opts).goes_on_from(last)
+    assert not fingerprint(_text(len(turn) + extra, 3), NS, opts).goes_on_from(last)
+
+
+def test_keys_with_every_block_a_checkpoint_go_on_from_their_prefixes() -> None:
+    """Trace keys (``depths`` empty): a longer key goes on from its own prefix, a shorter or
+    a different one does not."""
+    turn = PrefixKey((1, 2, 3, 4, 5), 1, 320)
+    assert PrefixKey((1, 2, 3, 4, 5, 6, 7), 1, 448).goes_on_from(turn)
+    assert not PrefixKey((1, 2, 3), 1, 192).goes_on_from(turn)
+    assert not PrefixKey((1, 2, 9, 9, 9, 9), 1, 384).goes_on_from(turn)

@@ -312,6 +312,30 @@ def test_a_replayed_copy_of_a_session_counts_as_one_wherever_it_went() -> None:
     assert pool.snapshot(0.0).by_id[others[1]].copies == 0  # type: ignore[index]
 
 
+def test_a_session_copy_counts_used_when_the_sessions_next_turn_goes_to_it() -> None:
+    """A copy of a session is used by the session's next turn routed to the worker it was
+    copied to (once); not by a turn on the holder, nor by another prompt sent there."""
+    pool, index, request, holder = half_held(asked=0)
+    warmer = PreWarmer(pool, index, _never, PrewarmOptions())
+    view = pool.snapshot(0.0).by_id[holder]  # type: ignore[index]
+    other = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+    blocks = request.key.total_blocks
+    asked = Decision(worker=view, policy="cache_aware", kind=DecisionKind.PREFIX_HIT,
+                     match_blocks=blocks // 2, copy_to=other)
+    assert warmer.replayed(asked, request, 0.0, other) == other
+    following = RouteRequest(key=fingerprint(TEXT + "Observation: done. " * 20,
+                                             Namespace(model="m")),
+                             model="m", cost_tokens=400, prompt_tokens=350)
+    stranger = RouteRequest(key=fingerprint("Another session. " * 80, Namespace(model="m")),
+                            model="m", cost_tokens=400, prompt_tokens=350)
+    used = []
+    for wid, turn in ((holder, following), (other, stranger), (other, following),
+                      (other, following)):
+        warmer.target(decision(pool, wid, blocks, 0, 1000.0, 1), turn, 1.0, 0)
+        used.append(warmer.used)
+    assert used == [0, 0, 1, 1]
+
+
 async def _never(wid: str, prompt: WarmPrompt, later: Later = None) -> bool:
     raise AssertionError("nothing is sent when a known pre-warm is replayed")
 
