@@ -42,7 +42,7 @@ left the request is placed like a cold prefix, from the ring anchor past the tru
 trunk's few holders. That holds only for a trunk whose branches grow (the index learns it per
 trunk: later requests extended what went on from it, as sessions' next turns do, at least as
 often as they reused it from inside, as questions on a shared document do); the branches of a
-trunk they reuse stay with the trunk. *Volume* (``volume_guard`` 1.2): sessions stick to
+trunk they reuse stay with the trunk. *Volume* (``volume_guard`` 1.1): sessions stick to
 their worker, so a worker's routed volume over a minute is the sessions it was given, and one
 long-context session can be twice a worker's mean prompt volume while its requests in flight
 look like anyone's. A holder whose recent routed prompt blocks (cached or not, halved every
@@ -57,14 +57,14 @@ keeps it and the decision names where to copy it (``Decision.copy_to``: of the w
 less of it with no prefill queued and no other copy under way, the one with the least recent
 volume; with none, no copy yet), and the pre-warmer sends its whole prompt there as a
 prefill-only request, so its next turn moves without redoing its history on a request's path.
-On agent sessions that keeps the hit rate of sessions kept whole (0.997-0.998 of the bound)
-at routed volume 1.27-1.34x the mean instead of 1.6-3.2x (BENCHMARKS.md, "the volume guard
-moves a session by copying it first"). Without copies the session moves at once
+On agent sessions that keeps the hit rate of sessions kept whole (0.996-0.998 of the bound)
+at routed volume 1.20-1.28x the mean instead of 1.6-3.2x (BENCHMARKS.md, "the volume guard
+moves a session by copying it first"; "the guard at 1.1"). Without copies the session moves at once
 (``DecisionKind.DIVERTED`` by ``volume_guard``), paying one prefill of its history, to the
 worker that can take the most of its next turns: the holder of most of its prompt among those
-with room within 1.2 times their share, else the worker with the least recent volume; that
-cost agent sessions 5 points of hit rate and, on engines whose prefills share compute,
-1.4-1.7x p99. 0 turns the guard off. The
+with room within ``volume_guard`` times their share, else the worker with the least recent
+volume; that cost agent sessions 5 points of hit rate and, on engines whose prefills share
+compute, 1.4-1.7x p99. 0 turns the guard off. The
 guard credits a holder with the prefill a move would redo (its bound grows by the prompt tokens
 it holds for the request): a conversation is not moved off its worker because its own earlier
 turns are in flight there. Its bound also grows by the cached
@@ -130,7 +130,7 @@ class PolicyOptions:
     # its share of the pool's, by more than twice the request's blocks, gets no credit for a
     # session's next turn, when the session routed at least half a worker's share: one long
     # session cannot make a worker's volume. 0: never.
-    volume_guard: float = 1.2
+    volume_guard: float = 1.1
     # cache_aware, with the volume guard: a session over it moves only to a worker holding a
     # copy of its prompt, which the pre-warmer makes while its holder keeps serving it (no
     # prefill on a request's path); False: it moves at once and the request redoes its history.
