@@ -154,6 +154,7 @@ class RoutingSession:
         sink: AssignmentSink | None = None,
         exact: SentBlocks | None = None,
         learn_capacity: bool = True,
+        fleet_prior: bool = True,
     ) -> None:
         self.router = router
         self.index = index
@@ -161,6 +162,7 @@ class RoutingSession:
         self.sink: AssignmentSink = sink if sink is not None else NoSink()
         self.exact = exact
         self.learn_capacity = learn_capacity
+        self.fleet_prior = fleet_prior
 
     def route(
         self,
@@ -320,5 +322,26 @@ class RoutingSession:
             else:
                 fits = held * 9 // 10
             index.set_capacity(wid, max(blocks, min(index.capacity(wid), fits)))
+            if self.fleet_prior:
+                self._share_learnt(wid)
         elif matched > predicted + slack and index.capacity(wid) <= index.held_blocks(wid):
             index.set_capacity(wid, index.capacity(wid) + matched - predicted)
+
+    def _share_learnt(self, wid: str) -> None:
+        """The first size learnt for a worker that does not report it is every such worker's
+        until its own is: the modelled size of each worker of the same model still unknown
+        becomes ``wid``'s (per unit of ring weight).
+
+        Until its first miss a worker's cache is modelled as unbounded, so it looks empty to
+        the placement of new prefixes (which places by cache fill and turnover); once one
+        worker's size is learnt it alone looks full, and new prefixes went to the others,
+        whose real caches were as full and evicted what the index still counted as held. A
+        worker whose cache is really larger grows back by its own surprises (:meth:`_learn`)."""
+        index, pool = self.index, self.pool
+        learnt = pool.get(wid).worker
+        per_weight = index.capacity(wid) / (learnt.weight or 1.0)
+        for state in pool.states():
+            other = state.worker
+            if (other.id != wid and state.capacity_blocks <= 0 and not index.learnt(other.id)
+                    and (other.models == learnt.models or other.models & learnt.models)):
+                index.set_capacity(other.id, max(1, round(per_weight * other.weight)))

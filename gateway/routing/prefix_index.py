@@ -139,6 +139,10 @@ class PrefixIndex:
     def capacity(self, worker_id: str) -> int:
         return self._capacity.get(worker_id, self._default_capacity)
 
+    def learnt(self, worker_id: str) -> bool:
+        """Whether ``worker_id``'s capacity was set (else it is the default)."""
+        return worker_id in self._capacity
+
     def set_capacity(self, worker_id: str, blocks: int) -> None:
         """How many blocks ``worker_id`` can hold; its least recently used excess is dropped."""
         self._capacity[worker_id] = max(1, blocks)

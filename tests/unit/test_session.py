@@ -309,3 +309,42 @@ def test_capacity_learning_can_be_switched_off() -> None:
     again = session.route(_request(), now=2.0)
     session.completed(again, CacheUsage(800, 0))
     assert index.capacity("a:1") == 1_000_000
+
+
+def test_the_first_size_learnt_is_every_unknown_workers_until_its_own() -> None:
+    """Workers that do not report their cache size are modelled unbounded until their first
+    miss; the first size learnt becomes that of every worker of the same model still unknown
+    (per unit of ring weight), so none looks emptier than the rest to the placement. A worker
+    that reports its size, one of another model and one already learnt keep theirs."""
+    index = PrefixIndex()
+    pool = WorkerPool((), index)
+    for wid, models, weight in (("a:1", {"m"}, 1.0), ("b:1", {"m"}, 2.0), ("c:1", {"m"}, 1.0),
+                                ("d:1", {"other"}, 1.0), ("e:1", {"m"}, 1.0)):
+        pool.add(f"http://{wid[0]}:1", wid=wid, weight=weight)
+        pool.mark_up(wid, frozenset(models))
+    pool.set_capacity("c:1", 100)  # reported
+    index.set_capacity("e:1", 50)  # learnt before
+    session = RoutingSession(build_engine("cache_aware"), index, pool)
+    only_a = frozenset(s.worker.id for s in pool.states()) - {"a:1"}
+    session.completed(session.route(_request(tuple(range(100, 108))), now=0.0, exclude=only_a))
+    session.completed(session.route(_request(), now=1.0, exclude=only_a))
+    again = session.route(_request(), now=2.0, exclude=only_a)
+    assert again.decision.match_blocks == 8
+    session.completed(again, CacheUsage(800, 0))  # a:1 had evicted it: its size is learnt
+    assert index.capacity("a:1") == 8
+    assert {wid: index.capacity(wid) for wid in ("b:1", "c:1", "d:1", "e:1")} == {
+        "b:1": 16, "c:1": 100 - pool.private_blocks, "d:1": 1_000_000, "e:1": 50}
+
+
+def test_without_the_fleet_prior_only_the_worker_that_missed_learns() -> None:
+    index = PrefixIndex()
+    pool = WorkerPool((), index)
+    for wid in ("a:1", "b:1"):
+        pool.add(f"http://{wid[0]}:1", wid=wid)
+        pool.mark_up(wid, frozenset({"m"}))
+    session = RoutingSession(build_engine("cache_aware"), index, pool, fleet_prior=False)
+    only_a = frozenset({"b:1"})
+    session.completed(session.route(_request(tuple(range(100, 108))), now=0.0, exclude=only_a))
+    session.completed(session.route(_request(), now=1.0, exclude=only_a))
+    session.completed(session.route(_request(), now=2.0, exclude=only_a), CacheUsage(800, 0))
+    assert (index.capacity("a:1"), index.capacity("b:1")) == (8, 1_000_000)
