@@ -55,7 +55,7 @@ LeadingIds = Callable[[UpstreamRequest, int], Awaitable[list[int] | None]]
 
 log = logging.getLogger(__name__)
 
-_UNUSED_COPIES = 64  # session copies per worker remembered until a request uses them
+_UNUSED_COPIES = 8  # session copies per worker remembered until a request uses them
 
 
 @dataclass(frozen=True, slots=True)
