@@ -321,30 +321,39 @@ class RoutingEngine:
             return matches, {}, {}  # not a session's next turn
         size = key.total_blocks
         share = _volume_share(snapshot, size)
-        session = index.session_blocks(key.blocks[deepest - 1]) + size
-        slack = VOLUME_SLACK * size
         guard = self.profile.volume_guard
+        slack = VOLUME_SLACK * size
         by_id = snapshot.by_id
+        # Each holder read once: its weight, whether it keeps its credit (within its bound
+        # and the slack) and whether it has room (within its bound): the loop below asks
+        # these of every other holder, for each holder over its bound.
+        weights: dict[str, float] = {}
+        within: set[str] = set()
+        room: set[str] = set()
+        for wid in matches:
+            weight = weights[wid] = _weight(by_id, wid)
+            used = index.recent_blocks(wid) + size
+            if used <= guard * share * weight:  # _has_room(), inline
+                room.add(wid)
+            if used <= guard * share * weight + slack:
+                within.add(wid)
+        if len(within) == len(matches):
+            return matches, {}, {}
+        session = index.session_blocks(key.blocks[deepest - 1]) + size
+        copy = self.profile.volume_copy
         kept: dict[str, int] = {}
         over: dict[str, int] = {}
         copying: dict[str, int] = {}
-
-        def room(wid: str) -> bool:
-            return _has_room(index, wid, _weight(by_id, wid), size, share, guard)
-
-        def within(wid: str) -> bool:  # keeps its credit: within its bound and the slack
-            return index.recent_blocks(wid) + size <= guard * share * _weight(by_id, wid) + slack
-
         for wid, depth in matches.items():
-            fair = share * _weight(by_id, wid)
-            if within(wid):
+            fair = share * weights[wid]
+            if wid in within:
                 kept[wid] = depth
             elif session >= VOLUME_SESSION_SHARE * fair or (
                     session >= VOLUME_MEDIUM_SHARE * fair
-                    and any(room(other) for other in matches if other != wid)):
-                if not self.profile.volume_copy or any(
-                        d >= depth and within(other) for other, d in matches.items()
-                        if other != wid):
+                    and len(room) > (wid in room)):  # another holder has room
+                # Moved when no copy is asked for, or when another holder of as much of the
+                # prompt keeps its credit (``wid`` does not: it is not in ``within``).
+                if not copy or any(matches[other] >= depth for other in within):
                     over[wid] = depth
                 else:
                     kept[wid] = copying[wid] = depth

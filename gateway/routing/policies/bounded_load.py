@@ -113,7 +113,9 @@ class BoundedLoadFilter:
             # load_bound(c, total, cost, share, floor_requests), inline: once per candidate.
             bound = max(c * (w.worker.weight / weight_sum) * (total + cost), floor)
             if credit and (held := matches.get(w.id, 0)):
-                bound += credit * held + _cached_elsewhere(ctx.request.key, held, w)
+                # What its other requests in flight find cached (none in flight: nothing).
+                bound += (credit * held + _cached_elsewhere(ctx.request.key, held, w)
+                          if w.inflight_prompts else credit * held)
             ctx.load_bounds[w.id] = bound
             if w.inflight_tokens <= bound:
                 kept.append(w)
