@@ -13,6 +13,8 @@ import pytest
 from gateway.errors import InvalidRequest
 from gateway.normalize import NormalizeOptions, normalize_messages, render_chat
 from gateway.openai_schema import (
+    _WALK_BUDGET,
+    _WALK_FROM_BYTES,
     MAX_JSON_DEPTH,
     ClientJSON,
     ParsedRequest,
@@ -438,6 +440,16 @@ class _Unread(bytes):
         raise AssertionError("the body's bytes were read")
 
 
+class _Searched(bytes):
+    """Bytes that count the searches made in them."""
+
+    searches = 0
+
+    def find(self, *args: Any, **kwargs: Any) -> int:
+        self.searches += 1
+        return super().find(*args, **kwargs)
+
+
 def _nested(levels: int) -> dict[str, object]:
     inner: list[object] = []
     for _ in range(levels - 1):
@@ -455,6 +467,31 @@ def test_the_depth_walk_agrees_with_what_orjson_encodes(levels: int) -> None:
     except orjson.JSONEncodeError:
         refused = True
     assert _nests_deeper(value, MAX_JSON_DEPTH, budget=10_000) is refused
+
+
+def test_a_short_prompt_of_code_is_walked_not_searched_bracket_by_bracket() -> None:
+    """A short completions body whose prompt holds hundreds of brackets is decided by its
+    few containers after a bounded search, not one search per bracket in its text."""
+    body = {"model": "m", "prompt": "if (a) { b[c] = {d: [e]}; }\n" * 300}
+    raw = _Searched(orjson.dumps(body))
+    assert too_deep(raw, body) is False
+    assert raw.searches <= 2 * (_WALK_BUDGET + 1)
+
+
+@pytest.mark.parametrize("levels", [_WALK_BUDGET, _WALK_BUDGET + 1, 253, 254, 255])
+def test_short_bodies_are_refused_exactly_past_the_depth_orjson_encodes(levels: int) -> None:
+    """Short bodies, of few and of many containers, at and around the limit: too deep
+    exactly when orjson refuses to encode them."""
+    for extra in (b"", b',"m":[' + b",".join([b'{"c":"x"}'] * 40) + b"]"):
+        raw = b'{"x":' + b"[" * (levels - 1) + b"]" * (levels - 1) + extra + b"}"
+        value = orjson.loads(raw)
+        try:
+            orjson.dumps(value)
+            refused = False
+        except orjson.JSONEncodeError:
+            refused = True
+        assert len(raw) <= _WALK_FROM_BYTES
+        assert too_deep(raw, value) is refused
 
 
 def test_a_body_of_few_containers_is_decided_without_its_bytes() -> None:
