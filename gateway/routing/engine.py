@@ -332,10 +332,10 @@ class RoutingEngine:
         room: set[str] = set()
         for wid in matches:
             weight = weights[wid] = _weight(by_id, wid)
-            used = index.recent_blocks(wid) + size
-            if used <= guard * share * weight:  # _has_room(), inline
+            used, bound = index.recent_blocks(wid) + size, guard * share * weight
+            if used <= bound:  # as _has_room()
                 room.add(wid)
-            if used <= guard * share * weight + slack:
+            if used <= bound + slack:
                 within.add(wid)
         if len(within) == len(matches):
             return matches, {}, {}

@@ -114,8 +114,9 @@ class BoundedLoadFilter:
             bound = max(c * (w.worker.weight / weight_sum) * (total + cost), floor)
             if credit and (held := matches.get(w.id, 0)):
                 # What its other requests in flight find cached (none in flight: nothing).
-                bound += (credit * held + _cached_elsewhere(ctx.request.key, held, w)
-                          if w.inflight_prompts else credit * held)
+                elsewhere = (_cached_elsewhere(ctx.request.key, held, w)
+                             if w.inflight_prompts else 0)
+                bound += credit * held + elsewhere
             ctx.load_bounds[w.id] = bound
             if w.inflight_tokens <= bound:
                 kept.append(w)
