@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from infra.procs import wait_healthy
+from infra.procs import PortLedger, wait_healthy
 
 
 @dataclass
@@ -72,13 +71,6 @@ def save_state(run_dir: Path, state: LocalState) -> None:
     tmp.replace(_state_path(run_dir))
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -95,7 +87,7 @@ def alive(pid: int) -> bool:
 
 
 def _start_worker(state: LocalState, run_dir: Path) -> WorkerProc:
-    port = _free_port(state.host)
+    port = PortLedger(host=state.host).take()
     url = f"http://{state.host}:{port}"
     log = run_dir / f"worker-{port}.log"
     cmd = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import shlex
 import signal
 import socket
@@ -40,19 +41,56 @@ def ports_free(ports: Iterable[int], host: str = HOST) -> bool:
             s.close()
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def listen_ports(low: int = 10_000) -> range:
+    """The ports a server here may take without racing the kernel's outgoing connections.
+
+    ``bind(port 0)`` picks from the range the kernel also gives outgoing connections their
+    local ports from, so between a probe's close and the server's own bind a client's
+    connection can take the port ("address already in use"). Ports under that range are
+    never taken that way; where the range leaves too few of them, every port from ``low``.
+    """
+    try:
+        floor = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        floor = 32_768
+    return range(low, floor) if floor - low >= 4_096 else range(low, 65_536)
+
+
+class PortLedger:
+    """Free loopback ports for the servers one process starts, never the same one twice.
+
+    The ledger walks :func:`listen_ports` from a random start and remembers how far it went,
+    so servers started one after the other each get a port of their own even before the
+    earlier ones have bound theirs.
+    """
+
+    def __init__(self, ports: range | None = None, host: str = HOST) -> None:
+        self._ports = ports if ports is not None else listen_ports()
+        self._host = host
+        self._next = random.randrange(self._ports.start, self._ports.stop)
+
+    def take(self, size: int = 1) -> int:
+        """The first of ``size`` consecutive ports free now, none of them given out before."""
+        for _ in range(len(self._ports)):
+            base = self._next
+            if base + size > self._ports.stop:
+                base = self._ports.start
+            self._next = base + size
+            if ports_free(range(base, base + size), self._host):
+                return base
+        raise RuntimeError(f"no block of {size} free ports in {self._ports}")
+
+
 def free_port_block(size: int, preferred: int = 0) -> int:
     """The first of ``size`` consecutive ports free on loopback now (``preferred`` if it is)."""
     if preferred:
         if ports_free(range(preferred, preferred + size)):
             return preferred
         raise RuntimeError(f"ports {preferred}-{preferred + size - 1} are not all free")
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            base = int(s.getsockname()[1])
-        if base + size <= 65535 and ports_free(range(base, base + size)):
-            return base
-    raise RuntimeError(f"no block of {size} free ports found")
+    return PortLedger().take(size)
 
 
 async def wait_healthy(url: str, timeout_s: float = 30.0) -> None:

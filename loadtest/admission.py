@@ -30,7 +30,8 @@ from gateway.auth import hash_key
 from gateway.normalize import NormalizeOptions
 from gateway.openai_schema import parse_completion
 from gateway.settings import GatewaySettings
-from loadtest.fuzz import _free_port, _serve
+from infra.procs import PortLedger
+from loadtest.fuzz import _serve
 from worker.server import create_app as create_worker
 from worker.settings import WorkerSettings
 
@@ -50,15 +51,16 @@ async def _timed(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
 
 async def measure(requests: int, keys: int) -> dict[str, Any]:
     runners: list[web.AppRunner] = []
+    ports = PortLedger()
     try:
-        wport = _free_port()
+        wport = ports.take()
         runners.append(await _serve(create_worker(dataclasses.replace(WORKER, port=wport)),
                                     wport))
         worker = (f"http://127.0.0.1:{wport}",)
         with tempfile.TemporaryDirectory() as tmp:
             keys_file = Path(tmp) / "keys"
             keys_file.write_text("".join(f"t{i} {hash_key(f'sk-{i}')}\n" for i in range(keys)))
-            open_port, keyed_port = _free_port(), _free_port()
+            open_port, keyed_port = ports.take(), ports.take()
             runners.append(await _serve(create_gateway(GatewaySettings(
                 port=open_port, worker=worker)), open_port))
             runners.append(await _serve(create_gateway(GatewaySettings(

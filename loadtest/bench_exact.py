@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import itertools
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from infra.procs import start_server, stop_processes
+from infra.procs import PortLedger, start_server, stop_processes
 from loadtest.harness import wait_all_workers_up
 from loadtest.tiny_tokenizer import train
 from loadtest.workloads import LiveRequest, LiveSpec, user_requests
@@ -80,20 +79,14 @@ class Cluster:
     worker_procs: list[asyncio.subprocess.Process] = field(default_factory=list)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @contextlib.asynccontextmanager
 async def cluster(mode: str, args: argparse.Namespace, tok: Path, logs: Path,
                   gateways: int = 1) -> AsyncIterator[Cluster]:
     c = Cluster([], [])
+    ports = PortLedger()
     try:
         for i in range(args.workers):
-            port, ev, rp = free_port(), free_port(), free_port()
+            port, ev, rp = ports.take(), ports.take(), ports.take()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "worker", "--port", str(port), "--model", MODEL,
                    "--tokenizer-file", str(tok), "--cache-blocks", str(args.cache_blocks),
@@ -106,7 +99,7 @@ async def cluster(mode: str, args: argparse.Namespace, tok: Path, logs: Path,
             c.events.append(f"#kv-events=tcp://127.0.0.1:{ev}&kv-replay=tcp://127.0.0.1:{rp}")
             c.worker_cmds.append(cmd)
         for g in range(gateways):
-            port = free_port()
+            port = ports.take()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "gateway", "--port", str(port),
                    "--health-interval-s", "0.5"]

@@ -16,7 +16,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from aiohttp import web
 from gateway.app import create_app as create_gateway
 from gateway.contracts.httpserver import JsonErrorRunner
 from gateway.settings import GatewaySettings
+from infra.procs import PortLedger
 from worker.server import create_app as create_worker
 from worker.settings import WorkerSettings
 
@@ -61,13 +61,6 @@ class FuzzResult:
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and self.server_errors == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def schemathesis_binary() -> str:
@@ -114,16 +107,17 @@ async def fuzz(cases: int, *, seed: int = 1, workers: int = 2, st_workers: int =
         if request.path.startswith("/v1/") and request.method == "POST":
             worker_statuses[f"{response.status // 100}xx"] += 1
 
+    ports = PortLedger()
     try:
         urls = []
         for _ in range(workers):
-            port = _free_port()
+            port = ports.take()
             settings = dataclasses.replace(FUZZ_WORKER, port=port)
             worker_app = create_worker(settings)
             worker_app.on_response_prepare.append(count_worker)
             runners.append(await _serve(worker_app, port))
             urls.append(f"http://127.0.0.1:{port}")
-        gport = _free_port()
+        gport = ports.take()
         app = create_gateway(GatewaySettings(port=gport, worker=tuple(urls),
                                              api_key=(f"{KEY}:fuzz",)))
         app.on_response_prepare.append(count)

@@ -24,7 +24,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from infra.procs import stop_processes
+from infra.procs import PortLedger, stop_processes
 from loadtest.cpu_pin import process_tree
 
 # name -> the PyPI release the benchmarks were run with (the `peers` extra pins the same).
@@ -158,12 +157,6 @@ def _process_cpu_s(pid: int) -> float | None:
         return None
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 async def wait_ready(url: str, workers: int, proc: asyncio.subprocess.Process,
                      timeout_s: float = READY_TIMEOUT_S) -> None:
     """Poll ``/readiness`` until the router reports ``workers`` healthy workers."""
@@ -199,8 +192,9 @@ async def running_peer(
     launcher = peer_launcher(name)
     if launcher is None:
         raise PeerUnavailableError(f"{name} is not installed (pip install '.[peers]')")
-    port = port or _free_port(host)
-    cmd = peer_command(launcher, host, port, _free_port(host), worker_urls, extra, request_logs)
+    ports = PortLedger(host=host)
+    port = port or ports.take()
+    cmd = peer_command(launcher, host, port, ports.take(), worker_urls, extra, request_logs)
     log_path = log_dir / f"{log_name or name}.log"
     log = await asyncio.to_thread(log_path.open, "wb")
     try:

@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from gateway.app import create_app as create_gateway
 from gateway.contracts.httpserver import JsonErrorRunner
 from gateway.settings import GatewaySettings
-from infra.procs import stop_processes, wait_healthy
+from infra.procs import PortLedger, stop_processes, wait_healthy
 from tests.browser import CHROMIUM, DRIVER
 from worker.server import create_app as create_worker
 from worker.settings import WorkerSettings
@@ -43,11 +43,19 @@ FAST_WORKER = WorkerSettings(
 )
 
 
+# The test run's one port ledger (the suite runs in one process): every server a test starts
+# gets a port no other server of the run was given, from under the kernel's ephemeral range.
+PORTS = PortLedger()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A loopback port free now that no other test server of this run was given."""
+    return PORTS.take()
+
+
+def free_ports(size: int) -> int:
+    """The first of ``size`` consecutive such ports."""
+    return PORTS.take(size)
 
 
 async def serve(app: web.Application, port: int) -> web.AppRunner:

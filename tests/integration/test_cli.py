@@ -11,8 +11,8 @@ import sys
 import openai
 import pytest
 
-from infra.procs import free_port_block, wait_healthy
-from tests.conftest import MODEL
+from infra.procs import wait_healthy
+from tests.conftest import MODEL, free_ports
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_gateway_rejects_bad_settings_with_exit_2(
 async def test_local_serve_runs_gateway_and_workers_until_interrupted() -> None:
     # Three consecutive free ports: the gateway's, then the workers'. A worker port picked as
     # "one past a free port" can be some client's ephemeral port at that moment.
-    gateway_port = free_port_block(3)
+    gateway_port = free_ports(3)
     worker_base = gateway_port + 1
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "infra", "local", "serve", "--workers", "2",

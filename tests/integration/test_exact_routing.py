@@ -15,9 +15,8 @@ from aiohttp import web
 
 from gateway.app import create_app as create_gateway
 from gateway.settings import GatewaySettings
-from infra.procs import free_port_block
 from loadtest.tiny_tokenizer import train
-from tests.conftest import FAST_WORKER, free_port, serve, until
+from tests.conftest import FAST_WORKER, free_port, free_ports, serve, until
 from worker.server import create_app as create_worker
 
 
@@ -261,7 +260,7 @@ async def test_each_data_parallel_rank_feeds_its_own_events(tokenizer_file: str)
     the gateway reads each rank's events at the ports plus its rank, and its predictions for
     either rank are exact."""
     port = free_port()
-    ev = free_port_block(4)
+    ev = free_ports(4)
     rp = ev + 2
     settings = dataclasses.replace(
         FAST_WORKER, port=port, cache_blocks=96, tokenizer_file=tokenizer_file,

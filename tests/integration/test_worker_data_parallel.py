@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.contracts.kv_wire import END_SEQ, BlockStored, EventBatch, decode_batch
 from gateway.contracts.kv_wire import encode_seq as seq_bytes
-from tests.conftest import free_port, serve, until
+from tests.conftest import free_port, free_ports, serve, until
 from worker.server import create_app
 from worker.settings import WorkerSettings
 
@@ -321,19 +321,6 @@ async def test_flush_empties_every_rank(two_ranks: Worker) -> None:
     assert matched(again) == 0
 
 
-def free_port_pair() -> int:
-    """A free TCP port whose successor is free too."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no two consecutive free ports")
-
-
 async def replayed(ctx: zmq.asyncio.Context, endpoint: str) -> list[EventBatch]:
     """Every batch a replay socket still holds."""
     dealer = ctx.socket(zmq.DEALER)
@@ -356,7 +343,7 @@ def stored(batches: list[EventBatch]) -> list[BlockStored]:
 
 
 async def test_each_rank_publishes_its_events_at_its_ports() -> None:
-    ev, rp = free_port_pair(), free_port_pair()
+    ev, rp = free_ports(2), free_ports(2)
     settings = dataclasses.replace(
         SETTINGS, data_parallel_size=2, kv_events=f"tcp://127.0.0.1:{ev}",
         kv_replay=f"tcp://127.0.0.1:{rp}",
@@ -401,7 +388,7 @@ async def test_each_rank_publishes_its_events_at_its_ports() -> None:
 
 @pytest.mark.parametrize("taken", ["events", "replay"])
 async def test_a_rank_whose_port_is_taken_fails_the_start(taken: str) -> None:
-    ev, rp = free_port_pair(), free_port_pair()
+    ev, rp = free_ports(2), free_ports(2)
     settings = dataclasses.replace(
         SETTINGS, data_parallel_size=2, kv_events=f"tcp://127.0.0.1:{ev}",
         kv_replay=f"tcp://127.0.0.1:{rp}",
