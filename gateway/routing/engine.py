@@ -312,8 +312,11 @@ class RoutingEngine:
         With ``volume_copy`` a holder over its bound loses its credit only when another
         holder of at least as much of the prompt is within its own bound: the session moves
         to its copy and nothing is redone on the request's path. Without such a copy the
-        holder keeps the session (returned among the third mapping) and the decision names
-        where to copy it (:meth:`_copy`); its next turn finds the copy."""
+        holder keeps the session (returned as the third mapping) and the decision names
+        where to copy it (:meth:`_copy`); its next turn finds the copy. When several holders
+        are over their bound (a copy made earlier, its worker loaded since), only one keeps
+        the session: the deepest, and of equals the lightest by recent volume per unit of
+        weight; the others lose their credit."""
         index = snapshot.index
         key = request.key
         if deepest >= len(key.blocks) or not index.extends(key.blocks[deepest - 1],
@@ -359,6 +362,18 @@ class RoutingEngine:
                     kept[wid] = copying[wid] = depth
             else:
                 kept[wid] = depth
+        if len(copying) > 1:
+            # Holders over their bound keep the session only until a copy within its bound
+            # exists, and meanwhile one of them keeps it: the deepest, the lightest of equals.
+            # Left to the queue-based cost, the session went to whichever was idle, the
+            # heavier as often as not (a copy made earlier, the worker since loaded).
+            keep = min(copying, key=lambda wid: (
+                -copying[wid], index.recent_blocks(wid) / (weights[wid] or 1.0), wid))
+            for wid, depth in copying.items():
+                if wid != keep:
+                    del kept[wid]
+                    over[wid] = depth
+            copying = {keep: copying[keep]}
         return kept, over, copying
 
     def _move(self, ctx: Context, candidates: Sequence[WorkerView]) -> tuple[WorkerView, str]:

@@ -605,20 +605,24 @@ def test_a_worker_making_a_copy_gets_no_other() -> None:
     assert (decision.worker_id, decision.copy_to) == ("w1", "w2")
 
 
-def _copied(busy: bool) -> Decision:
+def _copied(busy: bool, inflight: Mapping[str, int] | None = None,
+            w1_extra: int = 0) -> Decision:
     """w1 holds the long session (3 turns) and three other 100-block prompts: 600 recent
     blocks; w2 holds a copy of the session (100 blocks) and, when ``busy``, six other
     100-block prompts. Idle, w2 is within its bound with the next turn (204 against
-    1.2 x 276 + 208); busy, it is over it like w1 (804 against 1.2 x 426 + 208)."""
+    1.2 x 276 + 208); busy, it is over it like w1 (804 against 1.2 x 426 + 208).
+    ``w1_extra`` more 100-block prompts on w1; ``inflight``: tokens in flight per worker."""
     index = PrefixIndex()
     for _ in range(3):
         index.record(LONG, "w1", 0.0)
-    for i in range(3):
+    for i in range(3 + w1_extra):
         index.record(tuple(range(10000 + 100 * i, 10100 + 100 * i)), "w1", 0.0)
     index.record(LONG, "w2", 0.0)
     for i in range(6 if busy else 0):
         index.record(tuple(range(20000 + 100 * i, 20100 + 100 * i)), "w2", 0.0)
-    views = tuple(WorkerView(Worker(w, f"http://{w}")) for w in IDS)
+    loads = inflight or {}
+    views = tuple(WorkerView(Worker(w, f"http://{w}"), True, 1 if loads.get(w) else 0,
+                             loads.get(w, 0)) for w in IDS)
     engine = build_engine("cache_aware", COPY)
     return engine.route(_session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
 
@@ -634,10 +638,21 @@ def test_a_session_over_the_guard_moves_to_its_copy() -> None:
 
 
 def test_a_copy_on_a_worker_over_its_own_bound_does_not_take_the_session() -> None:
-    """w2's copy does not take the session where w2 is over its own bound too: the holder
-    keeps it, and it is copied to a worker that holds none of it."""
-    decision = _copied(busy=True)
-    assert decision.worker_id in ("w1", "w2")
+    """w2's copy does not take the session where w2 is over its own bound too (804 recent
+    blocks against w1's 704): the holder keeps it, and it is copied to a worker that holds
+    none of it. Both hold the whole prompt, so the queue-based cost alone would send it to
+    whichever had less in flight: w2 here, the heavier."""
+    decision = _copied(busy=True, inflight={"w1": 2000})
+    assert decision.worker_id == "w1"
+    assert decision.kind is DecisionKind.PREFIX_HIT
+    assert decision.copy_to in ("w0", "w3")
+
+
+def test_of_two_holders_over_their_bound_the_lighter_keeps_the_session() -> None:
+    """The same with w1 the heavier (three more 100-block prompts there): w2, which holds
+    the whole session too, keeps it, wherever less is in flight."""
+    decision = _copied(busy=True, inflight={"w2": 2000}, w1_extra=3)
+    assert decision.worker_id == "w2"
     assert decision.copy_to in ("w0", "w3")
 
 
