@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,11 @@ class PreWarmer:
         self.used = 0
         self.cut = 0  # pre-warms that copied only the held prefix (the rest: whole requests)
         self.sessions = 0  # of them, copies of a session the volume guard moves (copy_to)
+        # Session copies over (answered or failed) and the seconds they took, summed, from
+        # the decision that asked for each to its end: how long a copy keeps its worker
+        # from taking another (WorkerView.copies).
+        self.copies_done = 0
+        self.copy_seconds = 0.0
         self._unused: dict[int, str] = {}
         # Session copies not used yet, by the worker they went to: the keys copied there.
         self._unused_copies: dict[str, list[PrefixKey]] = {}
@@ -140,8 +146,14 @@ class PreWarmer:
         self._tasks.add(task)
         task.add_done_callback(self._settled)
         if session:
-            task.add_done_callback(lambda _: self.copied(target))
+            started = time.monotonic()
+            task.add_done_callback(lambda _: self._copy_over(target, started))
         return target
+
+    def _copy_over(self, target: str, started: float) -> None:
+        self.copies_done += 1
+        self.copy_seconds += time.monotonic() - started
+        self.copied(target)
 
     async def _held_ids(self, prompt: WarmPrompt, upstream: UpstreamRequest,
                         held: PrefixKey) -> WarmPrompt:
@@ -351,17 +363,20 @@ class PreWarmer:
         elif task.result():
             self.placed += 1
 
-    def stats(self) -> dict[str, int | bool]:
+    def stats(self) -> dict[str, int | bool | float]:
         """Counts since start, for ``/admin/workers``: pre-warms started, placed (the worker
         answered), failed, still in flight, and used (a later request for the prefix was
         routed to the pre-warmed worker, or a session's next turn to its copy: the copy paid
         off, as far as the index knows), cut
-        (copies of the held prefix alone; the others copied the whole request), and sessions
-        (copies of a session the volume guard moves)."""
+        (copies of the held prefix alone; the others copied the whole request), sessions
+        (copies of a session the volume guard moves), and of those, copies_done (answered or
+        failed) and copy_seconds (what they took, summed: from the decision that asked for
+        each to its end, the time its worker takes no other copy)."""
         inflight = len(self._tasks)
         return {"enabled": self.options.enabled, "sent": self.sent, "placed": self.placed,
                 "failed": self.sent - self.placed - inflight, "inflight": inflight,
-                "used": self.used, "cut": self.cut, "sessions": self.sessions}
+                "used": self.used, "cut": self.cut, "sessions": self.sessions,
+                "copies_done": self.copies_done, "copy_seconds": round(self.copy_seconds, 6)}
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -255,6 +255,10 @@ class RunResult:
     namespace_model: str = ""
     prewarms: int = 0  # pre-warms our gateway sent (/admin/workers prewarm)
     prewarms_used: int = 0  # ... that a later request for their prefix was routed to
+    # Session copies over, and the mean milliseconds each took from the decision that asked
+    # for it to its answer (the time its worker took no other copy; None: none over).
+    copies_done: int = 0
+    copy_ms_mean: float | None = None
     # Decisions by kind, from x-route-reason (ours only).
     reasons: dict[str, int] = field(default_factory=dict)
     worker_ids: list[str] = field(default_factory=list)  # the fleet, in order
@@ -474,6 +478,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
     result.over_tokens_mean, result.under_tokens_mean = view.over_tokens, view.under_tokens
     result.namespace_model, result.prewarms = view.namespace_model, view.prewarms
     result.prewarms_used = view.prewarms_used
+    result.copies_done, result.copy_ms_mean = view.copies_done, view.copy_ms_mean
     result.gateway_inflight = statistics.fmean(samples) if samples else None
     result.agreement_pairs = sum(p.across for p in agreed)
     if agreed:
@@ -639,6 +644,8 @@ class GatewayView:
     namespace_model: str = ""  # the model@version it keys the replay's model under
     prewarms: int = 0  # pre-warms it sent
     prewarms_used: int = 0  # ... that a later request for their prefix was routed to
+    copies_done: int = 0  # session copies over
+    copy_ms_mean: float | None = None  # ... and the mean milliseconds they took
 
 
 async def gateway_view(session: aiohttp.ClientSession, url: str) -> GatewayView:
@@ -663,12 +670,16 @@ async def gateway_view(session: aiohttp.ClientSession, url: str) -> GatewayView:
         model = data.get("namespaces", {}).get(MODEL, "")
         prewarm = data.get("prewarm", {})
         sent, used = prewarm.get("sent", 0), prewarm.get("used", 0)
+        done, seconds = prewarm.get("copies_done", 0), prewarm.get("copy_seconds", 0.0)
+        done = done if isinstance(done, int) else 0
         return GatewayView(
             exact_predictions=share("exact"), over=share("over"), under=share("under"),
             over_tokens=mean_off("over"), under_tokens=mean_off("under"),
             namespace_model=model if isinstance(model, str) else "",
             prewarms=sent if isinstance(sent, int) else 0,
-            prewarms_used=used if isinstance(used, int) else 0)
+            prewarms_used=used if isinstance(used, int) else 0, copies_done=done,
+            copy_ms_mean=(1e3 * float(seconds) / done
+                          if done and isinstance(seconds, (int, float)) else None))
     return GatewayView()
 
 

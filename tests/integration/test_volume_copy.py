@@ -56,11 +56,12 @@ async def test_a_session_over_the_volume_guard_moves_to_a_copy_of_itself(
 
         async def placed() -> bool:
             stats = await _prewarm_stats(http, gateway)
-            return bool(stats["placed"] >= 1 and not stats["inflight"])
+            return bool(stats["placed"] >= 1 and stats["copies_done"] >= 1)
 
         await until(placed)
         stats = await _prewarm_stats(http, gateway)
-        assert (stats["sessions"], stats["used"]) == (1, 0)
+        assert (stats["sessions"], stats["used"], stats["copies_done"]) == (1, 0, 1)
+        assert stats["copy_seconds"] > 0  # the time from its decision to its answer
         copied_tokens = len(prompt) // 4  # the chars tokenizer: one token per 4 characters
 
         prompt += TURN  # the next turn goes to the copy, which holds the whole last turn
