@@ -217,7 +217,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
               rebalanced: Sequence[Mapping[str, Any]] | None = None,
               scrapes: Sequence[Mapping[str, Any]] = (),
               prewarmed: Sequence[str] = (),
-              engine_held: Sequence[float] = ()) -> dict[str, Any]:
+              engine_held: Sequence[float] = (),
+              copy_hold_s: float = 0.0) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
     concurrency, keys (the gateway's own, :func:`gateway_keys`, else the trace's in the
     gateway's shape) and timing: each request's own ``delays`` (:func:`request_delays`), or
@@ -228,7 +229,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     (``cached``), ``same_cached`` is the share of requests whose simulated worker reused as
     many. With the seconds from each decision to the live engine freeing the request's
     blocks (``engine_held``, :attr:`RunResult.engine_held_s`), the simulated workers free
-    them then.
+    them then. A session copy keeps its worker from another copy for ``copy_hold_s`` from
+    its decision at least (the live run's mean, :attr:`RunResult.copy_ms_mean`).
 
     With the gateway's own decision instants (``decided_s``, per request in trace order), the
     client is not simulated at all: each request is decided at its live instant, in the live
@@ -277,7 +279,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         decision_gap_s=0.0 if timed else decision_gap_s, rebalance_log=logged,
         scrape_log=tuple((float(x["decided_s"]), str(x["worker"]), dict(x["metrics"]))
                          for x in scrapes) if timed else (),
-        prewarm_log=prewarm_log,
+        prewarm_log=prewarm_log, copy_hold_s=copy_hold_s,
     )
     result = simulate(units, with_overrides(sim, overrides) if overrides else sim)
     assignments = [""] * len(order)
@@ -359,6 +361,7 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
     instants, ``decisions`` holds one more run at those instants (:func:`simulated`)."""
     policy = run.router.partition(":")[2]
     timing = live_timing(run, config)
+    copy_hold_s = run.copy_ms_mean / 1e3 if run.copy_ms_mean else 0.0
     delays = request_delays(run, config)
     samples = []
     for draw in range(max(1, draws)):
@@ -369,7 +372,7 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
         samples.append(simulated(requests, config, policy, pooled, timing, run.worker_ids,
                                  jittered, keys, run.routed_to, decision_gap(run),
                                  overrides=overrides, units=units,
-                                 engine_held=run.engine_held_s))
+                                 engine_held=run.engine_held_s, copy_hold_s=copy_hold_s))
     out = dict(samples[0])
     for key in SIM_KEYS:
         out[key] = statistics.fmean(s[key] for s in samples)
@@ -381,7 +384,7 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
                             keys, run.routed_to, decided_s=run.decided_s, overrides=overrides,
                             units=units, cached=run.cached_blocks, rebalanced=run.rebalance,
                             scrapes=run.engine_scrapes, prewarmed=run.prewarmed_to,
-                            engine_held=run.engine_held_s)
+                            engine_held=run.engine_held_s, copy_hold_s=copy_hold_s)
         out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "same_cached",
                                                     "prewarms", "prewarms_used")}
     return out

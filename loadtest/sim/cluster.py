@@ -181,6 +181,13 @@ class SimConfig:
     # freeing the request's blocks; given, the simulated worker frees them then (or at its
     # cost model's end, if later).
     engine_holds: tuple[float, ...] = ()
+    # Seconds from its decision that a session copy (the volume guard's, ``copy_to``) keeps
+    # its worker from taking another copy at least (``PreWarmer.copied``): a live run's mean
+    # (its gateway's ``copy_seconds`` over ``copies_done``). A live copy is a whole history's
+    # prefill on an engine that shares its compute with the requests there, and took 5-6
+    # times a request's mean hold on agent sessions, longer than the cost model's prefill.
+    # 0: until its simulated job ends.
+    copy_hold_s: float = 0.0
     # The gateway's time per decision: one event loop decides one request at a time, in the
     # order they reach it, so two decisions are at least this far apart.
     decision_gap_s: float = 0.0
@@ -242,10 +249,11 @@ class SimConfig:
         if self.worker_names and len(set(self.worker_names)) != self.workers:
             raise ValueError("worker_names must name each worker once")
         if min(self.route_delay_s, self.relay_delay_s, self.rebalance_interval_s,
-               self.key_blocks_per_block, self.private_blocks, self.probe_interval_s) < 0:
+               self.key_blocks_per_block, self.private_blocks, self.probe_interval_s,
+               self.copy_hold_s) < 0:
             raise ValueError("route_delay_s, relay_delay_s, rebalance_interval_s, "
-                             "key_blocks_per_block, private_blocks and probe_interval_s "
-                             "must be >= 0")
+                             "key_blocks_per_block, private_blocks, probe_interval_s and "
+                             "copy_hold_s must be >= 0")
 
 
 def gateway_key(key: PrefixKey, per_block: int,
@@ -556,9 +564,11 @@ class ClusterSim:
             tokens = max(1, req.input_tokens * blocks // len(req.blocks))
             chars = req.key.text_chars * blocks // len(req.blocks)
             copied = replace(req, input_tokens=tokens, key=req.key.cut(blocks, chars))
+        settle_at = None if hold is None else now + hold
+        if session and self.config.copy_hold_s > 0:
+            settle_at = now + self.config.copy_hold_s
         w.queue.append(_Job(replace(copied, output_tokens=1), f"prewarm-{self.prewarmer.sent}",
-                            now, None, None if hold is None else now + hold, arrived=now,
-                            copy_of=wid if session else ""))
+                            now, None, settle_at, arrived=now, copy_of=wid if session else ""))
         self._pump(w, now)
 
     def _settle(self, job: _Job) -> None:

@@ -331,6 +331,40 @@ def test_the_simulator_moves_sessions_by_copies_as_the_gateway_does() -> None:
     assert moved.matched_blocks > cold.matched_blocks
 
 
+def test_a_copy_keeps_its_worker_from_another_for_the_live_copy_time() -> None:
+    # A session copy keeps its worker from taking another copy until it ends; with the live
+    # run's copy time (SimConfig.copy_hold_s) at least that long from its decision. Over a
+    # run shorter than that time, no worker takes two copies; with the simulated copy's own
+    # time, some do.
+    from loadtest.replay_sim import live_units
+    from loadtest.trace_workloads import workload_trace
+
+    config = ReplayConfig(workers=16, cache_blocks=2000, concurrency=32)
+    requests = live_units(workload_trace("agent-sessions", 2400, 0)[2000:], config)
+    base = SimConfig(workers=16, cache_blocks=2000, policy="cache_aware", concurrency=32,
+                     costs=config.sim_costs(), key_blocks_per_block=1,
+                     request_delays=((0.01, 0.007),), decision_gap_s=0.0003,
+                     policy_options=PolicyOptions(volume_guard=1.2))
+    per_worker = {}
+    for hold in (0.0, 1000.0):
+        sim = ClusterSim(dataclasses.replace(base, copy_hold_s=hold))
+        targets: list[str] = []
+        original = sim._prewarm
+
+        def spy(wid: str, req: TraceRequest, key: PrefixKey, now: float, hold: float | None,
+                session: bool = False, targets: list[str] = targets,
+                original: Any = original) -> None:
+            if session:
+                targets.append(wid)
+            original(wid, req, key, now, hold, session)
+
+        sim._prewarm = spy  # type: ignore[method-assign]
+        sim.run(requests)  # its requests take seconds: far less than 1,000
+        per_worker[hold] = max(targets.count(w) for w in set(targets)) if targets else 0
+    assert per_worker[1000.0] == 1
+    assert per_worker[0.0] > 1
+
+
 def test_a_live_runs_prewarms_are_placed_where_it_placed_them() -> None:
     # Given a live run's pre-warms (SimConfig.prewarm_log, per request), the simulator places
     # exactly those, at those decisions and on those workers, and decides none of its own.
