@@ -20,7 +20,8 @@ the same empty fleet; the workers keep their ports, so every gateway run has the
 Before the first router, each fresh worker answers a few of the trace's first requests sent to
 it directly (``Fleet.warm``), so that no router meets workers answering their first requests.
 ``--repeat R`` restarts the whole fleet R times and reports the median of each metric per
-router.
+router, and each router against the first gateway run repeat by repeat (:mod:`loadtest.paired`:
+the median of the per-repeat differences, with a sign test; ``paired`` in the JSON).
 
 Per router, from what the workers report in every reply (``x-cache-*``), as
 :mod:`loadtest.simulate` reports it: ``block_hit_rate``, ``pooled_bound`` (one LRU cache of all
@@ -90,6 +91,8 @@ from loadtest.bench_gateway import (
     wait_all_workers_up,
 )
 from loadtest.harness import interpreter
+from loadtest.paired import markdown as paired_markdown
+from loadtest.paired import paired
 from loadtest.peers import (
     PEERS,
     PeerUnavailableError,
@@ -1150,6 +1153,7 @@ def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | Non
         print(f"```\n{report['command']}\n```\n\n{source}: {len(requests)} requests "
               f"(simulator re-run with {draws} draws per live run{changed})\n")
         print(markdown(report["medians"], report["simulated"]), end="")
+        print(paired_markdown(paired(saved.results)), end="")
     return 0
 
 
@@ -1208,7 +1212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"command": command, "trace": source, "requests": len(requests),
                           "python": interpreter(), "config": asdict(config),
-                          "sticky_balance": asdict(sticky), "medians": rows, "simulated": sims,
+                          "sticky_balance": asdict(sticky), "medians": rows,
+                          "paired": [asdict(p) for p in paired(results)], "simulated": sims,
                           "runs": [asdict(r) for r in results]}, indent=2))
     else:
         print(f"```\n{command}\n```\n\n{source}: {len(requests)} requests, {config.workers} "
@@ -1217,4 +1222,5 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"worker at least {sticky.largest_over_mean:.2f} "
               f"({sticky.packed_over_mean:.2f} packed in advance)\n")
         print(markdown(rows, sims), end="")
+        print(paired_markdown(paired(results)), end="")
     return 0 if all(r.errors == 0 for r in results) else 1

@@ -104,12 +104,22 @@ def test_a_gateway_variant_runs_the_gateway_with_its_own_arguments(tmp_path: Pat
     code, stdout, stderr = _run_loadtest(
         ["replay", "--trace", str(trace), "--workers", "2", "--cache-blocks", "20",
          "--concurrency", "4", "--policy", "consistent_hash",
-         "--gateway-variant", "rr=--policy round_robin", "--json"],
-        tmp_path, timeout_s=180,
+         "--gateway-variant", "rr=--policy round_robin", "--repeat", "2", "--json"],
+        tmp_path, timeout_s=240,
     )
     assert code == 0, stderr[-3000:]
-    rows = {r["router"]: r for r in json.loads(stdout)["medians"]}
+    report = json.loads(stdout)
+    rows = {r["router"]: r for r in report["medians"]}
     assert list(rows) == ["ours:consistent_hash", "ours[rr]:consistent_hash"]
+    # Compared with the default repeat by repeat, on the same two fleets.
+    (pair,) = report["paired"]
+    assert (pair["router"], pair["reference"], pair["repeats"]) == (
+        "ours[rr]:consistent_hash", "ours:consistent_hash", 2)
+    # Round robin evens out the blocks that hashing piles up, on both fleets.
+    balance = pair["routed_max_over_mean"]
+    assert (balance["lower"], balance["higher"]) == (2, 0)
+    assert balance["median"] < 0
+    assert balance["sign_p"] == 0.5
     # The variant's arguments come last, so its gateway routed in turn: even request counts;
     # hashing each prompt to one worker does not split the trace's 4 prompts 30/30.
     assert rows["ours[rr]:consistent_hash"]["requests_max_over_mean"] == 1.0
