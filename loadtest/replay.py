@@ -21,7 +21,10 @@ Before the first router, each fresh worker answers a few of the trace's first re
 it directly (``Fleet.warm``), so that no router meets workers answering their first requests.
 ``--repeat R`` restarts the whole fleet R times and reports the median of each metric per
 router, and each router against the first gateway run repeat by repeat (:mod:`loadtest.paired`:
-the median of the per-repeat differences, with a sign test; ``paired`` in the JSON).
+the median of the per-repeat differences, with a sign test; ``paired`` in the JSON). The
+routers take turns at going first: repeat ``r`` runs the list above rotated by ``r``, so that
+what the order of runs on one fleet does (the second router meets workers and a machine that
+the first warmed) falls on each router alike, not always on the variants and the peers.
 
 Per router, from what the workers report in every reply (``x-cache-*``), as
 :mod:`loadtest.simulate` reports it: ``block_hit_rate``, ``pooled_bound`` (one LRU cache of all
@@ -824,7 +827,9 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
             evented = [f"ours+{view}:{p}" for view in ("events", "hybrid") for p in policies
                        ] if config.kv_events else []
             variants = [f"ours[{label}]:{p}" for label in gateway_args for p in policies]
-            for router in [*(f"ours:{p}" for p in policies), *variants, *evented, *peers]:
+            routers = [*(f"ours:{p}" for p in policies), *variants, *evented, *peers]
+            turn = r % len(routers)  # each router goes first in turn (module docstring)
+            for router in [*routers[turn:], *routers[:turn]]:
                 async with aiohttp.ClientSession() as session:
                     await fleet.flush(session)
                 print(f"[replay] repeat {r + 1}/{repeats}: {router} ({len(bodies)} "

@@ -111,6 +111,10 @@ def test_a_gateway_variant_runs_the_gateway_with_its_own_arguments(tmp_path: Pat
     report = json.loads(stdout)
     rows = {r["router"]: r for r in report["medians"]}
     assert list(rows) == ["ours:consistent_hash", "ours[rr]:consistent_hash"]
+    # The routers take turns at going first on a fleet.
+    assert [(x["router"], x["repeat"]) for x in report["runs"]] == [
+        ("ours:consistent_hash", 0), ("ours[rr]:consistent_hash", 0),
+        ("ours[rr]:consistent_hash", 1), ("ours:consistent_hash", 1)]
     # Compared with the default repeat by repeat, on the same two fleets.
     (pair,) = report["paired"]
     assert (pair["router"], pair["reference"], pair["repeats"]) == (
