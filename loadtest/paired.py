@@ -103,16 +103,17 @@ def paired(runs: Sequence[Run], reference: str | None = None) -> list[Paired]:
     by_router: dict[str, dict[int, Run]] = {}
     for run in runs:
         by_router.setdefault(run.router, {})[run.repeat] = run
-    base = by_router.get(reference or "", {})
+    if reference is None or reference not in by_router:
+        return []
+    base = by_router[reference]
     out = []
     for router, repeats in by_router.items():
         shared = sorted(set(repeats) & set(base))
         if router == reference or len(shared) < 2:
             continue
-
         both = [(repeats[k], base[k]) for k in shared]
         out.append(Paired(
-            router=router, reference=reference or "", repeats=len(both),
+            router=router, reference=reference, repeats=len(both),
             hit_over_bound=_metric([a.hit_over_bound - b.hit_over_bound for a, b in both], 0.0),
             routed_max_over_mean=_metric(
                 [a.routed_max_over_mean - b.routed_max_over_mean for a, b in both], 0.0),
