@@ -30,11 +30,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-class Run(Protocol):
-    """What the comparison reads of a run (:class:`loadtest.replay.RunResult`)."""
+class Named(Protocol):
+    """A run, by the router that made it."""
 
     @property
     def router(self) -> str: ...
+
+
+class Run(Named, Protocol):
+    """What the comparison reads of a run (:class:`loadtest.replay.RunResult`)."""
 
     @property
     def repeat(self) -> int: ...
@@ -81,7 +85,7 @@ def sign_test(lower: int, higher: int) -> float:
     return min(1.0, 2.0 * tail / (1 << n))
 
 
-def reference_router(runs: Sequence[Run]) -> str | None:
+def reference_router(runs: Sequence[Named]) -> str | None:
     """The router the others are compared with: the first of our gateway's runs that is not
     a variant (``ours:POLICY``), else the first run's router; None without runs."""
     for run in runs:

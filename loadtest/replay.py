@@ -21,10 +21,12 @@ Before the first router, each fresh worker answers a few of the trace's first re
 it directly (``Fleet.warm``), so that no router meets workers answering their first requests.
 ``--repeat R`` restarts the whole fleet R times and reports the median of each metric per
 router, and each router against the first gateway run repeat by repeat (:mod:`loadtest.paired`:
-the median of the per-repeat differences, with a sign test; ``paired`` in the JSON). The
-routers take turns at going first: repeat ``r`` runs the list above rotated by ``r``, so that
-what the order of runs on one fleet does (the second router meets workers and a machine that
-the first warmed) falls on each router alike, not always on the variants and the peers.
+the median of the per-repeat differences, with a sign test; ``paired`` in the JSON), and each
+router's latency by the kind of request, with the requests that make its p99
+(:mod:`loadtest.tails`; ``tails`` in the JSON). The routers take turns at going first: repeat
+``r`` runs the list above rotated by ``r``, so that what the order of runs on one fleet does
+(the second router meets workers and a machine that the first warmed) falls on each router
+alike, not always on the variants and the peers.
 
 Per router, from what the workers report in every reply (``x-cache-*``), as
 :mod:`loadtest.simulate` reports it: ``block_hit_rate``, ``pooled_bound`` (one LRU cache of all
@@ -110,6 +112,8 @@ from loadtest.sessions import sticky_balance
 from loadtest.sim.cluster import pooled_bound
 from loadtest.sim.report import max_over_mean
 from loadtest.simulate import DEFAULT_TRACE
+from loadtest.tails import RouterTails, tails
+from loadtest.tails import markdown as tails_markdown
 from loadtest.textgen import TextSynth, invisible_edit
 from loadtest.timeline import timeline, write_timeline
 from loadtest.trace_workloads import TRACE_WORKLOADS, workload_trace
@@ -1144,6 +1148,13 @@ def load_report(path: Path) -> SavedReport:
     return SavedReport(report, args, config, requests, source, results)
 
 
+def request_tails(results: Sequence[RunResult], requests: Sequence[TraceRequest],
+                  config: ReplayConfig) -> list[RouterTails]:
+    """Each router's latency by the kind of request (:mod:`loadtest.tails`), the requests'
+    prompts in the trace's blocks, as the workers' reused blocks are counted."""
+    return tails(results, [r.key.total_blocks for r in requests], config.concurrency)
+
+
 def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | None = None) -> int:
     """Re-run the simulator against the live runs of a saved ``--json`` report (same trace and
     fleet, from its command line; each run's timing, worker ids and latencies) and print the
@@ -1151,6 +1162,7 @@ def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | Non
     saved = load_report(path)
     report, requests, source = saved.report, saved.requests, saved.source
     report["simulated"] = simulate_runs(requests, saved.config, saved.results, draws, overrides)
+    report["tails"] = [asdict(t) for t in request_tails(saved.results, requests, saved.config)]
     if as_json:
         print(json.dumps(report, indent=2))
     else:
@@ -1159,6 +1171,7 @@ def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | Non
               f"(simulator re-run with {draws} draws per live run{changed})\n")
         print(markdown(report["medians"], report["simulated"]), end="")
         print(paired_markdown(paired(saved.results)), end="")
+        print(tails_markdown(request_tails(saved.results, requests, saved.config)), end="")
     return 0
 
 
@@ -1218,8 +1231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"command": command, "trace": source, "requests": len(requests),
                           "python": interpreter(), "config": asdict(config),
                           "sticky_balance": asdict(sticky), "medians": rows,
-                          "paired": [asdict(p) for p in paired(results)], "simulated": sims,
-                          "runs": [asdict(r) for r in results]}, indent=2))
+                          "paired": [asdict(p) for p in paired(results)],
+                          "tails": [asdict(t) for t in request_tails(results, requests, config)],
+                          "simulated": sims, "runs": [asdict(r) for r in results]}, indent=2))
     else:
         print(f"```\n{command}\n```\n\n{source}: {len(requests)} requests, {config.workers} "
               f"workers x {config.cache_blocks} blocks, concurrency {config.concurrency}, "
@@ -1228,4 +1242,5 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({sticky.packed_over_mean:.2f} packed in advance)\n")
         print(markdown(rows, sims), end="")
         print(paired_markdown(paired(results)), end="")
+        print(tails_markdown(request_tails(results, requests, config)), end="")
     return 0 if all(r.errors == 0 for r in results) else 1

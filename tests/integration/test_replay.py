@@ -124,6 +124,15 @@ def test_a_gateway_variant_runs_the_gateway_with_its_own_arguments(tmp_path: Pat
     assert (balance["lower"], balance["higher"]) == (2, 0)
     assert balance["median"] < 0
     assert balance["sign_p"] == 0.5
+    # Each router's latency by kind of request, the variant against the default request by
+    # request; every repeat's p99 is at least one request.
+    tails = {t["router"]: t for t in report["tails"]}
+    assert list(tails) == list(rows)
+    for row in tails.values():
+        assert sum(k["requests"] for k in row["kinds"]) == report["requests"]
+        assert sum(k["in_tail"] for k in row["kinds"]) >= 2
+    assert all(k["ratio"] is None for k in tails["ours:consistent_hash"]["kinds"])
+    assert all(k["ratio"] > 0 for k in tails["ours[rr]:consistent_hash"]["kinds"])
     # The variant's arguments come last, so its gateway routed in turn: even request counts;
     # hashing each prompt to one worker does not split the trace's 4 prompts 30/30.
     assert rows["ours[rr]:consistent_hash"]["requests_max_over_mean"] == 1.0
