@@ -2,7 +2,8 @@
 
 ``python -m loadtest replay (--trace PATH | --workload W) --workers N --cache-blocks C
 [--concurrency K] [--policy P|all] [--gateway URL] [--gateway-variant LABEL=ARGS] [--peers]
-[--peer-variant PEER[LABEL]=ARGS] [--no-report-cache-size] [--repeat R] [--simulate] [--json]``
+[--peer-variant PEER[LABEL]=ARGS] [--no-report-cache-size] [--repeat R] [--own-core] [--simulate]
+[--json]``
 
 N reference workers start on loopback (``python -m worker``, simulated engine) with the
 ``chars`` tokenizer (one token per 4 characters) and KV blocks of ``--block-chars / 4`` tokens,
@@ -95,6 +96,7 @@ from loadtest.bench_gateway import (
     start_server,
     wait_all_workers_up,
 )
+from loadtest.cpu_pin import own_core
 from loadtest.harness import interpreter
 from loadtest.paired import markdown as paired_markdown
 from loadtest.paired import paired
@@ -160,6 +162,9 @@ class ReplayConfig:
     # Every router logs each request as it does by default (ours one JSON access line, the
     # peers at --log-level info); otherwise none does (loadtest.peers.gateway_log_args).
     request_logs: bool = False
+    # Each router alone on one CPU while it is measured, this process (the client) and the
+    # workers on the others (loadtest.cpu_pin), as a router runs where it is deployed.
+    own_core: bool = False
     # What each trace request is sent as: a completions request (its text as the prompt) or
     # a Responses API request (its text as the input).
     api: str = "completions"
@@ -470,7 +475,8 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
             if router.startswith("ours") else []
         if config.agreement and router.startswith("ours"):
             side.append(asyncio.create_task(sample_agreement(url, bodies, agreed)))
-        replies = await replay(session, url + config.path, bodies, config.concurrency)
+        with own_core([pid]) if config.own_core and pid else contextlib.nullcontext(False):
+            replies = await replay(session, url + config.path, bodies, config.concurrency)
         seconds = time.perf_counter() - started
         cpu_s = proc_tree_cpu_s(pid) - cpu0 if pid and cpu0 is not None else None
         for task in side:
@@ -1032,6 +1038,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a gateway of several processes (GATEWAY_PROCS=N): every "
                    f"{AGREEMENT_SAMPLE_S:g} s, dry-run one of the requests on two of them "
                    "(/admin/explain) and report how often they chose the same worker")
+    p.add_argument("--own-core", action="store_true",
+                   help="each router (every thread of its process tree) on one CPU while it "
+                   "is measured, the client and the workers on the others, as a router runs "
+                   "where it is deployed; by default all of them share every CPU")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -1096,7 +1106,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         restart_worker=restart, flush_worker=flush, bucket_s=args.bucket,
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
         invisible_edits=args.invisible_edits, agreement=args.agreement,
-        request_logs=args.request_logs, api=args.api,
+        request_logs=args.request_logs, api=args.api, own_core=args.own_core,
         extra_worker_args=tuple(args.worker_arg),
     )
 

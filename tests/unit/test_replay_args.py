@@ -31,3 +31,10 @@ def test_one_peer_without_the_others() -> None:
     assert peers == ["sglang-router"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--peer", "nginx"])
+
+
+def test_each_router_on_a_core_of_its_own_only_when_asked() -> None:
+    parser = build_parser()
+    shared = config_from_args(parser, parser.parse_args(["--workers", "2"]))
+    alone = config_from_args(parser, parser.parse_args(["--workers", "2", "--own-core"]))
+    assert (shared.own_core, alone.own_core) == (False, True)
