@@ -1172,7 +1172,8 @@ def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | Non
     saved = load_report(path)
     report, requests, source = saved.report, saved.requests, saved.source
     report["simulated"] = simulate_runs(requests, saved.config, saved.results, draws, overrides)
-    report["tails"] = [asdict(t) for t in request_tails(saved.results, requests, saved.config)]
+    by_kind = request_tails(saved.results, requests, saved.config)
+    report["tails"] = [asdict(t) for t in by_kind]
     if as_json:
         print(json.dumps(report, indent=2))
     else:
@@ -1181,7 +1182,7 @@ def resimulate(path: Path, draws: int, as_json: bool, overrides: Overrides | Non
               f"(simulator re-run with {draws} draws per live run{changed})\n")
         print(markdown(report["medians"], report["simulated"]), end="")
         print(paired_markdown(paired(saved.results)), end="")
-        print(tails_markdown(request_tails(saved.results, requests, saved.config)), end="")
+        print(tails_markdown(by_kind), end="")
     return 0
 
 

@@ -108,6 +108,7 @@ def tails(runs: Sequence[Run], prompt_blocks: Sequence[int],
         return [statistics.median(r.latencies_ms[i] for r in rs) for i in range(n)]
 
     base = medians(by_router[reference])
+    members_of = {kind: [i for i in range(n) if kinds[i] == kind] for kind in KINDS}
     out = []
     for router, rs in by_router.items():
         own = medians(rs) if router != reference else base
@@ -115,8 +116,7 @@ def tails(runs: Sequence[Run], prompt_blocks: Sequence[int],
         for run in rs:
             in_tail.update(kinds[i] for i in _tail(run.latencies_ms))
         rows = []
-        for kind in KINDS:
-            members = [i for i in range(n) if kinds[i] == kind]
+        for kind, members in members_of.items():
             if not members:
                 continue
             pooled = [r.latencies_ms[i] for r in rs for i in members]
