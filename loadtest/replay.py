@@ -2,7 +2,8 @@
 
 ``python -m loadtest replay (--trace PATH | --workload W) --workers N --cache-blocks C
 [--concurrency K] [--policy P|all] [--gateway URL] [--gateway-variant LABEL=ARGS] [--peers]
-[--peer-variant PEER[LABEL]=ARGS] [--no-report-cache-size] [--repeat R] [--own-core] [--simulate]
+[--peer-variant PEER[LABEL]=ARGS] [--no-report-cache-size] [--repeat R] [--own-core]
+[--worker-nice N] [--simulate]
 [--json]``
 
 N reference workers start on loopback (``python -m worker``, simulated engine) with the
@@ -165,6 +166,9 @@ class ReplayConfig:
     # Each router alone on one CPU while it is measured, this process (the client) and the
     # workers on the others (loadtest.cpu_pin), as a router runs where it is deployed.
     own_core: bool = False
+    # The workers' niceness (0: as the client's): a positive value lets a router that is
+    # runnable go before them, as where the engines run on hosts of their own.
+    worker_nice: int = 0
     # What each trace request is sent as: a completions request (its text as the prompt) or
     # a Responses API request (its text as the input).
     api: str = "completions"
@@ -301,6 +305,9 @@ class Fleet:
         )
         self.urls = self.cluster.worker_urls()
         self.commands = self.cluster.worker_commands()
+        if config.worker_nice:
+            self.commands = [["nice", "-n", str(config.worker_nice), *command]
+                             for command in self.commands]
         if config.misreport_worker is not None:
             self.commands[config.misreport_worker] += [
                 "--reported-cache-blocks", str(2 * config.cache_blocks)]
@@ -1042,6 +1049,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each router (every thread of its process tree) on one CPU while it "
                    "is measured, the client and the workers on the others, as a router runs "
                    "where it is deployed; by default all of them share every CPU")
+    p.add_argument("--worker-nice", type=int, default=0, metavar="N",
+                   help="start the workers at niceness N (1-19): on shared CPUs a router "
+                   "that is runnable then goes before the workers it has just woken, as "
+                   "where the engines run on hosts of their own; every router alike")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -1071,6 +1082,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
            args.max_tokens, args.max_running) < 1:
         p.error("--workers, --cache-blocks, --concurrency, --repeat, --max-tokens and "
                 "--max-running must be >= 1")
+    if not 0 <= args.worker_nice <= 19:
+        p.error("--worker-nice must be within 0-19")
     if not 0.0 <= args.invisible_edits <= 1.0:
         p.error("--invisible-edits is a share, from 0 to 1")
     if args.block_chars < 64 or args.block_chars % 64:
@@ -1107,7 +1120,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
         invisible_edits=args.invisible_edits, agreement=args.agreement,
         request_logs=args.request_logs, api=args.api, own_core=args.own_core,
-        extra_worker_args=tuple(args.worker_arg),
+        worker_nice=args.worker_nice, extra_worker_args=tuple(args.worker_arg),
     )
 
 

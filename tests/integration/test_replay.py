@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from loadtest.replay import WARM_REQUESTS_PER_WORKER, gateway_variant
+from loadtest.bench_gateway import free_port_block
+from loadtest.replay import (
+    WARM_REQUESTS_PER_WORKER,
+    Fleet,
+    build_parser,
+    config_from_args,
+    gateway_variant,
+)
 from loadtest.tiny_tokenizer import train
 from loadtest.traces import to_mooncake_lines
 from tests.integration.test_loadtest import _run_loadtest
@@ -200,3 +208,17 @@ def test_the_simulator_routes_token_exact_replays_as_the_gateway_did(tmp_path: P
     (live_run,) = report["runs"]
     assert run["decisions"]["block_hit_rate"] > 0
     assert sum(w["blocks"] for w in live_run["per_worker"].values()) > 60 * 9
+
+
+async def test_workers_start_at_the_niceness_asked(tmp_path: Path) -> None:
+    parser = build_parser()
+    config = config_from_args(parser, parser.parse_args(
+        ["--workers", "1", "--cache-blocks", "50", "--worker-nice", "7"]))
+    fleet = Fleet(config, free_port_block(2), tmp_path)
+    await fleet.start(0)
+    try:
+        proc = fleet.procs[0]
+        assert proc is not None
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == 7
+    finally:
+        await fleet.stop(0)

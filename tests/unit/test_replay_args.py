@@ -38,3 +38,13 @@ def test_each_router_on_a_core_of_its_own_only_when_asked() -> None:
     shared = config_from_args(parser, parser.parse_args(["--workers", "2"]))
     alone = config_from_args(parser, parser.parse_args(["--workers", "2", "--own-core"]))
     assert (shared.own_core, alone.own_core) == (False, True)
+
+
+def test_worker_niceness_is_checked_and_reaches_the_config() -> None:
+    parser = build_parser()
+    assert config_from_args(parser, parser.parse_args(["--workers", "2"])).worker_nice == 0
+    nice = config_from_args(parser, parser.parse_args(["--workers", "2", "--worker-nice", "10"]))
+    assert nice.worker_nice == 10
+    for bad in ("-1", "20"):
+        with pytest.raises(SystemExit):
+            config_from_args(parser, parser.parse_args(["--workers", "2", "--worker-nice", bad]))
