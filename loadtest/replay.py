@@ -3,8 +3,7 @@
 ``python -m loadtest replay (--trace PATH | --workload W) --workers N --cache-blocks C
 [--concurrency K] [--policy P|all] [--gateway URL] [--gateway-variant LABEL=ARGS] [--peers]
 [--peer-variant PEER[LABEL]=ARGS] [--no-report-cache-size] [--repeat R] [--own-core]
-[--worker-nice N] [--simulate]
-[--json]``
+[--worker-nice N] [--simulate] [--json]``
 
 N reference workers start on loopback (``python -m worker``, simulated engine) with the
 ``chars`` tokenizer (one token per 4 characters) and KV blocks of ``--block-chars / 4`` tokens,
@@ -1050,9 +1049,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "is measured, the client and the workers on the others, as a router runs "
                    "where it is deployed; by default all of them share every CPU")
     p.add_argument("--worker-nice", type=int, default=0, metavar="N",
-                   help="start the workers at niceness N (1-19): on shared CPUs a router "
-                   "that is runnable then goes before the workers it has just woken, as "
-                   "where the engines run on hosts of their own; every router alike")
+                   help="start the workers at niceness N (0-19; 0, the default: as the "
+                   "client's): on shared CPUs a router that is runnable then goes before the "
+                   "workers it has just woken, as where the engines run on hosts of their "
+                   "own; every router alike")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
