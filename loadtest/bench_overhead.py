@@ -14,7 +14,8 @@ One run, one set of workers:
    :mod:`loadtest.floor_proxy`) show what a Python relay costs by part: ``floor`` is
    aiohttp's server and client (run by default), ``floor-h1`` aiohttp's server with the
    gateway's relay client, ``floor-low`` aiohttp's low-level server (no application) with
-   that client, ``floor-lean`` a bare protocol server with that client.
+   that client, ``floor-objects`` a bare protocol server that builds aiohttp's request and
+   response objects with that client, ``floor-lean`` a bare protocol server with that client.
 2. **Throughput**, ``--reps`` repetitions: each target in turn (the order rotates every
    repetition) gets the same ``--requests`` chat requests at ``--concurrency``: ``--prefixes``
    shared system prompts of about 2,000 characters, each with its own short user question.
@@ -129,6 +130,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "floor-h1": ("--client", "http1"),
     "floor-low": ("--client", "http1", "--server", "lowlevel"),
     "floor-lean": ("--client", "http1", "--server", "protocol"),
+    "floor-objects": ("--client", "http1", "--server", "objects"),
 }
 ROUTERS = ("ours", *FLOORS, *PEERS)
 DEFAULT_ROUTERS = ("ours", FLOOR, *PEERS)

@@ -10,12 +10,15 @@ benchmark shows what each costs on its own:
   ``Content-Length`` body, and writes one reply per request (keep-alive, requests on one
   connection in turn). It answers nothing else: no chunked bodies, no limits, no errors.
   ``--server lowlevel``: aiohttp's low-level server (its connection handler and parser, no
-  application: no router, middlewares or signals).
+  application: no router, middlewares or signals); ``--server objects``: the bare protocol's
+  parse, then aiohttp's request, response and writer objects for each request (what a server
+  of the gateway's own would cost if its handlers kept aiohttp's objects).
 * ``--client aiohttp`` (the default): aiohttp's client session; ``--client http1``: the
   gateway's relay client (:mod:`gateway.backends.http1`).
 
-``loadtest.bench_overhead --routers ...,floor,floor-h1,floor-lean`` runs them beside our
-gateway and the Rust routers. Benchmark baselines, not products: none has the gateway's safety.
+``loadtest.bench_overhead --routers ...,floor,floor-h1,floor-low,floor-objects,floor-lean``
+runs them beside our gateway and the Rust routers. Benchmark baselines, not products: none has
+the gateway's safety.
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import aiohttp
-from aiohttp import web
+from aiohttp import HttpVersion11, web
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.http_writer import StreamWriter
+from aiohttp.streams import StreamReader
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from gateway.backends.http1 import Http1Client
@@ -35,7 +43,7 @@ from gateway.backends.http1 import Http1Client
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 RELAY_CLIENT = web.AppKey("relay_client", Http1Client)
 CLIENTS = ("aiohttp", "http1")
-SERVERS = ("aiohttp", "lowlevel", "protocol")
+SERVERS = ("aiohttp", "lowlevel", "protocol", "objects")
 _JSON = {"Content-Type": "application/json"}
 _TIMEOUTS = (5.0, 300.0)  # connect, read (seconds)
 
@@ -113,7 +121,7 @@ class BareHTTP(asyncio.Protocol):
         self._relay = relay
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()  # bytes not yet taken by a request
-        self._head: tuple[bytes, str] | None = None  # method and path, once a head is in
+        self._head: tuple[bytes, str, list[bytes]] | None = None  # method, path, header lines
         self._body: list[bytes] = []  # the body's pieces so far
         self._missing = 0  # body bytes still to come
         self._busy = False
@@ -168,7 +176,7 @@ class BareHTTP(asyncio.Protocol):
                     self._close()
                     return
             del buffer[:end + 4]
-            self._head = (parts[0], parts[1].decode("latin-1"))
+            self._head = (parts[0], parts[1].decode("latin-1"), lines[1:])
             self._body, self._missing = [], length
         if self._buffer:
             data, self._buffer = bytes(self._buffer), bytearray()
@@ -183,9 +191,9 @@ class BareHTTP(asyncio.Protocol):
         self._body = []
         self._busy = True
         self._task = asyncio.get_running_loop().create_task(
-            self._serve(head[0], head[1], body))
+            self._serve(head[0], head[1], head[2], body))
 
-    async def _serve(self, method: bytes, path: str, body: bytes) -> None:
+    async def _serve(self, method: bytes, path: str, fields: list[bytes], body: bytes) -> None:
         if method == b"POST" and path in ("/v1/chat/completions", "/v1/completions"):
             try:
                 status, payload = await self._relay(path, body)
@@ -200,6 +208,10 @@ class BareHTTP(asyncio.Protocol):
         self._transport.write(
             b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
             % (status, len(payload)) + payload)
+        self._done()
+
+    def _done(self) -> None:
+        """The request in hand is answered: the next one on the connection, if it came."""
         self._busy = False
         if self._buffer:
             self._next()
@@ -207,6 +219,71 @@ class BareHTTP(asyncio.Protocol):
     def _close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+
+class ObjectsHTTP(BareHTTP):
+    """:class:`BareHTTP`'s parse, then per request what aiohttp's server builds: the header
+    mapping, the request (its body in a ``StreamReader``), a ``StreamWriter`` and a
+    ``web.Response`` prepared and written through them. Set beside ``floor-lean`` and
+    ``floor-low``, it splits aiohttp's cost per request between its connection handling and
+    parser and its request and response objects."""
+
+    def __init__(self, relay: Relay) -> None:
+        super().__init__(relay)
+        self._writing = BaseProtocol(asyncio.get_running_loop())  # the writer's flow control
+        # What ``web.BaseRequest`` reads from its protocol.
+        self.ssl_context = None
+        self.peername: object = None
+        self.sockname: object = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._writing.connection_made(transport)
+        self.peername = transport.get_extra_info("peername")
+        self.sockname = transport.get_extra_info("sockname")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._writing.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._writing.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._writing.resume_writing()
+
+    async def _serve(self, method: bytes, path: str, fields: list[bytes], body: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        raw = tuple((name.strip(), value.strip())
+                    for name, _, value in (f.partition(b":") for f in fields))
+        headers = CIMultiDictProxy(CIMultiDict(
+            (name.decode("latin-1"), value.decode("latin-1")) for name, value in raw))
+        message = RawRequestMessage(method.decode("latin-1"), path, HttpVersion11, headers, raw,
+                                    False, None, False, False, URL.build(path=path, encoded=True))
+        payload = StreamReader(self._writing, len(body) + 1, loop=loop)  # all in hand
+        payload.feed_data(body)
+        payload.feed_eof()
+        task = asyncio.current_task()
+        assert task is not None
+        request = web.BaseRequest(message, payload, self,  # type: ignore[arg-type]
+                                  StreamWriter(self._writing, loop), task, loop)
+        data = await request.read()
+        if request.method == "POST" and request.path in ("/v1/chat/completions",
+                                                         "/v1/completions"):
+            try:
+                status, reply = await self._relay(request.path, data)
+            except Exception:  # a benchmark baseline: the worker failed, the client sees 502
+                status, reply = 502, b'{"error": "upstream"}'
+        elif request.method == "GET" and request.path == "/health":
+            status, reply = 200, b"ok"
+        else:
+            status, reply = 404, b"{}"
+        if self._transport is None:
+            return
+        response = web.Response(body=reply, status=status, content_type="application/json")
+        await response.prepare(request)
+        await response.write_eof()
+        self._done()
 
 
 async def serve_lowlevel(host: str, port: int, workers: Sequence[str]) -> None:
@@ -233,12 +310,14 @@ async def serve_lowlevel(host: str, port: int, workers: Sequence[str]) -> None:
         client.close()
 
 
-async def serve_bare(host: str, port: int, workers: Sequence[str]) -> None:
-    """:class:`BareHTTP` relaying through the gateway's client, until cancelled."""
+async def serve_bare(host: str, port: int, workers: Sequence[str],
+                     kind: type[BareHTTP] = BareHTTP) -> None:
+    """``kind`` (:class:`BareHTTP` or :class:`ObjectsHTTP`) relaying through the gateway's
+    client, until cancelled."""
     client = Http1Client(*_TIMEOUTS)
     relay = http1_relay(client, workers)
     server = await asyncio.get_running_loop().create_server(
-        lambda: BareHTTP(relay), host, port, reuse_address=True)
+        lambda: kind(relay), host, port, reuse_address=True)
     try:
         async with server:
             await server.serve_forever()
@@ -261,10 +340,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ImportError:
         loop = asyncio.new_event_loop()
     if args.server != "aiohttp":
-        serve = serve_bare if args.server == "protocol" else serve_lowlevel
         asyncio.set_event_loop(loop)
+        serving = (serve_lowlevel(args.host, args.port, args.worker)
+                   if args.server == "lowlevel" else
+                   serve_bare(args.host, args.port, args.worker,
+                              ObjectsHTTP if args.server == "objects" else BareHTTP))
         try:
-            loop.run_until_complete(serve(args.host, args.port, args.worker))
+            loop.run_until_complete(serving)
         except KeyboardInterrupt:
             pass
         finally:

@@ -1,6 +1,6 @@
 """The benchmark floor proxies relay bytes to their workers in turn, over real HTTP: aiohttp's
-server with either client, its low-level server and the bare protocol server with the gateway's
-relay client."""
+server with either client, its low-level server, and the bare protocol server (alone or building
+aiohttp's request and response objects) with the gateway's relay client."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aiohttp import web
 
 from gateway.backends.http1 import Http1Client
 from gateway.contracts.tasks import running
-from loadtest.floor_proxy import BareHTTP, build_app, http1_relay, serve_lowlevel
+from loadtest.floor_proxy import BareHTTP, ObjectsHTTP, build_app, http1_relay, serve_lowlevel
 from tests.conftest import free_port, serve
 
 
@@ -41,7 +41,7 @@ async def _floor(kind: str, port: int, workers: list[str]) -> AsyncIterator[None
                 await asyncio.sleep(0.02)
             yield
         return
-    if kind != "protocol":
+    if kind not in ("protocol", "objects"):
         runner = await serve(build_app(workers, kind), port)
         try:
             yield
@@ -50,8 +50,9 @@ async def _floor(kind: str, port: int, workers: list[str]) -> AsyncIterator[None
         return
     client = Http1Client(5.0, 30.0)
     relay = http1_relay(client, workers)
+    protocol = ObjectsHTTP if kind == "objects" else BareHTTP
     server = await asyncio.get_running_loop().create_server(
-        lambda: BareHTTP(relay), "127.0.0.1", port)
+        lambda: protocol(relay), "127.0.0.1", port)
     try:
         yield
     finally:
@@ -60,7 +61,7 @@ async def _floor(kind: str, port: int, workers: list[str]) -> AsyncIterator[None
         client.close()
 
 
-@pytest.mark.parametrize("kind", ["aiohttp", "http1", "lowlevel", "protocol"])
+@pytest.mark.parametrize("kind", ["aiohttp", "http1", "lowlevel", "protocol", "objects"])
 async def test_requests_go_to_the_workers_in_turn_with_their_bodies(kind: str) -> None:
     ports = [free_port() for _ in range(3)]
     runners = [await serve(_echo(f"w{i}"), ports[i]) for i in range(2)]
