@@ -1,12 +1,12 @@
 """What the gateway opens at start-up and closes at shutdown: one ``AppKey`` and one aiohttp
 cleanup context per resource.
 
-:func:`install` appends the contexts in dependency order: tracing, one HTTP client pool per
-backend, the metadata store, the store sync, pod discovery, the first health round, the KV-event
-feeds, the warm-up, the cache lifecycle and pre-warming (their on-demand tasks), the rebalancer
-and the health loop. aiohttp enters them in that order and leaves them in reverse, and leaves every
-context it entered even when a later one fails to start, so a failed start-up closes what it
-had opened.
+:func:`install` appends the contexts in dependency order: tracing, the event loop's lag probe
+(:mod:`gateway.telemetry.loop_lag`), one HTTP client pool per backend, the metadata store, the
+store sync, pod discovery, the first health round, the KV-event feeds, the warm-up, the cache
+lifecycle and pre-warming (their on-demand tasks), the rebalancer and the health loop. aiohttp
+enters them in that order and leaves them in reverse, and leaves every context it entered even
+when a later one fails to start, so a failed start-up closes what it had opened.
 
 Request handlers do not look these keys up: they read the one ``GatewayState`` the app holds
 (``gateway.api.STATE``), which refers to the resources they need.
@@ -32,6 +32,7 @@ from gateway.prewarm import PreWarmer
 from gateway.rebalance import Rebalancer
 from gateway.store.base import MetadataStore
 from gateway.sync import StoreSync
+from gateway.telemetry.loop_lag import LoopLag
 from gateway.telemetry.middleware import TELEMETRY_KEY
 from gateway.warmup import WarmupManager
 
@@ -145,6 +146,16 @@ async def _prewarmer(app: web.Application) -> AsyncIterator[None]:
         await app[PREWARMER_KEY].stop()
 
 
+async def _loop_lag(app: web.Application) -> AsyncIterator[None]:
+    """The event loop's lag is sampled from start-up to shutdown (``/metrics``)."""
+    lag = LoopLag(app[TELEMETRY_KEY].metrics.loop_lag.observe)
+    lag.start()
+    try:
+        yield
+    finally:
+        lag.stop()
+
+
 def _task(name: str, run: Callable[[web.Application], Coroutine[Any, Any, None]]
           ) -> CleanupContext:
     """A background loop, cancelled (and awaited) at shutdown."""
@@ -160,6 +171,7 @@ def install(app: web.Application) -> None:
     """Append the cleanup context of every resource, in the order they depend on each other
     (every key above must be set)."""
     app.cleanup_ctx.append(_tracing)
+    app.cleanup_ctx.append(_loop_lag)
     for kind in app[BACKENDS_KEY]:
         app.cleanup_ctx.append(_backend(kind))
     app.cleanup_ctx.extend([

@@ -11,7 +11,7 @@ import platform
 from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,6 +25,7 @@ from gateway.parse_pool import ParsePool
 from gateway.pool import WorkerPool
 from gateway.prompt_histories import PromptHistories
 from gateway.telemetry.counters import LabelledCounter, LabelledHistogram
+from gateway.telemetry.loop_lag import LAG_BUCKETS
 
 # Seconds: from a few milliseconds (cache hits on a small model) to minutes (long generations).
 LATENCY_BUCKETS = (
@@ -301,6 +302,15 @@ class GatewayMetrics:
             "requests that reused less of the cache than was possible, by diagnosed cause",
             ["worker", "cause"], registry=registry,
         )
+        self.loop_lag = LabelledHistogram(
+            "gateway_event_loop_lag_seconds",
+            "how late the event loop ran a timer sampled every 0.25 s (gateway.telemetry."
+            "loop_lag): the wait every step of every request has before it runs",
+            registry=registry, buckets=LAG_BUCKETS,
+        ).labels()
+        # The process's own CPU seconds, memory and file descriptors (process_*), as the
+        # client library's default registry has them: the CPU per request is the gateway's cost.
+        ProcessCollector(registry=registry)
         self.registry.register(_PoolCollector(pool))
         self.registry.register(
             _StateCollector(lambda: self._store_up(), lambda: self._store_outages(),

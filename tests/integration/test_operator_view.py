@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
+import time
 
 import aiohttp
 import openai
@@ -132,6 +134,27 @@ async def test_metrics_latency_errors_build_and_store(start_cluster: StartCluste
     assert samples["gateway_store_unreadable_entries_total"] == 0
     assert any(k.startswith("gateway_build_info{") for k in samples)
     assert total("gateway_predicted_cached_tokens_total{") == 0  # both were cold
+
+
+async def test_metrics_show_a_busy_event_loop_and_the_process_cpu(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(workers=1)
+    async with client(cluster.base_url) as oa:
+        await oa.completions.create(model=MODEL, prompt=PREFIX, max_tokens=2)
+    # The gateway runs on this test's event loop: holding the loop for 0.6 s holds its lag
+    # timer (sampled every 0.25 s) at least 0.35 s past the time it was due.
+    time.sleep(0.6)  # noqa: ASYNC251 (the loop held, as a burst of work would hold it)
+    await asyncio.sleep(0.3)
+    async with aiohttp.ClientSession() as http, http.get(cluster.gateway_url + "/metrics") as r:
+        text = await r.text()
+    samples = {line.split(" ")[0]: float(line.split(" ")[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    count = samples["gateway_event_loop_lag_seconds_count"]
+    assert count >= 1
+    assert samples['gateway_event_loop_lag_seconds_bucket{le="0.25"}'] <= count - 1
+    assert samples["process_cpu_seconds_total"] > 0
+    assert samples["process_resident_memory_bytes"] > 0
 
 
 async def test_stale_index_entry_after_the_worker_flushed(start_cluster: StartCluster) -> None:
