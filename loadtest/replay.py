@@ -37,10 +37,12 @@ per worker), ``prefill_max_over_mean`` (uncached blocks per worker), latency ``p
 into ``gateway_p50_ms`` / ``gateway_p99_ms``, its own time, and ``upstream_p50_ms`` /
 ``upstream_p99_ms``, the worker's), and ``cpu_s_per_1k``: the router's user + system
 CPU seconds per 1,000 requests (``/proc``; its process and descendants, so ``--procs N``
-counts all of them). ``--simulate`` also runs the simulator after
-each live run of a gateway policy, with the same fleet, costs, concurrency, keys and ring, and
-with each request's own timing from that run (:mod:`loadtest.replay_sim`; with ``--sim-draws
-N`` also N - 1 times with the timing jittered, and the mean is reported), and reports the
+counts all of them); for our gateway also ``loop_lag_ms_mean`` and ``loop_lag_over_10ms``, its
+event loop's lag over the run (:mod:`loadtest.gateway_lag`). ``--simulate`` also runs the
+simulator after each live run of a gateway policy, with the same fleet, costs, concurrency,
+keys and ring, and with each request's own timing from that run (:mod:`loadtest.replay_sim`;
+with ``--sim-draws N`` also N - 1 times with the timing jittered, and the mean is reported),
+and reports the
 median over the live runs per policy (``simulated`` in the JSON, each run under ``runs``;
 ``same_worker``: the share of requests the simulator sent to the worker the gateway chose; at
 the decision instants also ``same_cached``: the share whose simulated worker reused as many
@@ -86,6 +88,7 @@ import aiohttp
 from gateway.routing.policies import POLICY_NAMES
 from gateway.settings import GatewaySettings
 from infra.local import LocalCluster, stop_processes
+from loadtest import gateway_lag
 from loadtest.bench_gateway import (
     MODEL,
     Reply,
@@ -234,6 +237,11 @@ class RunResult:
     # /admin/workers; None for peers.
     mean_latency_ms: float = 0.0
     gateway_inflight: float | None = None
+    # Our gateway's event-loop lag over the run (loadtest.gateway_lag; None for peers, or
+    # when the run was shorter than one sample): the mean in ms, the share of samples over
+    # 10 ms. Milliseconds of lag: the gateway itself was short of CPU.
+    loop_lag_ms_mean: float | None = None
+    loop_lag_over_10ms: float | None = None
     latencies_ms: list[float] = field(default_factory=list)  # per request, in trace order
     # Where the latency went, from our gateway's Server-Timing (None for peers): its own time
     # (reading, parsing and deciding; the answer's head) and the worker's (upstream), p50/p99.
@@ -456,6 +464,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
     connector = aiohttp.TCPConnector(limit=max(64, 2 * config.concurrency))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await open_connections(session, url, config.concurrency)
+        lag0 = await gateway_lag.read(session, url) if router.startswith("ours") else None
         cpu0 = proc_tree_cpu_s(pid) if pid else None
         started, wall = time.perf_counter(), time.time()
         restarter = None
@@ -492,6 +501,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
         if restarter is not None:
             await restarter
         ours = router.startswith("ours")
+        lag1 = await gateway_lag.read(session, url) if ours else None
         actions = await rebalance_actions(session, url, wall) if ours else []
         view = await gateway_view(session, url) if ours else GatewayView()
     result = summarize(router, repeat, replies, seconds, pooled, cpu_s, worker_ids, config)
@@ -502,6 +512,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
     result.prewarms_used = view.prewarms_used
     result.copies_done, result.copy_ms_mean = view.copies_done, view.copy_ms_mean
     result.gateway_inflight = statistics.fmean(samples) if samples else None
+    result.loop_lag_ms_mean, result.loop_lag_over_10ms = gateway_lag.between(lag0, lag1)
     result.agreement_pairs = sum(p.across for p in agreed)
     if agreed:
         result.process_agreement = {
@@ -870,10 +881,12 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                          ", dry runs agree " + ", ".join(
                              f"{k} {v:.2f}" for k, v in res.process_agreement.items()
                              if v is not None) + f" ({res.agreement_pairs} pairs across)")
+                lag = ("" if res.loop_lag_ms_mean is None else
+                       f", loop lag {res.loop_lag_ms_mean:.1f} ms")
                 print(f"[replay] {router}: hit {res.block_hit_rate:.3f} "
                       f"({res.hit_over_bound:.3f} of bound), routed max/mean "
                       f"{res.routed_max_over_mean:.2f}, p50 {res.p50_ms:.0f} ms, "
-                      f"{res.seconds:.0f}s, errors {res.errors}{agree}", file=sys.stderr,
+                      f"{res.seconds:.0f}s, errors {res.errors}{lag}{agree}", file=sys.stderr,
                       flush=True)
                 res.warmed = warmed
                 results.append(res)
@@ -886,7 +899,7 @@ MEDIAN_KEYS = ("block_hit_rate", "hit_over_bound", "routed_max_over_mean",
                "requests_max_over_mean", "prefill_max_over_mean", "p50_ms", "p99_ms",
                "cpu_s_per_1k", "exact_predictions", "over_predictions", "under_predictions",
                "over_tokens_mean", "under_tokens_mean", "gateway_p50_ms", "gateway_p99_ms",
-               "upstream_p50_ms", "upstream_p99_ms")
+               "upstream_p50_ms", "upstream_p99_ms", "loop_lag_ms_mean", "loop_lag_over_10ms")
 
 
 def medians(results: Sequence[RunResult]) -> list[dict[str, Any]]:

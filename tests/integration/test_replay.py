@@ -54,6 +54,11 @@ def test_replay_reports_live_and_simulated_metrics(tmp_path: Path) -> None:
         assert 0 < row["gateway_p50_ms"] <= row["gateway_p99_ms"]
         assert 0 < row["upstream_p50_ms"] <= row["upstream_p99_ms"]
         assert max(row["gateway_p50_ms"], row["upstream_p50_ms"]) <= row["p50_ms"]
+        # The gateway's event-loop lag over the run: a mean and a share when the run lasted
+        # a sample or more (0.25 s), absent (None) when it did not.
+        lag, over = row["loop_lag_ms_mean"], row["loop_lag_over_10ms"]
+        assert (lag is None) == (over is None)
+        assert lag is None or (lag >= 0 and 0 <= over <= 1)
     for run in report["runs"]:
         per_worker = run["per_worker"]
         assert len(per_worker) == 2
