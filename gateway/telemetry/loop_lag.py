@@ -6,9 +6,9 @@ does waits the same way: a request's next step (its parse, its write to a worker
 of the answer) starts that late. The lag grows when the process has more ready work than one
 core runs (callbacks queue behind each other) and when the kernel runs other processes
 instead of it (a core shared with workers or other services); on a gateway with CPU to spare
-it stays within the timer's resolution (a millisecond under uvloop). A lag of tens of
-milliseconds that lasts says the gateway itself is the bottleneck: give it a core of its own,
-more processes (``--procs``) or more replicas.
+it stays within a millisecond or two (uvloop's timers have a millisecond's resolution). A lag
+of tens of milliseconds that lasts says the gateway itself is the bottleneck: give it a core
+of its own, more processes (``--procs``) or more replicas.
 
 One timer per interval, no task and no thread: nothing on the request path.
 """
