@@ -958,6 +958,11 @@ def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> 
               "the rest is the client's and the sockets'"
               for r in rows if r.get("gateway_p50_ms") is not None
               and r.get("upstream_p50_ms") is not None]
+    notes += [f"{r['router']}, its event loop's lag over the run: mean "
+              f"{r['loop_lag_ms_mean']:.1f} ms, {r['loop_lag_over_10ms']:.0%} of the samples "
+              "over 10 ms (milliseconds: the gateway was short of CPU)"
+              for r in rows if r.get("loop_lag_ms_mean") is not None
+              and r.get("loop_lag_over_10ms") is not None]
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
 
 

@@ -454,6 +454,23 @@ def test_a_run_splits_its_latency_by_the_gateways_server_timing() -> None:
     assert "sglang-router, where" not in text
 
 
+def test_our_runs_carry_the_gateways_loop_lag_into_the_medians_and_the_table() -> None:
+    config = ReplayConfig(workers=2, cache_blocks=100, concurrency=4)
+    reply = Reply(status=200, worker="w1", input_tokens=64, matched_tokens=0, seconds=0.01)
+    runs = [summarize("ours:cache_aware", i, [reply], 1.0, 0.5, None, ["w1", "w2"], config)
+            for i in range(3)]
+    for run, (lag, over) in zip(runs, [(2.0, 0.0), (6.0, 0.25), (30.0, 1.0)], strict=True):
+        run.loop_lag_ms_mean, run.loop_lag_over_10ms = lag, over
+    peer = summarize("sglang-router", 0, [reply], 1.0, 0.5, None, ["w1", "w2"], config)
+    rows = medians([*runs, peer])
+    assert (rows[0]["loop_lag_ms_mean"], rows[0]["loop_lag_over_10ms"]) == (6.0, 0.25)
+    assert rows[1]["loop_lag_ms_mean"] is None
+    text = markdown(rows, [])
+    assert ("ours:cache_aware, its event loop's lag over the run: mean 6.0 ms, 25% of the "
+            "samples over 10 ms") in text
+    assert "sglang-router, its event loop" not in text
+
+
 def test_responses_bodies_carry_the_completions_text_as_input() -> None:
     from loadtest.replay import request_bodies
 
