@@ -193,16 +193,19 @@ class BareHTTP(asyncio.Protocol):
         self._task = asyncio.get_running_loop().create_task(
             self._serve(head[0], head[1], head[2], body))
 
-    async def _serve(self, method: bytes, path: str, fields: list[bytes], body: bytes) -> None:
+    async def _answer(self, method: bytes, path: str, body: bytes) -> tuple[int, bytes]:
+        """The status and body for a request: a completion relayed, the health check, or 404."""
         if method == b"POST" and path in ("/v1/chat/completions", "/v1/completions"):
             try:
-                status, payload = await self._relay(path, body)
+                return await self._relay(path, body)
             except Exception:  # a benchmark baseline: the worker failed, the client sees 502
-                status, payload = 502, b'{"error": "upstream"}'
-        elif method == b"GET" and path == "/health":
-            status, payload = 200, b"ok"
-        else:
-            status, payload = 404, b"{}"
+                return 502, b'{"error": "upstream"}'
+        if method == b"GET" and path == "/health":
+            return 200, b"ok"
+        return 404, b"{}"
+
+    async def _serve(self, method: bytes, path: str, fields: list[bytes], body: bytes) -> None:
+        status, payload = await self._answer(method, path, body)
         if self._transport is None:
             return
         self._transport.write(
@@ -267,17 +270,7 @@ class ObjectsHTTP(BareHTTP):
         assert task is not None
         request = web.BaseRequest(message, payload, self,  # type: ignore[arg-type]
                                   StreamWriter(self._writing, loop), task, loop)
-        data = await request.read()
-        if request.method == "POST" and request.path in ("/v1/chat/completions",
-                                                         "/v1/completions"):
-            try:
-                status, reply = await self._relay(request.path, data)
-            except Exception:  # a benchmark baseline: the worker failed, the client sees 502
-                status, reply = 502, b'{"error": "upstream"}'
-        elif request.method == "GET" and request.path == "/health":
-            status, reply = 200, b"ok"
-        else:
-            status, reply = 404, b"{}"
+        status, reply = await self._answer(method, request.path, await request.read())
         if self._transport is None:
             return
         response = web.Response(body=reply, status=status, content_type="application/json")

@@ -42,11 +42,10 @@ event loop's lag over the run (:mod:`loadtest.gateway_lag`). ``--simulate`` also
 simulator after each live run of a gateway policy, with the same fleet, costs, concurrency,
 keys and ring, and with each request's own timing from that run (:mod:`loadtest.replay_sim`;
 with ``--sim-draws N`` also N - 1 times with the timing jittered, and the mean is reported),
-and reports the
-median over the live runs per policy (``simulated`` in the JSON, each run under ``runs``;
-``same_worker``: the share of requests the simulator sent to the worker the gateway chose; at
-the decision instants also ``same_cached``: the share whose simulated worker reused as many
-blocks as the live worker reported).
+and reports the median over the live runs per policy (``simulated`` in the JSON, each run
+under ``runs``; ``same_worker``: the share of requests the simulator sent to the worker the
+gateway chose; at the decision instants also ``same_cached``: the share whose simulated worker
+reused as many blocks as the live worker reported).
 ``--resimulate REPORT`` re-runs only the simulator against the live runs of a saved ``--json``
 report; ``--sim-set NAME=VALUE`` simulates with a change (``prewarm=false``,
 ``policy.volume_guard=1.1``): at the gateway's decision instants, what the gateway would have
@@ -464,7 +463,8 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
     connector = aiohttp.TCPConnector(limit=max(64, 2 * config.concurrency))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await open_connections(session, url, config.concurrency)
-        lag0 = await gateway_lag.read(session, url) if router.startswith("ours") else None
+        ours = router.startswith("ours")
+        lag0 = await gateway_lag.read(session, url) if ours else None
         cpu0 = proc_tree_cpu_s(pid) if pid else None
         started, wall = time.perf_counter(), time.time()
         restarter = None
@@ -487,8 +487,8 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
         scrapes: dict[tuple[str, float], dict[str, float]] = {}
         agreed: list[DryRunPair] = []
         side = [asyncio.create_task(sample_inflight(session, url, samples, scrapes))] \
-            if router.startswith("ours") else []
-        if config.agreement and router.startswith("ours"):
+            if ours else []
+        if config.agreement and ours:
             side.append(asyncio.create_task(sample_agreement(url, bodies, agreed)))
         with own_core([pid]) if config.own_core and pid else contextlib.nullcontext(False):
             replies = await replay(session, url + config.path, bodies, config.concurrency)
@@ -500,7 +500,6 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
                 await task
         if restarter is not None:
             await restarter
-        ours = router.startswith("ours")
         lag1 = await gateway_lag.read(session, url) if ours else None
         actions = await rebalance_actions(session, url, wall) if ours else []
         view = await gateway_view(session, url) if ours else GatewayView()
