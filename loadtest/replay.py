@@ -918,6 +918,11 @@ def medians(results: Sequence[RunResult]) -> list[dict[str, Any]]:
     return out
 
 
+def _ttft(sim: Mapping[str, Any], key: str) -> str:
+    value = sim.get(key)
+    return "-" if value is None else f"{value:.1f}"
+
+
 def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> str:
     lines = ["| router | runs | hit | hit / pooled bound | routed blocks max/mean | "
              "prefill max/mean | p50 ms | p99 ms | CPU s / 1k req | errors |",
@@ -934,7 +939,7 @@ def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> 
         lines.append(f"| {s['router']} (simulated{note}) | {s['repeats']} | "
                      f"{s['block_hit_rate']:.3f} | {s['hit_over_bound']:.3f} | "
                      f"{s['routed_max_over_mean']:.2f} | {s['prefill_max_over_mean']:.2f} | "
-                     "- | - | - | 0 |")
+                     f"{_ttft(s, 'ttft_p50_ms')} | {_ttft(s, 'ttft_p99_ms')} | - | 0 |")
         d = s.get("decisions")
         if d is not None:
             same = d.get("same_worker")
@@ -945,8 +950,10 @@ def markdown(rows: Sequence[dict[str, Any]], sims: Sequence[dict[str, Any]]) -> 
                          f"instants{note}) | {s['repeats']} | "
                          f"{d['block_hit_rate']:.3f} | {d['hit_over_bound']:.3f} | "
                          f"{d['routed_max_over_mean']:.2f} | {d['prefill_max_over_mean']:.2f} | "
-                         "- | - | - | 0 |")
-    notes = [f"{s['router']}, simulated minus live, the largest over {s['repeats']} runs: "
+                         f"{_ttft(d, 'ttft_p50_ms')} | {_ttft(d, 'ttft_p99_ms')} | - | 0 |")
+    notes = (["simulated rows: p50 and p99 are the simulated engines' time to first token, "
+              "without the gateway's, the client's and the sockets' time"] if sims else [])
+    notes += [f"{s['router']}, simulated minus live, the largest over {s['repeats']} runs: "
              + "; ".join(f"{'client model' if name == 'client' else 'at the decision instants'}"
                          f" hit/bound {a['hit']:+.3f}, balance {a['balance']:+.3f}"
                          for name, a in s["agreement"].items())

@@ -39,7 +39,7 @@ from gateway.rebalance import action_from_json
 from gateway.routing.policies import PolicyOptions
 from gateway.settings import GatewaySettings
 from loadtest.sim.cluster import SimConfig, pooled_bound, simulate
-from loadtest.sim.report import max_over_mean, metrics
+from loadtest.sim.report import max_over_mean, metrics, percentile
 from loadtest.traces import TraceRequest
 
 if TYPE_CHECKING:
@@ -201,8 +201,11 @@ def live_timing(run: RunResult, config: ReplayConfig) -> tuple[float, float]:
     return latency - held, held
 
 
+# The simulated engines' time to first token (ms) rides along: the part of a live request's
+# latency that the workers' cost model makes, without the gateway's, the client's and the
+# sockets' time.
 SIM_KEYS = ("block_hit_rate", "hit_over_bound", "routed_max_over_mean",
-            "requests_max_over_mean", "prefill_max_over_mean")
+            "requests_max_over_mean", "prefill_max_over_mean", "ttft_p50_ms", "ttft_p99_ms")
 
 
 def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: str,
@@ -272,6 +275,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         costs=config.sim_costs(), serial_prefill=False,  # as the reference worker runs them
         index_knows_capacity=config.report_cache_size,
         key_blocks_per_block=0 if tokens else config.block_chars // 64,
+        block_tokens=config.block_tokens,
         private_blocks=1 if tokens else 0,
         route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
         request_delays=tuple(delays), route_keys=tuple(keys),
@@ -288,6 +292,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         assignments[pos] = worker
         reused[pos] = blocks
     m = metrics(result, pooled)
+    m["ttft_p50_ms"] = percentile(result.ttft_s, 50) * 1e3
+    m["ttft_p99_ms"] = percentile(result.ttft_s, 99) * 1e3
     # As the live run counts it: blocks routed per worker (the simulator's own report counts
     # requests); requests as requests_max_over_mean.
     m["routed_max_over_mean"] = max_over_mean([w.blocks for w in result.per_worker])

@@ -188,6 +188,10 @@ class SimConfig:
     # times a request's mean hold on agent sessions, longer than the cost model's prefill.
     # 0: until its simulated job ends.
     copy_hold_s: float = 0.0
+    # Tokens in one block of the requests' ``blocks``: what a matched block saves of a
+    # prefill. The traces' blocks hold 512 tokens; the live replay's units (``live_units``,
+    # ``token_units``) hold its workers' block size.
+    block_tokens: int = BLOCK_TOKENS
     # The gateway's time per decision: one event loop decides one request at a time, in the
     # order they reach it, so two decisions are at least this far apart.
     decision_gap_s: float = 0.0
@@ -623,7 +627,7 @@ class ClusterSim:
                 w.matched_blocks += alloc.matched_blocks
                 if self._pooled is not None:
                     self._count_losses(job)
-            cached = min(alloc.matched_blocks * BLOCK_TOKENS, req.input_tokens)
+            cached = min(alloc.matched_blocks * self.config.block_tokens, req.input_tokens)
             prefill = costs.prefill_seconds(req.input_tokens - cached, cached)
             w.started += 1
             w.queue_s += now - job.arrived

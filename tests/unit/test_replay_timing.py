@@ -22,6 +22,7 @@ from loadtest.replay import (
     timed_scrapes,
 )
 from loadtest.replay_sim import (
+    SIM_KEYS,
     decision_gap,
     delay_factors,
     gateway_keys,
@@ -33,6 +34,7 @@ from loadtest.replay_sim import (
 )
 from loadtest.sim import ClusterSim, SimConfig
 from loadtest.sim.cluster import gateway_key
+from loadtest.sim.report import percentile
 from loadtest.traces import TraceRequest, prefix_key
 
 
@@ -80,6 +82,25 @@ def test_server_timing_reads_the_durations_it_understands() -> None:
     assert server_timing('db;desc="x";dur="3", cache;desc=hit') == {"db": 3.0}
     assert server_timing("") == {}
     assert server_timing("a;dur=nan, b;dur=-1, c;dur=x, ;dur=2") == {}
+
+
+def test_simulated_engines_prefill_what_the_live_workers_would_and_the_table_shows_it() -> None:
+    """The live replay's blocks are its workers' blocks (16 tokens here): the second prompt
+    shares one of its four blocks with the first and prefills the other 48 tokens (4.8 ms at
+    100 us a token), as the reference worker would; the simulated rows show the engines' time
+    to first token where the live rows show their latency."""
+    reqs = [TraceRequest(0, 0.0, 2048, 1, prefix_key([1, 2, 3, 4], 2048)),
+            TraceRequest(1, 0.0, 2048, 1, prefix_key([1, 5, 6, 7], 2048))]
+    config = ReplayConfig(workers=1, cache_blocks=50, concurrency=1, prefill_us_per_token=100.0)
+    assert config.block_tokens == 16
+    sim = simulated(reqs, config, "round_robin", pooled=1.0)
+    hand = (64 * 0.1, 48 * 0.1)  # ms: 64 and 48 uncached tokens
+    assert sim["ttft_p50_ms"] == pytest.approx(percentile(hand, 50))
+    assert sim["ttft_p99_ms"] == pytest.approx(percentile(hand, 99))
+    row = {"router": "ours:round_robin", "repeats": 1, **{k: sim[k] for k in SIM_KEYS}}
+    text = markdown([], [row])
+    assert f"| {sim['ttft_p50_ms']:.1f} | {sim['ttft_p99_ms']:.1f} | - | 0 |" in text
+    assert "p50 and p99 are the simulated engines' time to first token" in text
 
 
 def test_simulated_balance_counts_blocks_as_the_live_run_does() -> None:

@@ -165,6 +165,21 @@ def test_cost_model_prefill_of_uncached_and_cached_tokens() -> None:
     assert result.sim_seconds == pytest.approx(0.1 + 0.02 + 0.0025 + 0.02)
 
 
+def test_a_matched_block_saves_the_units_own_block_of_tokens() -> None:
+    """Units of 16 tokens a block (the live replay's): a request that matches one of its four
+    blocks prefills the other 48 tokens, not none (one block taken as the traces' 512 tokens
+    covered the whole prompt)."""
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0)
+    reqs = trace([1, 2, 3, 4], [1, 5, 6, 7], tokens=64)
+    small = simulate(reqs, config(1, 16, "round_robin", costs=costs, block_tokens=16))
+    assert small.matched_blocks == 1
+    assert small.ttft_s == pytest.approx((64 * 1e-4, 48 * 1e-4))
+    # The traces' own blocks: one matched block is 512 tokens, more than the prompt.
+    traces = simulate(reqs, config(1, 16, "round_robin", costs=costs))
+    assert traces.ttft_s == pytest.approx((64 * 1e-4, 0.0))
+
+
 def test_replay_serializes_prefill_per_worker() -> None:
     costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
                      decode_ms_per_token=0.0)
