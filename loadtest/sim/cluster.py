@@ -5,7 +5,8 @@ index (``gateway.routing``), the worker's paged prefix cache (:class:`worker.kvc
 and the worker's cost model (:class:`worker.engines.sim.SimCosts`). What is simulated: time,
 the network (instant) and the client.
 
-**Units.** One trace block (a Mooncake ``hash_id``, 512 tokens) is one cache block: each worker
+**Units.** One trace block (a Mooncake ``hash_id``, 512 tokens; one of the live replay's units,
+``block_tokens``) is one cache block: each worker
 has ``PrefixCache(num_blocks=cache_blocks, block_size=1)`` whose "tokens" are the request's
 block hashes, so ``matched_tokens`` there counts matched blocks.
 
@@ -66,8 +67,10 @@ rest wait in a FIFO queue (head-of-line: a request whose blocks do not fit waits
 ones behind it). Admission allocates the prompt's blocks in the cache (reusing the longest cached
 prefix; blocks of running requests cannot be evicted) and release happens at completion.
 Prefill costs ``SimCosts.prefill_seconds(uncached_tokens, cached_tokens)`` with
-``cached_tokens = min(matched_blocks * 512, input_tokens)``; prefills run one at a time per worker
-in admission order (prefill is compute bound: a worker's uncached tokens queue up), unless
+``cached_tokens = min(matched_blocks * block_tokens, input_tokens)``
+(``SimConfig.block_tokens``: a trace block's 512 tokens, or the live replay's block size for
+its units); prefills run one at a time per worker in admission order (prefill is compute
+bound: a worker's uncached tokens queue up), unless
 ``serial_prefill`` is off (each takes its own time, whatever else runs: the reference worker's
 default). With ``SimCosts.prefill_shared`` they share the engine's compute as the reference
 worker's ``--prefill-shared`` does, with its own bookkeeping
