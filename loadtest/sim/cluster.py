@@ -6,9 +6,9 @@ and the worker's cost model (:class:`worker.engines.sim.SimCosts`). What is simu
 the network (instant) and the client.
 
 **Units.** One trace block (a Mooncake ``hash_id``, 512 tokens; one of the live replay's units,
-``block_tokens``) is one cache block: each worker
-has ``PrefixCache(num_blocks=cache_blocks, block_size=1)`` whose "tokens" are the request's
-block hashes, so ``matched_tokens`` there counts matched blocks.
+``block_tokens``) is one cache block: each worker has ``PrefixCache(num_blocks=cache_blocks,
+block_size=1)`` whose "tokens" are the request's block hashes, so ``matched_tokens`` there
+counts matched blocks.
 
 **Client.** Requests become ready at their arrival time and are issued in trace order while
 fewer than ``concurrency`` are in flight (unbounded when ``None``). Two modes:
@@ -70,10 +70,10 @@ Prefill costs ``SimCosts.prefill_seconds(uncached_tokens, cached_tokens)`` with
 ``cached_tokens = min(matched_blocks * block_tokens, input_tokens)``
 (``SimConfig.block_tokens``: a trace block's 512 tokens, or the live replay's block size for
 its units); prefills run one at a time per worker in admission order (prefill is compute
-bound: a worker's uncached tokens queue up), unless
-``serial_prefill`` is off (each takes its own time, whatever else runs: the reference worker's
-default). With ``SimCosts.prefill_shared`` they share the engine's compute as the reference
-worker's ``--prefill-shared`` does, with its own bookkeeping
+bound: a worker's uncached tokens queue up), unless ``serial_prefill`` is off (each takes its
+own time, whatever else runs: the reference worker's default). With
+``SimCosts.prefill_shared`` they share the engine's compute as the reference worker's
+``--prefill-shared`` does, with its own bookkeeping
 (:class:`worker.engines.compute.ProcessorSharing`): while ``n`` are in prefill each progresses at
 ``1/n`` of its speed. The first token comes at the end of prefill (TTFT = dispatch to end of
 prefill: queue + prefill wait + prefill), then decode takes ``SimCosts.decode_seconds(output)``
