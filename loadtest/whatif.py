@@ -15,8 +15,10 @@ the live run: a jittered draw differs from live by itself.
 Runs are grouped by workload (the trace and fleet a report replayed). For each workload the
 table gives the live hit / bound and routed max/mean, the simulator's without and with the
 change (means over runs of the draws' means), and the paired difference in hit / bound with
-how many runs the change raised, then the same difference at the gateway's own decision
-instants (one simulation per run, on the live arrivals).
+how many runs the change raised, the paired difference in the simulated engines' p99 time to
+first token (what the fleet's cost model makes of the change's placements; 0 on workers that
+cost nothing), then the hit / bound difference at the gateway's own decision instants (one
+simulation per run, on the live arrivals).
 
 Single live runs of a trace such as Mooncake 16 x 500 differ by a point of hit / bound from
 run to run; a difference that holds pair by pair over many runs and draws is what a live batch
@@ -51,6 +53,9 @@ class Pair:
     # At the decision instants (one run each; None when the report has no decision times).
     base_decided: float | None
     changed_decided: float | None
+    # The simulated engines' p99 time to first token (ms), mean over the draws.
+    base_p99: float = 0.0
+    changed_p99: float = 0.0
 
 
 def workload_label(args: argparse.Namespace) -> str:
@@ -90,6 +95,7 @@ def report_pairs(path: Path, draws: int, overrides: Overrides) -> list[Pair]:
                 changed=(b["hit_over_bound"], b["routed_max_over_mean"]),
                 base_decided=decided_a["hit_over_bound"] if decided_a else None,
                 changed_decided=decided_b["hit_over_bound"] if decided_b else None,
+                base_p99=a["ttft_p99_ms"], changed_p99=b["ttft_p99_ms"],
             ))
     return pairs
 
@@ -107,6 +113,7 @@ def summarize(pairs: Sequence[Pair]) -> list[dict[str, Any]]:
     rows = []
     for (workload, router), group in groups.items():
         gains = [p.changed[0] - p.base[0] for p in group]
+        p99s = [p.changed_p99 - p.base_p99 for p in group]
         decided = [p.changed_decided - p.base_decided for p in group
                    if p.changed_decided is not None and p.base_decided is not None]
         rows.append({
@@ -118,6 +125,9 @@ def summarize(pairs: Sequence[Pair]) -> list[dict[str, Any]]:
             "runs_raised": sum(1 for g in gains if g > 0),
             "runs_lowered": sum(1 for g in gains if g < 0),
             "balance_change": statistics.fmean(p.changed[1] - p.base[1] for p in group),
+            "p99_change_ms": statistics.fmean(p99s),
+            "runs_p99_higher": sum(1 for d in p99s if d > 0),
+            "runs_p99_lower": sum(1 for d in p99s if d < 0),
             "hit_change_decided": (statistics.fmean(decided) if len(decided) == len(group)
                                    else None),
         })
@@ -130,8 +140,9 @@ def markdown(rows: Sequence[dict[str, Any]], change: str, draws: int) -> str:
         "(hit / bound @ routed max/mean; means over runs):",
         "",
         "| workload | runs | live | simulated | with the change | hit / bound change "
-        "(runs raised, lowered) | balance change | hit change at the decision instants |",
-        "|---|---:|---|---|---|---|---:|---:|",
+        "(runs raised, lowered) | balance change | p99 time to first token change, ms (runs "
+        "higher, lower) | hit change at the decision instants |",
+        "|---|---:|---|---|---|---|---:|---|---:|",
     ]
     for r in rows:
         decided = r["hit_change_decided"]
@@ -142,6 +153,7 @@ def markdown(rows: Sequence[dict[str, Any]], change: str, draws: int) -> str:
             f"{r['changed'][0]:.4f} @ {r['changed'][1]:.2f} | "
             f"{r['hit_change']:+.4f} ({r['runs_raised']}, {r['runs_lowered']}) | "
             f"{r['balance_change']:+.3f} | "
+            f"{r['p99_change_ms']:+.1f} ({r['runs_p99_higher']}, {r['runs_p99_lower']}) | "
             + ("-" if decided is None else f"{decided:+.4f}") + " |")
     return "\n".join(lines) + "\n"
 

@@ -44,6 +44,7 @@ def test_whatif_pairs_each_live_run_with_its_change(
     assert same["hit_change_decided"] == 0.0
     assert same["runs_raised"] == same["runs_lowered"] == 0
     assert same["simulated"] == same["changed"]
+    assert same["p99_change_ms"] == 0.0
     # No prefix ever long enough to count as held: every request is placed cold, on the
     # ring choice with the fewest recent requests, so the four prompts go to both workers,
     # whose 20 blocks hold two of them: the change costs hit rate in every run.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from loadtest.replay import build_parser
-from loadtest.whatif import Pair, summarize, workload_label
+from loadtest.whatif import Pair, markdown, summarize, workload_label
 
 
 def test_a_workload_is_named_by_its_trace_window_and_fleet() -> None:
@@ -41,3 +43,13 @@ def test_pairs_are_summed_per_workload_in_the_order_seen() -> None:
 def test_no_decision_instant_change_when_a_run_lacks_them() -> None:
     (row,) = summarize([_pair("w", 0.9, 0.91), _pair("w", 0.9, 0.92, decided=None)])
     assert row["hit_change_decided"] is None
+
+
+def test_the_simulated_p99_change_is_paired_run_by_run() -> None:
+    pairs = [dataclasses.replace(_pair("w", 0.9, 0.9), base_p99=base, changed_p99=changed)
+             for base, changed in [(300.0, 330.0), (280.0, 270.0), (310.0, 340.0)]]
+    (row,) = summarize(pairs)
+    assert row["p99_change_ms"] == pytest.approx((30.0 - 10.0 + 30.0) / 3)
+    assert (row["runs_p99_higher"], row["runs_p99_lower"]) == (2, 1)
+    text = markdown([row], "policy.x=1", 1)
+    assert "| +16.7 (2, 1) |" in text
