@@ -73,7 +73,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import shlex
 import shutil
@@ -89,7 +88,7 @@ from typing import Any
 
 import aiohttp
 
-from infra.procs import free_port_block, start_server, stop_processes
+from infra.procs import free_port_block, from_checkout, start_server, stop_processes
 from loadtest.bench_normalize import LONG_TEXTS, agent_messages, long_text
 from loadtest.cpu_pin import own_core
 from loadtest.harness import (
@@ -261,11 +260,7 @@ def gateway_command(port: int, worker_urls: Sequence[str], config: OverheadConfi
         cmd += ["--procs", str(config.procs)]
     for url in worker_urls:
         cmd += ["--worker", url]
-    source = next((a[1:] for a in extra if a.startswith("@")), "")
-    if source:
-        path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
-        cmd = ["env", "-C", source, f"PYTHONPATH={path}", *cmd]
-    return cmd
+    return from_checkout(cmd, next((a[1:] for a in extra if a.startswith("@")), ""))
 
 
 def floor_command(port: int, worker_urls: Sequence[str], name: str = FLOOR) -> list[str]:

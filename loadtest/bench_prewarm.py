@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import random
 import statistics
 import sys
@@ -48,6 +47,7 @@ from typing import Any
 import aiohttp
 
 from infra.local import stop_processes
+from infra.procs import from_checkout
 from loadtest.bench_gateway import percentile
 from loadtest.bench_scale import (
     HOST,
@@ -175,10 +175,7 @@ async def run_mode(mode: str, config: SurgeConfig, base: int, logs: Path,
         gcmd = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(gport),
                 "--health-interval-s", "1", *(a for u in urls for a in ("--worker", u)),
                 *(("--no-prewarm",) if mode == "noprewarm" else ()), *config.gateway_args]
-        source = dict(config.sources).get(mode)
-        if source:
-            path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
-            gcmd = ["env", "-C", source, f"PYTHONPATH={path}", *gcmd]
+        gcmd = from_checkout(gcmd, dict(config.sources).get(mode, ""))
         await start_server(gcmd, gateway, logs / f"{mode}-gateway.log", procs)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024)) as http:
             await _replay(http, gateway, load, result)

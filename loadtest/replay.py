@@ -13,7 +13,8 @@ so one trace block, synthesized as ``--block-chars`` characters of text
 (one ``/v1/completions`` call per trace request, ``--max-tokens`` output tokens) through each
 router in turn: the gateway with each ``--policy``, then each ``--gateway-variant``: the gateway
 with arguments of its own added last (a routing setting to compare side by side), reported as
-``ours[LABEL]:POLICY``, then, with ``--peers``, sglang-router and
+``ours[LABEL]:POLICY`` (an argument ``@DIR`` runs that variant's gateway from the checkout in
+DIR: a change of code beside the code before it), then, with ``--peers``, sglang-router and
 smg in cache_aware mode (:mod:`loadtest.peers`), and each ``--peer-variant``: a peer with
 arguments of its own (its balance thresholds, say), reported as ``PEER[LABEL]``. Between
 routers every worker's cache is flushed (``POST /admin/flush``), so each router starts from
@@ -87,6 +88,7 @@ import aiohttp
 from gateway.routing.policies import POLICY_NAMES
 from gateway.settings import GatewaySettings
 from infra.local import LocalCluster, stop_processes
+from infra.procs import from_checkout
 from loadtest import gateway_lag
 from loadtest.bench_gateway import (
     MODEL,
@@ -745,7 +747,9 @@ def gateway_command(fleet: Fleet, policy: str, events: bool = False,
         urls = dict(zip(fleet.urls, fleet.event_fragments, strict=True))
         cmd = [a + urls[a] if a in urls else a for a in cmd]
         cmd += ["--kv-events-view", view]
-    return cmd + gateway_log_args(config.request_logs) + list(extra)
+    source = next((a[1:] for a in extra if a.startswith("@")), "")
+    return from_checkout(cmd + gateway_log_args(config.request_logs)
+                         + [a for a in extra if not a.startswith("@")], source)
 
 
 @contextlib.asynccontextmanager
@@ -1005,7 +1009,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--balance-rel-threshold 1.2'")
     p.add_argument("--gateway-variant", action="append", default=[], metavar="LABEL=ARGS",
                    help="also run our gateway with these arguments, reported as "
-                   "ours[LABEL]:POLICY (repeatable), e.g. 'vg0=--volume-guard 0'")
+                   "ours[LABEL]:POLICY (repeatable), e.g. 'vg0=--volume-guard 0'; an "
+                   "argument @DIR runs it from the checkout in DIR")
     p.add_argument("--report-cache-size", action=argparse.BooleanOptionalAction, default=True,
                    help="workers publish vllm:cache_config_info (default yes)")
     p.add_argument("--repeat", type=int, default=1, help="fleets, each router once per fleet")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from loadtest.replay import build_parser, config_from_args
+from loadtest.replay import Fleet, build_parser, config_from_args, gateway_command
 
 
 def _config(*argv: str) -> tuple[list[str], tuple[str, ...]]:
@@ -48,3 +51,18 @@ def test_worker_niceness_is_checked_and_reaches_the_config() -> None:
     for bad in ("-1", "20"):
         with pytest.raises(SystemExit):
             config_from_args(parser, parser.parse_args(["--workers", "2", "--worker-nice", bad]))
+
+
+def test_a_gateway_variant_may_run_another_checkouts_code(tmp_path: Path) -> None:
+    """``@DIR`` among a variant's arguments runs its gateway from that checkout (its modules
+    first on the path), with the other arguments passed on; without it, from this one."""
+    parser = build_parser()
+    config = config_from_args(parser, parser.parse_args(["--workers", "2"]))
+    fleet = Fleet(config, 9000, tmp_path)
+    plain = gateway_command(fleet, "cache_aware", extra=["--volume-guard", "0"])
+    assert plain[:3] == [sys.executable, "-m", "gateway"]
+    assert plain[-2:] == ["--volume-guard", "0"]
+    other = gateway_command(fleet, "cache_aware", extra=["@/src/before", "--volume-guard", "0"])
+    assert other[:3] == ["env", "-C", "/src/before"]
+    assert other[3].startswith("PYTHONPATH=/src/before")
+    assert other[4:] == plain
