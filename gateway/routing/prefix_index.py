@@ -13,6 +13,12 @@ before it. That makes every question a binary search over the request's checkpoi
 * :meth:`PrefixIndex.record`: finds what the worker already holds the same way and adds only
   the checkpoints past it, so recording costs what the request adds, not its length.
 
+The tree is stored as *runs*: the chain of checkpoints one record added is one run (split in two
+where a later prompt goes on from inside it), and since a worker holding a checkpoint holds the
+ones before it, each worker's hold on a run is a leading part of it: a count and each held
+checkpoint's last use, in two lists. A checkpoint costs a dict entry and a list slot or two, not
+objects of its own, so adding and evicting the blocks of long new prompts stays cheap.
+
 The index models each worker's cache as an LRU of ``capacity`` blocks (its real cache size when
 known: :meth:`set_capacity`), counting each prompt's real length in blocks. Recency follows the
 worker's own cache: using a prefix uses everything before it, so only the deepest checkpoint of
@@ -48,6 +54,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from gateway.values import value
 
@@ -64,27 +71,43 @@ class Churn:
 
 @dataclass(slots=True)
 class _Hold:
-    """One worker's hold on one checkpoint. ``seq``/``at``: its last use (for a leaf, the
-    newest use of anything below it too); ``children``: held checkpoints right below it."""
+    """One worker's hold on the leading checkpoints ``0 .. len(seqs) - 1`` of one run.
+    ``seqs[i]``/``ats[i]``: the last use of checkpoint ``i`` (for the last one held, the newest
+    use of anything below it too, once that is evicted); ``children``: the runs right below this
+    one that the worker holds (only when it holds the whole run)."""
 
-    seq: int
-    at: float
+    seqs: list[int]
+    ats: list[float]
     children: int = 0
 
 
-@dataclass(slots=True)
-class _Node:
-    parent: int | None
-    depth: int  # blocks
-    holders: dict[str, _Hold] = field(default_factory=dict)
-    heat: float = 0.0
-    heat_at: float = 0.0
-    # The prompt that added this checkpoint: its length in blocks, and the fork it went on
-    # from (the deepest prefix known before it, or for a prompt that extended another, that
-    # prompt's fork; None for the first prompt on its path and the prompts extending it).
-    end: int = 0
-    fork: int | None = None
-    session: int = 0  # the chain of prompts extending each other that added it
+@dataclass(slots=True, eq=False)
+class _Run:
+    """A chain of checkpoints, each the parent of the next; the first one's parent is the last
+    checkpoint of ``parent`` (None: a prompt's first). The checkpoints one record added, all
+    with that prompt's ``end`` (its length in blocks), ``fork`` (the fork it went on from: the
+    deepest prefix known before it, or for a prompt that extended another, that prompt's fork;
+    None for the first prompt on its path and the prompts extending it) and ``session`` (the
+    chain of prompts extending each other). A run is split where another prompt goes on from
+    inside it, so only a run's last checkpoint has children: the runs in ``children``."""
+
+    id: int
+    blocks: list[int]
+    depths: list[int]
+    parent: _Run | None
+    holds: dict[str, _Hold]
+    end: int
+    fork: int | None
+    session: int
+    children: set[_Run] = field(default_factory=set)
+
+    def is_leaf(self, hold: _Hold) -> bool:
+        """Whether the last checkpoint ``hold`` holds has no held checkpoint below it."""
+        return len(hold.seqs) < len(self.blocks) or hold.children == 0
+
+    def base_depth(self) -> int:
+        """Depth in blocks of the checkpoint before the run's first (0: none)."""
+        return self.parent.depths[-1] if self.parent is not None else 0
 
 
 @dataclass(slots=True)
@@ -103,8 +126,10 @@ class _Cache:
     """The modelled cache of one worker."""
 
     held: int = 0  # blocks
-    nodes: set[int] = field(default_factory=set)
-    leaves: list[tuple[int, int]] = field(default_factory=list)  # heap of (seq, node hash)
+    runs: set[_Run] = field(default_factory=set)  # the runs it holds part of
+    # Heap of (seq, run id, run): the last checkpoint the worker holds of that run, a leaf
+    # last used at seq (entries go stale as holds change; checked when they come up).
+    leaves: list[tuple[int, int, _Run]] = field(default_factory=list)
     churn: Churn = field(default_factory=Churn)
 
 
@@ -117,7 +142,10 @@ class PrefixIndex:
         self._half_life = heat_half_life_s
         self._default_capacity = capacity
         self._ttl_s = ttl_s
-        self._nodes: dict[int, _Node] = {}
+        # Checkpoint hash -> its run and its place in it; heat of the checkpoints that have any.
+        self._where: dict[int, tuple[_Run, int]] = {}
+        self._heat: dict[int, tuple[float, float]] = {}
+        self._next_run = 0
         self._caches: dict[str, _Cache] = {}
         self._capacity: dict[str, int] = {}
         self._pool_churn = Churn()
@@ -130,7 +158,7 @@ class PrefixIndex:
         self._next_session = 0
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._where)
 
     def at(self, now: float) -> IndexView:
         """The read side at one instant, as routing policies see it."""
@@ -163,17 +191,21 @@ class PrefixIndex:
 
     def holds(self, worker_id: str, block: int) -> bool:
         """Whether ``worker_id`` holds the prefix ``block`` names (one dict lookup)."""
-        node = self._nodes.get(block)
-        return node is not None and worker_id in node.holders
+        at = self._where.get(block)
+        if at is None:
+            return False
+        hold = at[0].holds.get(worker_id)
+        return hold is not None and len(hold.seqs) > at[1]
 
     def _held_count(self, blocks: Sequence[int], worker_id: str, hi: int) -> int:
         """How many leading checkpoints of ``blocks[:hi]`` ``worker_id`` holds."""
-        nodes = self._nodes
+        where = self._where
         lo = 0
         while lo < hi:
             mid = (lo + hi + 1) >> 1
-            node = nodes.get(blocks[mid - 1])
-            if node is not None and worker_id in node.holders:
+            at = where.get(blocks[mid - 1])
+            if (at is not None and (hold := at[0].holds.get(worker_id)) is not None
+                    and len(hold.seqs) > at[1]):
                 lo = mid
             else:
                 hi = mid - 1
@@ -181,21 +213,27 @@ class PrefixIndex:
 
     def _known_count(self, blocks: Sequence[int], hi: int, skip: dict[str, int]) -> int:
         """How many leading checkpoints of ``blocks[:hi]`` some worker not in ``skip`` holds."""
-        nodes = self._nodes
+        where = self._where
         lo = 0
-        if not skip:  # every node has a holder (the last hold to go takes its node along)
+        if not skip:  # every checkpoint has a holder (the last hold to go takes it along)
             while lo < hi:
                 mid = (lo + hi + 1) >> 1
-                if blocks[mid - 1] in nodes:
+                if blocks[mid - 1] in where:
                     lo = mid
                 else:
                     hi = mid - 1
             return lo
         while lo < hi:
             mid = (lo + hi + 1) >> 1
-            node = nodes.get(blocks[mid - 1])
-            if node is not None and not node.holders.keys() <= skip.keys():
-                lo = mid
+            at = where.get(blocks[mid - 1])
+            if at is not None and not at[0].holds.keys() <= skip.keys():
+                pos = at[1]
+                for wid, hold in at[0].holds.items():
+                    if len(hold.seqs) > pos and wid not in skip:
+                        lo = mid
+                        break
+                else:
+                    hi = mid - 1
             else:
                 hi = mid - 1
         return lo
@@ -209,9 +247,15 @@ class PrefixIndex:
             count = self._known_count(blocks, hi, found)
             if count == 0:
                 break
-            for wid in self._nodes[blocks[count - 1]].holders:
-                if wid not in found:
-                    found[wid] = count
+            run, pos = self._where[blocks[count - 1]]
+            if pos:
+                for wid, hold in run.holds.items():
+                    if len(hold.seqs) > pos and wid not in found:
+                        found[wid] = count
+            else:  # a run's first checkpoint: every hold on it holds that
+                for wid in run.holds:
+                    if wid not in found:
+                        found[wid] = count
             hi = count - 1
         return found
 
@@ -219,26 +263,31 @@ class PrefixIndex:
         """How many recorded requests shared the prefix ``block`` names (as their deepest known
         part, or as their end), halved every ``heat_half_life_s``: a system prompt many users
         send is hot, one conversation's history is not."""
-        node = self._nodes.get(block)
-        if node is None:
+        heat = self._heat.get(block)
+        if heat is None:
             return 0.0
-        return node.heat * self._decay_factor(node.heat_at, now)
+        return heat[0] * self._decay_factor(heat[1], now)
 
     def branched(self, block: int) -> bool:
         """Whether some worker holds a checkpoint right below the prefix ``block`` names: a
         recorded prompt went on past it. For the deepest prefix of a request that some worker
         holds, that continuation is another prompt's, so the prefix is a trunk the request
         branches from (a shared system or tool prompt), not the end of a prompt it extends."""
-        node = self._nodes.get(block)
-        return node is not None and any(hold.children for hold in node.holders.values())
+        at = self._where.get(block)
+        if at is None:
+            return False
+        run, pos = at
+        if pos + 1 < len(run.blocks):  # inside a run: its next checkpoint, if someone holds it
+            return any(len(hold.seqs) > pos + 1 for hold in run.holds.values())
+        return any(hold.children for hold in run.holds.values())
 
     def extends(self, block: int, depth: int) -> bool:
         """Whether a prompt that goes on past the prefix ``block`` names to its next checkpoint
         at ``depth`` blocks *extends* the prompt that recorded that prefix (goes on from its
         end, as a session's next turn does) rather than sharing it from inside (as another
         question on a shared document or system prompt does)."""
-        node = self._nodes.get(block)
-        return node is not None and depth > node.end
+        at = self._where.get(block)
+        return at is not None and depth > at[0].end
 
     def branches_grow(self, block: int, unseen: bool | None = None) -> bool:
         """Whether the prompts that went on from the fork ``block`` names grow: later prompts
@@ -259,7 +308,9 @@ class PrefixIndex:
         self, blocks: Sequence[int], worker_id: str, now: float, depths: Sequence[int] = ()
     ) -> None:
         """``worker_id`` holds the prefixes ``blocks`` name from ``now`` on; ``depths[i]`` is
-        the depth in blocks of ``blocks[i]`` (empty: ``i + 1``, every block a checkpoint)."""
+        the depth in blocks of ``blocks[i]`` (empty: ``i + 1``, every block a checkpoint). A key
+        whose blocks are not a path of the tree (ids that are not chained hashes) is recorded as
+        far as they are one."""
         n = len(blocks)
         if n == 0:
             return
@@ -267,7 +318,7 @@ class PrefixIndex:
         cache = self._caches.get(worker_id)
         if cache is None:
             cache = self._caches[worker_id] = _Cache(churn=Churn(at=now))
-        nodes = self._nodes
+        where = self._where
         self._seq += 1
         seq = self._seq
         held = self._held_count(blocks, worker_id, n)
@@ -276,8 +327,8 @@ class PrefixIndex:
         fork: int | None = None
         session = -1  # a prompt that extends the one that added ``known`` continues its session
         if shared:
-            known = nodes[blocks[shared - 1]]
-            self._heat_up(known, now)
+            known = where[blocks[shared - 1]][0]
+            self._heat_up(blocks[shared - 1], now)
             if shared < n:
                 after = depths[shared] if depths else shared + 1
                 if after > known.end:
@@ -288,38 +339,78 @@ class PrefixIndex:
         if session < 0:
             session = self._next_session
             self._next_session += 1
-        parent = blocks[held - 1] if held else None
-        if parent is not None and held < n:
-            nodes[parent].holders[worker_id].children += 1
-        added = n - held
-        if added:
-            # The checkpoints past what the worker holds: a chain, each the parent of the next
-            # (one loop of dict and slot writes per block; the last one is a leaf).
-            hold = None
-            for i in range(held, n):
-                h = blocks[i]
-                hold = _Hold(seq, now, 1)
-                node = nodes.get(h)
-                if node is None:
-                    nodes[h] = _Node(parent, depths[i] if depths else i + 1, {worker_id: hold},
-                                     0.0, 0.0, total, fork, session)
-                else:
-                    node.holders[worker_id] = hold
-                parent = h
+        # The worker's hold on the run of the deepest checkpoint it holds, then on the runs the
+        # known part goes through (each a leading part, one list slot per checkpoint).
+        run: _Run | None = None
+        hold: _Hold | None = None
+        if held:
+            run = where[blocks[held - 1]][0]
+            hold = run.holds[worker_id]
+        i = held
+        while i < shared:
+            at = where.get(blocks[i])
+            if at is None:
+                break
+            nxt, pos = at
+            below = nxt is not run  # on into a run below: at its first checkpoint
+            if below:
+                follows = not pos and nxt.parent is run and worker_id not in nxt.holds
+            else:
+                follows = hold is not None and pos == len(hold.seqs)
+            stop = min(shared, i + len(nxt.blocks) - pos)
+            if not follows or nxt.blocks[pos + stop - i - 1] != blocks[stop - 1]:
+                break  # not the tree's next checkpoints
+            if below:
+                if hold is not None:
+                    hold.children += 1
+                hold = nxt.holds[worker_id] = _Hold([], [])
+                cache.runs.add(nxt)
+                run = nxt
             assert hold is not None
-            hold.children = 0
-            cache.nodes.update(blocks[held:])
-        last = nodes[blocks[n - 1]]
-        if held == n:  # already held: this is a use of it
-            hold = last.holders[worker_id]
-            hold.seq, hold.at = seq, now
+            hold.seqs.extend(repeat(seq, stop - i))
+            hold.ats.extend(repeat(now, stop - i))
+            i = stop
+        if i < shared:  # ids that leave the tree: recorded as far as they follow it
+            n = shared = i
+            if n == 0:
+                return
         if shared < n:
-            self._heat_up(last, now)
+            # The checkpoints no worker holds yet: a run of their own below the deepest known
+            # one (whose run is split there if it goes on).
+            self._next_run += 1
+            new = _Run(self._next_run, list(blocks[shared:n]),
+                       list(depths[shared:n]) if depths else list(range(shared + 1, n + 1)),
+                       None, {}, total, fork, session)
+            for j, h in enumerate(new.blocks):
+                entry = (new, j)
+                if where.setdefault(h, entry) is not entry:  # known after all: not a path
+                    del new.blocks[j:]
+                    del new.depths[j:]
+                    break
+            m = len(new.blocks)
+            n = shared + m
+            if m:
+                if run is not None and hold is not None:
+                    last = where[blocks[shared - 1]][1]  # the deepest known checkpoint
+                    if last + 1 < len(run.blocks):
+                        self._split(run, last + 1)
+                    hold.children += 1
+                    run.children.add(new)
+                    new.parent = run
+                hold = new.holds[worker_id] = _Hold([seq] * m, [now] * m)
+                cache.runs.add(new)
+                run = new
+        run, pos = where[blocks[n - 1]]  # the deepest checkpoint of the key, held now
+        hold = run.holds[worker_id]
+        if held == n:  # already held: this is a use of it
+            hold.seqs[pos], hold.ats[pos] = seq, now
+        if shared < n:
+            self._heat_up(blocks[n - 1], now)
         before = (depths[held - 1] if depths else held) if held else 0
-        new_blocks = last.depth - before if added else 0
+        new_blocks = run.depths[pos] - before if n > held else 0
         cache.held += new_blocks
-        if last.holders[worker_id].children == 0:
-            heapq.heappush(cache.leaves, (seq, blocks[n - 1]))
+        if pos == len(hold.seqs) - 1 and run.is_leaf(hold):
+            heapq.heappush(cache.leaves, (seq, run.id, run))
         self._trim(worker_id, self.capacity(worker_id))
         self._count(cache.churn, new_blocks, total, now)
         self._count(self._pool_churn, new_blocks, total, now)
@@ -327,15 +418,40 @@ class PrefixIndex:
         self._sessions[session] = churn  # re-inserted: the dict stays in order of last use
         self._count(churn, new_blocks, total, now)
 
-    def _went_on(self, known: _Node, block: int, after: int, now: float) -> int | None:
-        """A prompt went on past ``known`` (its deepest known prefix, named ``block``) to its
-        next checkpoint at depth ``after``; returns the fork of the prompt being recorded.
+    def _split(self, run: _Run, at: int) -> None:
+        """Split ``run`` before its checkpoint ``at``: the rest goes to a run of its own, with
+        the holds on it, below what stays."""
+        self._next_run += 1
+        rest = _Run(self._next_run, run.blocks[at:], run.depths[at:], run, {}, run.end,
+                    run.fork, run.session, run.children)
+        for child in rest.children:
+            child.parent = rest
+        run.children = {rest}
+        del run.blocks[at:]
+        del run.depths[at:]
+        where = self._where
+        for j, h in enumerate(rest.blocks):
+            where[h] = (rest, j)
+        for wid, hold in run.holds.items():
+            if len(hold.seqs) > at:
+                moved = rest.holds[wid] = _Hold(hold.seqs[at:], hold.ats[at:], hold.children)
+                del hold.seqs[at:]
+                del hold.ats[at:]
+                hold.children = 1
+                cache = self._caches[wid]
+                cache.runs.add(rest)
+                if rest.is_leaf(moved):
+                    heapq.heappush(cache.leaves, (moved.seqs[-1], rest.id, rest))
 
-        It *extends* the prompt that added ``known`` when that checkpoint is past that one's
-        end (``known`` is that end, or where checkpoints are sparse, the last one of both
+    def _went_on(self, known: _Run, block: int, after: int, now: float) -> int | None:
+        """A prompt went on past ``block`` (its deepest known prefix, in the run ``known``) to
+        its next checkpoint at depth ``after``; returns the fork of the prompt being recorded.
+
+        It *extends* the prompt that added ``block`` when that checkpoint is past that one's
+        end (``block`` is that end, or where checkpoints are sparse, the last one of both
         before it): it goes on from the same fork, and the fork is told. Otherwise
         ``block`` is its fork; when ``block`` was no fork before, the prompt that added
-        ``known`` was *reused* from inside, and that prompt's fork is told. Going on from a
+        it was *reused* from inside, and that prompt's fork is told. Going on from a
         known fork (a new session off a shared system prompt) is neither, and so is going on
         from the first prompt on a path (which went on from no fork): that finds a fork."""
         if after > known.end:
@@ -350,7 +466,7 @@ class PrefixIndex:
 
     def _tally(self, fork: int, extended: bool, now: float) -> None:
         stats = self._forks.get(fork)
-        if stats is None and fork in self._nodes:
+        if stats is None and fork in self._where:
             stats = self._forks[fork] = _Fork(at=now)
         for s in (stats, self._pool_forks):
             if s is not None:
@@ -359,18 +475,20 @@ class PrefixIndex:
                 s.reused = s.reused * keep + (not extended)
                 s.at = now
 
-    def _heat_up(self, node: _Node | None, now: float) -> None:
-        if node is not None:
-            node.heat = node.heat * self._decay_factor(node.heat_at, now) + 1.0
-            node.heat_at = now
+    def _heat_up(self, block: int, now: float) -> None:
+        heat = self._heat.get(block)
+        self._heat[block] = (
+            (heat[0] * self._decay_factor(heat[1], now) if heat is not None else 0.0) + 1.0, now)
 
     def last_use(self, worker_id: str, block: int) -> int:
         """When ``worker_id`` last used the prefix ``block`` names, as a sequence number of
         the index's records (0: not held). Exact for the end of a recorded prompt (a leaf); for
         a prefix others went on past, the use that made it a leaf (earlier, never later)."""
-        node = self._nodes.get(block)
-        hold = node.holders.get(worker_id) if node is not None else None
-        return hold.seq if hold is not None else 0
+        at = self._where.get(block)
+        if at is None:
+            return 0
+        hold = at[0].holds.get(worker_id)
+        return hold.seqs[at[1]] if hold is not None and len(hold.seqs) > at[1] else 0
 
     def evict_used_before(self, worker_id: str, seq: int, floor: int = 0) -> int:
         """``worker_id`` evicted a prefix it last used at ``seq``: an LRU cache evicts what it
@@ -381,7 +499,7 @@ class PrefixIndex:
             return 0
         while cache.held > floor:
             oldest = self._oldest_leaf(cache, worker_id)
-            if oldest is None or oldest[1].seq > seq:
+            if oldest is None or oldest[1].seqs[-1] > seq:
                 break
             self._evict(worker_id, oldest[0])
         return cache.held
@@ -389,14 +507,15 @@ class PrefixIndex:
     def forget(self, worker_id: str, blocks: Sequence[int], keep: int = 0) -> None:
         """``worker_id`` does not hold ``blocks[keep:]`` (a prediction that did not happen):
         its holds on them go, deepest first, as far as nothing below them is held."""
+        where = self._where
         for h in reversed(blocks[keep:]):
-            node = self._nodes.get(h)
-            hold = node.holders.get(worker_id) if node is not None else None
-            if hold is None:
+            at = where.get(h)
+            hold = at[0].holds.get(worker_id) if at is not None else None
+            if at is None or hold is None or len(hold.seqs) <= at[1]:
                 continue
-            if hold.children:
-                break
-            self._evict(worker_id, h)
+            if len(hold.seqs) > at[1] + 1 or not at[0].is_leaf(hold):
+                break  # something below it is held
+            self._evict(worker_id, at[0])
 
     def shed(self, worker_id: str, fraction: float) -> int:
         """Drop the least recently used ``fraction`` of a worker's blocks; returns how many."""
@@ -412,116 +531,167 @@ class PrefixIndex:
         cache = self._caches.get(worker_id)
         if cache is None:
             return
-        nodes = self._nodes
-        doomed = [h for h in cache.nodes if not keep(h)]
-        doomed.sort(key=lambda h: nodes[h].depth, reverse=True)  # leaves before their parents
-        for h in doomed:
-            node = nodes.get(h)
-            if node is not None and worker_id in node.holders:
-                self._evict(worker_id, h)
+        doomed = [(-run.depths[i], seq, h) for run in cache.runs
+                  for i, (h, seq) in enumerate(zip(run.blocks, run.holds[worker_id].seqs,
+                                                   strict=False))
+                  if not keep(h)]
+        # Leaves before their parents, and of a parent's children the most recently used
+        # last, so that the parent, a leaf then, is as recent as the newest use below it.
+        doomed.sort()
+        where = self._where
+        for _, _, h in doomed:
+            at = where.get(h)
+            hold = at[0].holds.get(worker_id) if at is not None else None
+            if at is not None and hold is not None and len(hold.seqs) == at[1] + 1:
+                self._evict(worker_id, at[0])
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop every entry of a worker that left or restarted (its cache is gone with it)."""
         cache = self._caches.pop(worker_id, None)
         if cache is None:
             return
-        for h in cache.nodes:
-            node = self._nodes.get(h)
-            if node is not None:
-                node.holders.pop(worker_id, None)
-                if not node.holders:
-                    del self._nodes[h]
-                    self._forks.pop(h, None)
+        for run in cache.runs:
+            run.holds.pop(worker_id, None)
+            keep = max((len(hold.seqs) for hold in run.holds.values()), default=0)
+            if keep < len(run.blocks):  # what no one else holds goes, with the runs below it
+                for h in run.blocks[keep:]:
+                    self._drop(h)
+                del run.blocks[keep:]
+                del run.depths[keep:]
+                run.children.clear()
+            if not run.holds and run.parent is not None:
+                run.parent.children.discard(run)
 
     # -- eviction -----------------------------------------------------------------------------
 
-    def _oldest_leaf(self, cache: _Cache, worker_id: str) -> tuple[int, _Hold] | None:
-        """The least recently used leaf of a worker (stale heap entries are dropped)."""
+    def _drop(self, block: int) -> None:
+        """Forget a checkpoint no worker holds."""
+        del self._where[block]
+        self._forks.pop(block, None)
+        self._heat.pop(block, None)
+
+    def _oldest_leaf(self, cache: _Cache, worker_id: str) -> tuple[_Run, _Hold] | None:
+        """The least recently used leaf of a worker, as the run and the worker's hold whose last
+        checkpoint it is (stale heap entries are dropped)."""
         leaves = cache.leaves
-        nodes = self._nodes
         while leaves:
-            seq, h = leaves[0]
-            node = nodes.get(h)
-            hold = node.holders.get(worker_id) if node is not None else None
-            if hold is not None and hold.children == 0 and hold.seq == seq:
-                return h, hold
+            seq, _, run = leaves[0]
+            hold = run.holds.get(worker_id)
+            if hold is not None and hold.seqs and hold.seqs[-1] == seq and run.is_leaf(hold):
+                return run, hold
             heapq.heappop(leaves)
         return None
 
-    def _evict(self, worker_id: str, h: int) -> None:
-        """Drop the hold of ``worker_id`` on leaf ``h``; its parent may become a leaf, as
-        recent as the newest use below it. (:meth:`_trim` evicts the same way, inline.)"""
-        nodes = self._nodes
-        node = nodes[h]
-        hold = node.holders.pop(worker_id)
+    def _evict(self, worker_id: str, run: _Run) -> None:
+        """Drop the last checkpoint ``worker_id`` holds of ``run`` (a leaf); the one before it
+        becomes a leaf, as recent as the newest use below it. (:meth:`_trim` evicts the same
+        way, inline.)"""
         cache = self._caches[worker_id]
-        cache.nodes.discard(h)
-        parent = nodes.get(node.parent) if node.parent is not None else None
-        cache.held -= node.depth - (parent.depth if parent is not None else 0)
-        if not node.holders:
-            del nodes[h]
-            self._forks.pop(h, None)
-        up = parent.holders.get(worker_id) if parent is not None else None
-        if up is not None and node.parent is not None:
+        hold = run.holds[worker_id]
+        pos = len(hold.seqs) - 1
+        seq, at = hold.seqs.pop(), hold.ats.pop()
+        cache.held -= run.depths[pos] - (run.depths[pos - 1] if pos else run.base_depth())
+        if pos + 1 == len(run.blocks) and all(len(o.seqs) <= pos for o in run.holds.values()):
+            self._drop(run.blocks.pop())
+            run.depths.pop()
+        up_run: _Run | None = run
+        up = hold
+        if not pos:  # the run's first: the hold goes, and the parent run's may become a leaf
+            del run.holds[worker_id]
+            cache.runs.discard(run)
+            up_run = run.parent
+            if up_run is None:
+                return
+            if not run.holds:
+                up_run.children.discard(run)
+            parent_hold = up_run.holds.get(worker_id)
+            if parent_hold is None:
+                return
+            up = parent_hold
             up.children -= 1
-            if up.children == 0:  # a leaf now
-                up.seq = max(up.seq, hold.seq)
-                up.at = max(up.at, hold.at)
-                heapq.heappush(cache.leaves, (up.seq, node.parent))
+            if up.children:
+                return
+        assert up_run is not None
+        if seq > up.seqs[-1]:
+            up.seqs[-1] = seq
+        if at > up.ats[-1]:
+            up.ats[-1] = at
+        heapq.heappush(cache.leaves, (up.seqs[-1], up_run.id, up_run))
 
     def _trim(self, worker_id: str, limit: int) -> None:
         """Evict ``worker_id``'s least recently used leaves until it holds ``limit`` blocks.
 
-        :meth:`_evict`, inlined, and chained: a parent that becomes a leaf no more recent than
-        the leaf just evicted is the least recently used leaf now (no two leaves share a use),
-        so it is evicted next without a round through the heap; a prompt's tail goes block
-        after block that way. A request that adds a long prompt evicts as many blocks, each
-        one a pass of this loop, so the loop keeps to local names."""
+        :meth:`_evict`, chained: a checkpoint that becomes a leaf no more recent than the leaf
+        just evicted is the least recently used leaf now (no two leaves share a use), so it is
+        evicted next without a round through the heap. A prompt's tail goes that way, as many
+        checkpoints of one hold at a time as are no more recent than its last one (the blocks
+        one prompt added) and as the limit asks for: a slice off the hold's lists."""
         cache = self._caches.get(worker_id)
         if cache is None or cache.held <= limit:
             return
-        nodes = self._nodes
-        forks = self._forks
-        cache_nodes = cache.nodes
+        leaves = cache.leaves
+        where, forks, heat = self._where, self._forks, self._heat
         held = cache.held
-        following: int | None = None  # the next leaf to evict, known without the heap
+        following: _Run | None = None  # the run whose hold's last checkpoint goes next
         while held > limit:
             if following is None:
                 oldest = self._oldest_leaf(cache, worker_id)
                 if oldest is None:
                     break
-                following = oldest[0]
-            h = following
-            following = None
-            node = nodes[h]
-            holders = node.holders
-            hold = holders.pop(worker_id)
-            cache_nodes.discard(h)
-            up_id = node.parent
-            parent = nodes.get(up_id) if up_id is not None else None
-            held -= node.depth - (parent.depth if parent is not None else 0)
-            if not holders:
-                del nodes[h]
-                forks.pop(h, None)
-            if parent is None or up_id is None:
-                continue
-            up = parent.holders.get(worker_id)
-            if up is None:
-                continue
-            up.children -= 1
-            if up.children == 0:  # a leaf now, as recent as the newest use below it
-                if up.seq <= hold.seq:
-                    up.seq = hold.seq
-                    if hold.at > up.at:
-                        up.at = hold.at
-                    following = up_id  # the least recently used leaf now: evicted next
-                else:
-                    if hold.at > up.at:
-                        up.at = hold.at
-                    heapq.heappush(cache.leaves, (up.seq, up_id))
+                run, hold = oldest
+            else:
+                run, following = following, None
+                hold = run.holds[worker_id]
+            seqs, ats, depths = hold.seqs, hold.ats, run.depths
+            last = len(seqs) - 1
+            seq = seqs[last]
+            # Checkpoints start..last go: those before the last as long as each is no more
+            # recent than it and the blocks after it are still over the limit.
+            floor = depths[last] - (held - limit)
+            start = last
+            while start and seqs[start - 1] <= seq and depths[start - 1] > floor:
+                start -= 1
+            at = max(ats[start:])
+            held -= depths[last] - (depths[start - 1] if start else run.base_depth())
+            del seqs[start:]
+            del ats[start:]
+            kept = start  # the checkpoints of the run someone still holds
+            for other in run.holds.values():
+                if len(other.seqs) > kept:
+                    kept = len(other.seqs)
+            if kept < len(depths):
+                for h in run.blocks[kept:]:  # self._drop(h), inline: once per block
+                    del where[h]
+                    forks.pop(h, None)
+                    heat.pop(h, None)
+                del run.blocks[kept:]
+                del depths[kept:]
+            if not start:  # the whole hold: it goes, and the parent run's may become a leaf
+                del run.holds[worker_id]
+                cache.runs.discard(run)
+                parent = run.parent
+                if parent is None:
+                    continue
+                if not run.holds:
+                    parent.children.discard(run)
+                up = parent.holds.get(worker_id)
+                if up is None:
+                    continue
+                up.children -= 1
+                if up.children:
+                    continue
+                run, seqs, ats = parent, up.seqs, up.ats
+            # A leaf now, as recent as the newest use below it.
+            if at > ats[-1]:
+                ats[-1] = at
+            if seqs[-1] <= seq:
+                seqs[-1] = seq
+                following = run  # the least recently used leaf now: evicted next
+            else:
+                heapq.heappush(leaves, (seqs[-1], run.id, run))
         cache.held = held
         if following is not None:  # not evicted after all: a leaf like any other
-            heapq.heappush(cache.leaves, (nodes[following].holders[worker_id].seq, following))
+            heapq.heappush(leaves, (following.holds[worker_id].seqs[-1], following.id, following))
 
     def _expire(self, now: float) -> None:
         """Drop entries unused for ``ttl_s`` (checked every ``ttl_s / 64`` at most)."""
@@ -536,7 +706,8 @@ class PrefixIndex:
                 break
             del sessions[session]
         for wid, cache in self._caches.items():
-            while (oldest := self._oldest_leaf(cache, wid)) is not None and oldest[1].at < cutoff:
+            while ((oldest := self._oldest_leaf(cache, wid)) is not None
+                   and oldest[1].ats[-1] < cutoff):
                 self._evict(wid, oldest[0])
 
     # -- churn --------------------------------------------------------------------------------
@@ -576,8 +747,8 @@ class PrefixIndex:
     def session_blocks(self, block: int, now: float) -> float:
         """Prompt blocks routed recently (halved every ``heat_half_life_s``) for the session
         that recorded the prefix ``block`` names: the chain of prompts extending each other."""
-        node = self._nodes.get(block)
-        churn = self._sessions.get(node.session) if node is not None else None
+        at = self._where.get(block)
+        churn = self._sessions.get(at[0].session) if at is not None else None
         return churn.routed_blocks * self._decay_factor(churn.at, now) if churn else 0.0
 
     def pool_recent_blocks(self, now: float) -> float:
@@ -599,7 +770,7 @@ class PrefixIndex:
         if cache is None or cache.held < self._capacity.get(worker_id, self._default_capacity):
             return math.inf
         oldest = self._oldest_leaf(cache, worker_id)
-        return math.inf if oldest is None else max(0.0, now - oldest[1].at)
+        return math.inf if oldest is None else max(0.0, now - oldest[1].ats[-1])
 
 
 @value

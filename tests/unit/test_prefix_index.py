@@ -380,3 +380,100 @@ def test_fill_is_the_share_of_the_modelled_cache_in_use() -> None:
     assert index.fill("w1") == 1.0
     assert index.at(1.0).fill("w1") == 1.0
     assert index.fill("unknown") == 0.0
+
+
+def test_a_prompt_that_goes_on_from_inside_another_splits_the_holds_where_it_parts() -> None:
+    """w1's prompt is one run of checkpoints; w2's parts from it after "abc". Each worker holds
+    what it sent, the first three checkpoints are both workers', and evicting w1's whole prompt
+    leaves w2's as it was."""
+    index = PrefixIndex()
+    index.record(P("abcdefgh"), "w1", 0.0)
+    index.record(P("abcxyz"), "w2", 1.0)
+    assert index.match(P("abcdefgh"), 1.0) == {"w1": 8, "w2": 3}
+    assert index.match(P("abcxyz"), 1.0) == {"w2": 6, "w1": 3}
+    assert index.branched(P("abc")[-1])
+    assert not index.branched(P("abcdefgh")[-1])
+    assert len(index) == 11  # a-b-c shared, d..h, x..z
+    index.shed("w1", 1.0)
+    assert index.match(P("abcdefgh"), 2.0) == {"w2": 3}
+    assert index.match(P("abcxyz"), 2.0) == {"w2": 6}
+    assert index.held_blocks("w1") == 0
+    assert index.held_blocks("w2") == 6
+    assert len(index) == 6
+
+
+def test_a_long_prompt_goes_block_by_block_from_its_tail_as_far_as_the_limit_asks() -> None:
+    index = PrefixIndex()
+    index.set_capacity("w1", 20)
+    index.record(P("s" * 10 + "a" * 6), "w1", 0.0)  # 16 blocks
+    index.record(P("s" * 10 + "b" * 7), "w1", 1.0)  # 7 more: 23, three over
+    # The least recently used leaf is the first prompt's end: three of its blocks go.
+    assert index.match(P("s" * 10 + "a" * 6), 1.0) == {"w1": 13}
+    assert index.held_blocks("w1") == 20
+    assert index.last_use("w1", P("s" * 10 + "aaa")[-1]) == 1
+
+
+def test_retain_leaves_a_parent_as_recent_as_its_newest_child() -> None:
+    """The worker's cache was emptied but for "a": both prompts below it go, and "a", a
+    leaf then, was last used by the newer of them (whatever order they were dropped in)."""
+    for first, second in (("ax", "ay"), ("ay", "ax")):
+        index = PrefixIndex()
+        index.record(P(first), "w1", 0.0)
+        index.record(P(second), "w1", 1.0)
+        index.retain("w1", {P("a")[0]}.__contains__)
+        assert index.match(P(first), 1.0) == {"w1": 1}
+        assert index.last_use("w1", P("a")[0]) == 2
+
+
+def test_random_records_and_evictions_keep_every_workers_hold_a_prefix() -> None:
+    """Whatever is recorded and evicted, a worker matched to depth c holds the prompt's first
+    c checkpoints and not the next one, holds no more blocks than its capacity, and a
+    forgotten worker is matched nowhere."""
+    import random
+
+    rng = random.Random(7)
+    index = PrefixIndex(capacity=40, ttl_s=30.0)
+    workers = ["w1", "w2", "w3"]
+    texts = [""]
+    for step in range(3000):
+        now = step * 0.05
+        text = rng.choice(texts)[: rng.randrange(30)] + "".join(
+            rng.choice("ab") for _ in range(rng.randrange(1, 8)))
+        texts = [*texts[-40:], text]
+        worker = rng.choice(workers)
+        if step % 97 == 0:
+            index.forget_worker(worker)
+            assert all(worker not in index.match(P(t), now) for t in texts if t)
+        index.record(P(text), worker, now)
+        if step % 13 == 0:
+            index.forget(worker, P(text), rng.randrange(len(text) + 1))
+        for w in workers:
+            assert index.held_blocks(w) <= 40
+        probe = P(rng.choice(texts[1:]))
+        for w, count in index.match(probe, now).items():
+            assert index.holds(w, probe[count - 1])
+            assert count == len(probe) or not index.holds(w, probe[count])
+
+
+def test_ids_that_are_not_chained_hashes_are_recorded_as_far_as_they_form_a_path() -> None:
+    """Keys of small integers (trace block ids, hand-written tests) need not form a tree: an
+    id may come back under another parent or twice in one key. The index records each key as
+    far as it is a path of the tree, stays within each worker's capacity and forgets a worker
+    whole."""
+    import random
+
+    rng = random.Random(11)
+    index = PrefixIndex(capacity=12)
+    for step in range(2000):
+        worker = f"w{rng.randrange(3)}"
+        key = [rng.randrange(30) for _ in range(rng.randrange(1, 8))]
+        index.record(key, worker, step * 0.1)
+        assert index.held_blocks(worker) <= 12
+        matched = index.match(key, step * 0.1)
+        assert all(0 < count <= len(key) for count in matched.values())
+        if step % 50 == 0:
+            index.forget_worker(worker)
+            assert worker not in index.match(key, step * 0.1)
+    for worker in ("w0", "w1", "w2"):
+        index.forget_worker(worker)
+    assert len(index) == 0
