@@ -15,9 +15,10 @@ before it. That makes every question a binary search over the request's checkpoi
 
 The tree is stored as *runs*: the chain of checkpoints one record added is one run (split in two
 where a later prompt goes on from inside it), and since a worker holding a checkpoint holds the
-ones before it, each worker's hold on a run is a leading part of it: a count and each held
-checkpoint's last use, in two lists. A checkpoint costs a dict entry and a list slot or two, not
-objects of its own, so adding and evicting the blocks of long new prompts stays cheap.
+ones before it, each worker's hold on a run is a leading part of it: the last use of each
+checkpoint it holds, in two lists whose length is how far it holds. A checkpoint costs a dict
+entry and a few list slots, not objects of its own, so adding and evicting the blocks of long
+new prompts stays cheap.
 
 The index models each worker's cache as an LRU of ``capacity`` blocks (its real cache size when
 known: :meth:`set_capacity`), counting each prompt's real length in blocks. Recency follows the
