@@ -167,7 +167,7 @@ class RoutingEngine:
     ) -> Decision:
         """Choose a worker for ``request``; ``exclude`` holds workers that already failed it."""
         profile = self.profile
-        matches, deepest = self._matches(request, snapshot)
+        matches, deepest, known = self._matches(request, snapshot)
         hot = bool(matches) and profile.hot_threshold > 0 and (
             snapshot.index.heat(request.key.blocks[deepest - 1]) >= profile.hot_threshold)
         branch = None
@@ -204,27 +204,31 @@ class RoutingEngine:
             chosen, how = self._move(ctx, candidates)  # the volume guard moved the session
         else:
             chosen, how = profile.picker.pick(ctx, candidates, totals)
-        decision = self._decision(ctx, chosen, how, dropped, totals, over)
+        decision = self._decision(ctx, chosen, how, dropped, totals, over, known)
         if chosen.id in copying:
             return self._copy(ctx, decision, candidates, copying[chosen.id])
         return decision
 
-    def _matches(self, request: RouteRequest, snapshot: Snapshot) -> tuple[dict[str, int], int]:
+    def _matches(
+        self, request: RouteRequest, snapshot: Snapshot
+    ) -> tuple[dict[str, int], int, int]:
         """Known holders of at least ``min_match_blocks`` of the prefix (worker -> depth in
-        blocks), and how many checkpoints of the key the deepest of them holds."""
+        blocks), how many checkpoints of the key the deepest of them holds, and the depth in
+        blocks of the deepest prefix any worker holds (no minimum)."""
         profile = self.profile
         if not profile.uses_prefix_index:
-            return {}, 0
+            return {}, 0, 0
         key = request.key
         floor = profile.min_match_blocks
         matches: dict[str, int] = {}
-        deepest = 0  # checkpoints
+        deepest = known = 0
         for wid, count in snapshot.index.match(key.blocks).items():
             depth = key.depth_at(count - 1)
+            known = max(known, depth)
             if depth >= floor:
                 matches[wid] = depth
                 deepest = max(deepest, count)
-        return matches, deepest
+        return matches, deepest, known
 
     def _branch(
         self, request: RouteRequest, snapshot: Snapshot, matches: dict[str, int], deepest: int
@@ -492,6 +496,7 @@ class RoutingEngine:
         dropped: Mapping[str, str],
         totals: Mapping[str, float],
         over_volume: Mapping[str, int],
+        known: int = 0,
     ) -> Decision:
         profile = self.profile
         depth = ctx.matches.get(chosen.id, 0)
@@ -520,4 +525,5 @@ class RoutingEngine:
             worker=chosen, policy=profile.name, kind=kind, match_blocks=depth, placement=how,
             picker=profile.picker.name, holder=holder, holder_blocks=holder_blocks,
             diverted_by=why, scores=totals, load_bound=ctx.load_bounds.get(chosen.id),
+            known_blocks=max(known, depth),
         )

@@ -192,6 +192,9 @@ class Decision:
     policy: str
     kind: DecisionKind
     match_blocks: int = 0  # leading blocks the chosen worker is known to hold
+    # Leading blocks the deepest known holder of any depth holds (no policy minimum): what
+    # the request could have reused at best, for telemetry.
+    known_blocks: int = 0
     # How the picker chose among equals: "ring", "ring skip=2", "round_robin", ...
     placement: str = ""
     picker: str = ""  # the picker's name: the metric label of PLACED decisions

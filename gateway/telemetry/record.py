@@ -140,24 +140,18 @@ class RequestRecord:
     ) -> None:
         """A worker was chosen (from ``started`` to ``ended``, perf_counter instants; None:
         now). Call before the decision is recorded in the prefix index; ``index`` is what
-        routing matched against (None for policies without one): the deepest match any
-        worker held is read from it."""
+        routing matched against (None for policies without one): whether the chosen worker's
+        modelled cache is full is read from it. The deepest match any worker held comes with
+        the decision (``Decision.known_blocks``)."""
         self.policy, self.reason = decision.policy, decision.reason
         self.kind = decision.label
         self.worker = decision.worker_id
         self.match_blocks = decision.match_blocks
-        blocks = request.key.blocks
-        self.total_blocks = len(blocks)
-        best = decision.match_blocks
+        # In blocks, as the decision's depths (a long prompt has fewer checkpoints than blocks).
+        self.total_blocks = request.key.total_blocks
+        self.best_blocks = max(decision.known_blocks, decision.match_blocks)
         if index is not None:
-            # A prefix hit went to a holder: take it as the deepest one and spare a second
-            # walk of the index on the hot path. Other decisions may have passed a holder by.
-            if self.kind == "branch":  # the decision names the trunk's depth
-                best = max(best, decision.holder_blocks)
-            elif self.kind != "prefix_hit" and best < len(blocks):
-                best = max(index.match(blocks).values(), default=0)
             self.worker_evicting = index.tail_age(decision.worker_id) != float("inf")
-        self.best_blocks = max(best, decision.match_blocks)
         tracer = self.telemetry.tracing.tracer
         if tracer is not None and self.span is not None:
             span = tracer.start_span(
@@ -168,7 +162,7 @@ class RequestRecord:
                     "affinity.decision.reason": decision.reason,
                     "affinity.worker": decision.worker_id,
                     "affinity.predicted_match_blocks": decision.match_blocks,
-                    "affinity.prefix.blocks": len(blocks),
+                    "affinity.prefix.blocks": self.total_blocks,
                     "affinity.prefix.anchor": request.key.anchor_hex,
                 })
             span.end(end_time=_ns(time.perf_counter() if ended is None else ended, self))

@@ -699,3 +699,18 @@ def test_the_volume_guard_leaves_a_light_session_with_its_holder() -> None:
     decision = build_engine("cache_aware", GUARD).route(request, snapshot)
     assert decision.worker_id == "w1"
     assert decision.kind is DecisionKind.PREFIX_HIT
+
+
+def test_a_decision_names_the_deepest_prefix_any_worker_holds() -> None:
+    """Below the policy's minimum match a holder gets no credit, but telemetry still learns
+    how much of the prompt was known somewhere (what a miss is measured against)."""
+    index = PrefixIndex()
+    index.record(BLOCKS[:1], "w3", 0.0)
+    views = tuple(WorkerView(Worker(wid, f"http://{wid}")) for wid in IDS)
+    request = RouteRequest(PrefixKey(BLOCKS, ANCHOR, 640), "m", 410, 400)
+    engine = build_engine("cache_aware", PolicyOptions())
+    cold = engine.route(request, Snapshot(views, index.at(0.0), RING))
+    assert (cold.kind, cold.match_blocks, cold.known_blocks) == (DecisionKind.COLD, 0, 1)
+    index.record(BLOCKS[:6], "w2", 0.0)
+    hit = engine.route(request, Snapshot(views, index.at(0.0), RING))
+    assert (hit.worker_id, hit.match_blocks, hit.known_blocks) == ("w2", 6, 6)

@@ -6,9 +6,12 @@ diagnosis)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
+from gateway.fingerprint import FingerprintOptions, Namespace, fingerprint
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.types import Decision, DecisionKind, RouteRequest, Worker, WorkerView
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.record import RequestRecord, Telemetry
 
@@ -68,3 +71,23 @@ def test_finishing_a_request_runs_what_waited_for_its_answer_first() -> None:
     assert (record.input_tokens, record.cached_tokens, record.status) == (100, 60, 200)
     telemetry.finish(record, 200, 10)
     assert seen == [0]
+
+
+def test_a_long_prompts_reuse_is_counted_in_blocks_not_checkpoints() -> None:
+    """Past its first 64 blocks a prompt's key has a checkpoint every few blocks. The worker
+    known to hold 100 of its 150 blocks is predicted to serve 100/150 of its tokens, and the
+    deepest prefix any worker held (120 blocks, from the decision) is what it could have
+    served at best: a report of 1,000 cached tokens of 1,500 is then no miss."""
+    telemetry = _telemetry()
+    key = fingerprint("x" * (150 * 64), Namespace(), FingerprintOptions())
+    assert len(key.blocks) < key.total_blocks == 150
+    view = WorkerView(Worker("w1", "http://w1"))
+    decision = Decision(view, "cache_aware", DecisionKind.PREFIX_HIT, match_blocks=100,
+                        known_blocks=120)
+    record = RequestRecord(telemetry, "req-5", "POST", "/v1/completions")
+    record.decided(decision, RouteRequest(key, "m", 1600, 1500), None, time.perf_counter())
+    assert (record.match_blocks, record.best_blocks, record.total_blocks) == (100, 120, 150)
+    record.cache_reported(1500, 1000, "")
+    telemetry.finish(record, 200, 10)
+    assert telemetry.metrics.predicted_tokens.labels("w1").value == 1000
+    assert record.miss_cause == ""
