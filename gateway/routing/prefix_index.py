@@ -571,6 +571,23 @@ class PrefixIndex:
         self._forks.pop(block, None)
         self._heat.pop(block, None)
 
+    def _let_go(self, cache: _Cache, worker_id: str, run: _Run) -> tuple[_Run, _Hold] | None:
+        """``worker_id`` holds nothing of ``run`` any more: its hold goes (and the run from
+        its parent's children once no one holds it). The parent run and the worker's hold on
+        it when that hold's last checkpoint is a leaf now, else None."""
+        del run.holds[worker_id]
+        cache.runs.discard(run)
+        parent = run.parent
+        if parent is None:
+            return None
+        if not run.holds:
+            parent.children.discard(run)
+        up = parent.holds.get(worker_id)
+        if up is None:
+            return None
+        up.children -= 1
+        return None if up.children else (parent, up)
+
     def _oldest_leaf(self, cache: _Cache, worker_id: str) -> tuple[_Run, _Hold] | None:
         """The least recently used leaf of a worker, as the run and the worker's hold whose last
         checkpoint it is (stale heap entries are dropped)."""
@@ -595,24 +612,12 @@ class PrefixIndex:
         if pos + 1 == len(run.blocks) and all(len(o.seqs) <= pos for o in run.holds.values()):
             self._drop(run.blocks.pop())
             run.depths.pop()
-        up_run: _Run | None = run
-        up = hold
+        up_run, up = run, hold
         if not pos:  # the run's first: the hold goes, and the parent run's may become a leaf
-            del run.holds[worker_id]
-            cache.runs.discard(run)
-            up_run = run.parent
-            if up_run is None:
+            above = self._let_go(cache, worker_id, run)
+            if above is None:
                 return
-            if not run.holds:
-                up_run.children.discard(run)
-            parent_hold = up_run.holds.get(worker_id)
-            if parent_hold is None:
-                return
-            up = parent_hold
-            up.children -= 1
-            if up.children:
-                return
-        assert up_run is not None
+            up_run, up = above
         if seq > up.seqs[-1]:
             up.seqs[-1] = seq
         if at > up.ats[-1]:
@@ -668,20 +673,10 @@ class PrefixIndex:
                 del run.blocks[kept:]
                 del depths[kept:]
             if not start:  # the whole hold: it goes, and the parent run's may become a leaf
-                del run.holds[worker_id]
-                cache.runs.discard(run)
-                parent = run.parent
-                if parent is None:
+                above = self._let_go(cache, worker_id, run)
+                if above is None:
                     continue
-                if not run.holds:
-                    parent.children.discard(run)
-                up = parent.holds.get(worker_id)
-                if up is None:
-                    continue
-                up.children -= 1
-                if up.children:
-                    continue
-                run, seqs, ats = parent, up.seqs, up.ats
+                run, seqs, ats = above[0], above[1].seqs, above[1].ats
             # A leaf now, as recent as the newest use below it.
             if at > ats[-1]:
                 ats[-1] = at
