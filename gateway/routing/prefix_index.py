@@ -661,17 +661,20 @@ class PrefixIndex:
             held -= depths[last] - (depths[start - 1] if start else run.base_depth())
             del seqs[start:]
             del ats[start:]
-            kept = start  # the checkpoints of the run someone still holds
-            for other in run.holds.values():
-                if len(other.seqs) > kept:
-                    kept = len(other.seqs)
-            if kept < len(depths):
-                for h in run.blocks[kept:]:  # self._drop(h), inline: once per block
-                    del where[h]
-                    forks.pop(h, None)
-                    heat.pop(h, None)
-                del run.blocks[kept:]
-                del depths[kept:]
+            if last + 1 == len(depths):  # the run's end went: so does what no one else holds
+                kept = start
+                for other in run.holds.values():
+                    if len(other.seqs) > kept:
+                        kept = len(other.seqs)
+                        if kept > last:  # someone holds it all (a shared prompt's run)
+                            break
+                if kept <= last:
+                    for h in run.blocks[kept:]:  # self._drop(h), inline: once per block
+                        del where[h]
+                        forks.pop(h, None)
+                        heat.pop(h, None)
+                    del run.blocks[kept:]
+                    del depths[kept:]
             if not start:  # the whole hold: it goes, and the parent run's may become a leaf
                 above = self._let_go(cache, worker_id, run)
                 if above is None:
