@@ -417,6 +417,14 @@ class WorkerPool:
         emptied; what was sent there since is being stored again)."""
         self._index.retain(wid, keep)
 
+    def modelled_blocks(self, wid: str) -> int:
+        """Blocks the prefix index models ``wid``'s cache as holding."""
+        return self._index.held_blocks(wid)
+
+    def index_checkpoints(self) -> int:
+        """Checkpoints of prompts the prefix index knows some worker to hold."""
+        return len(self._index)
+
     def model_holds(self, wid: str, block: int) -> bool:
         """Whether the prefix index says ``wid`` holds the prefix ``block`` names."""
         return self._index.holds(wid, block)

@@ -59,6 +59,14 @@ class _PoolCollector(Collector):
         matched = CounterMetricFamily("gateway_worker_matched_tokens",
                                       "prompt tokens the worker served from its prefix cache",
                                       labels=["worker"])
+        modelled = GaugeMetricFamily(
+            "gateway_worker_modelled_cache_blocks",
+            "blocks the prefix index models the worker's prefix cache as holding",
+            labels=["worker"])
+        capacity = GaugeMetricFamily(
+            "gateway_worker_cache_capacity_blocks",
+            "the worker's prefix cache size in the gateway's blocks, as learnt from the worker "
+            "(absent: unknown)", labels=["worker"])
         first_token = GaugeMetricFamily(
             "gateway_worker_engine_first_token_seconds",
             "mean time to first token the worker's engine reported for the requests it started "
@@ -71,9 +79,17 @@ class _PoolCollector(Collector):
             tokens.add_metric(wid, state.inflight_tokens)
             inputs.add_metric(wid, state.input_tokens)
             matched.add_metric(wid, state.matched_tokens)
+            modelled.add_metric(wid, self._pool.modelled_blocks(state.worker.id))
+            if state.capacity_blocks:
+                capacity.add_metric(wid, state.capacity_blocks)
             if state.first_token_s is not None:
                 first_token.add_metric(wid, state.first_token_s)
-        yield from (healthy, inflight, tokens, inputs, matched, first_token)
+        checkpoints = GaugeMetricFamily(
+            "gateway_prefix_index_checkpoints",
+            "checkpoints of prompts the prefix index knows some worker to hold")
+        checkpoints.add_metric([], self._pool.index_checkpoints())
+        yield from (healthy, inflight, tokens, inputs, matched, modelled, capacity, first_token,
+                    checkpoints)
 
 
 class _StateCollector(Collector):
