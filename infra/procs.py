@@ -25,6 +25,11 @@ import aiohttp
 HOST = "127.0.0.1"
 
 
+def checkout_in(args: Sequence[str]) -> str:
+    """The DIR of an ``@DIR`` among a variant's ``args`` ("" when there is none)."""
+    return next((a[1:] for a in args if a.startswith("@")), "")
+
+
 def from_checkout(cmd: list[str], source: str) -> list[str]:
     """``cmd`` (a ``python -m ...`` command) run from the checkout in ``source`` (its modules
     found first), or as it is when ``source`` is empty: how benchmarks set a change beside the

@@ -88,7 +88,13 @@ from typing import Any
 
 import aiohttp
 
-from infra.procs import free_port_block, from_checkout, start_server, stop_processes
+from infra.procs import (
+    checkout_in,
+    free_port_block,
+    from_checkout,
+    start_server,
+    stop_processes,
+)
 from loadtest.bench_normalize import LONG_TEXTS, agent_messages, long_text
 from loadtest.cpu_pin import own_core
 from loadtest.harness import (
@@ -260,7 +266,7 @@ def gateway_command(port: int, worker_urls: Sequence[str], config: OverheadConfi
         cmd += ["--procs", str(config.procs)]
     for url in worker_urls:
         cmd += ["--worker", url]
-    return from_checkout(cmd, next((a[1:] for a in extra if a.startswith("@")), ""))
+    return from_checkout(cmd, checkout_in(extra))
 
 
 def floor_command(port: int, worker_urls: Sequence[str], name: str = FLOOR) -> list[str]:

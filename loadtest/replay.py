@@ -88,7 +88,7 @@ import aiohttp
 from gateway.routing.policies import POLICY_NAMES
 from gateway.settings import GatewaySettings
 from infra.local import LocalCluster, stop_processes
-from infra.procs import from_checkout
+from infra.procs import checkout_in, from_checkout
 from loadtest import gateway_lag
 from loadtest.bench_gateway import (
     MODEL,
@@ -747,9 +747,8 @@ def gateway_command(fleet: Fleet, policy: str, events: bool = False,
         urls = dict(zip(fleet.urls, fleet.event_fragments, strict=True))
         cmd = [a + urls[a] if a in urls else a for a in cmd]
         cmd += ["--kv-events-view", view]
-    source = next((a[1:] for a in extra if a.startswith("@")), "")
     return from_checkout(cmd + gateway_log_args(config.request_logs)
-                         + [a for a in extra if not a.startswith("@")], source)
+                         + [a for a in extra if not a.startswith("@")], checkout_in(extra))
 
 
 @contextlib.asynccontextmanager
