@@ -12,7 +12,10 @@ per pass (the median pass is reported, in microseconds per request):
   its worker and as many old ones are evicted, as on the live replay;
 * ``long``: 40 prompts of ``--long`` characters each, none seen before, fingerprinted as the
   gateway does (64-character blocks, sparse checkpoints) and recorded for one worker with a
-  50,000-block cache.
+  50,000-block cache;
+* ``shared``: ``--shared-workers`` workers (0: left out) with 200-block caches, 20,000
+  requests that share one 30-block system prompt and add 20 blocks of their own, each for a
+  worker drawn at random: every worker holds the shared prompt, as in a wide fleet.
 
 ``--baseline FILE`` measures the ``PrefixIndex`` of another module too, alternating pass by
 pass in this process (for example an older revision: ``git show
@@ -82,6 +85,17 @@ def long_keys(chars: int, seed: int = 3) -> tuple[list[PrefixKey], list[str]]:
     return keys, ["w1"] * len(keys)
 
 
+def shared_keys(workers: int, requests: int = 20_000,
+                seed: int = 5) -> tuple[list[PrefixKey], list[str]]:
+    rng = random.Random(seed)
+    namespace, opts = Namespace(tenant="bench"), FingerprintOptions()
+    system = "s" * 30 * 64
+    prior = fingerprint(system, namespace, opts)
+    keys = [fingerprint(system + f"{i:08d}" * (20 * 64 // 8), namespace, opts, prior)
+            for i in range(requests)]
+    return keys, [f"w{rng.randrange(workers)}" for _ in keys]
+
+
 def measure(subjects: Sequence[tuple[str, Any]], keys: Sequence[PrefixKey],
             workers: Sequence[str], capacity: int, passes: int) -> dict[str, float]:
     """Median microseconds per request of each subject, passes alternating between them."""
@@ -99,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cache-blocks", type=int, nargs="+", default=[500, 4000])
     p.add_argument("--long", type=int, nargs="*", default=[3_200, 100_000, 640_000],
                    metavar="CHARS")
+    p.add_argument("--shared-workers", type=int, default=512, metavar="N")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--baseline", type=Path, metavar="FILE",
                    help="a prefix_index module whose PrefixIndex is measured too")
@@ -118,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         checkpoints = len(prompts[0][0].blocks)
         cases.append((f"first-seen {chars:,} characters ({checkpoints} checkpoints)", prompts,
                       LONG_CACHE_BLOCKS))
+    if args.shared_workers:
+        cases.append((f"{args.shared_workers} workers sharing a 30-block prompt, x 200 blocks",
+                      shared_keys(args.shared_workers), 200))
     for label, (keys, workers), capacity in cases:
         us = measure(subjects, keys, workers, capacity, args.passes)
         cells = [f"{us[name]:.1f}" for name, _ in subjects]

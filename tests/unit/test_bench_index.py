@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 import gateway.routing.prefix_index as prefix_index
-from loadtest.bench_index import load_index, long_keys, main, mooncake_keys, one_pass
+from loadtest.bench_index import (
+    load_index,
+    long_keys,
+    main,
+    mooncake_keys,
+    one_pass,
+    shared_keys,
+)
 
 
 def test_a_baseline_module_is_loaded_as_a_class_of_its_own_that_routes_alike() -> None:
@@ -30,8 +37,16 @@ def test_long_prompts_are_new_and_sparse(capsys: pytest.CaptureFixture[str]) -> 
     assert len(keys[0].blocks) < 20_000 // 64  # sparse checkpoints past the dense ones
     assert set(workers) == {"w1"}
     assert main(["--cache-blocks", "500", "--long", "3200", "--passes", "1",
-                 "--baseline", prefix_index.__file__]) == 0
+                 "--shared-workers", "0", "--baseline", prefix_index.__file__]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].endswith("| ratio |")
     assert len(table) == 4  # header, rule, Mooncake, one long size
     assert table[3].startswith("| first-seen 3,200 characters")
+
+
+def test_every_request_of_the_wide_fleet_shares_its_system_prompt() -> None:
+    keys, workers = shared_keys(8, requests=50)
+    assert len({k.blocks[29] for k in keys}) == 1  # the 30th block: the shared prompt's end
+    assert len({k.blocks[-1] for k in keys}) == 50
+    assert all(k.total_blocks == 50 for k in keys)
+    assert set(workers) <= {f"w{i}" for i in range(8)}
