@@ -222,12 +222,15 @@ class RoutingEngine:
         floor = profile.min_match_blocks
         matches: dict[str, int] = {}
         deepest = known = 0
+        depths = key.depths  # key.depth_at(count - 1), inline: once per holder
         for wid, count in snapshot.index.match(key.blocks).items():
-            depth = key.depth_at(count - 1)
-            known = max(known, depth)
+            depth = depths[count - 1] if depths else count
+            if depth > known:
+                known = depth
             if depth >= floor:
                 matches[wid] = depth
-                deepest = max(deepest, count)
+                if count > deepest:
+                    deepest = count
         return matches, deepest, known
 
     def _branch(

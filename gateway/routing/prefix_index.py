@@ -57,8 +57,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
-from gateway.values import value
-
 
 @dataclass(slots=True)
 class Churn:
@@ -772,27 +770,35 @@ class PrefixIndex:
         return math.inf if oldest is None else max(0.0, now - oldest[1].ats[-1])
 
 
-@value
 class IndexView:
-    """A :class:`PrefixIndex` read at one instant: the ``PrefixMatcher`` routing policies see."""
+    """A :class:`PrefixIndex` read at one instant: the ``PrefixMatcher`` routing policies see.
+    The reads that do not depend on the instant are the index's own methods (one call each:
+    a policy asks some of them once per candidate)."""
 
-    index: PrefixIndex
-    now: float
+    __slots__ = (
+        "branched",
+        "branches_grow",
+        "extends",
+        "fill",
+        "index",
+        "mean_new_blocks",
+        "now",
+    )
+
+    def __init__(self, index: PrefixIndex, now: float) -> None:
+        self.index = index
+        self.now = now
+        self.branched: Callable[[int], bool] = index.branched
+        self.branches_grow: Callable[[int], bool] = index.branches_grow
+        self.extends: Callable[[int, int], bool] = index.extends
+        self.mean_new_blocks: Callable[[], float] = index.mean_new_blocks
+        self.fill: Callable[[str], float] = index.fill
 
     def match(self, blocks: Sequence[int]) -> dict[str, int]:
         return self.index.match(blocks, self.now)
 
     def heat(self, block: int) -> float:
         return self.index.heat(block, self.now)
-
-    def branched(self, block: int) -> bool:
-        return self.index.branched(block)
-
-    def branches_grow(self, block: int) -> bool:
-        return self.index.branches_grow(block)
-
-    def extends(self, block: int, depth: int) -> bool:
-        return self.index.extends(block, depth)
 
     def recent_requests(self, worker_id: str) -> float:
         return self.index.recent_requests(worker_id, self.now)
@@ -809,11 +815,5 @@ class IndexView:
     def session_blocks(self, block: int) -> float:
         return self.index.session_blocks(block, self.now)
 
-    def mean_new_blocks(self) -> float:
-        return self.index.mean_new_blocks()
-
     def tail_age(self, worker_id: str) -> float:
         return self.index.tail_age(worker_id, self.now)
-
-    def fill(self, worker_id: str) -> float:
-        return self.index.fill(worker_id)

@@ -64,29 +64,45 @@ class SpreadPicker(RingPicker):
         self, ctx: Context, seen: Sequence[tuple[int, WorkerView]]
     ) -> tuple[int, WorkerView]:
         # Requests count per unit of weight: a worker of twice the capacity (ring weight) takes
-        # twice the requests. Its cache turns over more slowly by itself.
-        weight = {v.id: max(v.worker.weight, 1e-9) for _, v in seen}
-        busy = {v.id: v.inflight_requests / weight[v.id] for _, v in seen}
+        # twice the requests. Its cache turns over more slowly by itself. (Loops, not
+        # comprehensions: this runs for every cold prefix, over two to four choices.)
+        weight: dict[str, float] = {}
+        busy: dict[str, float] = {}
+        for _, v in seen:
+            w = weight[v.id] = max(v.worker.weight, 1e-9)
+            busy[v.id] = v.inflight_requests / w
         limit = self.guard * sum(busy.values()) / len(seen)
         eligible = [sv for sv in seen if busy[sv[1].id] <= limit] or list(seen)
         index = ctx.snapshot.index
-        recent = {v.id: index.recent_requests(v.id) / weight[v.id] for _, v in eligible}
-        pressure = {v.id: _pressure(index.tail_age(v.id)) for _, v in eligible}
-        if not any(pressure.values()):  # nobody evicts yet: the fullest will be first
-            pressure = {v.id: index.fill(v.id) for _, v in eligible}
+        recent: dict[str, float] = {}
+        pressure: dict[str, float] = {}
+        evicting = False
+        for _, v in eligible:
+            recent[v.id] = index.recent_requests(v.id) / weight[v.id]
+            p = pressure[v.id] = _pressure(index.tail_age(v.id))
+            evicting = evicting or bool(p)
+        if not evicting:  # nobody evicts yet: the fullest will be first
+            for _, v in eligible:
+                pressure[v.id] = index.fill(v.id)
         mean_recent = sum(recent.values()) / len(eligible) or 1.0
         mean_pressure = sum(pressure.values()) / len(eligible) or 1.0
         blocks = ctx.request.key.total_blocks
         mean_new = index.mean_new_blocks() or float(max(blocks, 1))
-
-        def cost(sv: tuple[int, WorkerView]) -> tuple[float, float, int, int]:
+        matches = ctx.matches
+        weighted = self.pressure_weight
+        # The least (load, requests in flight per weight, tokens in flight, ring position):
+        # the first of equals, as min() would take.
+        best: tuple[float, float, int, int] | None = None
+        chosen = eligible[0]
+        for sv in eligible:
             skipped, view = sv
-            size = (blocks - ctx.matches.get(view.id, 0)) / mean_new
+            size = (blocks - matches.get(view.id, 0)) / mean_new
             load = (recent[view.id] / mean_recent
-                    + self.pressure_weight * size * pressure[view.id] / mean_pressure)
-            return load, busy[view.id], view.inflight_tokens, skipped
-
-        return min(eligible, key=cost)
+                    + weighted * size * pressure[view.id] / mean_pressure)
+            cost = (load, busy[view.id], view.inflight_tokens, skipped)
+            if best is None or cost < best:
+                best, chosen = cost, sv
+        return chosen
 
 
 def _pressure(tail_age: float) -> float:
