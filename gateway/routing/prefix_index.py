@@ -47,6 +47,9 @@ It also keeps each worker's recent *churn*, which the cold-placement picker bala
 (decayed with the same half-life as the heat), and the age of its least recently used block
 once its modelled cache is full. A worker whose oldest block is young is evicting prefixes that
 were used moments ago, so a new prefix placed there pushes out something likely to come back.
+
+The decayed counts (heat, churn, sessions, forks) live in :mod:`gateway.routing.recency`; this
+module finds, for each record, which of them it feeds.
 """
 
 from __future__ import annotations
@@ -57,15 +60,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
-
-@dataclass(slots=True)
-class Churn:
-    """Requests recorded for a worker and the blocks they added, decayed; ``at`` = last update."""
-
-    requests: float = 0.0
-    new_blocks: float = 0.0
-    routed_blocks: float = 0.0  # whole prompts, cached part included
-    at: float = 0.0
+from gateway.routing.recency import Churn, Fork, Recency
 
 
 @dataclass(slots=True)
@@ -110,17 +105,6 @@ class _Run:
 
 
 @dataclass(slots=True)
-class _Fork:
-    """What later prompts did with the prompts that went on from one fork, decayed:
-    ``extended``, went on from the end of one (a session's next turn); ``reused``, went on
-    from inside one (another request sharing part of what came after the fork)."""
-
-    extended: float = 0.0
-    reused: float = 0.0
-    at: float = 0.0
-
-
-@dataclass(slots=True)
 class _Cache:
     """The modelled cache of one worker."""
 
@@ -138,23 +122,16 @@ class PrefixIndex:
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self._half_life = heat_half_life_s
+        self._recency = Recency(heat_half_life_s)
         self._default_capacity = capacity
         self._ttl_s = ttl_s
-        # Checkpoint hash -> its run and its place in it; heat of the checkpoints that have any.
+        # Checkpoint hash -> its run and its place in it.
         self._where: dict[int, tuple[_Run, int]] = {}
-        self._heat: dict[int, tuple[float, float]] = {}
         self._next_run = 0
         self._caches: dict[str, _Cache] = {}
         self._capacity: dict[str, int] = {}
-        self._pool_churn = Churn()
-        self._forks: dict[int, _Fork] = {}
-        self._pool_forks = _Fork()
         self._seq = 0
         self._swept_at = -math.inf
-        # Session -> its recent requests and routed blocks, in order of last use.
-        self._sessions: dict[int, Churn] = {}
-        self._next_session = 0
 
     def __len__(self) -> int:
         return len(self._where)
@@ -262,10 +239,7 @@ class PrefixIndex:
         """How many recorded requests shared the prefix ``block`` names (as their deepest known
         part, or as their end), halved every ``heat_half_life_s``: a system prompt many users
         send is hot, one conversation's history is not."""
-        heat = self._heat.get(block)
-        if heat is None:
-            return 0.0
-        return heat[0] * self._decay_factor(heat[1], now)
+        return self._recency.heat_of(block, now)
 
     def branched(self, block: int) -> bool:
         """Whether some worker holds a checkpoint right below the prefix ``block`` names: a
@@ -294,12 +268,7 @@ class PrefixIndex:
         as often as they reused them (went on from inside one, as requests sharing a document
         after a system prompt do). A fork with no such record yet is ``unseen``, or with None
         taken to be like the pool's forks so far (true before anything is seen)."""
-        stats = self._forks.get(block)
-        if stats is None or stats.extended + stats.reused == 0.0:
-            if unseen is not None:
-                return unseen
-            stats = self._pool_forks
-        return stats.extended >= stats.reused
+        return self._recency.branches_grow(block, unseen)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -327,7 +296,7 @@ class PrefixIndex:
         session = -1  # a prompt that extends the one that added ``known`` continues its session
         if shared:
             known = where[blocks[shared - 1]][0]
-            self._heat_up(blocks[shared - 1], now)
+            self._recency.heat_up(blocks[shared - 1], now)
             if shared < n:
                 after = depths[shared] if depths else shared + 1
                 if after > known.end:
@@ -336,8 +305,7 @@ class PrefixIndex:
             else:
                 session = known.session
         if session < 0:
-            session = self._next_session
-            self._next_session += 1
+            session = self._recency.new_session()
         # The worker's hold on the run of the deepest checkpoint it holds, then on the runs the
         # known part goes through (each a leading part, one list slot per checkpoint).
         run: _Run | None = None
@@ -404,18 +372,14 @@ class PrefixIndex:
         if held == n:  # already held: this is a use of it
             hold.seqs[pos], hold.ats[pos] = seq, now
         if shared < n:
-            self._heat_up(blocks[n - 1], now)
+            self._recency.heat_up(blocks[n - 1], now)
         before = (depths[held - 1] if depths else held) if held else 0
         new_blocks = run.depths[pos] - before if n > held else 0
         cache.held += new_blocks
         if pos == len(hold.seqs) - 1 and run.is_leaf(hold):
             heapq.heappush(cache.leaves, (seq, run.id, run))
         self._trim(worker_id, self.capacity(worker_id))
-        self._count(cache.churn, new_blocks, total, now)
-        self._count(self._pool_churn, new_blocks, total, now)
-        churn = self._sessions.pop(session, None) or Churn(at=now)
-        self._sessions[session] = churn  # re-inserted: the dict stays in order of last use
-        self._count(churn, new_blocks, total, now)
+        self._recency.recorded(cache.churn, session, new_blocks, total, now)
 
     def _split(self, run: _Run, at: int) -> None:
         """Split ``run`` before its checkpoint ``at``: the rest goes to a run of its own, with
@@ -457,27 +421,21 @@ class PrefixIndex:
             if known.fork is not None:
                 self._tally(known.fork, True, now)
             return known.fork
-        if block not in self._forks:
+        forks = self._recency.forks
+        if block not in forks:
             if known.fork is not None:
                 self._tally(known.fork, False, now)
-            self._forks[block] = _Fork(at=now)
+            forks[block] = Fork(at=now)
         return block
 
     def _tally(self, fork: int, extended: bool, now: float) -> None:
-        stats = self._forks.get(fork)
+        """Tell a fork (and the pool's forks) what a later prompt did with what went on from
+        it; a fork no longer known counts for the pool only."""
+        forks = self._recency.forks
+        stats = forks.get(fork)
         if stats is None and fork in self._where:
-            stats = self._forks[fork] = _Fork(at=now)
-        for s in (stats, self._pool_forks):
-            if s is not None:
-                keep = self._decay_factor(s.at, now)
-                s.extended = s.extended * keep + extended
-                s.reused = s.reused * keep + (not extended)
-                s.at = now
-
-    def _heat_up(self, block: int, now: float) -> None:
-        heat = self._heat.get(block)
-        self._heat[block] = (
-            (heat[0] * self._decay_factor(heat[1], now) if heat is not None else 0.0) + 1.0, now)
+            stats = forks[fork] = Fork(at=now)
+        self._recency.tally(stats, extended, now)
 
     def last_use(self, worker_id: str, block: int) -> int:
         """When ``worker_id`` last used the prefix ``block`` names, as a sequence number of
@@ -566,8 +524,7 @@ class PrefixIndex:
     def _drop(self, block: int) -> None:
         """Forget a checkpoint no worker holds."""
         del self._where[block]
-        self._forks.pop(block, None)
-        self._heat.pop(block, None)
+        self._recency.drop(block)
 
     def _let_go(self, cache: _Cache, worker_id: str, run: _Run) -> tuple[_Run, _Hold] | None:
         """``worker_id`` holds nothing of ``run`` any more: its hold goes (and the run from
@@ -634,7 +591,7 @@ class PrefixIndex:
         if cache is None or cache.held <= limit:
             return
         leaves = cache.leaves
-        where, forks, heat = self._where, self._forks, self._heat
+        where, forks, heat = self._where, self._recency.forks, self._recency.heat
         held = cache.held
         following: _Run | None = None  # the run whose hold's last checkpoint goes next
         while held > limit:
@@ -696,42 +653,25 @@ class PrefixIndex:
             return
         self._swept_at = now
         cutoff = now - self._ttl_s
-        sessions = self._sessions
-        while sessions:
-            session, churn = next(iter(sessions.items()))
-            if churn.at >= cutoff:
-                break
-            del sessions[session]
+        self._recency.expire_sessions(cutoff)
         for wid, cache in self._caches.items():
             while ((oldest := self._oldest_leaf(cache, wid)) is not None
                    and oldest[1].ats[-1] < cutoff):
                 self._evict(wid, oldest[0])
 
-    # -- churn --------------------------------------------------------------------------------
-
-    def _count(self, churn: Churn, new_blocks: int, routed: int, now: float) -> None:
-        keep = self._decay_factor(churn.at, now)
-        churn.requests = churn.requests * keep + 1.0
-        churn.new_blocks = churn.new_blocks * keep + new_blocks
-        churn.routed_blocks = churn.routed_blocks * keep + routed
-        churn.at = now
-
-    def _decay_factor(self, at: float, now: float) -> float:
-        if self._half_life <= 0 or now <= at:
-            return 1.0
-        return float(0.5 ** ((now - at) / self._half_life))
+    # -- recent traffic (gateway.routing.recency) ----------------------------------------------
 
     def recent_requests(self, worker_id: str, now: float) -> float:
         """Requests recorded for ``worker_id``, halved every ``heat_half_life_s``."""
         cache = self._caches.get(worker_id)
         if cache is None:
             return 0.0
-        return cache.churn.requests * self._decay_factor(cache.churn.at, now)
+        return cache.churn.requests * self._recency.factor(cache.churn.at, now)
 
     def pool_recent_requests(self, now: float) -> float:
         """Requests recorded for all workers, halved every ``heat_half_life_s``."""
-        churn = self._pool_churn
-        return churn.requests * self._decay_factor(churn.at, now)
+        churn = self._recency.pool
+        return churn.requests * self._recency.factor(churn.at, now)
 
     def recent_blocks(self, worker_id: str, now: float) -> float:
         """Prompt blocks (cached or not) of the requests recorded for ``worker_id``, halved
@@ -739,25 +679,24 @@ class PrefixIndex:
         cache = self._caches.get(worker_id)
         if cache is None:
             return 0.0
-        return cache.churn.routed_blocks * self._decay_factor(cache.churn.at, now)
+        return cache.churn.routed_blocks * self._recency.factor(cache.churn.at, now)
 
     def session_blocks(self, block: int, now: float) -> float:
         """Prompt blocks routed recently (halved every ``heat_half_life_s``) for the session
         that recorded the prefix ``block`` names: the chain of prompts extending each other."""
         at = self._where.get(block)
-        churn = self._sessions.get(at[0].session) if at is not None else None
-        return churn.routed_blocks * self._decay_factor(churn.at, now) if churn else 0.0
+        return self._recency.session_blocks(at[0].session, now) if at is not None else 0.0
 
     def pool_recent_blocks(self, now: float) -> float:
         """Prompt blocks of the requests recorded for all workers, halved every
         ``heat_half_life_s``."""
-        churn = self._pool_churn
-        return churn.routed_blocks * self._decay_factor(churn.at, now)
+        churn = self._recency.pool
+        return churn.routed_blocks * self._recency.factor(churn.at, now)
 
     def mean_new_blocks(self) -> float:
         """Blocks a recorded request added to its worker's cache, on average over all workers
         (recent requests weigh more); 0 before the first record."""
-        churn = self._pool_churn
+        churn = self._recency.pool
         return churn.new_blocks / churn.requests if churn.requests > 0 else 0.0
 
     def tail_age(self, worker_id: str, now: float) -> float:
