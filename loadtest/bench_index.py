@@ -138,12 +138,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                       shared_keys(args.shared_workers), 200))
     for label, (keys, workers), capacity in cases:
         us = measure(subjects, keys, workers, capacity, args.passes)
-        cells = [f"{us[name]:.1f}" for name, _ in subjects]
-        if len(subjects) > 1:
-            cells.append(f"{us[subjects[0][0]] / us[subjects[1][0]]:.2f}x")
-        print(f"| {label} | " + " | ".join(cells) + " |")
-        sys.stdout.flush()
+        print_row(label, [f"{us[name]:.1f}" for name, _ in subjects],
+                  [us[name] for name, _ in subjects])
     return 0
+
+
+def print_row(label: str, cells: list[str], values: Sequence[float], digits: int = 2) -> None:
+    """One row of a table of subjects side by side (``cells``), with this checkout's value
+    over the baseline's (the first two ``values``) when there is a baseline; printed at once."""
+    if len(values) > 1:
+        cells = [*cells, f"{values[0] / values[1]:.{digits}f}x"]
+    print(f"| {label} | " + " | ".join(cells) + " |")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

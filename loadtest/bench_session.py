@@ -142,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         one_pass(args.keys[0], args.workers[0], requests)  # warm-up
         print(json.dumps(one_pass(args.keys[0], args.workers[0], requests)))
         return 0
+    # Here, not at the top: a child process runs this file against another checkout's
+    # loadtest package, which need not have it.
+    from loadtest.bench_index import print_row
+
     subjects = [("this checkout", ROOT)]
     if args.baseline is not None:
         subjects.append((f"baseline ({args.baseline.name})", args.baseline.resolve()))
@@ -158,12 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                        for name, rs in runs.items()}
             totals = {name: statistics.median(sum(r.values()) for r in rs)
                       for name, rs in runs.items()}
-            row = [f"{m['decide']:.1f} / {m['commit']:.1f} / {m['completed']:.1f} = "
-                   f"{totals[name]:.1f}" for name, m in medians.items()]
-            if len(subjects) > 1:
-                row.append(f"{totals[subjects[0][0]] / totals[subjects[1][0]]:.3f}x")
-            print(f"| {keys} | {workers} | " + " | ".join(row) + " |")
-            sys.stdout.flush()
+            print_row(f"{keys} | {workers}",
+                      [f"{m['decide']:.1f} / {m['commit']:.1f} / {m['completed']:.1f} = "
+                       f"{totals[name]:.1f}" for name, m in medians.items()],
+                      [totals[name] for name, _ in subjects], digits=3)
     return 0
 
 
