@@ -43,6 +43,9 @@ class Fork:
 
 
 class Recency:
+    """The decayed counts of one prefix index (see the module docstring); ``half_life_s`` <= 0
+    keeps them undecayed."""
+
     def __init__(self, half_life_s: float) -> None:
         self.half_life_s = half_life_s
         self.heat: dict[int, tuple[float, float]] = {}  # checkpoint -> (count, at)
