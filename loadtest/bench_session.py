@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.types import RouteRequest
 from gateway.session import Attempt, CacheUsage, RoutingSession
 from gateway.settings import GatewaySettings
+from infra.procs import from_checkout
 from loadtest.bench_overhead import OverheadConfig, bodies_for
 from loadtest.simulate import DEFAULT_TRACE
 from loadtest.traces import read_mooncake
@@ -64,9 +64,10 @@ def route_requests(keys: str, count: int) -> list[RouteRequest]:
     settings = GatewaySettings()
     bodies, _ = bodies_for(OverheadConfig(requests=count or 4000))
     namespace = Namespace(tenant="bench", model="m")
+    normal, prints = settings.normalize_options(), settings.fingerprint_options()
     for body in bodies:
-        parsed = parse_chat(json.loads(body), settings.normalize_options(), None, None, False)
-        key = fingerprint(parsed.fingerprint_text, namespace, settings.fingerprint_options())
+        parsed = parse_chat(json.loads(body), normal, None, None, False)
+        key = fingerprint(parsed.fingerprint_text, namespace, prints)
         prompt = max(1, parsed.prompt_chars // 4)
         out.append(RouteRequest(key=key, model="m", cost_tokens=prompt + 1,
                                 prompt_tokens=prompt))
@@ -115,11 +116,10 @@ def _child(checkout: Path, keys: str, workers: int, requests: int) -> dict[str, 
     """One measured pass (after a warm-up pass) in a child process whose ``gateway`` package
     is ``checkout``'s (this file, run from there: a checkout need not have it)."""
     code = f"import runpy; runpy.run_path({str(HERE)!r}, run_name='__main__')"
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
     out = subprocess.run(
-        [sys.executable, "-c", code, "--one-pass", "--keys", keys, "--workers", str(workers),
-         "--requests", str(requests)],
-        env=env, cwd=checkout, check=True, capture_output=True, text=True)
+        from_checkout([sys.executable, "-c", code, "--one-pass", "--keys", keys, "--workers",
+                       str(workers), "--requests", str(requests)], str(checkout)),
+        check=True, capture_output=True, text=True)
     result: dict[str, float] = json.loads(out.stdout)
     return result
 
