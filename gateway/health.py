@@ -1,26 +1,36 @@
 """Health probes: every worker's health, models, versions and cache size, once at start-up and
-then every ``health_interval_s``; a worker that fails its probe leaves the routing until it
+then once every ``health_interval_s``; a worker that fails its probe leaves the routing until it
 passes one again.
 
-A probe that timed out takes a healthy worker out at once when another probe of the same
-round was answered in time. When every probe of a round timed out, it takes a worker out only
-if its probe before timed out too: one stall of the gateway's own event loop (a long garbage
-collection, a host starved of CPU) makes every probe of a round time out together, and must not
-empty the pool while the workers are fine. A refused connection or an error answer takes a
-worker out at once, and a worker that keeps answering requests while its probe timed out is
-kept."""
+The periodic rounds are spread over the interval: the pool's endpoints are probed in turn,
+evenly apart (the data-parallel ranks of one server together, so that it is asked once), each
+probe applied as it is answered. A round probed all at once is a burst of work for the
+gateway's one event loop (three requests and a metrics page to parse per endpoint): with 64
+workers it held every request in flight for tens of milliseconds every round, which made the
+replay's p99 latency. The start-up round, and a round woken by a worker that joined, probe
+every worker at once (:meth:`HealthChecker.probe_all`).
+
+A probe that timed out takes a healthy worker out at once when another probe was answered in
+time while it waited. When none was, it takes a worker out only if its probe before timed out
+too: one stall of the gateway's own event loop (a long garbage collection, a host starved of
+CPU) makes every probe in flight time out together, and must not empty the pool while the
+workers are fine. In an at-once round the second probe is the next round's; in a spread round
+the endpoint is probed again at once. A refused connection or an error answer takes a worker
+out at once, and a worker that keeps answering requests while its probe timed out is kept."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import math
 import time
 
 from gateway.backends.base import CACHE_CAPACITY_TOKENS, ENGINE_RANKS, WorkerProbe
 from gateway.contracts import engine_metrics as metric
 from gateway.lifecycle import CacheLifecycle
 from gateway.misses import MissTracker
+from gateway.pool import WorkerState
 from gateway.routing.types import Worker
 from gateway.state import GatewayState
 
@@ -37,6 +47,12 @@ class HealthChecker:
         self._timed_out: set[str] = set()  # workers whose last probe timed out
         self._wake = asyncio.Event()  # set: probe now, not at the end of the interval
         self._told_ranks: set[str] = set()  # workers said to be servers of several engines
+        # When a probe was last answered in time (monotonic): a probe that timed out after
+        # that began is the worker's doing, not a stall of the gateway's loop.
+        self._answered_at = -math.inf
+        # The probes of a spread round still out, by endpoint (a slow one is not started
+        # again by the next round: its answer is applied once).
+        self._probing: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     async def _probe(self, worker: Worker) -> WorkerProbe:
         try:
@@ -46,7 +62,7 @@ class HealthChecker:
         return await backend.probe(worker)
 
     async def probe_all(self) -> None:
-        """Probe every worker once and update the pool with what each answered."""
+        """Probe every worker at once and update the pool with what each answered."""
         state = self._state
         workers = state.pool.states()
         # A probe that only timed out is no proof of a hang when the worker sent us replies or
@@ -56,12 +72,90 @@ class HealthChecker:
         self._timed_out &= {s.worker.id for s in workers}  # forget workers that left
         # Some probe came back in time: the gateway's loop ran, a timeout is the worker's.
         loop_ran = not all(probe.timed_out for probe in probes)
+        if loop_ran:
+            self._answered_at = time.monotonic()
         for s, probe in zip(workers, probes, strict=True):
-            try:
-                self._take(s.worker, s.healthy, probe, alive_since, loop_ran)
-            except Exception:  # one worker's odd answer must not cost the others their round
-                log.exception("health of worker %s: its probe's answer could not be applied",
-                              s.worker.id)
+            self._apply(s, probe, alive_since, loop_ran)
+
+    async def spread_round(self, over_s: float) -> bool:
+        """One round of probes spread evenly over ``over_s`` seconds: each endpoint of the pool
+        (the ranks of one server together) after its share of the interval, in the order of
+        their ids, each applied as it is answered. Returns True as soon as :meth:`wake` was
+        called (the rest of the round is not probed), else False at the round's end; probes
+        still out then go on (and an endpoint's is not started again while it is)."""
+        state = self._state
+        states = state.pool.states()
+        self._timed_out &= {s.worker.id for s in states}  # forget workers that left
+        endpoints: dict[tuple[str, str], list[WorkerState]] = {}
+        for s in states:
+            endpoints.setdefault((s.worker.url, s.worker.endpoint_id), []).append(s)
+        if not endpoints:  # nothing to probe: the interval, or a wake-up
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), over_s)
+            return self._wake.is_set()
+        step = over_s / len(endpoints)
+        for key in sorted(endpoints):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), step)
+            if self._wake.is_set():
+                return True
+            if key not in self._probing:
+                self._start_probe(key, endpoints[key])
+        return False
+
+    async def answered(self) -> None:
+        """Until every probe of the spread rounds still out has been answered (or has timed
+        out) and applied."""
+        while pending := [task for task in self._probing.values() if not task.done()]:
+            await asyncio.wait(pending)
+
+    def _start_probe(self, key: tuple[str, str], ranks: list[WorkerState]) -> None:
+        """The probe of one endpoint, as a task of its own (kept until it ends)."""
+        task = asyncio.create_task(self._probe_endpoint(ranks),
+                                   name=f"gateway-health-probe-{key[1]}")
+        self._probing[key] = task
+
+        def ended(_: asyncio.Task[None]) -> None:
+            if self._probing.get(key) is task:
+                del self._probing[key]
+
+        task.add_done_callback(ended)
+
+    async def _probe_endpoint(self, ranks: list[WorkerState]) -> None:
+        """Probe the workers of one endpoint (one, or the ranks of one server) and apply what
+        each answered, as long as it is still in the pool. A probe that timed out while no
+        other probe was answered may be the gateway's own stall: a healthy worker whose probe
+        before was answered is kept, and probed again at once; a second timeout in a row takes
+        it out (a stall has passed by then, and the probe is answered)."""
+        pool = self._state.pool
+        for _ in range(2):
+            alive_since = time.monotonic()
+            probes = await asyncio.gather(*(self._probe(s.worker) for s in ranks))
+            in_time = not all(probe.timed_out for probe in probes)
+            # Another probe answered in time while this one waited: the gateway's loop ran.
+            loop_ran = in_time or self._answered_at > alive_since
+            if in_time:
+                self._answered_at = time.monotonic()
+            doubted = False
+            for s, probe in zip(ranks, probes, strict=True):
+                wid = s.worker.id
+                if wid not in pool:  # it left while it was probed
+                    continue
+                doubted |= (probe.timed_out and not loop_ran and s.healthy
+                            and wid not in self._timed_out)
+                self._apply(s, probe, alive_since, loop_ran)
+            if not doubted:
+                return
+
+    def _apply(self, s: WorkerState, probe: WorkerProbe, alive_since: float,
+               loop_ran: bool) -> None:
+        """:meth:`_take`, for one worker of a round: one worker's odd answer must not cost the
+        others their round."""
+        try:
+            self._take(s.worker, s.healthy, probe, alive_since, loop_ran)
+        except Exception:
+            log.exception("health of worker %s: its probe's answer could not be applied",
+                          s.worker.id)
 
     def _take(self, worker: Worker, healthy: bool, probe: WorkerProbe, alive_since: float,
               loop_ran: bool) -> None:
@@ -114,12 +208,22 @@ class HealthChecker:
         self._wake.set()
 
     async def run(self) -> None:
-        """Probe every ``health_interval_s``, or sooner when woken, until cancelled."""
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._state.settings.health_interval_s)
-            self._wake.clear()
-            try:
-                await self.probe_all()
-            except Exception:
-                log.exception("health check round failed")
+        """Rounds of probes until cancelled: each spread over ``health_interval_s``
+        (:meth:`spread_round`), and one at once (:meth:`probe_all`) whenever woken."""
+        try:
+            while True:
+                woken = False
+                try:
+                    woken = await self.spread_round(self._state.settings.health_interval_s)
+                except Exception:
+                    log.exception("health check round failed")
+                    await asyncio.sleep(self._state.settings.health_interval_s)
+                if woken:
+                    self._wake.clear()
+                    try:
+                        await self.probe_all()
+                    except Exception:
+                        log.exception("health check round failed")
+        finally:
+            for task in list(self._probing.values()):
+                task.cancel()

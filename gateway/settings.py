@@ -340,7 +340,8 @@ class GatewaySettings:
                                     "worker (503 with Retry-After after that)")
     )
     health_interval_s: float = field(
-        default=5.0, metadata=_help("seconds between active health checks of workers")
+        default=5.0, metadata=_help("seconds between two active health checks of a worker "
+                                    "(a round's checks are spread evenly over them)")
     )
     k8s_selector: str = field(
         default="", metadata=_help("Kubernetes label selector (e.g. app=vllm): the ready pods "

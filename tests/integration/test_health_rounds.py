@@ -1,0 +1,148 @@
+"""Health rounds spread over the interval: each server asked once a round, evenly apart, and what
+a timed-out probe means when no other probe was answered meanwhile.
+
+The rounds are driven by hand (the gateway's own waits an hour); the engines are small aiohttp
+servers in the test's process, or real worker processes stopped with SIGSTOP (the kernel still
+accepts their connections, nothing answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from gateway.api import STATE
+from gateway.app import create_app as create_gateway
+from gateway.health import HealthChecker
+from gateway.pool import WorkerPool
+from gateway.resources import HEALTH_KEY
+from gateway.settings import GatewaySettings
+from tests.conftest import MODEL, Processes, free_port, serve
+
+
+def _engine(name: str, asked: list[tuple[str, float]],
+            stalls: list[float] | None = None) -> web.Application:
+    """An engine that answers its probes and notes when it was asked for its health; while
+    ``stalls`` holds durations, a health answer first blocks the whole event loop for the
+    last of them (the gateway's loop, in this process), as a long garbage collection does."""
+
+    async def health(_: web.Request) -> web.Response:
+        asked.append((name, time.monotonic()))
+        if stalls:
+            time.sleep(stalls.pop())  # noqa: ASYNC251 (the stall is the point)
+        return web.json_response({})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _probed_by_hand(*workers: str) -> AsyncIterator[tuple[WorkerPool, HealthChecker]]:
+    """A gateway over ``workers`` whose rounds the test drives: its pool and its health
+    checker, after the start-up round."""
+    port = free_port()
+    app = create_gateway(GatewaySettings(port=port, worker=workers, health_interval_s=3600.0))
+    runner = await serve(app, port)
+    try:
+        yield app[STATE].pool, app[HEALTH_KEY]
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def _engines(*engines: web.Application) -> AsyncIterator[list[str]]:
+    ports = [free_port() for _ in engines]
+    runners = [await serve(app, port) for app, port in zip(engines, ports, strict=True)]
+    try:
+        yield [f"http://127.0.0.1:{port}" for port in ports]
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def _stopped(*procs: asyncio.subprocess.Process) -> AsyncIterator[None]:
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGCONT)
+
+
+async def _round(health: HealthChecker, over_s: float = 0.2) -> None:
+    """One spread round, and the answers of its probes applied."""
+    assert await health.spread_round(over_s) is False
+    await health.answered()
+
+
+async def test_a_round_asks_each_server_once_and_its_probes_apart() -> None:
+    """Four servers, one of them listed as two data-parallel ranks: five workers, four
+    servers asked once each in a round of 0.4 s, a tenth of a second apart, not in one burst
+    (asyncio's timers never fire early, so the gaps are at least about that)."""
+    asked: list[tuple[str, float]] = []
+    async with _engines(*(_engine(str(i), asked) for i in range(4))) as urls:
+        ranked = [*urls[:3], urls[3] + "#dp-size=2"]
+        async with _probed_by_hand(*ranked) as (pool, health):
+            assert len(pool.healthy_ids()) == 5
+            asked.clear()  # the start-up round asked each at once
+            await _round(health, 0.4)
+            assert sorted(name for name, _ in asked) == ["0", "1", "2", "3"]
+            times = sorted(at for _, at in asked)
+            assert min(b - a for a, b in itertools.pairwise(times)) > 0.05
+            assert len(pool.healthy_ids()) == 5
+
+
+async def test_a_stall_of_the_gateways_loop_in_a_round_keeps_the_worker_it_delayed() -> None:
+    """A probe out while the loop stalls past its timeout (2 s) times out with no other probe
+    answered meanwhile: the worker stays, and is asked again at once, which it answers in
+    time. The server asked first in the round stalls the loop on that health answer."""
+    asked: list[tuple[str, float]] = []
+    stalls: dict[str, list[float]] = {"a": [], "b": []}
+    async with _engines(_engine("a", asked, stalls["a"]),
+                        _engine("b", asked, stalls["b"])) as urls:
+        ids = {url.removeprefix("http://") for url in urls}
+        first, second = ("a", "b") if urls[0] < urls[1] else ("b", "a")  # a round's order
+        async with _probed_by_hand(*urls) as (pool, health):
+            assert pool.healthy_ids() == ids
+            asked.clear()
+            stalls[first].append(2.5)
+            await _round(health)
+            assert pool.healthy_ids() == ids
+            assert asked[0][0] == first
+            assert sorted(name for name, _ in asked) == sorted([first, first, second])
+
+
+async def test_a_hung_worker_leaves_within_its_round_and_comes_back(
+    processes: Processes,
+) -> None:
+    """Stopped, a worker leaves in the round that finds it so, whether or not another probe
+    was answered while it waited (then its second timeout in a row takes it out); two stopped
+    workers both leave; answering again, they come back with the next round."""
+    (a_url, a), (b_url, b) = [await processes.worker() for _ in range(2)]
+    a_id, b_id = a_url.removeprefix("http://"), b_url.removeprefix("http://")
+    async with _probed_by_hand(a_url, b_url) as (pool, health):
+        assert pool.healthy_ids() == {a_id, b_id}
+        async with _stopped(a):
+            await _round(health)
+            assert pool.healthy_ids() == {b_id}
+        await _round(health)
+        assert pool.healthy_ids() == {a_id, b_id}
+        async with _stopped(a, b):
+            await _round(health)
+            assert pool.healthy_ids() == set()
+        await _round(health)
+        assert pool.healthy_ids() == {a_id, b_id}
