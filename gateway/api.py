@@ -346,6 +346,9 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "source": s.source,
                 "engine_metrics": dict(s.engine_metrics),
                 "scraped_at": s.scraped_at,  # the gateway's monotonic clock, seconds
+                # Requests of this gateway in flight there at that scrape (the engine's
+                # count beyond them is load from elsewhere).
+                "own_at_scrape": s.own_at_scrape,
                 # The engine's mean time to first token for the requests it started between
                 # its last two scrapes (null: it does not say); under quick_first_token_s
                 # the hard load bound does not apply to it.

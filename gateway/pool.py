@@ -366,10 +366,14 @@ class WorkerPool:
 
     # -- health -------------------------------------------------------------------------------
     def mark_up(
-        self, wid: str, models: frozenset[str], metrics: Mapping[str, float] | None = None
+        self, wid: str, models: frozenset[str], metrics: Mapping[str, float] | None = None,
+        own: int | None = None,
     ) -> None:
+        """``wid`` answered its probe: it serves ``models``, its engine's ``metrics`` were
+        just read (None: not read). ``own``: the requests of this gateway in flight there
+        when they were read (None: as many as now; a replay of a logged scrape gives it)."""
         for rank_id in self._ranks.get(wid, ()):
-            self.mark_up(rank_id, models, metrics)
+            self.mark_up(rank_id, models, metrics)  # each rank's own count
         state = self._workers.get(wid)
         if state is None:
             return
@@ -378,7 +382,7 @@ class WorkerPool:
         if metrics is not None:
             state.engine_metrics = dict(metrics)
             state.scraped_at = time.monotonic()
-            state.own_at_scrape = state.inflight_requests
+            state.own_at_scrape = state.inflight_requests if own is None else own
             _note_engine_times(state, metrics)
             running = int(metrics.get(RUNNING, 0.0))
             if metrics.get(WAITING, 0.0) > 0 and running >= 1:

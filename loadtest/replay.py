@@ -133,6 +133,9 @@ HOST = "127.0.0.1"
 API_PATHS = {"completions": COMPLETIONS_PATH, "responses": "/v1/responses"}
 # Many Python servers starting at once on a small shared machine take a while.
 START_TIMEOUT_S = 120.0
+# An engine scrape the gateway routed on: its metrics, and the requests the gateway had in
+# flight at that worker then (None: the gateway did not say).
+Scrape = tuple[dict[str, float], int | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,7 +489,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
                     await fleet.flush(session, [fleet.urls[index]])
             restarter = asyncio.create_task(later())
         samples: list[int] = []
-        scrapes: dict[tuple[str, float], dict[str, float]] = {}
+        scrapes: dict[tuple[str, float], Scrape] = {}
         agreed: list[DryRunPair] = []
         side = [asyncio.create_task(sample_inflight(session, url, samples, scrapes))] \
             if ours else []
@@ -528,12 +531,13 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
     return result
 
 
-def timed_scrapes(scrapes: Mapping[tuple[str, float], Mapping[str, float]],
+def timed_scrapes(scrapes: Mapping[tuple[str, float], Scrape],
                   replies: Sequence[Reply]) -> list[dict[str, Any]]:
     """The engine scrapes the gateway routed on during a run, oldest first, each at its
     instant on the run's decision instants (``decided_s``; both are the gateway's monotonic
-    clock): the last one before the first decision and every one after; empty unless every
-    reply said when it was decided."""
+    clock), with its metrics and the requests the gateway had in flight there then (``own``;
+    None when the gateway did not say): the last one before the first decision and every one
+    after; empty unless every reply said when it was decided."""
     first = first_decision(replies)
     if first is None:
         return []
@@ -541,8 +545,9 @@ def timed_scrapes(scrapes: Mapping[tuple[str, float], Mapping[str, float]],
     for wid, at in scrapes:
         if at <= first and at > latest.get(wid, 0.0):
             latest[wid] = at
-    return [{"decided_s": round(at - first, 6), "worker": wid, "metrics": dict(metrics)}
-            for (wid, at), metrics in sorted(scrapes.items(), key=lambda kv: kv[0][1])
+    return [{"decided_s": round(at - first, 6), "worker": wid, "metrics": dict(metrics),
+             "own": own}
+            for (wid, at), (metrics, own) in sorted(scrapes.items(), key=lambda kv: kv[0][1])
             if at > first or latest.get(wid) == at]
 
 
@@ -578,11 +583,12 @@ AGREEMENT_SAMPLE_S = 0.05  # a dry run on two processes (--agreement)
 
 
 async def sample_inflight(session: aiohttp.ClientSession, url: str, out: list[int],
-                          scrapes: dict[tuple[str, float], dict[str, float]] | None = None,
+                          scrapes: dict[tuple[str, float], Scrape] | None = None,
                           ) -> None:
     """Every ``INFLIGHT_SAMPLE_S``, the gateway's count of requests in flight (all workers),
     and into ``scrapes`` each engine scrape it routes on ((worker, when on its monotonic
-    clock) -> the metrics; a scrape stays until the next health probe, seconds apart)."""
+    clock) -> the metrics and its own requests in flight there then; a scrape stays until
+    the worker's next health probe, seconds apart)."""
     while True:
         await asyncio.sleep(INFLIGHT_SAMPLE_S)
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError,
@@ -594,8 +600,10 @@ async def sample_inflight(session: aiohttp.ClientSession, url: str, out: list[in
                 for w in data["workers"]:
                     at = float(w.get("scraped_at") or 0.0)
                     if at > 0:
-                        scrapes[(str(w["id"]), at)] = {
-                            k: float(v) for k, v in (w.get("engine_metrics") or {}).items()}
+                        own = w.get("own_at_scrape")
+                        scrapes[(str(w["id"]), at)] = (
+                            {k: float(v) for k, v in (w.get("engine_metrics") or {}).items()},
+                            int(own) if isinstance(own, int) else None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -281,8 +281,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         request_delays=tuple(delays), route_keys=tuple(keys),
         engine_holds=tuple(engine_held) if len(engine_held) == len(units) else (),
         decision_gap_s=0.0 if timed else decision_gap_s, rebalance_log=logged,
-        scrape_log=tuple((float(x["decided_s"]), str(x["worker"]), dict(x["metrics"]))
-                         for x in scrapes) if timed else (),
+        scrape_log=tuple((float(x["decided_s"]), str(x["worker"]), dict(x["metrics"]),
+                          x.get("own")) for x in scrapes) if timed else (),
         prewarm_log=prewarm_log, copy_hold_s=copy_hold_s,
     )
     result = simulate(units, with_overrides(sim, overrides) if overrides else sim)

@@ -79,11 +79,12 @@ own time, whatever else runs: the reference worker's default). With
 prefill: queue + prefill wait + prefill), then decode takes ``SimCosts.decode_seconds(output)``
 and runs alongside other requests' decode without slowing them.
 
-**Health probes.** Every ``probe_interval_s`` of simulated time (the gateway's
-``health_interval_s``) the gateway reads each worker's engine metrics, as its health probes
-scrape vLLM's ``/metrics``: the running and waiting requests, and the sums and counts of the
-admission-wait and time-to-first-token histograms (from each request's arrival at the worker;
-counted when it is admitted, its first token's time known then). A live replay gives the live
+**Health probes.** Once every ``probe_interval_s`` of simulated time (the gateway's
+``health_interval_s``), the workers in turn and evenly apart as the gateway spreads a round,
+the gateway reads each worker's engine metrics, as its health probes scrape vLLM's
+``/metrics``: the running and waiting requests, and the sums and counts of the admission-wait
+and time-to-first-token histograms (from each request's arrival at the worker; counted when it
+is admitted, its first token's time known then). A live replay gives the live
 run's scrapes instead (``scrape_log``).
 
 Default costs (:data:`DEFAULT_COSTS`): 100 us per uncached prompt token (10k tokens/s of prefill
@@ -222,12 +223,14 @@ class SimConfig:
     # tuple, even an empty one), they are applied then, and the rebalancer decides nothing
     # of its own (its rounds follow the live gateway's clock, not the simulation's).
     rebalance_log: tuple[tuple[float, RebalanceAction], ...] | None = None
-    # A live run's engine scrapes (instant, worker name, metrics), each given to the pool at
-    # its instant as the live gateway's health probe gave it: a worker's view counts its
-    # engine's running and waiting requests at the last scrape (WorkerState.view).
-    scrape_log: tuple[tuple[float, str, Mapping[str, float]], ...] = ()
-    # Without a scrape_log, the gateway scrapes every simulated worker's engine metrics this
-    # often (simulated seconds; 0: never), as its health probes do.
+    # A live run's engine scrapes (instant, worker name, metrics, the live gateway's own
+    # requests in flight there then or None), each given to the pool at its instant as the
+    # live gateway's health probe gave it: a worker's view counts its engine's running and
+    # waiting requests at the last scrape beyond the gateway's own then (WorkerState.view).
+    scrape_log: tuple[tuple[float, str, Mapping[str, float], int | None], ...] = ()
+    # Without a scrape_log, the gateway scrapes each simulated worker's engine metrics this
+    # often (simulated seconds; 0: never), the workers in turn, evenly apart, as its health
+    # probes do.
     probe_interval_s: float = field(
         default_factory=lambda: _gateway_default("health_interval_s"))
     # A live run's pre-warms, per request by position in the trace: the worker the gateway
@@ -458,9 +461,14 @@ class ClusterSim:
             self._next_rebalance = math.inf
             for at, logged in config.rebalance_log:
                 self._at(at, functools.partial(self._apply_logged, logged))
-        for at, name, metrics in config.scrape_log:
-            self._at(at, functools.partial(self._scraped, name, metrics))
-        self._next_probe = (config.probe_interval_s
+        for at, name, metrics, own in config.scrape_log:
+            self._at(at, functools.partial(self._scraped, name, metrics, own))
+        # The health probes, one worker after another (in the order of their names), each
+        # once per interval.
+        self._probe_order = sorted(ids)
+        self._probe_step = config.probe_interval_s / max(1, len(ids))
+        self._probe_turn = 0
+        self._next_probe = (self._probe_step
                             if config.probe_interval_s and not config.scrape_log else math.inf)
         self._inflight = 0
         self._last_decision = -math.inf  # the gateway decides in the order requests reach it
@@ -584,13 +592,15 @@ class ClusterSim:
         self.session.completed(job.attempt, CacheUsage(len(job.req.blocks), job.matched_blocks))
         self._inflight -= 1
 
-    def _scraped(self, name: str, metrics: Mapping[str, float], now: float) -> None:
-        self.pool.mark_up(name, frozenset(), metrics)
+    def _scraped(self, name: str, metrics: Mapping[str, float], own: int | None,
+                 now: float) -> None:
+        self.pool.mark_up(name, frozenset(), metrics, own)
 
     def _probe(self) -> None:
-        """One round of the gateway's health probes: every engine's metrics."""
-        for wid, w in self.workers.items():
-            self.pool.mark_up(wid, frozenset(), w.metrics())
+        """The gateway's next health probe: one engine's metrics."""
+        wid = self._probe_order[self._probe_turn % len(self._probe_order)]
+        self._probe_turn += 1
+        self.pool.mark_up(wid, frozenset(), self.workers[wid].metrics())
 
     def _apply_logged(self, action: RebalanceAction, now: float) -> None:
         self._rebalance_actions[action.action] += 1
@@ -725,7 +735,7 @@ class ClusterSim:
                 self._next_rebalance += cfg.rebalance_interval_s
             while self._next_probe <= min(t_event, t_arrival) < math.inf:
                 self._probe()
-                self._next_probe += cfg.probe_interval_s
+                self._next_probe += self._probe_step
             if events and t_event <= t_arrival:
                 now, _, action = heapq.heappop(events)
                 action(now)

@@ -14,6 +14,7 @@ from loadtest.replay import (
     DryRunPair,
     ReplayConfig,
     RunResult,
+    Scrape,
     agreement,
     markdown,
     medians,
@@ -433,11 +434,12 @@ def _replies(*decided_at: float) -> list[Reply]:
 def test_engine_scrapes_are_timed_on_the_decision_instants() -> None:
     """The gateway's scrapes on its monotonic clock, as the decision instants are: each
     worker's last one before the first decision (at 100.0) and every one after it."""
-    scrapes = {("a", 90.0): {"r": 1.0}, ("a", 99.0): {"r": 2.0}, ("b", 95.0): {"r": 0.0},
-               ("a", 103.5): {"r": 3.0}}
+    scrapes: dict[tuple[str, float], Scrape] = {
+        ("a", 90.0): ({"r": 1.0}, 0), ("a", 99.0): ({"r": 2.0}, 1), ("b", 95.0): ({"r": 0.0}, 0),
+        ("a", 103.5): ({"r": 3.0}, None)}
     timed = timed_scrapes(scrapes, _replies(100.0, 100.5, 104.0))
-    assert [(x["worker"], x["decided_s"], x["metrics"]) for x in timed] == [
-        ("b", -5.0, {"r": 0.0}), ("a", -1.0, {"r": 2.0}), ("a", 3.5, {"r": 3.0})]
+    assert [(x["worker"], x["decided_s"], x["metrics"], x["own"]) for x in timed] == [
+        ("b", -5.0, {"r": 0.0}, 0), ("a", -1.0, {"r": 2.0}, 1), ("a", 3.5, {"r": 3.0}, None)]
     assert timed_scrapes(scrapes, _replies(100.0, 0.0)) == []  # a reply that did not say
 
 

@@ -503,13 +503,53 @@ def test_an_engine_scrape_counts_in_the_worker_view_from_its_instant() -> None:
     reqs = [dataclasses.replace(r, arrival_s=1.0) for r in trace([1, 2])]
     base = config(2, 8, "least_load", mode="replay", concurrency=None, worker_names=("a", "b"))
     busy = {"vllm:num_requests_running": 3.0, "vllm:num_requests_waiting": 1.0}
-    sim = ClusterSim(dataclasses.replace(base, scrape_log=((0.5, "a", busy),)))
+    sim = ClusterSim(dataclasses.replace(base, scrape_log=((0.5, "a", busy, None),)))
     sim.run(reqs)
     assert sim.pool.get("a").view().inflight_requests == 4
     assert sim.pool.get("b").view().inflight_requests == 0
     plain = ClusterSim(base)
     plain.run(reqs)
     assert plain.pool.get("a").view().inflight_requests == 0
+
+
+def test_a_logged_scrape_counts_only_the_engines_load_beyond_the_live_gateways_own() -> None:
+    # The same scrape of worker a (three running, one waiting), logged with the two requests
+    # the live gateway had in flight there then: the view counts the other two as load from
+    # elsewhere, not the four the simulated gateway's own count (none in flight at 0.5 s)
+    # would leave.
+    reqs = [dataclasses.replace(r, arrival_s=1.0) for r in trace([1, 2])]
+    base = config(2, 8, "least_load", mode="replay", concurrency=None, worker_names=("a", "b"))
+    busy = {"vllm:num_requests_running": 3.0, "vllm:num_requests_waiting": 1.0}
+    logged = ClusterSim(dataclasses.replace(base, scrape_log=((0.5, "a", busy, 2),)))
+    logged.run(reqs)
+    assert logged.pool.get("a").view().inflight_requests == 2
+
+
+class _ProbeTimes(ClusterSim):
+    """The simulator, noting which worker each of its health probes read, and when (the
+    instant the event loop reached it: the probe's due time)."""
+
+    probed: list[tuple[float, str]]
+
+    def _probe(self) -> None:
+        self.probed = getattr(self, "probed", [])
+        before = {s.worker.id: s.engine_metrics for s in self.pool.states()}
+        super()._probe()
+        changed = sorted(s.worker.id for s in self.pool.states()
+                         if s.engine_metrics is not before[s.worker.id])
+        self.probed.append((self._next_probe, ", ".join(changed)))
+
+
+def test_the_simulated_gateway_probes_its_workers_in_turn_evenly_apart() -> None:
+    # Four workers probed every 2 s, as the live gateway spreads a round: one every 0.5 s, in
+    # the order of their names, each once per round.
+    reqs = [dataclasses.replace(r, arrival_s=4.2) for r in trace([1, 2])]
+    base = config(4, 8, "least_load", mode="replay", concurrency=None,
+                  worker_names=("d", "b", "a", "c"), probe_interval_s=2.0)
+    sim = _ProbeTimes(base)
+    sim.run(reqs)
+    assert sim.probed == [(0.5, "a"), (1.0, "b"), (1.5, "c"), (2.0, "d"),
+                          (2.5, "a"), (3.0, "b"), (3.5, "c"), (4.0, "d")]
 
 
 def test_the_gateway_probes_the_simulated_engines_for_their_times_to_first_token() -> None:
