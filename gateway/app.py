@@ -445,6 +445,7 @@ def create_app(
     app[SYNC_KEY] = sync
     app[POOL_KEY] = pool
     app[HEALTH_KEY] = HealthChecker(state, lifecycle, telemetry.misses)
+    sync.gone = app[HEALTH_KEY].probe_soon  # a registry entry gone: is the worker gone too?
     app[EXACT_KEY] = exact
     app[WARMUP_KEY] = warmup
     app[LIFECYCLE_KEY] = lifecycle

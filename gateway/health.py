@@ -8,7 +8,10 @@ probe applied as it is answered. A round probed all at once is a burst of work f
 gateway's one event loop (three requests and a metrics page to parse per endpoint): with 64
 workers it held every request in flight for tens of milliseconds every round, which made the
 replay's p99 latency. The start-up round, and a round woken by a worker that joined, probe
-every worker at once (:meth:`HealthChecker.probe_all`).
+every worker at once (:meth:`HealthChecker.probe_all`); the spread rounds start an interval
+after such a round. A registry worker whose entry is gone is probed out of its turn
+(:meth:`HealthChecker.probe_soon`, at most once an interval): it leaves once a probe finds it
+down, and waiting for its turn could take up to two intervals after a round at once.
 
 A probe that timed out takes a healthy worker out at once when another probe was answered in
 time while it waited. When none was, it takes a worker out only if its probe before timed out
@@ -53,6 +56,8 @@ class HealthChecker:
         # The probes of a spread round still out, by endpoint (a slow one is not started
         # again by the next round: its answer is applied once).
         self._probing: dict[tuple[str, str], asyncio.Task[None]] = {}
+        # When each endpoint's last probe began (monotonic), for :meth:`probe_soon`.
+        self._probed_at: dict[tuple[str, str], float] = {}
 
     async def _probe(self, worker: Worker) -> WorkerProbe:
         try:
@@ -68,6 +73,7 @@ class HealthChecker:
         # A probe that only timed out is no proof of a hang when the worker sent us replies or
         # stream chunks while it was waited for.
         alive_since = time.monotonic()
+        self._probed_at = {_endpoint(s.worker): alive_since for s in workers}
         probes = await asyncio.gather(*(self._probe(s.worker) for s in workers))
         self._timed_out &= {s.worker.id for s in workers}  # forget workers that left
         # Some probe came back in time: the gateway's loop ran, a timeout is the worker's.
@@ -88,7 +94,8 @@ class HealthChecker:
         self._timed_out &= {s.worker.id for s in states}  # forget workers that left
         endpoints: dict[tuple[str, str], list[WorkerState]] = {}
         for s in states:
-            endpoints.setdefault((s.worker.url, s.worker.endpoint_id), []).append(s)
+            endpoints.setdefault(_endpoint(s.worker), []).append(s)
+        self._probed_at = {key: at for key, at in self._probed_at.items() if key in endpoints}
         if not endpoints:  # nothing to probe: the interval, or a wake-up
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), over_s)
@@ -102,6 +109,20 @@ class HealthChecker:
             if key not in self._probing:
                 self._start_probe(key, endpoints[key])
         return False
+
+    def probe_soon(self, wid: str) -> None:
+        """Probe the endpoint of ``wid`` now, out of its turn (its registry entry is gone: it
+        leaves once a probe finds it down), unless it was probed within the last interval or
+        is being probed."""
+        pool = self._state.pool
+        if wid not in pool:
+            return
+        key = _endpoint(pool.get(wid).worker)
+        last = self._probed_at.get(key, -math.inf)
+        if (key in self._probing
+                or time.monotonic() - last < self._state.settings.health_interval_s):
+            return
+        self._start_probe(key, [s for s in pool.states() if _endpoint(s.worker) == key])
 
     async def answered(self) -> None:
         """Until every probe of the spread rounds still out has been answered (or has timed
@@ -130,6 +151,7 @@ class HealthChecker:
         pool = self._state.pool
         for _ in range(2):
             alive_since = time.monotonic()
+            self._probed_at[_endpoint(ranks[0].worker)] = alive_since
             probes = await asyncio.gather(*(self._probe(s.worker) for s in ranks))
             in_time = not all(probe.timed_out for probe in probes)
             # Another probe answered in time while this one waited: the gateway's loop ran.
@@ -208,22 +230,32 @@ class HealthChecker:
         self._wake.set()
 
     async def run(self) -> None:
-        """Rounds of probes until cancelled: each spread over ``health_interval_s``
-        (:meth:`spread_round`), and one at once (:meth:`probe_all`) whenever woken."""
+        """Rounds of probes until cancelled: after a round at once (the start-up round, or
+        one woken by :meth:`wake`: :meth:`probe_all`), an interval's wait, then rounds spread
+        over ``health_interval_s`` (:meth:`spread_round`) until woken again."""
         try:
             while True:
-                woken = False
-                try:
-                    woken = await self.spread_round(self._state.settings.health_interval_s)
-                except Exception:
-                    log.exception("health check round failed")
-                    await asyncio.sleep(self._state.settings.health_interval_s)
-                if woken:
-                    self._wake.clear()
+                interval = self._state.settings.health_interval_s
+                with contextlib.suppress(TimeoutError):  # every worker was just probed
+                    await asyncio.wait_for(self._wake.wait(), interval)
+                woken = self._wake.is_set()
+                while not woken:
                     try:
-                        await self.probe_all()
+                        woken = await self.spread_round(interval)
                     except Exception:
                         log.exception("health check round failed")
+                        await asyncio.sleep(interval)
+                    interval = self._state.settings.health_interval_s
+                self._wake.clear()
+                try:
+                    await self.probe_all()
+                except Exception:
+                    log.exception("health check round failed")
         finally:
             for task in list(self._probing.values()):
                 task.cancel()
+
+
+def _endpoint(worker: Worker) -> tuple[str, str]:
+    """The endpoint a worker is served at: its ranks share one (and one probe)."""
+    return worker.url, worker.endpoint_id

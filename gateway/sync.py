@@ -121,6 +121,9 @@ class StoreSync:
         self.peers: PeerLink | None = None
         self._peer_retry: asyncio.TimerHandle | None = None
         self._linked: set[str] = set()  # origins heard through the sockets
+        # Called with a registry worker's id when its entry is gone but it is still healthy:
+        # the health checker probes it soon (gateway.health), rather than at its turn.
+        self.gone: Callable[[str], None] | None = None
 
     @property
     def shares_state(self) -> bool:
@@ -255,9 +258,12 @@ class StoreSync:
             if record.models:
                 self.pool.mark_up(record.id, frozenset(record.models))
         for state in self.pool.states():
-            if (state.source == "registry" and state.worker.endpoint_id not in registered
-                    and not state.healthy):
+            if state.source != "registry" or state.worker.endpoint_id in registered:
+                continue
+            if not state.healthy:
                 self.pool.remove(state.worker.id)
+            elif self.gone is not None:
+                self.gone(state.worker.id)
         self._apply_capacities(records)
 
     def _trusted(self, records: Sequence[WorkerRecord]) -> list[WorkerRecord]:

@@ -468,7 +468,9 @@ class ClusterSim:
         self._probe_order = sorted(ids)
         self._probe_step = config.probe_interval_s / max(1, len(ids))
         self._probe_turn = 0
-        self._next_probe = (self._probe_step
+        # The first round starts an interval after the start (when the gateway's start-up
+        # round probed every worker).
+        self._next_probe = (config.probe_interval_s + self._probe_step
                             if config.probe_interval_s and not config.scrape_log else math.inf)
         self._inflight = 0
         self._last_decision = -math.inf  # the gateway decides in the order requests reach it

@@ -542,14 +542,15 @@ class _ProbeTimes(ClusterSim):
 
 def test_the_simulated_gateway_probes_its_workers_in_turn_evenly_apart() -> None:
     # Four workers probed every 2 s, as the live gateway spreads a round: one every 0.5 s, in
-    # the order of their names, each once per round.
-    reqs = [dataclasses.replace(r, arrival_s=4.2) for r in trace([1, 2])]
+    # the order of their names, each once per round, the first round from 2 s on (the
+    # gateway's start-up round probed them all at 0).
+    reqs = [dataclasses.replace(r, arrival_s=6.2) for r in trace([1, 2])]
     base = config(4, 8, "least_load", mode="replay", concurrency=None,
                   worker_names=("d", "b", "a", "c"), probe_interval_s=2.0)
     sim = _ProbeTimes(base)
     sim.run(reqs)
-    assert sim.probed == [(0.5, "a"), (1.0, "b"), (1.5, "c"), (2.0, "d"),
-                          (2.5, "a"), (3.0, "b"), (3.5, "c"), (4.0, "d")]
+    assert sim.probed == [(2.5, "a"), (3.0, "b"), (3.5, "c"), (4.0, "d"),
+                          (4.5, "a"), (5.0, "b"), (5.5, "c"), (6.0, "d")]
 
 
 def test_the_gateway_probes_the_simulated_engines_for_their_times_to_first_token() -> None:
