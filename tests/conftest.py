@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,8 +25,12 @@ import pytest
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from gateway.api import STATE
 from gateway.app import create_app as create_gateway
 from gateway.contracts.httpserver import JsonErrorRunner
+from gateway.health import HealthChecker
+from gateway.pool import WorkerPool
+from gateway.resources import HEALTH_KEY
 from gateway.settings import GatewaySettings
 from infra.procs import PortLedger, stop_processes, wait_healthy
 from tests.browser import CHROMIUM, DRIVER
@@ -64,6 +69,32 @@ async def serve(app: web.Application, port: int) -> web.AppRunner:
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner
 
+
+
+@contextlib.asynccontextmanager
+async def probed_by_hand(*workers: str) -> AsyncIterator[tuple[WorkerPool, HealthChecker]]:
+    """A gateway over ``workers`` whose probe rounds the test drives (the background rounds
+    wait an hour): its pool and its health checker, after the start-up round."""
+    port = free_port()
+    app = create_gateway(GatewaySettings(port=port, worker=workers, health_interval_s=3600.0))
+    runner = await serve(app, port)
+    try:
+        yield app[STATE].pool, app[HEALTH_KEY]
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def stopped(*procs: asyncio.subprocess.Process) -> AsyncIterator[None]:
+    """The processes stopped (SIGSTOP: the kernel still accepts their connections, nothing
+    answers) until the block ends."""
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGCONT)
 
 
 @contextlib.asynccontextmanager

@@ -8,23 +8,15 @@ accepts their connections, nothing answers).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
-import os
-import signal
 import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway.api import STATE
-from gateway.app import create_app as create_gateway
 from gateway.health import HealthChecker
-from gateway.pool import WorkerPool
-from gateway.resources import HEALTH_KEY
-from gateway.settings import GatewaySettings
-from tests.conftest import MODEL, Processes, free_port, serve
+from tests.conftest import MODEL, Processes, free_port, probed_by_hand, serve, stopped
 
 
 def _engine(name: str, asked: list[tuple[str, float]],
@@ -49,19 +41,6 @@ def _engine(name: str, asked: list[tuple[str, float]],
 
 
 @contextlib.asynccontextmanager
-async def _probed_by_hand(*workers: str) -> AsyncIterator[tuple[WorkerPool, HealthChecker]]:
-    """A gateway over ``workers`` whose rounds the test drives: its pool and its health
-    checker, after the start-up round."""
-    port = free_port()
-    app = create_gateway(GatewaySettings(port=port, worker=workers, health_interval_s=3600.0))
-    runner = await serve(app, port)
-    try:
-        yield app[STATE].pool, app[HEALTH_KEY]
-    finally:
-        await runner.cleanup()
-
-
-@contextlib.asynccontextmanager
 async def _engines(*engines: web.Application) -> AsyncIterator[list[str]]:
     ports = [free_port() for _ in engines]
     runners = [await serve(app, port) for app, port in zip(engines, ports, strict=True)]
@@ -70,17 +49,6 @@ async def _engines(*engines: web.Application) -> AsyncIterator[list[str]]:
     finally:
         for runner in runners:
             await runner.cleanup()
-
-
-@contextlib.asynccontextmanager
-async def _stopped(*procs: asyncio.subprocess.Process) -> AsyncIterator[None]:
-    for proc in procs:
-        os.kill(proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for proc in procs:
-            os.kill(proc.pid, signal.SIGCONT)
 
 
 async def _round(health: HealthChecker, over_s: float = 0.2) -> None:
@@ -96,7 +64,7 @@ async def test_a_round_asks_each_server_once_and_its_probes_apart() -> None:
     asked: list[tuple[str, float]] = []
     async with _engines(*(_engine(str(i), asked) for i in range(4))) as urls:
         ranked = [*urls[:3], urls[3] + "#dp-size=2"]
-        async with _probed_by_hand(*ranked) as (pool, health):
+        async with probed_by_hand(*ranked) as (pool, health):
             assert len(pool.healthy_ids()) == 5
             asked.clear()  # the start-up round asked each at once
             await _round(health, 0.4)
@@ -116,7 +84,7 @@ async def test_a_stall_of_the_gateways_loop_in_a_round_keeps_the_worker_it_delay
                         _engine("b", asked, stalls["b"])) as urls:
         ids = {url.removeprefix("http://") for url in urls}
         first, second = ("a", "b") if urls[0] < urls[1] else ("b", "a")  # a round's order
-        async with _probed_by_hand(*urls) as (pool, health):
+        async with probed_by_hand(*urls) as (pool, health):
             assert pool.healthy_ids() == ids
             asked.clear()
             stalls[first].append(2.5)
@@ -134,14 +102,14 @@ async def test_a_hung_worker_leaves_within_its_round_and_comes_back(
     workers both leave; answering again, they come back with the next round."""
     (a_url, a), (b_url, b) = [await processes.worker() for _ in range(2)]
     a_id, b_id = a_url.removeprefix("http://"), b_url.removeprefix("http://")
-    async with _probed_by_hand(a_url, b_url) as (pool, health):
+    async with probed_by_hand(a_url, b_url) as (pool, health):
         assert pool.healthy_ids() == {a_id, b_id}
-        async with _stopped(a):
+        async with stopped(a):
             await _round(health)
             assert pool.healthy_ids() == {b_id}
         await _round(health)
         assert pool.healthy_ids() == {a_id, b_id}
-        async with _stopped(a, b):
+        async with stopped(a, b):
             await _round(health)
             assert pool.healthy_ids() == set()
         await _round(health)

@@ -7,22 +7,14 @@ connections, nothing answers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.api import STATE
-from gateway.app import create_app as create_gateway
-from gateway.health import HealthChecker
-from gateway.pool import WorkerPool
-from gateway.resources import HEALTH_KEY
 from gateway.settings import GatewaySettings
 from tests.conftest import (
     MODEL,
@@ -31,7 +23,9 @@ from tests.conftest import (
     admin_workers,
     free_port,
     gateway_over,
+    probed_by_hand,
     serve,
+    stopped,
 )
 
 
@@ -39,29 +33,6 @@ def _chat(user: str, max_tokens: int = 2) -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": user}]}
 
-
-
-@contextlib.asynccontextmanager
-async def _stopped(proc: asyncio.subprocess.Process) -> AsyncIterator[None]:
-    os.kill(proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-
-
-
-@contextlib.asynccontextmanager
-async def _probed_by_hand(*workers: str) -> AsyncIterator[tuple[WorkerPool, HealthChecker]]:
-    """A gateway over ``workers`` whose probe rounds the test drives (the background round
-    waits an hour): its pool and its health checker, after the start-up round."""
-    port = free_port()
-    app = create_gateway(GatewaySettings(port=port, worker=workers, health_interval_s=3600.0))
-    runner = await serve(app, port)
-    try:
-        yield app[STATE].pool, app[HEALTH_KEY]
-    finally:
-        await runner.cleanup()
 
 
 @pytest.fixture
@@ -78,7 +49,7 @@ async def test_first_byte_timeout_reroutes_and_the_breaker_ejects_a_hung_worker(
         [hung_url, ok_url], first_byte_timeout_s=0.3, breaker_failures=2,
         breaker_cooldown_s=0.5, health_interval_s=3600.0,
     ) as gateway, aiohttp.ClientSession() as http:
-        async with _stopped(hung):
+        async with stopped(hung):
             replies = []
             for i in range(12):
                 async with http.post(gateway + "/v1/chat/completions",
@@ -108,7 +79,7 @@ async def test_worker_found_down_by_probes_loses_its_waiting_requests(
     (hung_url, hung), _ = two_workers
     # No first-byte timeout: only the health probes can free the requests.
     async with gateway_over([hung_url], health_interval_s=0.2) as gateway, \
-            aiohttp.ClientSession() as http, _stopped(hung):
+            aiohttp.ClientSession() as http, stopped(hung):
         response = await asyncio.wait_for(
             http.post(gateway + "/v1/chat/completions", json=_chat("hello")), 30
         )
@@ -266,16 +237,16 @@ async def test_a_round_of_timed_out_probes_keeps_the_pool_and_two_in_a_row_empty
     once."""
     (a_url, a), (b_url, b) = two_workers
     a_id, b_id = a_url.removeprefix("http://"), b_url.removeprefix("http://")
-    async with _probed_by_hand(a_url, b_url) as (pool, health):
+    async with probed_by_hand(a_url, b_url) as (pool, health):
         assert pool.healthy_ids() == {a_id, b_id}  # the start-up round
-        async with _stopped(a), _stopped(b):
+        async with stopped(a), stopped(b):
             await health.probe_all()
             assert pool.healthy_ids() == {a_id, b_id}
             await health.probe_all()
             assert pool.healthy_ids() == set()
         await health.probe_all()
         assert pool.healthy_ids() == {a_id, b_id}
-        async with _stopped(a):
+        async with stopped(a):
             await health.probe_all()
             assert pool.healthy_ids() == {b_id}
 
@@ -306,11 +277,11 @@ async def test_an_engine_with_odd_metrics_costs_no_other_worker_its_health_round
     ok_url, ok = await processes.worker()
     odd_id, ok_id = odd_url.removeprefix("http://"), ok_url.removeprefix("http://")
     try:
-        async with _probed_by_hand(odd_url, ok_url) as (pool, health):
+        async with probed_by_hand(odd_url, ok_url) as (pool, health):
             assert pool.healthy_ids() == {odd_id, ok_id}
             assert pool.get(odd_id).engine_metrics == {"vllm:num_requests_running": 3.0,
                                                        "engine_ranks": 2.0}
-            async with _stopped(ok):
+            async with stopped(ok):
                 await health.probe_all()  # the odd engine answered in time: a timeout is ok's
                 assert pool.healthy_ids() == {odd_id}
             await health.probe_all()
