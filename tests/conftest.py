@@ -71,6 +71,28 @@ async def serve(app: web.Application, port: int) -> web.AppRunner:
 
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def probed_engine(routes: dict[tuple[str, str], Handler] | None = None,
+                  health: Handler | None = None) -> web.Application:
+    """An engine that answers the gateway's health and model probes (``health``: its own
+    ``/health`` handler), and ``routes`` ((method, path) to handler)."""
+
+    async def healthy(_: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_get("/health", health or healthy)
+    app.router.add_get("/v1/models", models)
+    for (method, path), handler in (routes or {}).items():
+        app.router.add_route(method, path, handler)
+    return app
+
+
 @contextlib.asynccontextmanager
 async def probed_by_hand(*workers: str) -> AsyncIterator[tuple[WorkerPool, HealthChecker]]:
     """A gateway over ``workers`` whose probe rounds the test drives (the background rounds

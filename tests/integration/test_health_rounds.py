@@ -16,7 +16,14 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from gateway.health import HealthChecker
-from tests.conftest import MODEL, Processes, free_port, probed_by_hand, serve, stopped
+from tests.conftest import (
+    Processes,
+    free_port,
+    probed_by_hand,
+    probed_engine,
+    serve,
+    stopped,
+)
 
 
 def _engine(name: str, asked: list[tuple[str, float]],
@@ -31,13 +38,7 @@ def _engine(name: str, asked: list[tuple[str, float]],
             time.sleep(stalls.pop())  # noqa: ASYNC251 (the stall is the point)
         return web.json_response({})
 
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    return app
+    return probed_engine(health=health)
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -24,6 +23,7 @@ from tests.conftest import (
     free_port,
     gateway_over,
     probed_by_hand,
+    probed_engine,
     serve,
     stopped,
 )
@@ -163,27 +163,6 @@ async def test_bad_timeout_settings_are_refused() -> None:
 
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _engine(routes: dict[tuple[str, str], Handler]) -> web.Application:
-    """An engine that answers its health and model probes, and ``routes`` ((method, path) to
-    handler)."""
-
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({})
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    for (method, path), handler in routes.items():
-        app.router.add_route(method, path, handler)
-    return app
-
-
 def _silent_streamer(release: asyncio.Event) -> web.Application:
     """A worker that answers probes and sends a stream's headers at once (as engines do),
     then nothing until ``release``."""
@@ -195,7 +174,7 @@ def _silent_streamer(release: asyncio.Event) -> web.Application:
         await release.wait()
         return response
 
-    return _engine({("POST", "/v1/chat/completions"): chat})
+    return probed_engine({("POST", "/v1/chat/completions"): chat})
 
 
 async def test_a_stream_with_headers_but_no_first_chunk_is_rerouted(
@@ -262,7 +241,7 @@ def _odd_engine() -> web.Application:
             "vllm:num_requests_waiting +Inf\n"
             'vllm:cache_config_info{block_size="16",num_gpu_blocks="1e308"} 1.0\n'))
 
-    return _engine({("GET", "/metrics"): metrics})
+    return probed_engine({("GET", "/metrics"): metrics})
 
 
 async def test_an_engine_with_odd_metrics_costs_no_other_worker_its_health_round(
