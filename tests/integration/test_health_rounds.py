@@ -115,3 +115,17 @@ async def test_a_hung_worker_leaves_within_its_round_and_comes_back(
             assert pool.healthy_ids() == set()
         await _round(health)
         assert pool.healthy_ids() == {a_id, b_id}
+
+
+async def test_a_worker_is_probed_out_of_turn_at_most_once_an_interval() -> None:
+    """``probe_soon`` (a registry entry gone: the worker leaves once a probe finds it down,
+    which tests/integration/test_infra_local.py shows) does not ask an endpoint probed within
+    the last interval: here the start-up round's, an hour ago at most."""
+    asked: list[tuple[str, float]] = []
+    async with _engines(_engine("a", asked)) as (url,), probed_by_hand(url) as (pool, health):
+        asked.clear()
+        health.probe_soon(url.removeprefix("http://"))
+        health.probe_soon("no such worker")
+        await health.answered()
+        assert asked == []
+        assert pool.healthy_ids() == {url.removeprefix("http://")}
