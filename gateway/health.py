@@ -233,19 +233,17 @@ class HealthChecker:
         """Rounds of probes until cancelled: after a round at once (the start-up round, or
         one woken by :meth:`wake`: :meth:`probe_all`), an interval's wait, then rounds spread
         over ``health_interval_s`` (:meth:`spread_round`) until woken again."""
+        settings = self._state.settings
         try:
             while True:
-                interval = self._state.settings.health_interval_s
                 with contextlib.suppress(TimeoutError):  # every worker was just probed
-                    await asyncio.wait_for(self._wake.wait(), interval)
-                woken = self._wake.is_set()
-                while not woken:
+                    await asyncio.wait_for(self._wake.wait(), settings.health_interval_s)
+                while not self._wake.is_set():
                     try:
-                        woken = await self.spread_round(interval)
+                        await self.spread_round(settings.health_interval_s)
                     except Exception:
                         log.exception("health check round failed")
-                        await asyncio.sleep(interval)
-                    interval = self._state.settings.health_interval_s
+                        await asyncio.sleep(settings.health_interval_s)
                 self._wake.clear()
                 try:
                     await self.probe_all()
