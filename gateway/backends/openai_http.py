@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
-import re
 import ssl
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
@@ -36,14 +34,12 @@ import aiohttp
 from yarl import URL
 
 from gateway.backends.base import (
-    CACHE_CAPACITY_TOKENS,
-    ENGINE_RANKS,
     UpstreamRequest,
     WorkerProbe,
 )
 from gateway.backends.http1 import Http1Client, Http1Reply
 from gateway.backends.kinds import BackendKind, BackendOptions
-from gateway.contracts import engine_metrics as metric
+from gateway.backends.metrics_page import parse_engine_metrics
 from gateway.contracts.engine_paths import COMPLETION_PATHS
 from gateway.contracts.headers import NAMESPACE_HEADER
 from gateway.contracts.kv_keys import engine_namespace
@@ -53,72 +49,9 @@ from gateway.routing.types import Worker
 # The request header that pins a request to one data-parallel engine rank behind an endpoint
 # (vLLM's and SGLang's; case does not matter to either).
 RANK_HEADER = "X-data-parallel-rank"
-ENGINE_METRICS = (
-    metric.RUNNING,
-    metric.WAITING,
-    metric.KV_CACHE_USAGE,
-    metric.total(metric.PREFIX_CACHE_QUERIES),
-    metric.total(metric.PREFIX_CACHE_HITS),
-    metric.QUEUE_TIME_SUM,
-    metric.QUEUE_TIME_COUNT,
-    metric.FIRST_TOKEN_TIME_SUM,
-    metric.FIRST_TOKEN_TIME_COUNT,
-)
 # Bytes of an unfinished stream event past which it is relayed as it is: no usage report is
 # that long.
 _MAX_PENDING_EVENT = 1 << 20
-_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{([^}]*)\})?\s+([-+0-9.eEinfINFaN]+)$",
-                     re.MULTILINE)
-_CACHE_INFO = re.compile(rf"^{re.escape(metric.CACHE_CONFIG_INFO)}\{{(?P<labels>[^}}]*)\}}",
-                         re.MULTILINE)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-_ENGINE = re.compile(r'(?:^|[{,])\s*engine="([^"]*)"')
-
-
-def parse_engine_metrics(text: str, rank: int | None = None) -> dict[str, float]:
-    """Sum each of :data:`ENGINE_METRICS` over its label sets in a Prometheus text page, and
-    the KV cache capacity (``num_gpu_blocks x block_size`` of ``vllm:cache_config_info``) as
-    :data:`~gateway.backends.base.CACHE_CAPACITY_TOKENS`. A sample that is not a finite
-    number is left out (one engine's ``NaN`` or ``+Inf`` must not reach the pool's load, nor
-    an infinite cache size the health round, which converts it to blocks).
-
-    With ``rank``, only the series of that data-parallel engine (vLLM's label ``engine``)
-    count; a page whose series carry no ``engine`` label speaks for every rank alike. Without,
-    a page of several engines says how many in :data:`~gateway.backends.base.ENGINE_RANKS`."""
-    out: dict[str, float] = {}
-    want = None if rank is None or not _ENGINE.search(text) else str(rank)
-    if rank is None:
-        engines = {m.group(1) for m in _ENGINE.finditer(text)}
-        if len(engines) > 1:
-            out[ENGINE_RANKS] = float(len(engines))
-    for name, labels, value in _SAMPLE.findall(text):
-        if name in ENGINE_METRICS:
-            if want is not None and _engine_of(labels) != want:
-                continue
-            try:
-                sample = float(value)
-            except ValueError:
-                continue
-            if math.isfinite(sample):  # a NaN or an infinity would poison the load's sums
-                out[name] = out.get(name, 0.0) + sample
-    infos = list(_CACHE_INFO.finditer(text))
-    # vLLM labels each engine's cache geometry; one without the label is every rank's.
-    info = next((m for m in infos if want is None or _engine_of(m.group("labels")) in (want, None)),
-                None)
-    if info is not None:
-        labels = dict(_LABEL.findall(info.group("labels")))
-        try:
-            capacity = float(labels["num_gpu_blocks"]) * float(labels["block_size"])
-        except (KeyError, ValueError):
-            capacity = 0.0
-        if 0 < capacity < math.inf:  # an infinite size cannot be modelled in blocks
-            out[CACHE_CAPACITY_TOKENS] = capacity
-    return out
-
-
-def _engine_of(labels: str) -> str | None:
-    found = _ENGINE.search(labels)
-    return found.group(1) if found else None
 
 
 def model_versions(entries: list[dict[str, Any]]) -> dict[str, str]:

@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import openai
 
-from gateway.backends.openai_http import parse_engine_metrics
+from gateway.backends.metrics_page import parse_engine_metrics
 from gateway.proxy import stats_from_usage
 from gateway.session import CacheUsage
 from tests.conftest import MODEL, StartCluster

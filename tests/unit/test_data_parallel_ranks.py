@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.backends.openai_http import parse_engine_metrics
+from gateway.backends.metrics_page import parse_engine_metrics
 from gateway.discovery import KubernetesOptions, PodDiscovery, pod_worker
 from gateway.kvevents.endpoints import EventEndpoints, data_parallel_size, split_url
 from gateway.pool import WorkerPool
