@@ -30,7 +30,8 @@ relaying a POST to a known worker takes:
   :class:`~gateway.backends.base.BackendUnavailable`; a failure in the middle of the body
   raises :class:`~gateway.backends.base.UpstreamBrokeOff`.
 
-Health probes and admin calls, which are neither hot nor plain relays, keep aiohttp's client.
+The health probes use a client of their own of this kind (three ``GET``s per worker each
+interval, ``Content-Length`` left out); admin calls, rare and not relays, keep aiohttp's.
 """
 
 from __future__ import annotations
@@ -449,7 +450,9 @@ class Http1Client:
         later pass of the event loop, still reaches the worker before the requests sent after
         it. The coroutine returned must be awaited (it owns the connection)."""
         origin, start = self._request_start(url, method)
-        lines = [start, b"Content-Length: %d\r\n" % len(body)]
+        # A GET without content says nothing of its length (RFC 9110, 8.6).
+        lines = [start] if method == "GET" and not body else [
+            start, b"Content-Length: %d\r\n" % len(body)]
         for name, value in headers.items():
             line = f"{name}: {value}\r\n"
             if "\n" in line[:-2] or "\r" in line[:-2]:

@@ -4,7 +4,8 @@ Completions go through :class:`gateway.backends.http1.Http1Client` (kept-alive c
 worker, one write per request, a reply parsed as it arrives), with an explicit connect timeout
 and a read timeout between bytes (a long generation keeps streaming; a stuck worker is cut
 off); the number of requests in flight per worker and in total is bounded by the gateway's
-connection slots. Probes and admin calls use one pooled :class:`aiohttp.ClientSession`.
+connection slots. Health probes go through a second such client, on connections of their own;
+admin calls use one pooled :class:`aiohttp.ClientSession`.
 
 Tenant isolation: the gateway passes the request's cache namespace (derived from the tenant and
 the client's ``cache_salt``, see :class:`gateway.auth.TenantHasher`) as the ``x-cache-namespace``
@@ -34,6 +35,8 @@ import aiohttp
 from yarl import URL
 
 from gateway.backends.base import (
+    BackendUnavailable,
+    UpstreamBrokeOff,
     UpstreamRequest,
     WorkerProbe,
 )
@@ -52,6 +55,10 @@ RANK_HEADER = "X-data-parallel-rank"
 # Bytes of an unfinished stream event past which it is relayed as it is: no usage report is
 # that long.
 _MAX_PENDING_EVENT = 1 << 20
+# The longest probe reply read (a /metrics page of many engines and models is a few MB).
+_MAX_PROBE_REPLY = 64 << 20
+# How a probe's request can fail: unreachable, cut off, too slow, not JSON or not HTTP.
+_PROBE_FAILURES = (TimeoutError, BackendUnavailable, UpstreamBrokeOff, OSError, ValueError)
 
 
 def model_versions(entries: list[dict[str, Any]]) -> dict[str, str]:
@@ -167,9 +174,15 @@ class OpenAIHTTPBackend:
             total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
+        self._probe_timeout_s = probe_timeout_s
         self._client: aiohttp.ClientSession | None = None
         self._relay = Http1Client(connect_timeout_s, read_timeout_s,
                                    max_idle_per_origin=max_connections_per_worker,
+                                   ssl_context=ssl_context)
+        # Health probes: three GETs per worker each interval, on connections of their own
+        # (a probe never waits behind the relay's requests, nor they behind it).
+        self._prober = Http1Client(min(connect_timeout_s, probe_timeout_s), probe_timeout_s,
+                                   max_idle_per_origin=2, max_reply_bytes=_MAX_PROBE_REPLY,
                                    ssl_context=ssl_context)
         # Parsed upstream URLs (worker URL + path): the client parses a string on every call.
         self._urls: dict[tuple[str, str], URL] = {}
@@ -277,21 +290,15 @@ class OpenAIHTTPBackend:
         the probe failed before it, "" when the server exposes none)."""
         auth = self._credentials(worker)
         try:
-            async with self._session.get(
-                worker.url + "/health", timeout=self._probe_timeout, headers=auth
-            ) as health:
-                if health.status != 200:
-                    return WorkerProbe(False, frozenset(),
-                                       f"/health answered {health.status}"), None
-            async with self._session.get(
-                worker.url + "/v1/models", timeout=self._probe_timeout, headers=auth
-            ) as listing:
-                if listing.status != 200:
-                    return WorkerProbe(False, frozenset(),
-                                       f"/v1/models answered {listing.status}"), None
-                payload = await listing.json(content_type=None)
-            page = await self._scrape(worker)
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            status, _ = await self._get(worker, "/health", auth)
+            if status != 200:
+                return WorkerProbe(False, frozenset(), f"/health answered {status}"), None
+            status, listing = await self._get(worker, "/v1/models", auth)
+            if status != 200:
+                return WorkerProbe(False, frozenset(), f"/v1/models answered {status}"), None
+            payload = json.loads(listing)
+            status, page = await self._get(worker, "/metrics", auth)
+        except _PROBE_FAILURES as exc:
             return WorkerProbe(False, frozenset(), f"{type(exc).__name__}: {exc}",
                                timed_out=isinstance(exc, TimeoutError)), None
         entries = [
@@ -299,7 +306,24 @@ class OpenAIHTTPBackend:
             if isinstance(m, dict) and isinstance(m.get("id"), str)
         ] if isinstance(payload, dict) else []
         models = frozenset(str(m["id"]) for m in entries)
-        return WorkerProbe(True, models, versions=model_versions(entries)), page
+        text = page.decode("utf-8", "replace") if status == 200 else ""
+        return WorkerProbe(True, models, versions=model_versions(entries)), text
+
+    async def _get(self, worker: Worker, path: str,
+                   headers: Mapping[str, str]) -> tuple[int, bytes]:
+        """``GET path`` of ``worker``'s server through the probes' client: the status and the
+        whole body, within the probe timeout."""
+        url = self._urls.get((worker.url, path))
+        if url is None:
+            if len(self._urls) >= 4096:
+                self._urls.clear()
+            url = self._urls[worker.url, path] = URL(worker.url + path)
+        async with asyncio.timeout(self._probe_timeout_s):
+            reply = await self._prober.send(url, headers, b"", "GET")
+            try:
+                return reply.status, await reply.read()
+            finally:
+                reply.release()
 
     async def invalidate(self, worker: Worker) -> str:
         """Drop the worker's cached prefixes (its model changed): our worker's
@@ -335,20 +359,11 @@ class OpenAIHTTPBackend:
         data = payload.get("data") if isinstance(payload, dict) else None
         return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
 
-    async def _scrape(self, worker: Worker) -> str:
-        """The server's ``/metrics`` page; "" if it exposes none."""
-        async with self._session.get(
-            worker.url + "/metrics", timeout=self._probe_timeout,
-            headers=self._credentials(worker),
-        ) as response:
-            if response.status != 200:
-                return ""
-            return await response.text()
-
     async def close(self) -> None:
         for pending in self._probing.values():
             pending.cancel()
         self._relay.close()
+        self._prober.close()
         if self._client is not None:
             await self._client.close()
             self._client = None

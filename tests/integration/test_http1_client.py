@@ -108,6 +108,21 @@ async def test_content_length_replies_reuse_one_connection(serve: Serve) -> None
     client.close()
 
 
+async def test_a_get_says_nothing_of_a_length_it_does_not_have(serve: Serve) -> None:
+    server = await serve(lambda c, n, body: _ok(b"ok"))
+    client = _client()
+    for method, body in (("GET", b""), ("POST", b""), ("GET", b"?")):
+        reply = await client.send(server.url, {}, body, method)
+        assert await reply.read() == b"ok"
+        reply.release()
+    get, post, odd_get = server.requests
+    assert get.startswith(b"GET /v1/completions HTTP/1.1\r\n")
+    assert b"content-length" not in get.lower()
+    assert b"\r\nContent-Length: 0\r\n" in post
+    assert b"\r\nContent-Length: 1\r\n" in odd_get  # a GET with content keeps its length
+    client.close()
+
+
 async def test_chunked_reply_split_byte_by_byte(serve: Serve) -> None:
     wire = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
