@@ -53,7 +53,7 @@ CHECKPOINTS: tuple[tuple[str, str, str], ...] = (
     ("gateway.session", "RoutingSession.decide", "decide"),
     ("gateway.backends.http1", "_Connection.send", "write to worker"),
     ("gateway.session", "RoutingSession.commit", "commit"),
-    ("gateway.backends.http1", "Http1Client._wait_head", "worker's reply"),
+    ("gateway.backends.http1", "_Connection.wait_head", "worker's reply"),
     ("gateway.proxy", "_read_whole", "read answer"),
     ("gateway.proxy", "_respond_whole", "response object"),
     ("gateway.app", "_send", "write to client"),

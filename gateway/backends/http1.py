@@ -74,8 +74,10 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._head_waiter: asyncio.Future[None] | None = None
         self._body_waiter: asyncio.Future[None] | None = None
-        # The read timeout: one timer per connection, re-armed lazily (see wait_body).
+        # The read timeout: one timer per connection, re-armed lazily (see _watch), over the
+        # wait it watches (the reply's head, or its next body bytes).
         self._read_timer: asyncio.TimerHandle | None = None
+        self._timed: asyncio.Future[None] | None = None
         self._wait_since = 0.0
         self._wait_limit = 0.0
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())  # the last reply's
@@ -107,26 +109,39 @@ class _Connection(asyncio.Protocol):
         waiter = self._head_waiter = self._loop.create_future()
         return waiter
 
+    async def wait_head(self, waiter: asyncio.Future[None], timeout_s: float | None) -> None:
+        """Until the head of the reply to the request :meth:`send` wrote (``waiter``, what it
+        returned) is in (``TimeoutError`` after ``timeout_s`` without it)."""
+        self._watch(waiter, timeout_s)
+        await waiter
+
     async def wait_body(self, timeout_s: float | None) -> None:
         """Until more body bytes, the end of the reply, or an error are there (``TimeoutError``
-        after ``timeout_s`` without any). A stream waits once per chunk, so the timeout is not
-        a timer per wait: the wait notes when it began, and the connection's one timer, armed
-        when none is, re-arms itself for that wait's deadline if it fires early."""
+        after ``timeout_s`` without any)."""
         waiter = self._body_waiter = self._loop.create_future()
+        self._watch(waiter, timeout_s)
+        try:
+            await waiter
+        finally:
+            self._body_waiter = None
+
+    def _watch(self, waiter: asyncio.Future[None], timeout_s: float | None) -> None:
+        """``waiter`` fails with ``TimeoutError`` if it is not done within ``timeout_s``. A
+        request waits once for its head and a stream once per chunk, so this is not a timer per
+        wait (on uvloop a timer made and cancelled costs microseconds, a request's every
+        wait): the wait notes when it began, and the connection's one timer, armed when none
+        is, re-arms itself for the current wait's deadline if it fires early."""
+        self._timed = waiter
         self._wait_limit = timeout_s or 0.0
         if timeout_s:
             self._wait_since = self._loop.time()
             if self._read_timer is None:
                 self._read_timer = self._loop.call_at(self._wait_since + timeout_s,
                                                       self._read_due)
-        try:
-            await waiter
-        finally:
-            self._body_waiter = None
 
     def _read_due(self) -> None:
         self._read_timer = None
-        waiter = self._body_waiter
+        waiter = self._timed
         if waiter is None or waiter.done() or not self._wait_limit:
             return  # not waiting: the next wait arms the timer again
         due = self._wait_since + self._wait_limit
@@ -341,11 +356,6 @@ class _BadReply(Exception):
     """The worker's bytes are not a well-formed HTTP/1.1 reply."""
 
 
-def _time_out(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
-
-
 class Http1Reply:
     """One reply, handed out as it arrives; :meth:`release` gives the connection back (when the
     reply was read to its end and the connection may stay open) or closes it."""
@@ -476,7 +486,7 @@ class Http1Client:
         conn, reused, reply_head = written
         try:
             try:
-                await self._wait_head(reply_head)
+                await conn.wait_head(reply_head, self.read_timeout_s)
             except ConnectionError:
                 if not reused or conn.received:
                     raise
@@ -484,7 +494,7 @@ class Http1Client:
                 # on a new one (the worker never answered it, so it never ran it).
                 conn.close()
                 conn = await self._connect(origin)
-                await self._wait_head(conn.send(head, body))
+                await conn.wait_head(conn.send(head, body), self.read_timeout_s)
         except (OSError, TimeoutError, _BadReply) as exc:
             conn.close()
             detail = str(exc) or "no reply within the read timeout"
@@ -493,16 +503,6 @@ class Http1Client:
             conn.close()
             raise
         return Http1Reply(self, origin, conn)
-
-    async def _wait_head(self, waiter: asyncio.Future[None]) -> None:
-        """Until the head of the reply to a request sent (:meth:`_Connection.send`) is in."""
-        timer = (asyncio.get_running_loop().call_later(self.read_timeout_s, _time_out, waiter)
-                 if self.read_timeout_s else None)
-        try:
-            await waiter
-        finally:
-            if timer is not None:
-                timer.cancel()
 
     def _request_start(self, url: URL, method: str = "POST") -> tuple[_Origin, bytes]:
         """The origin and the request line + Host header of ``url`` (cached per method and

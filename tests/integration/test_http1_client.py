@@ -275,6 +275,33 @@ async def test_the_read_timeout_is_per_wait_not_per_reply(serve: Serve) -> None:
     client.close()
 
 
+async def test_a_head_wait_is_timed_from_its_own_request(serve: Serve) -> None:
+    # Under a 0.3 s read timeout: the first reply comes at once (the connection's timer is
+    # armed then), the second head 0.2 s after its request, sent 0.2 s later (so the timer,
+    # armed for the first request's deadline, fires while the second waits, and must re-arm
+    # for its deadline instead of failing it), and the third head never.
+    def script(c: int, n: int, body: bytes) -> list[bytes]:
+        return [*((b"<sleep 0.2>",) if n == 1 else ()),
+                *((b"<sleep 5>",) if n == 2 else _ok(b"ok"))]
+
+    server = await serve(script)
+    client = _client(read=0.3)
+    reply = await client.post(server.url, {}, b"{}")
+    assert await reply.read() == b"ok"
+    reply.release()
+    await asyncio.sleep(0.2)
+    reply = await client.post(server.url, {}, b"{}")
+    assert await reply.read() == b"ok"
+    reply.release()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(BackendUnavailable, match="TimeoutError"):
+        await client.post(server.url, {}, b"{}")
+    assert loop.time() - started >= 0.29  # the whole limit, not what an earlier timer had left
+    assert server.connections == 1
+    client.close()
+
+
 async def test_connection_refused_is_unavailable() -> None:
     client = _client()
     with pytest.raises(BackendUnavailable):
