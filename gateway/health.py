@@ -212,7 +212,7 @@ class HealthChecker:
         else:
             state.pool.mark_down(wid, probe.error)
             # Requests waiting on it for a first byte go elsewhere now.
-            state.guard.ejections.eject(wid, probe.error)
+            state.guard.waits.eject(wid, probe.error)
 
     def _note_ranks(self, worker: Worker, probe: WorkerProbe) -> None:
         """Say once that a worker listed whole is a server of several data-parallel engines:

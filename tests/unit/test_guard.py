@@ -8,11 +8,10 @@ import pytest
 
 from gateway.guard import (
     ConnectionSlots,
-    Ejections,
+    FirstByteWaits,
     IdleTimer,
     NoFirstByte,
     SlotTimeout,
-    first_byte,
 )
 
 
@@ -31,33 +30,36 @@ async def _answer() -> str:
 
 
 async def test_a_reply_in_time_is_returned() -> None:
-    assert await first_byte(_answer(), 1.0, Ejections(), "w1") == "reply"
+    assert await FirstByteWaits(1.0).wait(_answer(), "w1") == "reply"
 
 
 async def test_a_silent_worker_is_given_up_at_the_timeout_and_its_request_cancelled() -> None:
     cancelled: list[bool] = []
     with pytest.raises(NoFirstByte, match="first-byte timeout"):
-        await first_byte(_hang(cancelled), 0.05, Ejections(), "w1")
+        await FirstByteWaits(0.05).wait(_hang(cancelled), "w1")
     assert cancelled == [True]
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0  # the cancel request that gave it up is withdrawn
 
 
 async def test_an_ejection_gives_up_at_once_even_without_a_timeout() -> None:
-    ejections, cancelled = Ejections(), list[bool]()
-    asyncio.get_running_loop().call_later(0.05, ejections.eject, "w1", "probe failed")
+    waits, cancelled = FirstByteWaits(0), list[bool]()
+    asyncio.get_running_loop().call_later(0.05, waits.eject, "w1", "probe failed")
     with pytest.raises(NoFirstByte, match="found down while waiting: probe failed"):
-        await first_byte(_hang(cancelled), 0, ejections, "w1")
+        await waits.wait(_hang(cancelled), "w1")
     assert cancelled == [True]
 
 
 async def test_another_workers_ejection_does_not_touch_the_wait() -> None:
-    ejections = Ejections()
+    waits = FirstByteWaits(0)
 
     async def slow() -> str:
         await asyncio.sleep(0.1)
         return "reply"
 
-    asyncio.get_running_loop().call_later(0.02, ejections.eject, "w2", "down")
-    assert await first_byte(slow(), 0, ejections, "w1") == "reply"
+    asyncio.get_running_loop().call_later(0.02, waits.eject, "w2", "down")
+    assert await waits.wait(slow(), "w1") == "reply"
 
 
 async def test_the_openings_own_timeout_is_not_taken_for_ours() -> None:
@@ -65,13 +67,76 @@ async def test_the_openings_own_timeout_is_not_taken_for_ours() -> None:
         raise TimeoutError("connect timeout")
 
     with pytest.raises(TimeoutError, match="connect timeout"):
-        await first_byte(times_out(), 5.0, Ejections(), "w1")
+        await FirstByteWaits(5.0).wait(times_out(), "w1")
 
 
 async def test_an_ejection_after_the_reply_is_harmless() -> None:
-    ejections = Ejections()
-    assert await first_byte(_answer(), 1.0, ejections, "w1") == "reply"
-    ejections.eject("w1", "late")  # nobody waits any more: nothing to call, nothing raised
+    waits = FirstByteWaits(1.0)
+    assert await waits.wait(_answer(), "w1") == "reply"
+    waits.eject("w1", "late")  # nobody waits any more: nothing to give up, nothing raised
+
+
+async def test_many_waits_under_one_timer_each_keep_their_own_deadline() -> None:
+    # Waits begun 0.04 s apart under a 0.1 s timeout: the one timer, armed for the first
+    # deadline, gives up each wait at its own, while replies in time go through.
+    waits = FirstByteWaits(0.1)
+    loop = asyncio.get_running_loop()
+    ends: dict[str, tuple[str, float]] = {}
+
+    async def attempt(name: str, reply_after: float | None) -> None:
+        async def opening() -> str:
+            if reply_after is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(reply_after or 0)
+            return "reply"
+
+        started = loop.time()
+        try:
+            ends[name] = (await waits.wait(opening(), name), loop.time() - started)
+        except NoFirstByte:
+            ends[name] = ("given up", loop.time() - started)
+
+    tasks = []
+    for name, reply_after in (("a", None), ("b", 0.02), ("c", None), ("d", None)):
+        tasks.append(asyncio.ensure_future(attempt(name, reply_after)))
+        await asyncio.sleep(0.04)
+    await asyncio.gather(*tasks)
+    assert {n: what for n, (what, _) in ends.items()} == {
+        "a": "given up", "b": "reply", "c": "given up", "d": "given up"}
+    assert all(took >= 0.09 for what, took in ends.values() if what == "given up")
+
+
+async def test_a_cancel_from_outside_stays_a_cancel() -> None:
+    # The client went away while the attempt waited: that cancel is not a first-byte failure,
+    # even when the timeout gave the wait up in the same turn of the loop.
+    waits = FirstByteWaits(0.05)
+    cancelled: list[bool] = []
+    task = asyncio.ensure_future(waits.wait(_hang(cancelled), "w1"))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cancelled == [True]
+    outside = asyncio.ensure_future(waits.wait(_hang([]), "w1"))
+    await asyncio.sleep(0)
+    asyncio.get_running_loop().call_later(0.05, outside.cancel)  # with the timer, same turn
+    with pytest.raises((asyncio.CancelledError, NoFirstByte)):
+        await outside
+
+
+async def test_an_opening_that_answers_a_give_up_still_returns_and_withdraws_it() -> None:
+    async def stubborn() -> str:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "answered anyway"
+        return "never"
+
+    waits = FirstByteWaits(0.02)
+    assert await waits.wait(stubborn(), "w1") == "answered anyway"
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
 
 
 async def test_slots_queue_then_time_out_and_release_once() -> None:
