@@ -1,7 +1,7 @@
 """What reading a worker's ``/metrics`` page costs the gateway, per page and per probe.
 
 ``python -m loadtest.bench_metrics_page [--engines 1 4] [--histograms 12] [--repeat 300]
-[--probes 500]``
+[--probes 500] [--spaced N --apart-s 5]``
 
 Times :func:`gateway.backends.metrics_page.parse_engine_metrics` (the health loop calls it
 once per worker each interval, on the event loop that relays requests) on the reference
@@ -13,7 +13,9 @@ page, the median of five timings of ``--repeat`` reads, for a probe that reads t
 server (``rank`` none) and one that reads engine 0. Then the whole probe the health loop makes
 of that worker (``/health``, ``/v1/models``, ``/metrics`` and its reading, through the gateway's
 OpenAI HTTP backend), ``--probes`` times in turn: this process's CPU per probe (the worker's is
-its own process's), the median of five rounds.
+its own process's), the median of five rounds; with ``--spaced N``, also N probes
+``--apart-s`` seconds apart, as a health round spaces them (each finds its connection idle
+that long).
 
 The gateway on ``PYTHONPATH`` is the one timed, so an older checkout can be timed beside this
 one (``PYTHONPATH=/path/to/checkout python loadtest/bench_metrics_page.py``; before the page
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import math
 import statistics
 import sys
 import tempfile
@@ -84,9 +87,10 @@ def vllm_page(engines: int, histograms: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def worker_page(probes: int) -> tuple[str, float]:
+async def worker_page(probes: int, apart: tuple[int, float]) -> tuple[str, float, float]:
     """The reference worker's page after one request, and this process's CPU ms per probe of
-    the worker by the gateway's backend (the median of five rounds of ``probes``)."""
+    the worker by the gateway's backend: probes in turn (the median of five rounds of
+    ``probes``) and probes spaced (``apart``: how many, how many seconds apart; 0: none)."""
     port = free_port_block(1)
     url = f"http://127.0.0.1:{port}"
     procs: list[asyncio.subprocess.Process] = []
@@ -101,24 +105,33 @@ async def worker_page(probes: int) -> tuple[str, float]:
                     await r.read()
                 async with session.get(url + "/metrics") as r:
                     page = await r.text()
-            return page, await probe_ms(Worker(f"127.0.0.1:{port}", url), probes)
+            worker = Worker(f"127.0.0.1:{port}", url)
+            spaced = await probe_ms(worker, apart[0], apart[1]) if apart[0] else math.nan
+            return page, await probe_ms(worker, probes), spaced
         finally:
             await stop_processes(procs)
 
 
-async def probe_ms(worker: Worker, probes: int) -> float:
+async def probe_ms(worker: Worker, probes: int, apart_s: float = 0.0) -> float:
+    """CPU ms per probe: the median of five rounds of ``probes``, or (``apart_s`` > 0) of
+    ``probes`` probes that many seconds apart (as a health round spaces them, each finding its
+    connection idle as long)."""
     backend = OpenAIHTTPBackend(connect_timeout_s=5.0, read_timeout_s=30.0, max_connections=64,
                                 max_connections_per_worker=8)
     await backend.start()
     rounds = []
     try:
-        for _ in range(5):
-            started = time.process_time()
+        for _ in range(1 if apart_s else 5):
+            spent = 0.0
             for _ in range(probes):
+                if apart_s:
+                    await asyncio.sleep(apart_s)
+                started = time.process_time()
                 probe = await backend.probe(worker)
+                spent += time.process_time() - started
                 if not probe.healthy:
                     raise SystemExit(f"the worker failed a probe: {probe.error}")
-            rounds.append((time.process_time() - started) / probes * 1e3)
+            rounds.append(spent / probes * 1e3)
     finally:
         await backend.close()
     return statistics.median(rounds)
@@ -136,9 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--histograms", type=int, default=12)
     p.add_argument("--repeat", type=int, default=300, help="reads per timing")
     p.add_argument("--probes", type=int, default=500, help="probes per round")
+    p.add_argument("--spaced", type=int, default=0, metavar="N",
+                   help="also N probes --apart-s seconds apart (0: none)")
+    p.add_argument("--apart-s", type=float, default=5.0,
+                   help="seconds between spaced probes (a health interval)")
     args = p.parse_args(argv)
     parse = page_reader()
-    own, probe_cpu_ms = asyncio.run(worker_page(args.probes))
+    own, probe_cpu_ms, spaced_ms = asyncio.run(
+        worker_page(args.probes, (args.spaced, args.apart_s)))
     pages = [("reference worker", own)]
     pages += [(f"vLLM-shaped, {n} engine(s)", vllm_page(n, args.histograms))
               for n in args.engines]
@@ -150,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{per_page_us(parse, page, None, args.repeat):.1f} | "
               f"{per_page_us(parse, page, 0, args.repeat):.1f} |")
     print(f"\nA whole probe of the reference worker: {probe_cpu_ms:.3f} ms of CPU")
+    if args.spaced:
+        print(f"Probes {args.apart_s:g} s apart ({args.spaced}): {spaced_ms:.3f} ms of CPU each")
     return 0
 
 
