@@ -57,6 +57,12 @@ RANK_HEADER = "X-data-parallel-rank"
 _MAX_PENDING_EVENT = 1 << 20
 # The longest probe reply read (a /metrics page of many engines and models is a few MB).
 _MAX_PROBE_REPLY = 64 << 20
+# How long a probe connection is kept idle for the next probe. The relay's limit (4 s) stays
+# under uvicorn's 5 s keep-alive; a probe of each worker comes once a health interval (5 s),
+# so under that limit every probe would open a connection (about 0.5 ms of the gateway's
+# CPU). Longer is safe for GETs: a connection the server closed while idle is seen closed and
+# skipped, and one it closes as the probe goes out is asked once more on a new one.
+_PROBE_IDLE_S = 60.0
 # How a probe's request can fail: unreachable, cut off, too slow, not JSON or not HTTP.
 _PROBE_FAILURES = (TimeoutError, BackendUnavailable, UpstreamBrokeOff, OSError, ValueError)
 
@@ -180,10 +186,11 @@ class OpenAIHTTPBackend:
                                    max_idle_per_origin=max_connections_per_worker,
                                    ssl_context=ssl_context)
         # Health probes: three GETs per worker each interval, on connections of their own
-        # (a probe never waits behind the relay's requests, nor they behind it).
+        # (a probe never waits behind the relay's requests, nor they behind it), kept from
+        # one interval to the next (see _PROBE_IDLE_S).
         self._prober = Http1Client(min(connect_timeout_s, probe_timeout_s), probe_timeout_s,
-                                   max_idle_per_origin=2, max_reply_bytes=_MAX_PROBE_REPLY,
-                                   ssl_context=ssl_context)
+                                   idle_timeout_s=_PROBE_IDLE_S, max_idle_per_origin=2,
+                                   max_reply_bytes=_MAX_PROBE_REPLY, ssl_context=ssl_context)
         # Parsed upstream URLs (worker URL + path): the client parses a string on every call.
         self._urls: dict[tuple[str, str], URL] = {}
         # (server URL, endpoint id) -> the probe of it in flight, shared by its ranks.

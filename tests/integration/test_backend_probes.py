@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 
 from gateway.backends.openai_http import OpenAIHTTPBackend
+from gateway.contracts.httpserver import JsonErrorRunner
 from gateway.routing.types import Worker
 from tests.conftest import MODEL, Handler, free_port, probed_engine, serve
 
@@ -118,3 +119,32 @@ async def test_a_worker_that_is_not_there_is_unreachable(backend: OpenAIHTTPBack
     probe = await backend.probe(Worker(f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"))
     assert not probe.healthy
     assert "BackendUnavailable" in probe.error
+
+
+async def test_probe_connections_outlive_a_health_interval(backend: OpenAIHTTPBackend) -> None:
+    # Probes of one worker come a health interval (5 s by default) apart: past the relay's
+    # 4 s idle limit, but a probe reuses the connection the last one left; a server that
+    # closed it meanwhile (its own keep-alive limit) gets a new one.
+    ports: list[int] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        ports.append(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
+        return web.Response(text=PAGE)
+
+    port = free_port()
+    runner = JsonErrorRunner(probed_engine({("GET", "/metrics"): metrics}), access_log=None,
+                             idle_timeout_s=6.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    worker = Worker(f"127.0.0.1:{port}", f"http://127.0.0.1:{port}")
+    try:
+        assert (await backend.probe(worker)).healthy
+        await asyncio.sleep(4.5)
+        assert (await backend.probe(worker)).healthy
+        assert ports[0] == ports[1]  # the same connection, 4.5 s later
+        await asyncio.sleep(6.5)  # the server closes it (its keep-alive limit is 6 s)
+        probe = await backend.probe(worker)
+        assert probe.healthy, probe.error
+        assert ports[2] != ports[1]
+    finally:
+        await runner.cleanup()
