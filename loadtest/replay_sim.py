@@ -186,6 +186,21 @@ def request_delays(run: RunResult, config: ReplayConfig) -> tuple[tuple[float, f
     return tuple((route * f, relay * f) for f in delay_factors(run))
 
 
+def start_scrapes(scrapes: Sequence[Mapping[str, Any]],
+                  decided_s: Sequence[float] = ()) -> tuple[tuple[str, dict[str, float]], ...]:
+    """The engine scrapes a live run's gateway made before its first decision (its start-up
+    probe round, after the harness warmed the workers), the last one per worker: the state the
+    run's fleet began in, for ``SimConfig.start_scrapes``. Each scrape's ``decided_s`` is on
+    the clock of the run's decision instants (the first decision at 0 when ``decided_s`` is
+    not given)."""
+    first = min(decided_s, default=0.0)
+    last: dict[str, dict[str, float]] = {}
+    for x in sorted(scrapes, key=lambda x: float(x["decided_s"])):
+        if float(x["decided_s"]) <= first:
+            last[str(x["worker"])] = dict(x["metrics"])
+    return tuple(last.items())
+
+
 def live_timing(run: RunResult, config: ReplayConfig) -> tuple[float, float]:
     """``(route_delay_s, relay_delay_s)`` of a live run, for the simulator. By Little's law a
     request spends the mean client latency ``L`` in flight at throughput ``X = requests /
@@ -221,7 +236,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
               scrapes: Sequence[Mapping[str, Any]] = (),
               prewarmed: Sequence[str] = (),
               engine_held: Sequence[float] = (),
-              copy_hold_s: float = 0.0) -> dict[str, Any]:
+              copy_hold_s: float = 0.0,
+              start_state: Sequence[tuple[str, Mapping[str, float]]] = ()) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
     concurrency, keys (the gateway's own, :func:`gateway_keys`, else the trace's in the
     gateway's shape) and timing: each request's own ``delays`` (:func:`request_delays`), or
@@ -233,7 +249,9 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     many. With the seconds from each decision to the live engine freeing the request's
     blocks (``engine_held``, :attr:`RunResult.engine_held_s`), the simulated workers free
     them then. A session copy keeps its worker from another copy for ``copy_hold_s`` from
-    its decision at least (the live run's mean, :attr:`RunResult.copy_ms_mean`).
+    its decision at least (the live run's mean, :attr:`RunResult.copy_ms_mean`). From the
+    client's timing the fleet begins as the live one did (``start_state``:
+    :func:`start_scrapes`), its engines' histograms as the gateway's start-up probes read them.
 
     With the gateway's own decision instants (``decided_s``, per request in trace order), the
     client is not simulated at all: each request is decided at its live instant, in the live
@@ -283,6 +301,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         decision_gap_s=0.0 if timed else decision_gap_s, rebalance_log=logged,
         scrape_log=tuple((float(x["decided_s"]), str(x["worker"]), dict(x["metrics"]),
                           x.get("own")) for x in scrapes) if timed else (),
+        start_scrapes=() if timed else tuple(start_state),
         prewarm_log=prewarm_log, copy_hold_s=copy_hold_s,
     )
     result = simulate(units, with_overrides(sim, overrides) if overrides else sim)
@@ -369,6 +388,7 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
     timing = live_timing(run, config)
     copy_hold_s = run.copy_ms_mean / 1e3 if run.copy_ms_mean else 0.0
     delays = request_delays(run, config)
+    start = start_scrapes(run.engine_scrapes, run.decided_s)
     samples = []
     for draw in range(max(1, draws)):
         rng = random.Random(f"{run.repeat}:{draw}")
@@ -378,7 +398,8 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
         samples.append(simulated(requests, config, policy, pooled, timing, run.worker_ids,
                                  jittered, keys, run.routed_to, decision_gap(run),
                                  overrides=overrides, units=units,
-                                 engine_held=run.engine_held_s, copy_hold_s=copy_hold_s))
+                                 engine_held=run.engine_held_s, copy_hold_s=copy_hold_s,
+                                 start_state=start))
     out = dict(samples[0])
     for key in SIM_KEYS:
         out[key] = statistics.fmean(s[key] for s in samples)

@@ -85,7 +85,10 @@ the gateway reads each worker's engine metrics, as its health probes scrape vLLM
 ``/metrics``: the running and waiting requests, and the sums and counts of the admission-wait
 and time-to-first-token histograms (from each request's arrival at the worker; counted when it
 is admitted, its first token's time known then). A live replay gives the live
-run's scrapes instead (``scrape_log``).
+run's scrapes instead (``scrape_log``); from the client's timing, it gives the scrapes of the
+live gateway's start-up round (``start_scrapes``), so the fleet begins as the live one did:
+engines the replay harness warmed, whose first tokens the gateway has seen, exempt from the
+load bound while quick (``quick_first_token_s``), not engines it knows nothing about.
 
 Default costs (:data:`DEFAULT_COSTS`): 100 us per uncached prompt token (10k tokens/s of prefill
 per worker), 2.5 us per cached token (the 1:40 ratio of ``SimCosts``' defaults), 5 ms per output
@@ -228,6 +231,11 @@ class SimConfig:
     # live gateway's health probe gave it: a worker's view counts its engine's running and
     # waiting requests at the last scrape beyond the gateway's own then (WorkerState.view).
     scrape_log: tuple[tuple[float, str, Mapping[str, float], int | None], ...] = ()
+    # The engines as a live run's fleet began it (worker name, the metrics its gateway's
+    # start-up probe round read: the requests the harness warmed each engine with, in its
+    # histograms): the simulated engines start from those counters and the pool from those
+    # scrapes, as the live gateway did; then the simulator's own probes go on from there.
+    start_scrapes: tuple[tuple[str, Mapping[str, float]], ...] = ()
     # Without a scrape_log, the gateway scrapes each simulated worker's engine metrics this
     # often (simulated seconds; 0: never), the workers in turn, evenly apart, as its health
     # probes do.
@@ -410,6 +418,15 @@ class _SimWorker:
         self.in_prefill: dict[int, _Job] = {}
         self.compute_round = 0
 
+    def resume(self, metrics: Mapping[str, float]) -> None:
+        """Start from the histograms of a live engine's scrape (``SimConfig.start_scrapes``):
+        the requests it had admitted and their waits, so that the next probe's means are of
+        the requests since, as the live gateway's are."""
+        self.started = int(metrics.get(QUEUE_TIME_COUNT, 0.0))
+        self.queue_s = metrics.get(QUEUE_TIME_SUM, 0.0)
+        self.first_tokens = int(metrics.get(FIRST_TOKEN_TIME_COUNT, 0.0))
+        self.first_token_s = metrics.get(FIRST_TOKEN_TIME_SUM, 0.0)
+
     def metrics(self) -> dict[str, float]:
         """What the engine's ``/metrics`` says now, as the gateway's probe reads it."""
         return {RUNNING: float(self.running), WAITING: float(len(self.queue)),
@@ -440,6 +457,10 @@ class ClusterSim:
             if config.index_knows_capacity:
                 # As the gateway does once a worker reports its cache size (gateway.sync).
                 self.pool.set_capacity(wid, config.cache_blocks)
+        for wid, metrics in config.start_scrapes:  # the gateway's start-up probe round
+            if wid in self.workers:
+                self.workers[wid].resume(metrics)
+                self.pool.mark_up(wid, frozenset(), metrics)
         router = router or build_router(config.policy, caches, config.policy_options)
         opts = config.policy_options
         self.prewarmer = PreWarmer(self.pool, self.index, _no_replay, PrewarmOptions(

@@ -31,6 +31,7 @@ from loadtest.replay_sim import (
     request_delays,
     sim_overrides,
     simulated,
+    start_scrapes,
     with_overrides,
 )
 from loadtest.sim import ClusterSim, SimConfig
@@ -441,6 +442,23 @@ def test_engine_scrapes_are_timed_on_the_decision_instants() -> None:
     assert [(x["worker"], x["decided_s"], x["metrics"], x["own"]) for x in timed] == [
         ("b", -5.0, {"r": 0.0}, 0), ("a", -1.0, {"r": 2.0}, 1), ("a", 3.5, {"r": 3.0}, None)]
     assert timed_scrapes(scrapes, _replies(100.0, 0.0)) == []  # a reply that did not say
+
+
+def test_the_fleet_starts_as_the_start_up_scrapes_found_it() -> None:
+    """From the client's timing the simulated fleet begins as the live one did: each
+    worker's last scrape at or before the first decision (the start-up probe round), none of
+    the later ones (the simulator probes its own engines from then on)."""
+    scrapes = [
+        {"worker": "a", "decided_s": -2.0, "metrics": {"r": 1.0}, "own": 0},
+        {"worker": "a", "decided_s": -0.5, "metrics": {"r": 2.0}, "own": 0},
+        {"worker": "b", "decided_s": 0.0, "metrics": {"r": 5.0}, "own": None},
+        {"worker": "a", "decided_s": 3.5, "metrics": {"r": 3.0}, "own": None},
+        {"worker": "c", "decided_s": 4.0, "metrics": {"r": 4.0}, "own": None},
+    ]
+    assert start_scrapes(scrapes, [0.0, 1.0, 2.0]) == (("a", {"r": 2.0}), ("b", {"r": 5.0}))
+    assert start_scrapes(scrapes) == (("a", {"r": 2.0}), ("b", {"r": 5.0}))
+    assert start_scrapes(scrapes, [-3.0, 1.0]) == ()
+    assert start_scrapes([]) == ()
 
 
 def test_rebalance_actions_are_timed_on_the_decision_instants() -> None:

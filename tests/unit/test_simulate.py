@@ -17,7 +17,7 @@ from gateway.contracts.engine_metrics import (
 )
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.rebalance import Shed
-from gateway.routing.policies import POLICY_NAMES
+from gateway.routing.policies import POLICY_NAMES, PolicyOptions
 from gateway.routing.ring import Ring
 from gateway.session import Attempt
 from loadtest import simulate as cli
@@ -523,6 +523,53 @@ def test_a_logged_scrape_counts_only_the_engines_load_beyond_the_live_gateways_o
     logged = ClusterSim(dataclasses.replace(base, scrape_log=((0.5, "a", busy, 2),)))
     logged.run(reqs)
     assert logged.pool.get("a").view().inflight_requests == 2
+
+
+# Engine histograms as a live gateway's start-up probe round reads them after the replay
+# harness warmed each worker with 8 requests: first tokens within 0.5 ms on average, or 0.5 s.
+_QUICK = {FIRST_TOKEN_TIME_SUM: 0.004, FIRST_TOKEN_TIME_COUNT: 8.0}
+_SLOW = {FIRST_TOKEN_TIME_SUM: 4.0, FIRST_TOKEN_TIME_COUNT: 8.0}
+
+
+def test_the_fleet_begins_as_the_live_gateways_start_up_probes_found_it() -> None:
+    # 24 requests on one 8-block trunk, 12 at a time, held 1 s each, under a tight load bound
+    # (factor 1): the trunk's holder piles up requests in flight and the bound diverts two,
+    # as the gateway does for engines it knows nothing about yet. Engines whose start-up
+    # scrape showed quick first tokens are exempt from the bound (quick_first_token_s), as
+    # the live gateway's are from its first decision on; slow ones are not.
+    shared = list(range(1, 9))
+    reqs = trace(*[[*shared, 100 + 2 * i, 101 + 2 * i] for i in range(24)])
+    names = ("a", "b", "c", "d")
+    base = config(4, 1000, "cache_aware", concurrency=12, relay_delay_s=1.0,
+                  probe_interval_s=0.0, worker_names=names,
+                  policy_options=PolicyOptions(cache_aware_load_factor=1.0))
+    unknown = simulate(reqs, base)
+    quick = simulate(reqs, dataclasses.replace(
+        base, start_scrapes=tuple((w, _QUICK) for w in names)))
+    slow = simulate(reqs, dataclasses.replace(
+        base, start_scrapes=tuple((w, _SLOW) for w in names)))
+    assert unknown.reasons.get("diverted:bounded_load", 0) > 0
+    assert slow.reasons == unknown.reasons
+    assert "diverted:bounded_load" not in quick.reasons
+    assert quick.reasons.get("prefix_hit", 0) > unknown.reasons.get("prefix_hit", 0)
+
+
+def test_an_engine_started_from_a_scrape_counts_on_from_its_histograms() -> None:
+    # The pool reads the start-up scrape as the gateway does (8 first tokens, 4 ms: 0.5 ms
+    # each); the simulated engine's own histograms go on from the scrape's counters, so the
+    # next probe's mean is of the requests it took since, not a counter gone back (which
+    # the gateway reads as a restart).
+    names = ("a", "b")
+    sim = ClusterSim(config(2, 8, "round_robin", worker_names=names, probe_interval_s=0.0,
+                            start_scrapes=(("a", _QUICK),)))
+    assert sim.pool.get("a").first_token_s == pytest.approx(0.0005)
+    assert sim.pool.get("b").first_token_s is None
+    sim.run(trace([1, 2], [3, 4], [5, 6], [7, 8]))
+    served = sim.workers["a"].routed
+    assert served == 2
+    assert sim.workers["a"].metrics()[FIRST_TOKEN_TIME_COUNT] == 8 + served
+    assert sim.workers["b"].metrics()[FIRST_TOKEN_TIME_COUNT] == 2
+    assert sim.workers["a"].metrics()[FIRST_TOKEN_TIME_SUM] >= 0.004
 
 
 class _ProbeTimes(ClusterSim):
