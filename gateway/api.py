@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -441,6 +442,22 @@ async def _or_none(call: Awaitable[T]) -> T | None:
 
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document(request.app[STATE].pool.models()))
+
+
+# The routes the lean HTTP/1.1 path serves itself when their requests are plain
+# (gateway.contracts.lean_http), by method and path: the relay's requests, and the probes and
+# views clients ask for on the same connections. Their handlers read only what a LeanRequest
+# carries; every other request goes through aiohttp's server.
+LEAN_ROUTES: Mapping[tuple[str, str], Callable[[web.Request], Awaitable[web.StreamResponse]]] = (
+    MappingProxyType({
+        ("POST", "/v1/completions"): completions,
+        ("POST", "/v1/chat/completions"): chat_completions,
+        ("GET", "/health"): health,
+        ("GET", "/ready"): ready,
+        ("GET", "/v1/models"): list_models,
+        ("GET", "/metrics"): metrics,
+        ("GET", "/admin/workers"): admin_workers,
+    }))
 
 
 def add_routes(app: web.Application) -> None:

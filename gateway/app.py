@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import Histogram
 
 from gateway import engine_api, explain, normalize, resources, stored_responses, ui
-from gateway.api import STATE, add_routes
+from gateway.api import LEAN_ROUTES, STATE, add_routes
 from gateway.auth import AUTH_KEY, Auth, KeyStore, TenantHasher, read_secret, tenant_secret
 from gateway.backends.base import Backend
 from gateway.backends.kinds import BackendOptions
@@ -22,6 +22,7 @@ from gateway.backends.registry import build_backends
 from gateway.breaker import BreakerOptions, Breakers
 from gateway.chat_histories import RESPONSES_BEFORE_INPUT, ChatHistories
 from gateway.contracts.httpserver import ConnectionCap, name_server
+from gateway.contracts.lean_http import LEAN_ROUTES_KEY, LeanRoutes, lean_connection_of
 from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import Tracing
 from gateway.cors import Cors
@@ -136,8 +137,12 @@ async def _send(
     (:meth:`RequestRecord.sending`)."""
     if not response.prepared:
         record.sending()
-        await response.prepare(request)
-        await response.write_eof()
+        lean = lean_connection_of(request)
+        if lean is not None:  # the lean path writes the whole answer itself
+            await lean.respond(request, response)
+        else:
+            await response.prepare(request)
+            await response.write_eof()
         record.sent()
 
 
@@ -434,10 +439,13 @@ def create_app(
         access_log=AccessLog(settings.access_log),
     )
     cors = Cors(settings.cors_origin)
-    app = web.Application(
-        middlewares=[gateway_middleware(telemetry, auth, cors)],
-        client_max_size=settings.max_body_bytes,
-    )
+    middleware = gateway_middleware(telemetry, auth, cors)
+    app = web.Application(middlewares=[middleware], client_max_size=settings.max_body_bytes)
+    if settings.lean_http:
+        app[LEAN_ROUTES_KEY] = LeanRoutes(
+            app, {(method.encode(), path.encode()): (method, path, handler)
+                  for (method, path), handler in LEAN_ROUTES.items()},
+            middleware)
     app[STATE] = state
     app[TELEMETRY_KEY] = telemetry
     app[BACKENDS_KEY] = backends

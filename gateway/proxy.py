@@ -37,6 +37,7 @@ from gateway.contracts.headers import (
     MATCHED_TOKENS_HEADER,
     WORKER_BOOT_HEADER,
 )
+from gateway.contracts.lean_http import lean_connection_of
 from gateway.contracts.responses import RESPONSES_PATH, response_id_in, stores
 from gateway.errors import ConnectionQueueFull, GatewayError, NoWorkerAvailable, UpstreamError
 from gateway.guard import IdleTimer, NoFirstByte, SlotTimeout, UpstreamGuard
@@ -408,7 +409,17 @@ async def _relay_stream(
     them is pinned (its first event), so a client that sees the id can refer to it."""
     headers = _client_headers(observed, attempt, reply, explained)
     stats = stats_from_headers(reply)
-    response = web.StreamResponse(status=reply.status, headers=headers)
+    # The lean HTTP path serves requests that did not ask for a stream, so it writes whole
+    # answers only: a worker that streams one anyway has it gathered and sent whole.
+    whole: list[bytes] | None = [] if lean_connection_of(http_request) is not None else None
+    response = (web.Response(status=reply.status, headers=headers) if whole is not None
+                else web.StreamResponse(status=reply.status, headers=headers))
+
+    async def write(data: bytes) -> None:
+        if whole is not None:
+            whole.append(data)
+        else:
+            await response.write(data)
     tail = b""  # the end of the stream, where a final usage chunk sits
     broke_off = ""
     wid = attempt.worker_id
@@ -416,7 +427,8 @@ async def _relay_stream(
     idle = IdleTimer(guard.stream_idle_timeout_s) if guard.stream_idle_timeout_s else None
     try:
         # Inside the try: if the client is already gone, the upstream reply is still released.
-        await response.prepare(http_request)
+        if whole is None:
+            await response.prepare(http_request)
         held = b""  # what is held back while the response id is looked for
         async for chunk in _upstream_chunks(reply, wid, guard, idle, opened):
             observed.first_byte()
@@ -431,14 +443,14 @@ async def _relay_stream(
                 if found is not None:
                     await pin(found)
                 pin, chunk, held = None, held, b""
-            await response.write(chunk)
+            await write(chunk)
         if held:  # it ended before any id
-            await response.write(held)
+            await write(held)
     except _UpstreamBrokeOff as exc:
         broke_off = f"broke off: {exc}"
         guard.breakers.failure(wid, time.monotonic())
         error = openai_error(f"the worker {wid} {exc}", "upstream_error", code=exc.code)
-        await response.write(f"data: {json.dumps(error)}\n\n".encode())
+        await write(f"data: {json.dumps(error)}\n\n".encode())
     finally:
         if idle is not None:
             idle.close()
@@ -455,6 +467,9 @@ async def _relay_stream(
         state.session.completed(attempt, usage, ended)
 
     observed.after_sent(settle)
+    if whole is not None and isinstance(response, web.Response):
+        response.body = b"".join(whole)  # sent by the middleware, as any whole answer
+        return response
     observed.sending()
     try:
         await response.write_eof()

@@ -409,6 +409,14 @@ class GatewaySettings:
     warmup_concurrency: int = field(
         default=2, metadata=_help("warm-up requests in flight at once on a joining worker")
     )
+    lean_http: bool = field(
+        default=True,
+        metadata=_help("serve plain completion requests (a Content-Length body of at most "
+                       "64 KiB, not a stream) and the GETs of the health, model, metrics and "
+                       "worker views on the gateway's lean HTTP/1.1 path instead of aiohttp's "
+                       "request and response objects; any other request hands its connection "
+                       "to aiohttp (see gateway.contracts.lean_http)"),
+    )
     prewarm: bool = field(
         default=True,
         metadata=_help("predictive pre-warming: when a hot prefix's holder nears its load "

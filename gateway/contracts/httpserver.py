@@ -21,12 +21,13 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 from http import HTTPStatus
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from gateway.contracts.errors import openai_error
+from gateway.contracts.lean_http import LEAN_ROUTES_KEY, LeanConnection, LeanRoutes
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +139,23 @@ def client_connection_cap(configured: int, upstream_connections: int) -> int:
     return max(64, soft - upstream_connections - 256)
 
 
+class _Counted(Protocol):
+    """A connection the cap counts: aiohttp's handler or a lean connection."""
+
+    counted: bool
+
+    def without_request(self) -> bool: ...
+    def force_close(self) -> None: ...
+
+
 class JsonErrorRequestHandler(RequestHandler):
     """aiohttp's connection handler, answering its own errors as OpenAI-shaped JSON, and
     closing a connection over its server's :class:`ConnectionCap` as it opens."""
 
     counted = False  # whether its server's cap counts this connection
+    # A connection handed over by the lean path (gateway.contracts.lean_http): whether the
+    # cap counted it there (None: a connection of its own, admitted as it opens).
+    adopted: bool | None = None
 
     def without_request(self) -> bool:
         """Whether no request is in progress here: the connection waits for a request's head
@@ -155,18 +168,13 @@ class JsonErrorRequestHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         manager = self._manager
         if isinstance(manager, JsonErrorServer):
-            local = transport.get_extra_info("sockname")
-            port = local[1] if isinstance(local, tuple) and len(local) > 1 else None
-            if port not in manager.cap.exempt_ports:
-                if manager.cap.full():
-                    manager.make_room()
-                if not manager.cap.take():
-                    cast(asyncio.Transport, transport).write(busy_answer(manager.server_name))
-                    transport.close()
-                    self._manager = None  # never served: connection_lost has nothing to undo
-                    return
-                self.counted = True
-                manager.counting(self)
+            if self.adopted is not None:  # its place under the cap goes with it
+                if self.adopted:
+                    self.counted = True
+                    manager.counting(self)
+            elif not manager.admit_counted(self, transport):
+                self._manager = None  # never served: connection_lost has nothing to undo
+                return
         super().connection_made(transport)
 
     def handle_error(
@@ -223,10 +231,54 @@ class JsonErrorServer(web.Server):
         self.server_name = server_name  # the Server header of its own error answers
         # The connections the cap counts, oldest first (a dict keeps insertion order; one
         # found busy goes to the end, so the next scan does not look at it first again).
-        self._counted: dict[JsonErrorRequestHandler, None] = {}
+        self._counted: dict[_Counted, None] = {}
+        # The lean path's routes (None: every connection is aiohttp's), from the app.
+        self.lean: LeanRoutes | None = None
+        self._idle_timeout_s = float(kwargs.get("keepalive_timeout", IDLE_TIMEOUT_S))
 
-    def counting(self, handler: JsonErrorRequestHandler) -> None:
+    def counting(self, handler: _Counted) -> None:
         self._counted[handler] = None
+
+    def admit_counted(self, conn: _Counted, transport: asyncio.BaseTransport) -> bool:
+        """Count a connection that just opened under the cap (making room first when it is
+        full), or answer it 503 and close it (False). The loopback admin port's are not
+        counted."""
+        local = transport.get_extra_info("sockname")
+        port = local[1] if isinstance(local, tuple) and len(local) > 1 else None
+        if port in self.cap.exempt_ports:
+            return True
+        if self.cap.full():
+            self.make_room()
+        if not self.cap.take():
+            cast(asyncio.Transport, transport).write(busy_answer(self.server_name))
+            transport.close()
+            return False
+        conn.counted = True
+        self.counting(conn)
+        return True
+
+    # -- the lean path's connections (gateway.contracts.lean_http.LeanServer) ------------------
+    def admit(self, conn: Any, transport: asyncio.BaseTransport) -> bool:
+        if not self.admit_counted(conn, transport):
+            return False
+        self._connections[conn] = cast(asyncio.Transport, transport)  # drained on shutdown
+        return True
+
+    def release(self, conn: Any) -> None:
+        self._connections.pop(conn, None)
+        if self._counted.pop(conn, 0) is None:
+            conn.counted = False
+            self.cap.give_back()
+
+    def adopt(self, conn: Any, transport: asyncio.Transport) -> asyncio.Protocol:
+        """aiohttp's connection handler for a lean connection handed over, which takes its
+        place under the cap."""
+        self._connections.pop(conn, None)
+        counted = self._counted.pop(conn, 0) is None
+        handler = JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler.adopted = counted
+        handler.connection_made(transport)
+        return handler
 
     def make_room(self) -> bool:
         """Close the oldest counted connection without a request in progress, among the
@@ -252,7 +304,9 @@ class JsonErrorServer(web.Server):
         self.cap.evicted += 1
         return True
 
-    def __call__(self) -> RequestHandler:
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
+        if self.lean is not None:
+            return LeanConnection(self, self.lean, self._idle_timeout_s)
         return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
 
     def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
@@ -296,6 +350,7 @@ class JsonErrorRunner(web.AppRunner):
             server_name=self._app.get(SERVER_NAME_KEY),
             **plain._kwargs,
         )
+        server.lean = self._app.get(LEAN_ROUTES_KEY)
         return server
 
 

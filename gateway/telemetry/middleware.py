@@ -34,7 +34,9 @@ def record_of(request: web.Request) -> RequestRecord:
 
 
 def _route_name(request: web.Request) -> str:
-    info = request.match_info.route.resource
+    # A request of the lean HTTP path has no route match: its path is its route's name.
+    match = getattr(request, "match_info", None)
+    info = match.route.resource if match is not None else None
     return info.canonical if info is not None else request.path
 
 

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONTRACT_PACKAGES = frozenset({
     "aiohttp",        # the JSON-error HTTP runner
     "jinja2",         # chat templates
+    "multidict",      # aiohttp's header mappings, for the lean HTTP path's requests
     "msgspec",        # the KV-event wire format
     "opentelemetry",  # tracing setup
     "orjson",         # the canonical JSON of tools and tool calls in the reference template
