@@ -58,6 +58,8 @@ _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"
 _LEFT_TO_AIOHTTP = frozenset({"transfer-encoding", "expect", "upgrade", "origin",
                               "content-encoding"})
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
+# Answer headers this path writes itself.
+_SET_HERE = frozenset({"content-length", "date", "connection", "transfer-encoding"})
 # A body that may ask for a stream: the key "stream" set to true anywhere in it (a quote inside
 # a JSON string is escaped, so this is a key; a nested one only sends a request to aiohttp).
 _ASKS_STREAM = re.compile(rb'"stream"\s*:\s*true')
@@ -228,16 +230,19 @@ class LeanConnection(asyncio.Protocol):
             return
         self._buf += data
         if self._task is None and not self._closing:
-            try:
-                self._next()
-            except Exception:  # a bug of this path: aiohttp's server takes the connection
-                log.exception("the lean HTTP path failed to read a request; handed to aiohttp")
-                self.hand_off()
+            self._read_next()
         elif len(self._buf) > self._routes.max_body + _MAX_HEAD:
             # Requests pipelined behind the one in progress: read on once it is answered.
             self._transport.pause_reading()
 
     # -- reading requests ----------------------------------------------------------------------
+    def _read_next(self) -> None:
+        try:
+            self._next()
+        except Exception:  # a bug of this path: aiohttp's server takes the connection
+            log.exception("the lean HTTP path failed to read a request; handed to aiohttp")
+            self.hand_off()
+
     def _next(self) -> None:
         """Serve the next request in the buffer, or hand the connection over, or wait."""
         buf = self._buf
@@ -365,7 +370,7 @@ class LeanConnection(asyncio.Protocol):
                 if not self._transport.is_reading():
                     self._transport.resume_reading()
                 if self._buf:
-                    self._next()
+                    self._read_next()
 
     async def respond(self, request: web.Request, response: web.StreamResponse) -> None:
         """Write a whole ``response`` to ``request`` (the middleware's answer), after the
@@ -388,16 +393,14 @@ class LeanConnection(asyncio.Protocol):
         transport = self._transport
         if transport is None:
             raise ConnectionResetError("the client went away")
-        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
-        for name, value in headers.items():
-            if name.lower() not in ("content-length", "date", "connection",
-                                    "transfer-encoding"):
-                lines.append(f"{name}: {value}\r\n")
-        lines.append(f"Content-Length: {len(body)}\r\nDate: {self._routes.date.now()}\r\n")
+        fields = [f"{name}: {value}\r\n" for name, value in headers.items()
+                  if name.lower() not in _SET_HERE]
+        text = "".join(fields)
+        if text.count("\n") != len(fields) or text.count("\r") != len(fields):  # refused, as
+            raise ValueError("a response header holds a line break")  # aiohttp does too
         if close:
-            lines.append("Connection: close\r\n")
             self._closing = True
-        lines.append("\r\n")
-        transport.write("".join(lines).encode("latin-1") + body)
-        if close and self._task is None:
-            transport.close()
+        head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n{text}"
+                f"Content-Length: {len(body)}\r\nDate: {self._routes.date.now()}\r\n"
+                + ("Connection: close\r\n\r\n" if close else "\r\n"))
+        transport.write(head.encode("latin-1") + body)
