@@ -29,6 +29,8 @@ class CommonParams:
     cache_salt: str
     cache_priority: Priority = Priority.CONVERSATION
     """Extension field ``cache_priority``: eviction class of the prompt's cached blocks."""
+    priority: int = 0
+    """vLLM's ``priority``: with ``--scheduling-policy priority``, lower values run first."""
     n: int = 1
     """Samples per prompt: each prompt runs once per sample, sharing its cached blocks."""
     stop: tuple[str, ...] = ()
@@ -176,6 +178,9 @@ def parse_common(
             priority = Priority.parse(raw_priority)
         except ValueError as exc:
             raise ApiError(str(exc), param="cache_priority", code="invalid_value") from exc
+    order = body.get("priority", 0)
+    if not isinstance(order, int) or isinstance(order, bool):
+        raise _type_error("priority", "an integer")
     rank = body.get("data_parallel_rank")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
         raise _type_error("data_parallel_rank", "a non-negative integer")
@@ -186,6 +191,7 @@ def parse_common(
         include_usage=include_usage,
         cache_salt=salt or "",
         cache_priority=priority,
+        priority=order,
         n=n,
         stop=stop,
         data_parallel_rank=rank,

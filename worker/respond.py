@@ -225,6 +225,7 @@ async def _run_prompts(
                     priority=job.common.cache_priority,
                     system_tokens=job.system_tokens,
                     sample=i % n,
+                    schedule_priority=job.common.priority,
                 )
                 group.create_task(_produce(engine, request, i, queue, first_token,
                                            timings[i], job.common.stop))

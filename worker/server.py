@@ -217,6 +217,11 @@ def _rank_for(request: web.Request, job: Job) -> int:
 
 async def _run(request: web.Request, job: Job) -> web.StreamResponse:
     settings = request.app[SETTINGS_KEY]
+    if job.common.priority and settings.scheduling_policy != "priority":
+        raise ApiError(  # as vLLM refuses it
+            f"'priority' {job.common.priority} needs priority scheduling, which this worker "
+            "does not run (--scheduling-policy priority)", param="priority",
+            code="invalid_value")
     rank = _rank_for(request, job)
     headers = {
         "x-worker-id": settings.effective_worker_id,

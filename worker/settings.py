@@ -30,6 +30,9 @@ DESCRIPTION = (
 )
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
@@ -90,6 +93,13 @@ class WorkerSettings:
                   "are in prefill each progresses at 1/n of its speed, as prompts batched "
                   "into an engine's steps do (off: each takes its own time whatever else "
                   "runs, so a loaded worker is no slower than an idle one)."},
+    )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={"help": "As vLLM's --scheduling-policy: 'fcfs' refuses a request whose "
+                  "'priority' is not 0; 'priority' takes it, and while requests of several "
+                  "priorities are in prefill (with --prefill-shared) only those with the "
+                  "lowest value progress."},
     )
     decode_ms_per_token: float = field(
         default=5.0,
@@ -280,6 +290,7 @@ class WorkerSettings:
             "device": (self.device, DEVICES),
             "model_dtype": (self.model_dtype, MODEL_DTYPES),
             "kv_dtype": (self.kv_dtype, KV_DTYPES),
+            "scheduling_policy": (self.scheduling_policy, SCHEDULING_POLICIES),
         }
         for name, (choice, allowed) in choices.items():
             if choice not in allowed:

@@ -632,3 +632,37 @@ def test_settings_from_environment() -> None:
     assert settings.effective_worker_id == "127.0.0.1:9000"
     with pytest.raises(SettingsError, match="block_size"):
         WorkerSettings(block_size=0)
+
+
+async def test_priority_needs_priority_scheduling_as_vllm_does(worker: Worker) -> None:
+    """vLLM's ``priority``: 0 is every request's default; any other value is refused by an
+    engine on first-come-first-served scheduling (the default), and taken with
+    ``--scheduling-policy priority``."""
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 1}
+    async with aiohttp.ClientSession() as session:
+        for extra_fields, status in (({"priority": 0}, 200), ({"priority": 3}, 400),
+                                     ({"priority": "3"}, 400), ({"priority": True}, 400)):
+            async with session.post(f"{worker.base_url}/v1/completions",
+                                    json={**body, **extra_fields}) as resp:
+                assert resp.status == status, extra_fields
+                if status == 400:
+                    error = (await resp.json())["error"]
+                    assert error["param"] == "priority"
+                    assert error["type"] == "invalid_request_error"
+    settings = WorkerSettings(port=0, model=MODEL, cache_blocks=64, block_size=16,
+                              prefill_us_per_token=0.0, decode_ms_per_token=0.0,
+                              scheduling_policy="priority")
+    runner = JsonErrorRunner(create_app(settings))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        async with aiohttp.ClientSession() as session:
+            for value in (3, -2):
+                async with session.post(url, json={**body, "priority": value}) as resp:
+                    assert resp.status == 200, await resp.text()
+    finally:
+        await runner.cleanup()
+    with pytest.raises(SettingsError, match="scheduling_policy"):
+        WorkerSettings(scheduling_policy="lifo")

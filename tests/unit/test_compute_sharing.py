@@ -110,3 +110,54 @@ async def test_a_shared_engine_answers_two_prompts_together_no_faster_than_its_c
     ends = await asyncio.gather(answer("a", 0), answer("b", 1000))
     # 100 uncached tokens at 1 ms each, twice: 0.2 s of one engine, not 0.1 s each in parallel.
     assert min(ends) - start >= 0.2 - 0.002
+
+
+def test_a_lower_priority_job_waits_while_a_better_one_is_in_prefill() -> None:
+    """Lower values run first (vLLM's ``priority``): a job of priority 1 makes no progress
+    while one of priority 0 is in prefill, then has the engine to itself."""
+    ps = ProcessorSharing()
+    ps.add(1, 1.0, 0.0, priority=1)  # alone until 0.25: 0.75 left
+    ps.add(2, 0.5, 0.25)  # priority 0: the whole engine from 0.25 to 0.75
+    assert ps.next_end() == pytest.approx(0.75)
+    assert ps.advance(0.7) == []
+    assert ps.advance(0.75) == [2]
+    assert ps.next_end() == pytest.approx(1.5)  # job 1's 0.75 left, from 0.75
+    assert ps.advance(1.5) == [1]
+
+
+def test_one_step_past_the_better_class_hands_the_rest_of_the_time_on() -> None:
+    """A late timer: the step covers the end of the class that ran and the time after it goes
+    to the next class, as if the timer had fired at that end."""
+    ps = ProcessorSharing()
+    ps.add(1, 0.5, 0.0)
+    ps.add(2, 0.5, 0.0)  # both priority 0: each ends at 1.0
+    ps.add(3, 1.0, 0.0, priority=2)
+    assert sorted(ps.advance(1.5)) == [1, 2]  # job 3 ran alone from 1.0: 0.5 left
+    assert ps.next_end() == pytest.approx(2.0)
+    ps.add(4, 0.25, 1.5, priority=1)  # a better class than job 3: it waits again
+    assert ps.next_end() == pytest.approx(1.75)
+    assert ps.advance(2.25) == [4, 3]  # 4 by 1.75, then 3's 0.5 left by 2.25
+
+
+def test_a_better_job_given_up_lets_the_waiting_class_run() -> None:
+    ps = ProcessorSharing()
+    ps.add(1, 1.0, 0.0)
+    ps.add(2, 1.0, 0.0, priority=5)
+    ps.remove(1, 0.5)
+    assert ps.next_end() == pytest.approx(1.5)  # job 2 untouched until 0.5, alone since
+    assert ps.advance(1.5) == [2]
+    assert len(ps) == 0
+
+
+async def test_the_loop_runs_a_background_prefill_after_the_foreground_ones() -> None:
+    compute = SharedCompute()
+    ended: list[str] = []
+
+    async def job(name: str, work_s: float, priority: int, after_s: float = 0.0) -> None:
+        await asyncio.sleep(after_s)
+        await compute.run(work_s, priority)
+        ended.append(name)
+
+    # The background job starts first and is shorter, and still ends last.
+    await asyncio.gather(job("background", 0.05, 1), job("foreground", 0.1, 0, after_s=0.02))
+    assert ended == ["foreground", "background"]

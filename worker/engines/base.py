@@ -35,6 +35,9 @@ class GenerationRequest:
     """Leading prompt tokens that are system prompt (their full blocks get ``SYSTEM``)."""
     sample: int = 0
     """Which of a request's ``n`` samples of this prompt (each its own output)."""
+    schedule_priority: int = 0
+    """vLLM's ``priority`` (lower first): engines that share prefill compute give it to the
+    lowest present (the simulated engine, ``--prefill-shared``)."""
 
 
 @dataclass(frozen=True)

@@ -21,46 +21,83 @@ _DONE_S = 1e-9  # work left below this is done (float rounding)
 
 
 class ProcessorSharing:
-    """Jobs each with work left (seconds of the engine alone), all progressing at ``1/n``."""
+    """Jobs each with work left (seconds of the engine alone) and a priority (lower runs
+    first, as vLLM's ``priority``): the jobs of the best priority present progress at ``1/n``
+    each, the others wait until none of a better priority is left."""
 
     def __init__(self) -> None:
         self._left: dict[int, float] = {}
+        self._priority: dict[int, int] = {}
+        self._classes: dict[int, int] = {}  # priority -> its jobs
         self._at = 0.0  # when the work left was last brought up to date
 
     def __len__(self) -> int:
         return len(self._left)
 
-    def advance(self, now: float) -> list[int]:
-        """Bring the work left up to ``now``; the jobs done by then, removed."""
-        if self._left and now > self._at:
-            share = (now - self._at) / len(self._left)
-            for job in self._left:
-                self._left[job] -= share
-        self._at = max(self._at, now)
-        done = [job for job, left in self._left.items() if left <= _DONE_S]
-        for job in done:
-            del self._left[job]
-        return done
+    def _running(self) -> list[int]:
+        """The jobs that progress now: those of the best priority present."""
+        if len(self._classes) == 1:
+            return list(self._left)
+        best = min(self._classes)
+        return [job for job, p in self._priority.items() if p == best]
 
-    def add(self, job: int, work_s: float, now: float) -> list[int]:
-        """``job`` starts at ``now`` with ``work_s`` seconds of work; the jobs done by then
-        (a timer that fires late), removed."""
+    def advance(self, now: float) -> list[int]:
+        """Bring the work left up to ``now``; the jobs done by then, removed. Each job of the
+        class that runs ends when its share of the time covers its work; what is left of the
+        time goes on among the others, or to the next class once the class is done."""
+        left = self._left
+        done: list[int] = []
+        while left and now > self._at:
+            running = self._running()
+            first = min(left[job] for job in running)
+            step = min(now - self._at, first * len(running))
+            share = step / len(running)
+            for job in running:
+                left[job] -= share
+                if left[job] <= _DONE_S:
+                    done.append(job)
+                    self._drop(job)
+            self._at += step
+            if step <= 0.0:
+                break
+        self._at = max(self._at, now)
+        ended = [job for job, rest in left.items() if rest <= _DONE_S]
+        for job in ended:
+            self._drop(job)
+        return done + ended
+
+    def add(self, job: int, work_s: float, now: float, priority: int = 0) -> list[int]:
+        """``job`` starts at ``now`` with ``work_s`` seconds of work at ``priority``; the jobs
+        done by then (a timer that fires late), removed."""
         done = self.advance(now)
         self._left[job] = work_s
+        self._priority[job] = priority
+        self._classes[priority] = self._classes.get(priority, 0) + 1
         return done
 
     def remove(self, job: int, now: float) -> list[int]:
         """``job`` leaves before its end (its request was given up); the others done by then,
         removed."""
         done = self.advance(now)
-        self._left.pop(job, None)
+        if job in self._left:
+            self._drop(job)
         return [other for other in done if other != job]
+
+    def _drop(self, job: int) -> None:
+        del self._left[job]
+        priority = self._priority.pop(job)
+        count = self._classes[priority] - 1
+        if count:
+            self._classes[priority] = count
+        else:
+            del self._classes[priority]
 
     def next_end(self) -> float | None:
         """When the next job ends if none starts before (None: no job)."""
         if not self._left:
             return None
-        return self._at + min(self._left.values()) * len(self._left)
+        running = self._running()
+        return self._at + min(self._left[job] for job in running) * len(running)
 
 
 class SharedCompute:
@@ -72,15 +109,16 @@ class SharedCompute:
         self._ids = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
 
-    async def run(self, work_s: float) -> None:
-        """Do ``work_s`` seconds of prefill work, sharing the engine with the others."""
+    async def run(self, work_s: float, priority: int = 0) -> None:
+        """Do ``work_s`` seconds of prefill work, sharing the engine with the others of the
+        lowest ``priority`` present (waiting while any of a lower one is in prefill)."""
         if work_s <= 0.0:
             return
         loop = asyncio.get_running_loop()
         job = next(self._ids)
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters[job] = waiter
-        self._finish(self._jobs.add(job, work_s, loop.time()))
+        self._finish(self._jobs.add(job, work_s, loop.time(), priority))
         self._schedule(loop)
         try:
             await waiter

@@ -108,7 +108,8 @@ class SimGeneration:
 
     async def tokens(self) -> AsyncGenerator[str, None]:
         costs = self._engine.costs
-        await self._engine.prefill(self._admission.prefill_seconds)
+        await self._engine.prefill(self._admission.prefill_seconds,
+                                   self._request.schedule_priority)
         request = self._request
         words = pseudo_words(request.prompt_tokens, request.max_tokens, request.sample)
         for i, word in enumerate(words):
@@ -127,11 +128,11 @@ class SimEngine(QueuedEngine):
         self.costs = costs
         self._compute = SharedCompute() if costs.prefill_shared else None
 
-    async def prefill(self, seconds: float) -> None:
+    async def prefill(self, seconds: float, priority: int = 0) -> None:
         """A request's prefill: ``seconds`` of the engine alone, shared with the others in
-        prefill when the costs say so."""
+        prefill when the costs say so (with those of the lowest ``priority`` present)."""
         if self._compute is not None:
-            await self._compute.run(seconds)
+            await self._compute.run(seconds, priority)
         else:
             await asyncio.sleep(seconds)
 
