@@ -417,7 +417,7 @@ def create_app(
                 enabled=settings.prewarm, hot_threshold=hot,
                 fraction=settings.prewarm_fraction, wait_weight=settings.wait_weight,
                 block_chars=settings.fingerprint_options().block_chars,
-                whole=settings.prewarm_whole,
+                whole=settings.prewarm_whole, copy_priority=settings.copy_priority,
             ), leading_ids=exact.leading_ids),
         chat_histories=ChatHistories(max_bytes=settings.chat_history_bytes),
         response_histories=ChatHistories(max_bytes=settings.chat_history_bytes, key="input",

@@ -78,6 +78,8 @@ class PrewarmOptions:
     block_chars: int = 64
     # Copy the whole request, not only the held prefix (--prewarm-whole).
     whole: bool = False
+    # The engine ``priority`` a session copy is sent with (0: none; --copy-priority).
+    copy_priority: int = 0
 
 
 def held_prefix(key: PrefixKey, match_blocks: int, block_chars: int) -> PrefixKey:
@@ -128,7 +130,8 @@ class PreWarmer:
             return None
         session = target == decision.copy_to  # the volume guard's copy of a session: whole
         prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, request.key,
-                            namespace=upstream.namespace)
+                            namespace=upstream.namespace,
+                            priority=self.options.copy_priority if session else 0)
         held = held_prefix(request.key, decision.match_blocks,
                            request.block_tokens or self.options.block_chars)
         later = None

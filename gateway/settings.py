@@ -433,6 +433,15 @@ class GatewaySettings:
         default=0.8, metadata=_help("share of the holder's load bound at which a hot prefix "
                                     "is pre-warmed on its next holder")
     )
+    copy_priority: int = field(
+        default=0,
+        metadata=_help("the 'priority' a session copy (the volume guard's, see "
+                       "gateway.prewarm) is sent with, for engines that run priority "
+                       "scheduling (vLLM --scheduling-policy priority: lower values run "
+                       "first, 0 is a request's default); a positive value prefills the "
+                       "copy with capacity the requests there leave. 0: not sent (an "
+                       "engine on first-come-first-served scheduling refuses any other)"),
+    )
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_help("seconds in-flight requests get to finish on shutdown")
     )

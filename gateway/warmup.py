@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -158,6 +159,9 @@ class WarmupManager:
         self._running = False
         # Told of the early replays' blocks (the engine-exact source, awaiting its events).
         self.exact: InFlightBlocks | None = None
+        # Workers whose engine refused a replay's scheduling ``priority`` (first-come-first-
+        # served scheduling): their replays go without one.
+        self.no_priority: set[str] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -204,6 +208,7 @@ class WarmupManager:
             task.cancel()
         self.status.pop(wid, None)
         self._epochs.pop(wid, None)
+        self.no_priority.discard(wid)
 
     def warming(self) -> dict[str, WarmupStatus]:
         return {wid: s for wid, s in self.status.items() if s.warming}
@@ -399,6 +404,8 @@ class WarmupManager:
                 later.close()
             return _refused()
         worker = self.pool.get(wid).worker
+        if prompt.priority and wid in self.no_priority:
+            prompt = dataclasses.replace(prompt, priority=0)
         key = prompt.key
         now = time.monotonic()
         held = self.index.match(key.blocks, now).get(wid, 0)
@@ -421,7 +428,16 @@ class WarmupManager:
     async def _prewarmed(self, worker: Worker, prompt: WarmPrompt, held: int,
                          sending: Coroutine[Any, Any, UpstreamReply] | None) -> bool:
         wid, blocks = worker.id, prompt.key.blocks
-        ok = sending is not None and await self._replied(worker, sending)
+        status, text = await self._answer(worker, sending) if sending is not None else (0, b"")
+        if status == 400 and prompt.priority and b"priority" in text:
+            # An engine on first-come-first-served scheduling refuses any priority but 0
+            # (vLLM without --scheduling-policy priority): the copy goes again without it,
+            # and so do the worker's next ones.
+            log.info("%s refused a pre-warm's priority; its pre-warms go without one", wid)
+            self.no_priority.add(wid)
+            again = self._start(worker, dataclasses.replace(prompt, priority=0))
+            status = (await self._answer(worker, again))[0] if again is not None else 0
+        ok = status == 200
         if self.exact is not None:
             self.exact.done(wid, blocks, time.monotonic())
         if ok:
@@ -449,18 +465,24 @@ class WarmupManager:
     async def _replied(self, worker: Worker,
                        sending: Coroutine[Any, Any, UpstreamReply]) -> bool:
         """Whether the warm-up request ``sending`` was answered 200 (its body read)."""
+        return (await self._answer(worker, sending))[0] == 200
+
+    async def _answer(self, worker: Worker,
+                      sending: Coroutine[Any, Any, UpstreamReply]) -> tuple[int, bytes]:
+        """The status and body of the answer to the warm-up request ``sending`` (0 and
+        nothing when none came whole)."""
         try:
             reply = await sending
         except BackendUnavailable as exc:
             log.info("warm-up request to %s failed: %s", worker.id, exc)
-            return False
+            return 0, b""
         try:
-            await reply.read()
+            body = await reply.read()
         except (aiohttp.ClientError, TimeoutError):
-            return False
+            return 0, b""
         finally:
             reply.release()
-        return reply.status == 200
+        return reply.status, body
 
     async def _ramp(self, wid: str, status: WarmupStatus) -> None:
         steps = RAMP_STEPS if self.options.ramp_s > 0 else (1.0,)

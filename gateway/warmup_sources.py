@@ -62,6 +62,8 @@ class WarmPrompt:
     text: str = ""  # the normalized text it was fingerprinted from
     cache_salt: str = ""
     namespace: str = ""  # the cache namespace workers see (derived from tenant and salt)
+    # The engine scheduling ``priority`` its replay is sent with (0: the body's own, if any).
+    priority: int = 0
 
     def rekeyed(self, model_identity: str, opts: FingerprintOptions) -> WarmPrompt:
         """The same prompt keyed as a request for ``model_identity`` (the model and its current
@@ -78,6 +80,8 @@ class WarmPrompt:
         body["max_output_tokens" if self.path == RESPONSES_PATH else "max_tokens"] = 1
         body["stream"] = False
         body["temperature"] = 0
+        if self.priority:
+            body["priority"] = self.priority
         return body
 
 

@@ -219,6 +219,11 @@ class SimConfig:
     # A pre-warm copies the prefix its holder has (gateway.prewarm.held_prefix), as the gateway
     # does; False: the whole request, as with --prewarm-whole.
     prewarm_cut: bool = True
+    # The engine ``priority`` session copies (the volume guard's) are sent with, the
+    # gateway's ``copy_priority``: above 0 (lower runs first, as vLLM's) a copy prefills only
+    # while no client request is in prefill on its worker (with ``costs.prefill_shared``; the
+    # engines run priority scheduling). 0: as a client's request.
+    copy_priority: int = field(default_factory=lambda: GatewaySettings().copy_priority)
     # The gateway's rebalancer, every this many simulated seconds (0: off).
     rebalance_interval_s: float = field(
         default_factory=lambda: _gateway_default("rebalance_interval_s"))
@@ -670,7 +675,9 @@ class ClusterSim:
             if costs.prefill_shared and prefill > 0.0:
                 self._prefill_jobs += 1
                 w.in_prefill[self._prefill_jobs] = job
-                self._prefilled(w, w.compute.add(self._prefill_jobs, prefill, now), now)
+                priority = self.config.copy_priority if job.copy_of else 0
+                self._prefilled(w, w.compute.add(self._prefill_jobs, prefill, now, priority),
+                                now)
                 continue
             start = max(now, w.prefill_free_at) if self.config.serial_prefill else now
             first_token = start + prefill

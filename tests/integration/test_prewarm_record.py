@@ -247,3 +247,27 @@ async def test_with_token_keys_a_prewarm_of_token_ids_warms_the_chat(tmp_path: P
         for backend in backends.values():
             await backend.close()
         await runner.cleanup()
+
+
+async def test_a_copy_priority_an_engine_refuses_is_dropped_for_that_worker(
+        setup: Setup) -> None:
+    """A session copy carries its scheduling priority; an engine on first-come-first-served
+    scheduling refuses it (400), and the copy goes again without it, as do that worker's next
+    ones. An engine with priority scheduling takes it the first time."""
+    p = dataclasses.replace(prompt(), priority=1)
+    assert await setup.manager.prewarm(setup.live, p)
+    assert setup.manager.no_priority == {setup.live}
+    assert held(setup.index, setup.live, p) == len(p.key.blocks)  # the copy is there
+    assert await setup.manager.prewarm(setup.live, p)  # straight without it now
+    port = free_port()
+    runner = await serve(create_worker(dataclasses.replace(
+        FAST_WORKER, port=port, scheduling_policy="priority")), port)
+    try:
+        wid = setup.pool.add(f"http://127.0.0.1:{port}")
+        setup.pool.mark_up(wid, frozenset({MODEL}))
+        assert await setup.manager.prewarm(wid, p)
+        assert setup.manager.no_priority == {setup.live}
+        setup.manager.left(setup.live)
+        assert setup.manager.no_priority == set()
+    finally:
+        await runner.cleanup()

@@ -295,6 +295,49 @@ async def test_a_session_the_volume_guard_moves_is_copied_whole_whatever_the_rul
     assert warmer.after_route(plain, request, upstream, "", 0.0) is None
 
 
+async def test_a_session_copy_goes_at_the_copy_priority_and_other_prewarms_without() -> None:
+    """With ``copy_priority`` a session copy asks the engine to schedule it at that priority
+    (vLLM's ``priority``, lower first): its replay body carries it. A pre-warm of a hot
+    prefix carries none: its spread is imminent, it must be ready first."""
+    pool, index, request, holder = half_held(asked=0)
+    body = {"model": "m", "prompt": TEXT + "Observation: the tests pass. " * 10,
+            "priority": -3}
+    other = next(w for w in pool.ring.walk(request.key.anchor) if w != holder)
+    copies: list[WarmPrompt] = []
+
+    async def replay(wid: str, copy: WarmPrompt, later: Later = None) -> bool:
+        copies.append(copy)
+        return True
+
+    view = pool.snapshot(0.0).by_id[holder]  # type: ignore[index]
+    kept = Decision(worker=view, policy="cache_aware", kind=DecisionKind.PREFIX_HIT,
+                    match_blocks=request.key.total_blocks // 2, copy_to=other)
+    upstream = UpstreamRequest("/v1/completions", body)
+    for priority in (0, 7):
+        warmer = PreWarmer(pool, index, replay, PrewarmOptions(enabled=False,
+                                                               copy_priority=priority))
+        assert warmer.after_route(kept, request, upstream, "", 0.0) == other
+        await asyncio.sleep(0.01)
+        warmer.copied(other)
+    # Without a copy priority the body's own is kept; with one, it replaces it.
+    assert [(c.priority, c.replay_body()["priority"]) for c in copies] == [(0, -3), (7, 7)]
+    pool, index, request, holder = setup(10)
+    hot: list[WarmPrompt] = []
+
+    async def keep(wid: str, copy: WarmPrompt, later: Later = None) -> bool:
+        hot.append(copy)
+        return True
+
+    warmer = PreWarmer(pool, index, keep, PrewarmOptions(hot_threshold=8.0, fraction=0.8,
+                                                         copy_priority=7))
+    upstream = UpstreamRequest("/v1/completions", {"model": "m", "prompt": TEXT})
+    d = request.key.total_blocks
+    assert warmer.after_route(decision(pool, holder, d, 900, 1000.0, 3), request, upstream, "",
+                              0.0) is not None
+    await asyncio.sleep(0.01)
+    assert [(c.priority, "priority" in c.replay_body()) for c in hot] == [(0, False)]
+
+
 def test_a_replayed_copy_of_a_session_counts_as_one_wherever_it_went() -> None:
     """The simulator at a live run's decision instants: where its decision asks for a copy of
     the session and the live gateway copied it (to whichever worker), that copy is placed

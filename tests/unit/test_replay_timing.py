@@ -388,6 +388,43 @@ def test_a_copy_keeps_its_worker_from_another_for_the_live_copy_time() -> None:
     assert per_worker[0.0] > 1
 
 
+def test_session_copies_at_a_background_priority_leave_the_prefills_to_the_requests() -> None:
+    # Engines whose prefills share compute, the volume guard copying sessions: sent at
+    # priority 1 (SimConfig.copy_priority, the gateway's --copy-priority) a copy prefills only
+    # while no client request does on its worker, so the requests' slowest first tokens come
+    # sooner and the copies themselves take longer.
+    from loadtest.replay_sim import live_units
+    from loadtest.trace_workloads import workload_trace
+
+    config = ReplayConfig(workers=16, cache_blocks=2000, concurrency=32,
+                          prefill_us_per_token=50.0)
+    requests = live_units(workload_trace("agent-sessions", 2400, 0)[2000:], config)
+    base = SimConfig(workers=16, cache_blocks=2000, policy="cache_aware", concurrency=32,
+                     costs=dataclasses.replace(config.sim_costs(), prefill_shared=True),
+                     block_tokens=config.block_tokens, key_blocks_per_block=1,
+                     request_delays=((0.01, 0.007),), decision_gap_s=0.0003,
+                     policy_options=PolicyOptions(volume_guard=1.2))
+    tails, copy_s = {}, {}
+    for priority in (0, 1):
+        sim = ClusterSim(dataclasses.replace(base, copy_priority=priority))
+        took: list[float] = []
+        complete = sim._complete
+
+        def spy(w: Any, job: Any, now: float, took: list[float] = took,
+                complete: Any = complete) -> None:
+            if job.copy_of:  # a session copy's engine work is over
+                took.append(now - job.arrived)
+            complete(w, job, now)
+
+        sim._complete = spy  # type: ignore[method-assign]
+        result = sim.run(requests)
+        assert took  # the guard copied sessions
+        tails[priority] = sorted(result.ttft_s)[int(0.99 * len(result.ttft_s))]
+        copy_s[priority] = sum(took) / len(took)
+    assert tails[1] < tails[0]
+    assert copy_s[1] > copy_s[0]
+
+
 def test_a_live_runs_prewarms_are_placed_where_it_placed_them() -> None:
     # Given a live run's pre-warms (SimConfig.prewarm_log, per request), the simulator places
     # exactly those, at those decisions and on those workers, and decides none of its own.
