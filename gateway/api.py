@@ -377,11 +377,14 @@ async def admin_workers(request: web.Request) -> web.Response:
         {"policy": state.session.router.name, "index_blocks": len(state.index),
          "workers": workers, "tokenizer": state.exact.tokenizer_stats(),
          "warming": sorted(state.warmup.warming()),
-         # Session copies' engine priority (0: none sent), and the workers whose engine
-         # refused it (first-come-first-served scheduling): their copies go without one.
+         # Session copies' engine priority (0: none sent), the workers whose engine takes
+         # it and those that refuse it (first-come-first-served scheduling: their copies go
+         # without one); a worker in neither has not answered the question yet.
          "prewarm": {**state.prewarmer.stats(),
                      "copy_priority": state.prewarmer.options.copy_priority,
-                     "copy_priority_refused": sorted(state.warmup.no_priority)},
+                     "copy_priority_taken": sorted(
+                         w for w, takes in state.warmup.takes_priority.items() if takes),
+                     "copy_priority_refused": state.warmup.no_priority},
          # The model and version each served model's prompts are fingerprinted under.
          "namespaces": {m: state.pool.model_identity(m) for m in sorted(state.pool.models())},
          # Kubernetes pod discovery (null without --k8s-selector).

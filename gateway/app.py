@@ -386,6 +386,7 @@ def create_app(
             concurrency=settings.warmup_concurrency, ring_choices=settings.ring_choices,
             hot_uses=hot, peer_prompts=settings.warmup_peers,
             fingerprint=settings.fingerprint_options(), normalize=settings.normalize_options(),
+            copy_priority=settings.copy_priority,
         ),
         sample=PromptSample(tenants=settings.sampled_tenants()),
         file_prompts=_warmup_prompts(settings, auth.hasher),

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from gateway.backends.base import Backend, BackendUnavailable, UpstreamReply, UpstreamRequest
+from gateway.contracts.engine_paths import COMPLETIONS_PATH
 from gateway.contracts.tasks import stop_if_cancelled
 from gateway.fingerprint import FingerprintOptions
 from gateway.normalize import NormalizeOptions
@@ -72,6 +73,9 @@ class WarmupOptions:
     hot_uses: float = 8.0
     health_wait_s: float = 30.0  # how long a joining worker may take to answer its probe
     peer_prompts: int = 64  # asked of each serving worker (its hottest prompts); 0: none
+    # The scheduling priority session copies go with (--copy-priority): each worker is asked
+    # whether its engine takes one as soon as it serves. 0: none is sent, none asked.
+    copy_priority: int = 0
     fingerprint: FingerprintOptions = field(default_factory=FingerprintOptions)
     normalize: NormalizeOptions = field(default_factory=NormalizeOptions)
 
@@ -159,9 +163,12 @@ class WarmupManager:
         self._running = False
         # Told of the early replays' blocks (the engine-exact source, awaiting its events).
         self.exact: InFlightBlocks | None = None
-        # Workers whose engine refused a replay's scheduling ``priority`` (first-come-first-
-        # served scheduling): their replays go without one.
-        self.no_priority: set[str] = set()
+        # Whether each worker's engine takes a scheduling ``priority`` (vLLM's priority
+        # scheduling) or refuses it (first-come-first-served), as a probe found; a replay
+        # carries its priority only to a worker known to take it.
+        self.takes_priority: dict[str, bool] = {}
+        self._probing: set[str] = set()
+        self._background: set[asyncio.Future[None]] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -170,6 +177,8 @@ class WarmupManager:
         self._running = True
         self.pool.on_join = self.joined
         self.pool.on_leave = self.left
+        for state in self.pool.states():
+            self._ask_priority(state.worker.id)
         if self.options.enabled and self.file_prompts:
             for state in self.pool.states():
                 self.joined(state.worker.id, reason="start-up")
@@ -178,17 +187,20 @@ class WarmupManager:
         self._running = False
         self.pool.on_join = None
         self.pool.on_leave = None
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._background]
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        self._background.clear()
 
     def joined(self, wid: str, reason: str = "joined", epoch: str = "") -> None:
         """``wid`` joined (or lost its cache). ``epoch`` tells warm-ups of one worker apart
         across gateways (the model version it warms for); empty for a join."""
+        if self._running and reason == "joined":
+            self._ask_priority(wid)
         if not self._running or not self.options.enabled or wid in self._tasks:
             return
         self.status[wid] = WarmupStatus(reason=reason)
@@ -208,7 +220,7 @@ class WarmupManager:
             task.cancel()
         self.status.pop(wid, None)
         self._epochs.pop(wid, None)
-        self.no_priority.discard(wid)
+        self.takes_priority.pop(wid, None)
 
     def warming(self) -> dict[str, WarmupStatus]:
         return {wid: s for wid, s in self.status.items() if s.warming}
@@ -404,7 +416,12 @@ class WarmupManager:
                 later.close()
             return _refused()
         worker = self.pool.get(wid).worker
-        if prompt.priority and wid in self.no_priority:
+        if prompt.priority and not self.takes_priority.get(wid, False):
+            # Not known to take it: the copy goes without (a refusal and a second send would
+            # reach the engine after the requests routed meanwhile, which the index predicts
+            # find the copy), and a probe finds out for the next one.
+            if wid not in self.takes_priority:
+                self._probe_priority(worker, prompt.model, prompt.priority)
             prompt = dataclasses.replace(prompt, priority=0)
         key = prompt.key
         now = time.monotonic()
@@ -430,13 +447,7 @@ class WarmupManager:
         wid, blocks = worker.id, prompt.key.blocks
         status, text = await self._answer(worker, sending) if sending is not None else (0, b"")
         if status == 400 and prompt.priority and b"priority" in text:
-            # An engine on first-come-first-served scheduling refuses any priority but 0
-            # (vLLM without --scheduling-policy priority): the copy goes again without it,
-            # and so do the worker's next ones.
-            log.info("%s refused a pre-warm's priority; its pre-warms go without one", wid)
-            self.no_priority.add(wid)
-            again = self._start(worker, dataclasses.replace(prompt, priority=0))
-            status = (await self._answer(worker, again))[0] if again is not None else 0
+            self._refused_priority(wid)  # its scheduling changed since the probe
         ok = status == 200
         if self.exact is not None:
             self.exact.done(wid, blocks, time.monotonic())
@@ -461,6 +472,66 @@ class WarmupManager:
         except (BackendUnavailable, LookupError) as exc:
             log.info("warm-up request to %s failed: %s", worker.id, exc)
             return None
+
+    def _ask_priority(self, wid: str) -> None:
+        """With a copy priority set: ask ``wid`` whether its engine takes it as soon as it
+        serves (its first probe names its models), before the first copy goes there."""
+        priority = self.options.copy_priority
+        if not priority or wid in self.takes_priority:
+            return
+
+        async def when_serving() -> None:
+            if await self._wait_healthy(wid):
+                worker = self.pool.get(wid).worker
+                if worker.models:
+                    self._probe_priority(worker, min(worker.models), priority)
+
+        task = asyncio.ensure_future(when_serving())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _probe_priority(self, worker: Worker, model: str, priority: int) -> None:
+        """Find out, off any copy's path, whether ``worker``'s engine takes the scheduling
+        ``priority``: a one-token completion of a one-character prompt of ``model`` carrying
+        it. Answered, it does; refused with a 400 naming the priority (first-come-first-
+        served scheduling), it does not; anything else leaves it unknown, to be asked again
+        at the next copy."""
+        if worker.id in self._probing:
+            return
+        self._probing.add(worker.id)
+        probe = UpstreamRequest(
+            path=COMPLETIONS_PATH, request_id="warmup", headers={"x-request-id": "warmup"},
+            body={"model": model, "prompt": ".", "max_tokens": 1, "temperature": 0,
+                  "priority": priority})
+
+        async def ask() -> None:
+            try:
+                sending = self._backend_for(worker).send(worker, probe)
+                status, text = await self._answer(worker, sending)
+            except (BackendUnavailable, LookupError) as exc:
+                log.info("priority probe of %s failed: %s", worker.id, exc)
+                return
+            finally:
+                self._probing.discard(worker.id)
+            if status == 200 and worker.id in self.pool:
+                self.takes_priority[worker.id] = True
+            elif status == 400 and b"priority" in text:
+                self._refused_priority(worker.id)
+
+        task = asyncio.ensure_future(ask())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _refused_priority(self, wid: str) -> None:
+        if wid in self.pool and self.takes_priority.get(wid) is not False:
+            log.info("%s does not take a scheduling priority (first-come-first-served): its "
+                     "pre-warms go without one", wid)
+            self.takes_priority[wid] = False
+
+    @property
+    def no_priority(self) -> list[str]:
+        """The workers known to refuse a scheduling priority."""
+        return sorted(wid for wid, takes in self.takes_priority.items() if not takes)
 
     async def _replied(self, worker: Worker,
                        sending: Coroutine[Any, Any, UpstreamReply]) -> bool:

@@ -249,16 +249,31 @@ async def test_with_token_keys_a_prewarm_of_token_ids_warms_the_chat(tmp_path: P
         await runner.cleanup()
 
 
-async def test_a_copy_priority_an_engine_refuses_is_dropped_for_that_worker(
-        setup: Setup) -> None:
-    """A session copy carries its scheduling priority; an engine on first-come-first-served
-    scheduling refuses it (400), and the copy goes again without it, as do that worker's next
-    ones. An engine with priority scheduling takes it the first time."""
+async def known(manager: WarmupManager, wid: str) -> bool:
+    """Whether ``wid`` takes a scheduling priority, once the manager's probe found out."""
+    for _ in range(200):
+        if wid in manager.takes_priority:
+            return manager.takes_priority[wid]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no answer to the priority probe of {wid}")
+
+
+async def test_a_copy_carries_its_priority_only_to_workers_that_take_it(setup: Setup) -> None:
+    """A session copy's scheduling priority goes only to a worker whose engine is known to
+    take it. Until a probe (off the copy's path) finds out, copies go without: an engine on
+    first-come-first-served scheduling refuses any priority but 0, and a refused copy sent
+    again would reach the engine after the requests routed meanwhile."""
     p = dataclasses.replace(prompt(), priority=1)
+    assert await setup.manager.prewarm(setup.live, p)  # without the priority: answered
+    assert held(setup.index, setup.live, p) == len(p.key.blocks)
+    assert not await known(setup.manager, setup.live)  # the worker runs fcfs
+    assert setup.manager.no_priority == [setup.live]
     assert await setup.manager.prewarm(setup.live, p)
-    assert setup.manager.no_priority == {setup.live}
-    assert held(setup.index, setup.live, p) == len(p.key.blocks)  # the copy is there
-    assert await setup.manager.prewarm(setup.live, p)  # straight without it now
+    # Were it taken for one that takes it, the copy would carry it, be refused, and the
+    # worker known to refuse it again.
+    setup.manager.takes_priority[setup.live] = True
+    assert not await setup.manager.prewarm(setup.live, p)
+    assert setup.manager.no_priority == [setup.live]
     port = free_port()
     runner = await serve(create_worker(dataclasses.replace(
         FAST_WORKER, port=port, scheduling_policy="priority")), port)
@@ -266,8 +281,39 @@ async def test_a_copy_priority_an_engine_refuses_is_dropped_for_that_worker(
         wid = setup.pool.add(f"http://127.0.0.1:{port}")
         setup.pool.mark_up(wid, frozenset({MODEL}))
         assert await setup.manager.prewarm(wid, p)
-        assert setup.manager.no_priority == {setup.live}
+        assert await known(setup.manager, wid)
+        assert await setup.manager.prewarm(wid, p)  # now with it
+        assert setup.manager.no_priority == [setup.live]
         setup.manager.left(setup.live)
-        assert setup.manager.no_priority == set()
+        assert setup.manager.no_priority == []
     finally:
+        await runner.cleanup()
+
+
+async def test_with_a_copy_priority_each_worker_is_asked_once_it_serves(setup: Setup) -> None:
+    """With ``copy_priority`` set, every worker is asked whether its engine takes it as soon
+    as it serves: those in the pool at start-up, and one that joins later, so that the first
+    copy to it already goes the right way. Without it, nobody is asked."""
+    idle = WarmupManager(setup.pool, setup.index, setup.manager.sync,
+                         setup.manager._backend_for, WarmupOptions())
+    idle.start()
+    manager = WarmupManager(setup.pool, setup.index, setup.manager.sync,
+                            setup.manager._backend_for, WarmupOptions(copy_priority=1))
+    manager.start()
+    port = free_port()
+    runner = await serve(create_worker(dataclasses.replace(
+        FAST_WORKER, port=port, scheduling_policy="priority")), port)
+    try:
+        assert not await known(manager, setup.live)  # fcfs, asked at start-up
+        wid = setup.pool.add(f"http://127.0.0.1:{port}")  # joins: asked once it serves
+        await asyncio.sleep(0.1)
+        assert wid not in manager.takes_priority
+        setup.pool.mark_up(wid, frozenset({MODEL}))
+        assert await known(manager, wid)
+        assert manager.no_priority == [setup.live]
+        assert setup.dead not in manager.takes_priority  # nothing answered: still unknown
+        assert idle.takes_priority == {}
+    finally:
+        await manager.stop()
+        await idle.stop()
         await runner.cleanup()
