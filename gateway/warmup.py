@@ -447,7 +447,7 @@ class WarmupManager:
         wid, blocks = worker.id, prompt.key.blocks
         status, text = await self._answer(worker, sending) if sending is not None else (0, b"")
         if status == 400 and prompt.priority and b"priority" in text:
-            self._refused_priority(wid)  # its scheduling changed since the probe
+            self._refused_priority(wid, status, text)  # its scheduling changed since the probe
         ok = status == 200
         if self.exact is not None:
             self.exact.done(wid, blocks, time.monotonic())
@@ -493,9 +493,10 @@ class WarmupManager:
     def _probe_priority(self, worker: Worker, model: str, priority: int) -> None:
         """Find out, off any copy's path, whether ``worker``'s engine takes the scheduling
         ``priority``: a one-token completion of a one-character prompt of ``model`` carrying
-        it. Answered, it does; refused with a 400 naming the priority (first-come-first-
-        served scheduling), it does not; anything else leaves it unknown, to be asked again
-        at the next copy."""
+        it. Answered 200, it does; any other answer (vLLM on first-come-first-served
+        scheduling refuses it with a 400; an engine that knows no such field may answer
+        otherwise) and it does not, until the worker joins again; no answer at all (the worker
+        unreachable) leaves it unknown, to be asked again at the next copy."""
         if worker.id in self._probing:
             return
         self._probing.add(worker.id)
@@ -515,17 +516,19 @@ class WarmupManager:
                 self._probing.discard(worker.id)
             if status == 200 and worker.id in self.pool:
                 self.takes_priority[worker.id] = True
-            elif status == 400 and b"priority" in text:
-                self._refused_priority(worker.id)
+            elif status:
+                self._refused_priority(worker.id, status, text)
 
         task = asyncio.ensure_future(ask())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _refused_priority(self, wid: str) -> None:
+    def _refused_priority(self, wid: str, status: int, text: bytes) -> None:
         if wid in self.pool and self.takes_priority.get(wid) is not False:
-            log.info("%s does not take a scheduling priority (first-come-first-served): its "
-                     "pre-warms go without one", wid)
+            why = ("first-come-first-served scheduling" if status == 400 and b"priority" in text
+                   else f"answered {status}")
+            log.info("%s does not take a scheduling priority (%s): its pre-warms go without "
+                     "one", wid, why)
             self.takes_priority[wid] = False
 
     @property

@@ -317,3 +317,20 @@ async def test_with_a_copy_priority_each_worker_is_asked_once_it_serves(setup: S
         await manager.stop()
         await idle.stop()
         await runner.cleanup()
+
+
+async def test_any_answer_but_200_counts_as_not_taking_the_priority(setup: Setup) -> None:
+    """An engine that answers the question otherwise (here a 404: a model it does not
+    serve) is taken not to take a priority, so it is not asked again at every copy; one
+    that does not answer at all stays unknown."""
+    worker = setup.pool.get(setup.live).worker
+    setup.manager._probe_priority(worker, "no-such-model", 1)
+    assert not await known(setup.manager, setup.live)
+    assert setup.manager.no_priority == [setup.live]
+    dead = setup.pool.get(setup.dead).worker
+    setup.manager._probe_priority(dead, MODEL, 1)
+    for _ in range(100):
+        if dead.id not in setup.manager._probing:
+            break
+        await asyncio.sleep(0.01)
+    assert dead.id not in setup.manager.takes_priority
