@@ -382,8 +382,7 @@ async def admin_workers(request: web.Request) -> web.Response:
          # without one); a worker in neither has not answered the question yet.
          "prewarm": {**state.prewarmer.stats(),
                      "copy_priority": state.prewarmer.options.copy_priority,
-                     "copy_priority_taken": sorted(
-                         w for w, takes in state.warmup.takes_priority.items() if takes),
+                     "copy_priority_taken": state.warmup.with_priority,
                      "copy_priority_refused": state.warmup.no_priority},
          # The model and version each served model's prompts are fingerprinted under.
          "namespaces": {m: state.pool.model_identity(m) for m in sorted(state.pool.models())},

@@ -532,6 +532,11 @@ class WarmupManager:
             self.takes_priority[wid] = False
 
     @property
+    def with_priority(self) -> list[str]:
+        """The workers known to take a scheduling priority."""
+        return sorted(wid for wid, takes in self.takes_priority.items() if takes)
+
+    @property
     def no_priority(self) -> list[str]:
         """The workers known to refuse a scheduling priority."""
         return sorted(wid for wid, takes in self.takes_priority.items() if not takes)

@@ -28,7 +28,6 @@ class ProcessorSharing:
     def __init__(self) -> None:
         self._left: dict[int, float] = {}
         self._priority: dict[int, int] = {}
-        self._classes: dict[int, int] = {}  # priority -> its jobs
         self._at = 0.0  # when the work left was last brought up to date
 
     def __len__(self) -> int:
@@ -36,9 +35,7 @@ class ProcessorSharing:
 
     def _running(self) -> list[int]:
         """The jobs that progress now: those of the best priority present."""
-        if len(self._classes) == 1:
-            return list(self._left)
-        best = min(self._classes)
+        best = min(self._priority.values())
         return [job for job, p in self._priority.items() if p == best]
 
     def advance(self, now: float) -> list[int]:
@@ -72,7 +69,6 @@ class ProcessorSharing:
         done = self.advance(now)
         self._left[job] = work_s
         self._priority[job] = priority
-        self._classes[priority] = self._classes.get(priority, 0) + 1
         return done
 
     def remove(self, job: int, now: float) -> list[int]:
@@ -85,12 +81,7 @@ class ProcessorSharing:
 
     def _drop(self, job: int) -> None:
         del self._left[job]
-        priority = self._priority.pop(job)
-        count = self._classes[priority] - 1
-        if count:
-            self._classes[priority] = count
-        else:
-            del self._classes[priority]
+        del self._priority[job]
 
     def next_end(self) -> float | None:
         """When the next job ends if none starts before (None: no job)."""
