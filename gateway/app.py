@@ -454,6 +454,7 @@ def create_app(
     app[SYNC_KEY] = sync
     app[POOL_KEY] = pool
     app[HEALTH_KEY] = HealthChecker(state, lifecycle, telemetry.misses)
+    telemetry.misses.on_restart = lifecycle.restarted  # by its counters or its start stamp
     sync.gone = app[HEALTH_KEY].probe_soon  # a registry entry gone: is the worker gone too?
     app[EXACT_KEY] = exact
     app[WARMUP_KEY] = warmup

@@ -190,10 +190,8 @@ class HealthChecker:
         else:
             self._timed_out.discard(wid)
         queries = probe.metrics.get(metric.total(metric.PREFIX_CACHE_QUERIES))
-        if self._misses.probed(wid, queries):
-            log.warning("worker %s restarted (its cache counters went back); its cache is "
-                        "cold", wid)
-            state.index.forget_worker(wid)
+        # Its counters back to zero: a restart, which the tracker tells the cache lifecycle.
+        self._misses.probed(wid, queries)
         if probe.healthy:
             state.pool.mark_up(wid, probe.models, probe.metrics)
             if state.pool.set_versions(wid, probe.versions):

@@ -1,4 +1,5 @@
-"""Cache lifecycle: a worker that reports a new model version starts from an empty cache.
+"""Cache lifecycle: a worker that reports a new model version, or restarted, starts from an
+empty cache.
 
 The health probe reads each worker's model versions (``/v1/models``: revision, tokenizer hash;
 vLLM's ``root``). When one changes, the pool has already dropped what the prefix index knew
@@ -8,6 +9,11 @@ an entry of the old model. This module then invalidates the worker's own cache (
 worker's ``/admin/flush``, vLLM's ``/reset_prefix_cache``), drops any index entries recorded
 in the meantime, and hands the worker to the warm-up (it is as cold as a worker that just
 joined).
+
+A worker that restarted (its start stamp changed, or its cache counters went back: see
+:mod:`gateway.misses`) lost its cache with its process, and may run with other settings: the
+index forgets what it held, and the warm-up takes it as a worker that joined (it asks its engine
+again whether it takes a scheduling priority).
 """
 
 from __future__ import annotations
@@ -42,6 +48,14 @@ class CacheLifecycle:
             self._invalidate(worker), name=f"invalidate-{worker.id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def restarted(self, wid: str) -> None:
+        """``wid`` restarted: its cache is cold, whatever the index recorded there."""
+        if wid not in self.pool:
+            return
+        log.warning("worker %s restarted; its cache is cold", wid)
+        self.pool.forget_index(wid)
+        self.warmup.restarted(wid)
 
     async def _invalidate(self, worker: Worker) -> None:
         self.warmup.left(worker.id)  # a warm-up of the old model is worthless now

@@ -27,13 +27,15 @@ of these that applies:
     another tenant, model or cache salt (caches are never shared across namespaces).
 
 Pure bookkeeping, no I/O: the proxy and the health loop feed it, ``/admin/misses``, the metrics
-and the status page read it.
+and the status page read it; a restart it sees is told once to its ``on_restart`` (the cache
+lifecycle).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import xxhash
@@ -136,6 +138,9 @@ class MissTracker:
         self._queries: dict[str, float] = {}  # worker -> cache query counter at the last probe
         self._restarted_at: dict[str, float] = {}  # worker -> monotonic time a restart was seen
         self.requests = 0  # requests with a cache report
+        # Told once of each restart, by whichever fact shows it first (the cache lifecycle:
+        # the worker's index entries go, and it is warmed as a worker that joined).
+        self.on_restart: Callable[[str], None] | None = None
 
     # -- facts ------------------------------------------------------------------------------
     def namespace_changed(self, text_hash: int, namespace: int) -> bool:
@@ -157,7 +162,8 @@ class MissTracker:
         previous = self._starts.get(worker)
         self._starts[worker] = stamp
         if previous is not None and previous != stamp:
-            self._restarted_at[worker] = time.monotonic()
+            self._queries.pop(worker, None)  # the next probe's counter is the new start's
+            self._restarted(worker)
             return True
         return False
 
@@ -168,9 +174,17 @@ class MissTracker:
         previous = self._queries.get(worker)
         self._queries[worker] = cache_queries
         if previous is not None and cache_queries < previous:
-            self._restarted_at[worker] = time.monotonic()
+            self._starts.pop(worker, None)  # the next stamp reported is the new start's
+            self._restarted(worker)
             return True
         return False
+
+    def _restarted(self, worker: str) -> None:
+        """A restart, seen by one of its two facts: the other one's baseline was dropped, so
+        that the same restart is not seen twice."""
+        self._restarted_at[worker] = time.monotonic()
+        if self.on_restart is not None:
+            self.on_restart(worker)
 
     def restarted_since(self, worker: str, since: float) -> bool:
         at = self._restarted_at.get(worker)

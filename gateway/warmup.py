@@ -199,7 +199,7 @@ class WarmupManager:
     def joined(self, wid: str, reason: str = "joined", epoch: str = "") -> None:
         """``wid`` joined (or lost its cache). ``epoch`` tells warm-ups of one worker apart
         across gateways (the model version it warms for); empty for a join."""
-        if self._running and reason == "joined":
+        if self._running and reason in ("joined", "restarted"):
             self._ask_priority(wid)
         if not self._running or not self.options.enabled or wid in self._tasks:
             return
@@ -208,6 +208,13 @@ class WarmupManager:
         task = asyncio.get_running_loop().create_task(self._warm(wid), name=f"warmup-{wid}")
         self._tasks[wid] = task
         task.add_done_callback(self._forget_task)
+
+    def restarted(self, wid: str) -> None:
+        """``wid`` restarted: warmed as a worker that joined, and its engine asked again
+        whether it takes a scheduling priority (it may run another policy now). Gateways
+        sharing a store warm it once per restart they see together: the lease names it."""
+        self.takes_priority.pop(wid, None)
+        self.joined(wid, reason="restarted", epoch="restarted")
 
     def _forget_task(self, task: asyncio.Task[None]) -> None:
         for wid, t in list(self._tasks.items()):

@@ -211,6 +211,60 @@ async def test_restarted_worker_is_diagnosed(start_cluster: StartCluster) -> Non
     assert [m["cause"] for m in recent] == ["worker_restarted"]
 
 
+async def workers_view(http: aiohttp.ClientSession, url: str) -> dict[str, object]:
+    async with http.get(url + "/admin/workers") as r:
+        assert r.status == 200
+        view: dict[str, object] = await r.json()
+        return view
+
+
+async def test_a_restarted_worker_is_taken_as_one_that_joined(
+    start_cluster: StartCluster,
+) -> None:
+    """A worker that restarted in place, faster than the health probes could see it down,
+    is cold and may run other settings: once its new start stamp is seen, the index forgets
+    what it modelled there, the warm-up takes it (reason ``restarted``), and its engine is
+    asked again whether it takes the copies' scheduling priority (here it now does)."""
+    cluster = await start_cluster(workers=1, copy_priority=1)
+    url, worker_url = cluster.gateway_url, cluster.worker_urls[0]
+
+    async def view() -> dict[str, object]:
+        payload = await workers_view(http, url)
+        workers = payload["workers"]
+        assert isinstance(workers, list)
+        assert len(workers) == 1
+        return {**workers[0], "prewarm": payload["prewarm"]}
+
+    async with aiohttp.ClientSession() as http:
+        for _ in range(200):  # asked at start-up: first-come-first-served refuses it
+            v = await view()
+            if v["prewarm"]["copy_priority_refused"]:  # type: ignore[index]
+                break
+            await asyncio.sleep(0.02)
+        wid = v["id"]
+        assert v["prewarm"]["copy_priority_refused"] == [wid]  # type: ignore[index]
+        assert (await complete(http, url, PREFIX + "one")).status == 200
+        assert (await view())["modelled_blocks"] > 0  # type: ignore[operator]
+        await cluster.stop_worker(worker_url)
+        port = int(worker_url.rsplit(":", 1)[1])
+        cluster.runners[worker_url] = await serve(create_worker(dataclasses.replace(
+            FAST_WORKER, port=port, scheduling_policy="priority")), port)
+        r = await complete(http, url, PREFIX + "two")
+        assert r.status == 200
+        assert r.headers["x-cache-matched-tokens"] == "0"
+        for _ in range(200):
+            v = await view()
+            if v["prewarm"]["copy_priority_taken"]:  # type: ignore[index]
+                break
+            await asyncio.sleep(0.02)
+    assert v["warmup"]["reason"] == "restarted"  # type: ignore[index]
+    assert v["prewarm"]["copy_priority_taken"] == [wid]  # type: ignore[index]
+    assert v["prewarm"]["copy_priority_refused"] == []  # type: ignore[index]
+    # Forgotten as the reply showed the restart (with the prefix of the request that showed
+    # it: the index learns the worker's new cache from the requests after it).
+    assert v["modelled_blocks"] == 0
+
+
 async def test_same_prompt_for_another_tenant_is_diagnosed(start_cluster: StartCluster) -> None:
     cluster = await start_cluster(workers=2)
     async with aiohttp.ClientSession() as http:

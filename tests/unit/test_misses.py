@@ -81,3 +81,24 @@ def test_restarts_from_boot_ids_and_counters() -> None:
     assert tracker.probed("w2", 3.0)
     assert tracker.restarted_since("w2", 0.0)
     assert not tracker.restarted_since("w3", 0.0)
+
+
+def test_each_restart_is_told_once_whichever_fact_shows_it_first() -> None:
+    """A restart shows twice: a new start stamp on a reply and cache counters back at the next
+    probe. The lifecycle is told once per restart, by the first; a later restart is told
+    again."""
+    told: list[str] = []
+    tracker = MissTracker()
+    tracker.on_restart = told.append
+    assert not tracker.worker_started("w1", "a")
+    assert not tracker.probed("w1", 100.0)
+    assert tracker.worker_started("w1", "b")  # the reply first
+    assert not tracker.probed("w1", 4.0)  # the same restart, seen by the probe
+    assert not tracker.probed("w1", 9.0)
+    assert told == ["w1"]
+    assert tracker.probed("w1", 2.0)  # the probe first, this time
+    assert not tracker.worker_started("w1", "c")  # the same restart, seen on a reply
+    assert not tracker.worker_started("w1", "c")
+    assert told == ["w1", "w1"]
+    assert tracker.worker_started("w1", "d")
+    assert told == ["w1", "w1", "w1"]
