@@ -22,7 +22,9 @@ One run, one set of workers:
    Reported per target: requests/s, p50/p99 latency, errors, and the router's CPU seconds per
    1,000 requests, read from the CPU-time clocks of the router process and its child
    processes (every thread, in nanoseconds: :func:`loadtest.peers.proc_tree_cpu_s`), not
-   wall time.
+   wall time; beside it the workers' and this client's over the same repetition, since on
+   cores they share the requests/s follow the sum of the three (a router can make the
+   workers' share dearer or cheaper by how its requests reach them).
    ``direct`` sends to one worker, no router in between.
    ``--api embeddings`` sends the same texts as embeddings requests (what the routers relay
    without prefix routing: the relay's own cost, and how evenly each spreads them);
@@ -201,6 +203,10 @@ class Rep:
     p99_ms: float
     errors: int
     cpu_s_per_1k: float  # the router's CPU seconds per 1,000 requests (0 for direct)
+    # The workers' and this client's CPU seconds per 1,000 requests in the same repetition:
+    # on shared cores the requests/s follow the sum of the three, not the router's alone.
+    workers_cpu_s_per_1k: float = 0.0
+    client_cpu_s_per_1k: float = 0.0
 
 
 @dataclass(slots=True)
@@ -303,6 +309,7 @@ class Target:
     name: str
     url: str  # the chat completions URL
     pid: int  # the router's process (0: direct)
+    workers: tuple[int, ...] = ()  # the workers' processes (every target's, the same)
 
 
 @contextlib.asynccontextmanager
@@ -327,14 +334,16 @@ async def running_targets(
                        "--model", MODEL, *worker_size_args(config), *ZERO_COST_WORKER_ARGS,
                        "--decode-ms-per-token", str(config.decode_ms)]
                 await start_server(cmd, url, logs / f"worker{i}.log", procs)
-            targets = [Target(DIRECT, worker_urls[0] + API_PATHS[config.api], 0)]
+            workers = tuple(p.pid for p in procs)
+            targets = [Target(DIRECT, worker_urls[0] + API_PATHS[config.api], 0, workers)]
             for j, (name, extra) in enumerate(ours):
                 port = base + config.workers + j
                 url = f"http://{HOST}:{port}"
                 cmd = (floor_command(port, worker_urls, name) if name in FLOORS
                        else gateway_command(port, worker_urls, config, extra))
                 await start_server(cmd, url, logs / f"{name}.log", procs)
-                targets.append(Target(name, url + API_PATHS[config.api], procs[-1].pid))
+                targets.append(Target(name, url + API_PATHS[config.api], procs[-1].pid,
+                                      workers))
             for name in routers:
                 if name in PEERS:
                     try:
@@ -345,7 +354,8 @@ async def running_targets(
                         print(f"[bench] {exc}", file=sys.stderr, flush=True)
                         skipped[name] = str(exc).splitlines()[0]
                         continue
-                    targets.append(Target(name, peer.url + API_PATHS[config.api], peer.pid))
+                    targets.append(Target(name, peer.url + API_PATHS[config.api], peer.pid,
+                                          workers))
             for t in targets:
                 await wait_routing(session, t.url, probe)
             yield targets
@@ -505,15 +515,22 @@ async def throughput(session: aiohttp.ClientSession, target: Target, bodies: Seq
             if blocks >= 0:
                 routed[-1, "index hit" if blocks > 0 else "index miss"] += 1
 
-    cpu0 = await asyncio.to_thread(proc_tree_cpu_s, target.pid) if target.pid else 0.0
+    def cpu() -> tuple[float, float, float]:
+        return (proc_tree_cpu_s(target.pid) if target.pid else 0.0,
+                sum(proc_tree_cpu_s(w) for w in target.workers), time.process_time())
+
+    before = await asyncio.to_thread(cpu)
     started = time.perf_counter()
     await asyncio.gather(*(sender() for _ in range(concurrency)))
     wall = time.perf_counter() - started
-    cpu1 = await asyncio.to_thread(proc_tree_cpu_s, target.pid) if target.pid else 0.0
+    after = await asyncio.to_thread(cpu)
+    router, workers, client = ((b - a) * 1000 / len(bodies) for a, b in zip(before, after,
+                                                                          strict=True))
     ms = [s * 1e3 for s in seconds]
     return Rep(
         rps=len(bodies) / wall, p50_ms=statistics.median(ms), p99_ms=percentile(ms, 99),
-        errors=errors, cpu_s_per_1k=(cpu1 - cpu0) * 1000 / len(bodies),
+        errors=errors, cpu_s_per_1k=router, workers_cpu_s_per_1k=workers,
+        client_cpu_s_per_1k=client,
     )
 
 
@@ -867,6 +884,15 @@ def to_markdown(result: OverheadResult) -> str:
                       for r, o in zip(t.reps, ours.reps, strict=True) if o.cpu_s_per_1k > 0]
             if ratios:
                 lines.append(f"- {t.name}: {statistics.median(ratios):.3f}x ours")
+    lines += ["", "CPU seconds per 1,000 requests at c=32 by process, medians of the "
+              "repetitions (router, workers, this client; on cores they share, requests/s "
+              "follow the sum):", "", "| target | router | workers | client | sum |",
+              "|---|---:|---:|---:|---:|"]
+    for t in result.targets:
+        parts = [t.median(a) for a in ("cpu_s_per_1k", "workers_cpu_s_per_1k",
+                                       "client_cpu_s_per_1k")]
+        lines.append(f"| {t.name} | " + " | ".join(f"{v:.3f}" for v in parts)
+                     + f" | {sum(parts):.3f} |")
     lines += ["", "Per repetition (req/s, p99 ms, CPU s / 1k):", ""]
     for t in result.targets:
         reps = "; ".join(f"{r.rps:,.0f}, {r.p99_ms:.1f}, {r.cpu_s_per_1k:.3f}" for r in t.reps)

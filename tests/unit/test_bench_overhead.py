@@ -268,3 +268,13 @@ def test_other_apis_carry_the_chat_texts(api: str, expected: Any) -> None:
     assert same == prefixes
     for c, a in zip(chat, asked, strict=True):
         assert json.loads(a) == expected(json.loads(c)["messages"])
+
+
+def test_cpu_by_process_sums_router_workers_and_client() -> None:
+    """On cores they share, the requests/s follow the sum of every process's CPU per request:
+    the table gives the router's, the workers' and the client's medians, and their sum."""
+    ours = TargetResult("ours", reps=[Rep(100.0, 1.0, 2.0, 0, 0.3, 0.9, 0.2),
+                                      Rep(100.0, 1.0, 2.0, 0, 0.5, 1.1, 0.1),
+                                      Rep(100.0, 1.0, 2.0, 0, 0.4, 1.0, 0.15)])
+    text = to_markdown(OverheadResult("cmd", OverheadConfig(), [ours], {}))
+    assert "| ours | 0.400 | 1.000 | 0.150 | 1.550 |" in text
