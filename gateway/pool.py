@@ -51,6 +51,7 @@ class WorkerState:
     inflight_tokens: int = 0
     inflight_prefill: int = 0  # predicted uncached prompt tokens of requests before 1st token
     copies: int = 0  # the volume guard's copies of sessions in flight there (gateway.prewarm)
+    copies_yield: bool = False  # its engine runs those copies at background priority
     # ticket -> (checkpoint hashes, predicted cached prompt tokens) of each request in flight
     inflight_prompts: dict[int, tuple[Sequence[int], int]] = field(default_factory=dict)
     remote_tokens: int = 0  # in flight from other gateway replicas, as last read
@@ -131,7 +132,8 @@ class WorkerState:
             worker = dataclasses.replace(worker, weight=worker.weight * self.ramp)
         return WorkerView(worker, self.healthy and not self.held_out, requests, tokens,
                           self.inflight_prefill, tuple(self.inflight_prompts.values()),
-                          self.waiting_requests(), self.first_token_s, self.copies)
+                          self.waiting_requests(), self.first_token_s, self.copies,
+                          self.copies_yield)
 
 
 def _mean_since(metrics: Mapping[str, float], sum_name: str, count_name: str,
@@ -508,6 +510,14 @@ class WorkerPool:
         if state is not None:
             self._stale.add(wid)
             state.copies = max(0, state.copies + change)
+
+    def set_copies_yield(self, wid: str, yields: bool) -> None:
+        """Whether ``wid``'s engine runs the session copies at background priority (the
+        warm-up manager's probe found it takes the priority they carry)."""
+        state = self._workers.get(wid)
+        if state is not None and state.copies_yield != yields:
+            self._stale.add(wid)
+            state.copies_yield = yields
 
     def release(self, wid: str, tokens: int, prefill: int = 0, ticket: int = 0) -> None:
         """The request is over; ``prefill``: its prompt tokens still counted as queued;

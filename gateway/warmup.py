@@ -214,6 +214,7 @@ class WarmupManager:
         whether it takes a scheduling priority (it may run another policy now). Gateways
         sharing a store warm it once per restart they see together: the lease names it."""
         self.takes_priority.pop(wid, None)
+        self.pool.set_copies_yield(wid, False)
         self.joined(wid, reason="restarted", epoch="restarted")
 
     def _forget_task(self, task: asyncio.Task[None]) -> None:
@@ -523,6 +524,7 @@ class WarmupManager:
                 self._probing.discard(worker.id)
             if status == 200 and worker.id in self.pool:
                 self.takes_priority[worker.id] = True
+                self.pool.set_copies_yield(worker.id, True)
             elif status:
                 self._refused_priority(worker.id, status, text)
 
@@ -537,6 +539,7 @@ class WarmupManager:
             log.info("%s does not take a scheduling priority (%s): its pre-warms go without "
                      "one", wid, why)
             self.takes_priority[wid] = False
+            self.pool.set_copies_yield(wid, False)
 
     @property
     def with_priority(self) -> list[str]:

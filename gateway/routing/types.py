@@ -61,8 +61,13 @@ class WorkerView:
     # Mean seconds to the first token of the requests its engine started lately (vLLM's
     # ``time_to_first_token`` histogram between two scrapes); None: the engine does not say.
     first_token_s: float | None = None
-    # Copies of sessions the volume guard is making there (gateway.prewarm): one at a time.
+    # Copies of sessions the volume guard is making there (gateway.prewarm): one at a time,
+    # unless its engine runs them at background priority.
     copies: int = 0
+    # Its engine runs the volume guard's copies at a background scheduling priority (the
+    # gateway sends them with ``--copy-priority`` and the engine takes it): a copy there
+    # prefills with the capacity the requests leave, however busy it is.
+    copies_yield: bool = False
     id: str = field(init=False)  # = worker.id; a plain attribute, read on every decision
 
     def __post_init__(self) -> None:

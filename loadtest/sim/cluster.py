@@ -459,6 +459,9 @@ class ClusterSim:
         for wid in ids:
             self.pool.add(f"sim://{wid}", wid=wid)
             self.pool.mark_up(wid, frozenset())
+            # The engines run copies at the priority they are sent with, as the gateway's
+            # probe finds an engine on priority scheduling does.
+            self.pool.set_copies_yield(wid, config.copy_priority > 0)
             if config.index_knows_capacity:
                 # As the gateway does once a worker reports its cache size (gateway.sync).
                 self.pool.set_capacity(wid, config.cache_blocks)

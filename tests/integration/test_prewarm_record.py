@@ -311,6 +311,10 @@ async def test_with_a_copy_priority_each_worker_is_asked_once_it_serves(setup: S
         setup.pool.mark_up(wid, frozenset({MODEL}))
         assert await known(manager, wid)
         assert manager.no_priority == [setup.live]
+        # Routing sees which engines run the copies at background priority (the volume
+        # guard copies to those however busy they are).
+        assert setup.pool.get(wid).view().copies_yield
+        assert not setup.pool.get(setup.live).view().copies_yield
         assert setup.dead not in manager.takes_priority  # nothing answered: still unknown
         assert idle.takes_priority == {}
     finally:

@@ -605,6 +605,29 @@ def test_a_worker_making_a_copy_gets_no_other() -> None:
     assert (decision.worker_id, decision.copy_to) == ("w1", "w2")
 
 
+def test_a_worker_that_runs_copies_at_background_priority_takes_one_however_busy() -> None:
+    """Every worker but the holder is prefilling and w2 (the least recent volume) is making
+    another copy as well: where engines run copies at a background priority
+    (``copies_yield``) the copy goes to w2 anyway, since it takes only the capacity the
+    requests there leave; where they do not, nothing is copied now."""
+    index = PrefixIndex()
+    for _ in range(3):
+        index.record(LONG, "w1", 0.0)
+    for i, wid in enumerate(("w0", "w0", "w2", "w3", "w3", "w3")):
+        index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
+
+    def copy_to(yields: bool) -> str:
+        views = tuple(WorkerView(Worker(w, f"http://{w}"), inflight_prefill=500 * (w != "w1"),
+                                 copies=int(w == "w2"), copies_yield=yields) for w in IDS)
+        decision = build_engine("cache_aware", COPY).route(
+            _session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
+        assert decision.worker_id == "w1"
+        return decision.copy_to
+
+    assert copy_to(yields=True) == "w2"
+    assert copy_to(yields=False) == ""
+
+
 def _copied(busy: bool, inflight: Mapping[str, int] | None = None,
             w1_extra: int = 0) -> Decision:
     """w1 holds the long session (3 turns) and three other 100-block prompts: 600 recent
