@@ -54,8 +54,9 @@ prompt (the trunk it shares) has room for the request (lighter sessions are bala
 new ones are placed). With ``volume_copy`` (the default) the session moves only to a worker
 that already holds as much of it and is within its own bound: until one does, its holder
 keeps it and the decision names where to copy it (``Decision.copy_to``: of the workers holding
-less of it with no prefill queued and no other copy under way, the one with the least recent
-volume; with none, no copy yet), and the pre-warmer sends its whole prompt there as a
+less of it with no prefill queued and no other copy under way, or however busy where the
+engine runs copies at background priority (``WorkerView.copies_yield``), the one with the
+least recent volume; with none, no copy yet), and the pre-warmer sends its whole prompt there as a
 prefill-only request, so its next turn moves without redoing its history on a request's path.
 On agent sessions that keeps the hit rate of sessions kept whole (0.996-0.998 of the bound)
 at routed volume 1.20-1.28x the mean instead of 1.6-3.2x (BENCHMARKS.md, "the volume guard
