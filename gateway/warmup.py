@@ -213,8 +213,7 @@ class WarmupManager:
         """``wid`` restarted: warmed as a worker that joined, and its engine asked again
         whether it takes a scheduling priority (it may run another policy now). Gateways
         sharing a store warm it once per restart they see together: the lease names it."""
-        self.takes_priority.pop(wid, None)
-        self.pool.set_copies_yield(wid, False)
+        self._learned_priority(wid, None)
         self.joined(wid, reason="restarted", epoch="restarted")
 
     def _forget_task(self, task: asyncio.Task[None]) -> None:
@@ -523,8 +522,7 @@ class WarmupManager:
             finally:
                 self._probing.discard(worker.id)
             if status == 200 and worker.id in self.pool:
-                self.takes_priority[worker.id] = True
-                self.pool.set_copies_yield(worker.id, True)
+                self._learned_priority(worker.id, True)
             elif status:
                 self._refused_priority(worker.id, status, text)
 
@@ -538,8 +536,16 @@ class WarmupManager:
                    else f"answered {status}")
             log.info("%s does not take a scheduling priority (%s): its pre-warms go without "
                      "one", wid, why)
-            self.takes_priority[wid] = False
-            self.pool.set_copies_yield(wid, False)
+            self._learned_priority(wid, False)
+
+    def _learned_priority(self, wid: str, takes: bool | None) -> None:
+        """What ``wid``'s engine makes of the copy priority: takes it, refuses it, or not
+        known (None: to be asked again). Routing sees the first as ``copies_yield``."""
+        if takes is None:
+            self.takes_priority.pop(wid, None)
+        else:
+            self.takes_priority[wid] = takes
+        self.pool.set_copies_yield(wid, takes is True)
 
     @property
     def with_priority(self) -> list[str]:
