@@ -55,8 +55,11 @@ done otherwise on the same live arrivals. For the trace itself,
 that no router keeping each session on one worker can beat.
 
 Experiments for the telemetry-driven correction of the gateway's index: ``--restart-worker I@T``
-restarts worker I T seconds into every gateway run (its cache empties), ``--flush-worker I@T``
-empties its cache without a restart (nothing but the hit telemetry tells the gateway);
+restarts worker I T seconds into every gateway run (its cache empties; down long enough for the
+gateway's probes to see it), ``--restart-in-place I@T`` makes it look restarted without being
+down (``POST /admin/restart``: cache empty, counters at zero, a new start stamp on its replies),
+``--flush-worker I@T`` empties its cache without a restart (nothing but the hit telemetry tells
+the gateway);
 ``--misreport-worker I`` makes worker I report twice its real cache size. ``--timeline DIR``
 writes the per-worker hit rate and mispredictions over time (:mod:`loadtest.timeline`).
 """
@@ -153,6 +156,7 @@ class ReplayConfig:
     misreport_worker: int | None = None
     restart_worker: tuple[int, float] | None = None
     flush_worker: tuple[int, float] | None = None
+    restart_in_place: tuple[int, float] | None = None
     bucket_s: float = 2.0
     timeout_s: float = 300.0
     extra_worker_args: tuple[str, ...] = ()
@@ -364,6 +368,12 @@ class Fleet:
                                concurrency)
         return sum(1 for reply in replies if reply.status == 200)
 
+    async def restart_in_place(self, session: aiohttp.ClientSession, i: int) -> None:
+        """Worker ``i`` as a restart in place leaves it, without one (``POST
+        /admin/restart``)."""
+        async with session.post(self.urls[i] + "/admin/restart", json={}) as response:
+            response.raise_for_status()
+
     async def flush(self, session: aiohttp.ClientSession,
                     urls: Sequence[str] | None = None) -> None:
         for url in self.urls if urls is None else urls:
@@ -473,16 +483,23 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
         cpu0 = proc_tree_cpu_s(pid) if pid else None
         started, wall = time.perf_counter(), time.time()
         restarter = None
-        disrupt = config.restart_worker or config.flush_worker
+        disrupted = False  # the worker was (being) disrupted before the run ended
+        disrupt = config.restart_worker or config.flush_worker or config.restart_in_place
         if restart and fleet is not None and disrupt is not None:
             index, at_s = disrupt
 
             async def later() -> None:
+                nonlocal disrupted
                 await asyncio.sleep(at_s)
+                disrupted = True
                 if config.restart_worker is not None:
                     print(f"[replay] {router}: restarting worker {index} at {at_s:g}s",
                           file=sys.stderr, flush=True)
                     await fleet.restart(index)
+                elif config.restart_in_place is not None:
+                    print(f"[replay] {router}: restarting worker {index} in place at "
+                          f"{at_s:g}s", file=sys.stderr, flush=True)
+                    await fleet.restart_in_place(session, index)
                 else:
                     print(f"[replay] {router}: flushing worker {index} at {at_s:g}s",
                           file=sys.stderr, flush=True)
@@ -504,7 +521,13 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if restarter is not None:
-            await restarter
+            if not disrupted:  # a run shorter than the disruption's time: none, and said so
+                restarter.cancel()
+                print(f"[replay] {router}: the run ended after {seconds:.1f}s, before the "
+                      "worker's disruption was due: none took place", file=sys.stderr,
+                      flush=True)
+            with contextlib.suppress(asyncio.CancelledError):
+                await restarter
         lag1 = await gateway_lag.read(session, url) if ours else None
         actions = await rebalance_actions(session, url, wall) if ours else []
         view = await gateway_view(session, url) if ours else GatewayView()
@@ -1050,6 +1073,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flush-worker", metavar="I@T",
                    help="empty worker I's cache T seconds into every gateway run (the process "
                    "stays up, so only the hit telemetry can tell the gateway)")
+    p.add_argument("--restart-in-place", metavar="I@T",
+                   help="make worker I look restarted T seconds into every gateway run "
+                   "without taking it down: its cache empty, its counters at zero and a new "
+                   "start stamp on its replies (what a restart between two probes shows)")
     p.add_argument("--misreport-worker", type=int, metavar="I",
                    help="worker I reports twice its real cache size")
     p.add_argument("--timeline", type=Path, metavar="DIR",
@@ -1139,10 +1166,10 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
 
     restart = at("--restart-worker", args.restart_worker)
     flush = at("--flush-worker", args.flush_worker)
-    if restart and flush:
-        p.error("--restart-worker or --flush-worker, not both")
-    for index in (restart[0] if restart else None, flush[0] if flush else None,
-                  args.misreport_worker):
+    in_place = at("--restart-in-place", args.restart_in_place)
+    if sum(1 for d in (restart, flush, in_place) if d) > 1:
+        p.error("one of --restart-worker, --restart-in-place and --flush-worker")
+    for index in (*(d[0] for d in (restart, flush, in_place) if d), args.misreport_worker):
         if index is not None and not 0 <= index < args.workers:
             p.error(f"worker index {index} is not in 0..{args.workers - 1}")
     return ReplayConfig(
@@ -1152,7 +1179,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         cached_us_per_token=args.cached_us_per_token,
         decode_ms_per_token=args.decode_ms_per_token, max_running=args.max_running,
         report_cache_size=args.report_cache_size, misreport_worker=args.misreport_worker,
-        restart_worker=restart, flush_worker=flush, bucket_s=args.bucket,
+        restart_worker=restart, flush_worker=flush, restart_in_place=in_place,
+        bucket_s=args.bucket,
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
         invisible_edits=args.invisible_edits, agreement=args.agreement,
         request_logs=args.request_logs, api=args.api, own_core=args.own_core,

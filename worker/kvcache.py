@@ -431,6 +431,11 @@ class PrefixCache:
         finally:
             self._muted = False
 
+    def zero_counters(self) -> None:
+        """Set the counters (``queries_tokens``, ``hit_tokens``, ``evicted_blocks``) back to
+        zero, as a fresh process starts them."""
+        self.queries_tokens = self.hit_tokens = self.evicted_blocks = 0
+
     def _flush(self, namespace: str | None) -> int:
         dropped = 0
         for block in range(self.num_blocks):

@@ -10,8 +10,10 @@ server-sent events), ``POST /v1/responses`` (run as a chat; answers kept for
 ``engine_info``), ``POST /admin/model``
 (swap the served revision, see :mod:`worker.lifecycle`), ``POST /admin/flush``
 (drop cached prefixes: all, or one namespace with ``{"namespace": "..."}``; for model or
-tokenizer upgrades), ``GET /admin/hot-prompts`` (the prompts it sees most, for a gateway
-warming a new peer; see :mod:`worker.hotprompts`).
+tokenizer upgrades), ``POST /admin/restart`` (what a restart in place shows from outside,
+without one: caches empty, counters at zero, a new ``x-worker-boot-id``), ``GET
+/admin/hot-prompts`` (the prompts it sees most, for a gateway warming a new peer; see
+:mod:`worker.hotprompts`).
 
 SGLang's probes, so that sglang-router / smg accept the worker as a backend: ``GET
 /health_generate``, ``GET /server_info`` and ``/get_server_info`` (model path, context length,
@@ -54,7 +56,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -118,7 +120,17 @@ LANE_KEY = web.AppKey("worker_tokenize_lane", TokenizeLane)
 CHAT_TEMPLATE_KEY = web.AppKey("worker_chat_template", ChatTemplate)
 METRICS_KEY = web.AppKey("worker_metrics", WorkerMetrics)
 STARTED_KEY = web.AppKey("worker_started", int)
-BOOT_ID_KEY = web.AppKey("worker_boot_id", str)
+
+
+@dataclass(slots=True)
+class StartStamp:
+    """The worker's start stamp, sent on every reply (``x-worker-boot-id``): new at every
+    start and at a restart in place (``POST /admin/restart``)."""
+
+    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+
+START_STAMP_KEY = web.AppKey("worker_start_stamp", StartStamp)
 TRACING_KEY = web.AppKey("worker_tracing", Tracing)
 RESPONSE_STORE_KEY = web.AppKey("worker_response_store", ResponseStore)
 
@@ -227,7 +239,7 @@ async def _run(request: web.Request, job: Job) -> web.StreamResponse:
         "x-worker-id": settings.effective_worker_id,
         "x-request-id": job.response_id,
         # New at every start: a gateway that sees it change knows this cache is cold.
-        WORKER_BOOT_HEADER: request.app[BOOT_ID_KEY],
+        WORKER_BOOT_HEADER: request.app[START_STAMP_KEY].boot_id,
     }
     attributes: dict[str, str | int] = {
         "gen_ai.request.model": job.model, "worker.prompts": len(job.token_lists),
@@ -607,6 +619,17 @@ async def flush(request: web.Request) -> web.Response:
     return web.json_response({"flushed_blocks": dropped, "namespace": namespace})
 
 
+async def restart_in_place(request: web.Request) -> web.Response:
+    """What a gateway sees of this worker restarted behind the same address (between two of
+    its probes, so that none finds it down), without a restart: every rank's cache empty, the
+    engines' counters back to zero (vLLM's ``prefix_cache_queries`` falls) and a new start
+    stamp on every reply. For tests and the replay harness (``--restart-in-place I@T``)."""
+    dropped = sum(engine.restart_in_place() for engine in request.app[ENGINES_KEY])
+    stamp = request.app[START_STAMP_KEY]
+    stamp.boot_id = StartStamp().boot_id
+    return web.json_response({"flushed_blocks": dropped, "boot_id": stamp.boot_id})
+
+
 # -- app -----------------------------------------------------------------------------------
 
 
@@ -748,7 +771,7 @@ def create_app(
     )
     name_server(app, "affinity-worker")
     app[STARTED_KEY] = int(time.time())
-    app[BOOT_ID_KEY] = uuid.uuid4().hex[:16]
+    app[START_STAMP_KEY] = StartStamp()
     tracing = Tracing.build(settings.tracing_options(), span_exporter)
     app[TRACING_KEY] = tracing
 
@@ -778,6 +801,7 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_post("/admin/flush", flush)
+    app.router.add_post("/admin/restart", restart_in_place)
     app.router.add_post("/admin/model", set_model)
     app[HOT_PROMPTS_KEY] = HotPrompts(settings.hot_prompts)
     app.router.add_get("/admin/hot-prompts", export_handler(settings))

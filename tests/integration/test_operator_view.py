@@ -211,6 +211,43 @@ async def test_restarted_worker_is_diagnosed(start_cluster: StartCluster) -> Non
     assert [m["cause"] for m in recent] == ["worker_restarted"]
 
 
+async def prefix_cache_queries(http: aiohttp.ClientSession, worker_url: str) -> float:
+    async with http.get(worker_url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_queries_total"))
+
+
+async def test_a_worker_restarted_in_place_is_diagnosed_as_restarted(
+    start_cluster: StartCluster,
+) -> None:
+    """The reference worker's ``POST /admin/restart`` shows the gateway what a restart in
+    place shows (an empty cache, counters back at zero, a new start stamp), where
+    ``/admin/flush`` empties the cache alone: the miss that follows is a restart, not a stale
+    index entry as after a flush."""
+    cluster = await start_cluster(workers=1)
+    worker_url = cluster.worker_urls[0]
+    async with aiohttp.ClientSession() as http:
+        assert (await complete(http, cluster.gateway_url, PREFIX + "one")).status == 200
+        before = (await complete(http, worker_url, "x")).headers["x-worker-boot-id"]
+        assert await prefix_cache_queries(http, worker_url) > 0
+        async with http.post(worker_url + "/admin/restart", json={}) as r:
+            assert r.status == 200
+            answer = await r.json()
+        assert answer["flushed_blocks"] > 0
+        assert answer["boot_id"] != before
+        assert await prefix_cache_queries(http, worker_url) == 0
+        second = await complete(http, cluster.gateway_url, PREFIX + "two")
+        assert second.status == 200
+        assert second.headers["x-cache-matched-tokens"] == "0"
+        report = await misses(http, cluster.gateway_url)
+        after = (await complete(http, worker_url, "x")).headers["x-worker-boot-id"]
+    assert after == answer["boot_id"]
+    recent = report["recent"]
+    assert isinstance(recent, list)
+    assert [m["cause"] for m in recent] == ["worker_restarted"]
+
+
 async def workers_view(http: aiohttp.ClientSession, url: str) -> dict[str, object]:
     async with http.get(url + "/admin/workers") as r:
         assert r.status == 200

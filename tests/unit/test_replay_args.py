@@ -43,6 +43,25 @@ def test_each_router_on_a_core_of_its_own_only_when_asked() -> None:
     assert (shared.own_core, alone.own_core) == (False, True)
 
 
+def test_one_disruption_of_one_existing_worker_per_run() -> None:
+    """A worker restarted, restarted in place or flushed at a time into each run: one of
+    them, on a worker the fleet has."""
+    parser = build_parser()
+
+    def config(*argv: str) -> tuple[object, object, object]:
+        c = config_from_args(parser, parser.parse_args(["--workers", "2", *argv]))
+        return c.restart_worker, c.restart_in_place, c.flush_worker
+
+    assert config() == (None, None, None)
+    assert config("--restart-in-place", "1@20") == (None, (1, 20.0), None)
+    assert config("--flush-worker", "0@5.5") == (None, None, (0, 5.5))
+    for bad in (["--restart-in-place", "2@20"], ["--restart-in-place", "one@20"],
+                ["--restart-in-place", "0@20", "--flush-worker", "1@20"],
+                ["--restart-worker", "0@20", "--restart-in-place", "1@20"]):
+        with pytest.raises(SystemExit):
+            config(*bad)
+
+
 def test_worker_niceness_is_checked_and_reaches_the_config() -> None:
     parser = build_parser()
     assert config_from_args(parser, parser.parse_args(["--workers", "2"])).worker_nice == 0

@@ -135,6 +135,17 @@ class QueuedEngine:
     def capacity_tokens(self) -> int:
         return self.cache.num_blocks * self.cache.block_size
 
+    def restart_in_place(self) -> int:
+        """What a restart of this engine behind the same address leaves, without one: the
+        cache empty (:meth:`PrefixCache.flush`) and the counters behind ``EngineStats`` back
+        to zero; the requests running now go on. Returns the blocks dropped."""
+        dropped = self.cache.flush()
+        self.cache.zero_counters()
+        self._queue.requests_finished = 0
+        self.requests_admitted = self.prompt_tokens = self.generation_tokens = 0
+        self.prefill_seconds = self.decode_seconds = 0.0
+        return dropped
+
     @property
     def running(self) -> int:
         return self._queue.running

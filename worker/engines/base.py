@@ -108,6 +108,11 @@ class Engine(Protocol):
         """Drop cached prefixes (of one namespace, or all); returns the blocks dropped."""
         ...
 
+    def restart_in_place(self) -> int:
+        """Empty the cache and set the counters back to zero, as a restart would leave them
+        (the running requests go on); returns the blocks dropped."""
+        ...
+
     def info(self) -> dict[str, Any]:
         """Engine-specific facts for ``/stats`` (model size, KV dtype and bytes, ...)."""
         ...
