@@ -193,7 +193,7 @@ class HealthChecker:
         # Its counters back to zero: a restart, which the tracker tells the cache lifecycle.
         self._misses.probed(wid, queries)
         if probe.healthy:
-            state.pool.mark_up(wid, probe.models, probe.metrics)
+            state.pool.mark_up(wid, probe.models, probe.metrics, engine=probe.engine)
             if state.pool.set_versions(wid, probe.versions):
                 self._lifecycle.version_changed(worker)
             self._note_ranks(worker, probe)

@@ -52,6 +52,7 @@ class WorkerState:
     inflight_prefill: int = 0  # predicted uncached prompt tokens of requests before 1st token
     copies: int = 0  # the volume guard's copies of sessions in flight there (gateway.prewarm)
     copies_yield: bool = False  # its engine runs those copies at background priority
+    engine: str = ""  # its engine, as its model listing names itself ("" unknown)
     # ticket -> (checkpoint hashes, predicted cached prompt tokens) of each request in flight
     inflight_prompts: dict[int, tuple[Sequence[int], int]] = field(default_factory=dict)
     remote_tokens: int = 0  # in flight from other gateway replicas, as last read
@@ -369,16 +370,19 @@ class WorkerPool:
     # -- health -------------------------------------------------------------------------------
     def mark_up(
         self, wid: str, models: frozenset[str], metrics: Mapping[str, float] | None = None,
-        own: int | None = None,
+        own: int | None = None, engine: str = "",
     ) -> None:
         """``wid`` answered its probe: it serves ``models``, its engine's ``metrics`` were
         just read (None: not read). ``own``: the requests of this gateway in flight there
-        when they were read (None: as many as now; a replay of a logged scrape gives it)."""
+        when they were read (None: as many as now; a replay of a logged scrape gives it).
+        ``engine``: the engine, as its model listing names itself ("": not said)."""
         for rank_id in self._ranks.get(wid, ()):
-            self.mark_up(rank_id, models, metrics)  # each rank's own count
+            self.mark_up(rank_id, models, metrics, engine=engine)  # each rank's own count
         state = self._workers.get(wid)
         if state is None:
             return
+        if engine:
+            state.engine = engine
         self._stale.add(wid)
         self._catalog = None
         if metrics is not None:

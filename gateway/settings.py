@@ -434,13 +434,16 @@ class GatewaySettings:
                                     "is pre-warmed on its next holder")
     )
     copy_priority: int = field(
-        default=0,
+        default=1,
         metadata=_help("the 'priority' a session copy (the volume guard's, see "
-                       "gateway.prewarm) is sent with, for engines that run priority "
+                       "gateway.prewarm) is sent with, to engines that run priority "
                        "scheduling (vLLM --scheduling-policy priority: lower values run "
-                       "first, 0 is a request's default); a positive value prefills the "
-                       "copy with capacity the requests there leave. 0: not sent (an "
-                       "engine on first-come-first-served scheduling refuses any other)"),
+                       "first, 0 is a request's default): a positive value prefills the "
+                       "copy with the capacity the requests there leave. Each vLLM engine "
+                       "(and reference worker) is asked first with a one-token request; one "
+                       "on first-come-first-served scheduling refuses it, and engines that "
+                       "read priorities otherwise (SGLang, llama.cpp) are not asked: their "
+                       "copies go without one. 0: never sent, nobody asked"),
     )
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_help("seconds in-flight requests get to finish on shutdown")

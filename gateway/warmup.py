@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from gateway.backends.base import Backend, BackendUnavailable, UpstreamReply, UpstreamRequest
+from gateway.contracts.engine_owners import PRIORITY_AS_VLLM
 from gateway.contracts.engine_paths import COMPLETIONS_PATH
 from gateway.contracts.tasks import stop_if_cancelled
 from gateway.fingerprint import FingerprintOptions
@@ -503,8 +504,20 @@ class WarmupManager:
         it. Answered 200, it does; any other answer (vLLM on first-come-first-served
         scheduling refuses it with a 400; an engine that knows no such field may answer
         otherwise) and it does not, until the worker joins again; no answer at all (the worker
-        unreachable) leaves it unknown, to be asked again at the next copy."""
-        if worker.id in self._probing:
+        unreachable) leaves it unknown, to be asked again at the next copy. Only an engine
+        that takes a priority as vLLM does is asked (gateway.contracts.engine_owners): one
+        that names itself otherwise does not take it, and one that does not name itself is
+        not asked; the copies to either go without."""
+        if worker.id in self._probing or worker.id not in self.pool:
+            return
+        engine = self.pool.get(worker.id).engine
+        if not engine:  # not named (yet, or ever: a SageMaker endpoint): copies go without
+            return
+        if engine not in PRIORITY_AS_VLLM:
+            log.info("%s runs %r, whose answer about a scheduling priority would not say "
+                     "whether a copy yields: its session copies go without one", worker.id,
+                     engine)
+            self._learned_priority(worker.id, False)
             return
         self._probing.add(worker.id)
         probe = UpstreamRequest(

@@ -205,6 +205,11 @@ class ReplayConfig:
             *self.extra_worker_args,
         )
 
+    def priority_engines(self) -> bool:
+        """Whether the fleet's workers run priority scheduling (``--worker-arg
+        --scheduling-policy=priority``), read from their own arguments by their own parser."""
+        return parse_worker_settings(self.worker_args()).scheduling_policy == "priority"
+
     def sim_costs(self) -> SimCosts:
         """The costs the fleet's workers simulate, read from their own arguments by their own
         parser (``--worker-arg=--prefill-shared`` included)."""

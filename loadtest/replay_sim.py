@@ -303,6 +303,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
                           x.get("own")) for x in scrapes) if timed else (),
         start_scrapes=() if timed else tuple(start_state),
         prewarm_log=prewarm_log, copy_hold_s=copy_hold_s,
+        priority_engines=config.priority_engines(),
     )
     result = simulate(units, with_overrides(sim, overrides) if overrides else sim)
     assignments = [""] * len(order)

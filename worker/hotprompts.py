@@ -43,10 +43,14 @@ class _Entry:
 
 class HotPrompts:
     def __init__(self, capacity: int = 64, *, max_chars: int = 200_000,
-                 prefix_tokens: int = 64, half_life_s: float = 300.0) -> None:
+                 prefix_tokens: int = 64, half_life_s: float = 300.0,
+                 min_tokens: int = 1) -> None:
         self.capacity = capacity
         self.max_chars = max_chars
         self.prefix_tokens = prefix_tokens
+        # Shorter prompts leave no whole block in the cache: nothing a replay would warm (a
+        # gateway's one-character probe, for one).
+        self.min_tokens = max(1, min_tokens)
         self.half_life_s = half_life_s
         self._entries: dict[int, _Entry] = {}
 
@@ -57,7 +61,7 @@ class HotPrompts:
                 tokens: Sequence[int], chars: int, now: float) -> None:
         """One admitted request: ``namespace`` is its header value, ``engine_namespace`` what
         the cache keys it by (header and salt), ``chars`` the length of its prompt text."""
-        if self.capacity <= 0 or not tokens or chars > self.max_chars:
+        if self.capacity <= 0 or len(tokens) < self.min_tokens or chars > self.max_chars:
             return
         digest = xxhash.xxh3_64()
         digest.update(engine_namespace.encode("utf-8", "surrogatepass"))

@@ -64,6 +64,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.contracts.chat import ChatFormatError
 from gateway.contracts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from gateway.contracts.engine_owners import REFERENCE_OWNER
 from gateway.contracts.headers import NAMESPACE_HEADER, WORKER_BOOT_HEADER
 from gateway.contracts.httpserver import name_server
 from gateway.contracts.kv_keys import engine_namespace
@@ -227,13 +228,18 @@ def _rank_for(request: web.Request, job: Job) -> int:
     return request.app[RANK_PICKER_KEY].pick([load_score(e.stats()) for e in engines])
 
 
-async def _run(request: web.Request, job: Job) -> web.StreamResponse:
-    settings = request.app[SETTINGS_KEY]
-    if job.common.priority and settings.scheduling_policy != "priority":
-        raise ApiError(  # as vLLM refuses it
+def _refuse_unscheduled(request: web.Request, job: Job) -> None:
+    """Refuse a ``priority`` this worker does not schedule by, as vLLM does (a 400)."""
+    if job.common.priority and request.app[SETTINGS_KEY].scheduling_policy != "priority":
+        raise ApiError(
             f"'priority' {job.common.priority} needs priority scheduling, which this worker "
             "does not run (--scheduling-policy priority)", param="priority",
             code="invalid_value")
+
+
+async def _run(request: web.Request, job: Job) -> web.StreamResponse:
+    settings = request.app[SETTINGS_KEY]
+    _refuse_unscheduled(request, job)
     rank = _rank_for(request, job)
     headers = {
         "x-worker-id": settings.effective_worker_id,
@@ -292,6 +298,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         token_lists=tuple(token_lists),
         namespace=_namespace(request, params.common),
     )
+    _refuse_unscheduled(request, job)  # a refused request is no hot prompt
     if len(params.prompts) == 1 and isinstance(params.prompts[0], str):
         _sample(request, "/v1/completions", body, job, len(params.prompts[0]))
     return await _run(request, job)
@@ -330,6 +337,7 @@ async def _chat_job(request: web.Request, chat: dict[str, Any], kind: str, id_pr
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_body(request)
     job, params = await _chat_job(request, body, "chat", "chatcmpl-", "messages")
+    _refuse_unscheduled(request, job)  # a refused request is no hot prompt
     _sample(request, "/v1/chat/completions", body, job, len(params.prompt))
     return await _run(request, job)
 
@@ -498,7 +506,7 @@ async def models(request: web.Request) -> web.Response:
                     "id": settings.model,
                     "object": "model",
                     "created": request.app[STARTED_KEY],
-                    "owned_by": "worker",
+                    "owned_by": REFERENCE_OWNER,
                     "max_model_len": settings.max_model_len,
                     **request.app[IDENTITY_KEY].as_dict(),
                 }
@@ -803,7 +811,7 @@ def create_app(
     app.router.add_post("/admin/flush", flush)
     app.router.add_post("/admin/restart", restart_in_place)
     app.router.add_post("/admin/model", set_model)
-    app[HOT_PROMPTS_KEY] = HotPrompts(settings.hot_prompts)
+    app[HOT_PROMPTS_KEY] = HotPrompts(settings.hot_prompts, min_tokens=settings.block_size)
     app.router.add_get("/admin/hot-prompts", export_handler(settings))
     if settings.store:
         record = signed(WorkerRecord(

@@ -46,6 +46,9 @@ class WorkerProbe:
     # The probe failed only by waiting too long (not refused, not an error answer): a hung
     # worker, or one (or a gateway) too busy to answer in time.
     timed_out: bool = False
+    # The engine, as its model listing names itself (``owned_by``; gateway.contracts.
+    # engine_owners); "" when it does not say.
+    engine: str = ""
 
 
 @value

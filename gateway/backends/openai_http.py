@@ -43,6 +43,7 @@ from gateway.backends.base import (
 from gateway.backends.http1 import Http1Client, Http1Reply
 from gateway.backends.kinds import BackendKind, BackendOptions
 from gateway.backends.metrics_page import parse_engine_metrics
+from gateway.contracts.engine_owners import owner_of
 from gateway.contracts.engine_paths import COMPLETION_PATHS
 from gateway.contracts.headers import NAMESPACE_HEADER
 from gateway.contracts.kv_keys import engine_namespace
@@ -314,7 +315,8 @@ class OpenAIHTTPBackend:
         ] if isinstance(payload, dict) else []
         models = frozenset(str(m["id"]) for m in entries)
         text = page.decode("utf-8", "replace") if status == 200 else ""
-        return WorkerProbe(True, models, versions=model_versions(entries)), text
+        return WorkerProbe(True, models, versions=model_versions(entries),
+                           engine=owner_of(entries)), text
 
     async def _get(self, worker: Worker, path: str,
                    headers: Mapping[str, str]) -> tuple[int, bytes]:

@@ -220,10 +220,14 @@ class SimConfig:
     # does; False: the whole request, as with --prewarm-whole.
     prewarm_cut: bool = True
     # The engine ``priority`` session copies (the volume guard's) are sent with, the
-    # gateway's ``copy_priority``: above 0 (lower runs first, as vLLM's) a copy prefills only
-    # while no client request is in prefill on its worker (with ``costs.prefill_shared``; the
-    # engines run priority scheduling). 0: as a client's request.
+    # gateway's ``copy_priority``: above 0 (lower runs first, as vLLM's), on engines that run
+    # priority scheduling (``priority_engines``), a copy prefills only while no client request
+    # is in prefill on its worker (with ``costs.prefill_shared``). 0: as a client's request.
     copy_priority: int = field(default_factory=lambda: GatewaySettings().copy_priority)
+    # The engines run priority scheduling (vLLM's --scheduling-policy priority; the live
+    # workers' own flag): the gateway's probe finds they take the copies' priority. False:
+    # first-come-first-served engines, which refuse it, and the copies go without.
+    priority_engines: bool = False
     # The gateway's rebalancer, every this many simulated seconds (0: off).
     rebalance_interval_s: float = field(
         default_factory=lambda: _gateway_default("rebalance_interval_s"))
@@ -459,9 +463,9 @@ class ClusterSim:
         for wid in ids:
             self.pool.add(f"sim://{wid}", wid=wid)
             self.pool.mark_up(wid, frozenset())
-            # The engines run copies at the priority they are sent with, as the gateway's
-            # probe finds an engine on priority scheduling does.
-            self.pool.set_copies_yield(wid, config.copy_priority > 0)
+            # Engines on priority scheduling run copies at the priority they are sent with,
+            # as the gateway's probe finds.
+            self.pool.set_copies_yield(wid, config.copy_priority > 0 and config.priority_engines)
             if config.index_knows_capacity:
                 # As the gateway does once a worker reports its cache size (gateway.sync).
                 self.pool.set_capacity(wid, config.cache_blocks)
@@ -678,7 +682,8 @@ class ClusterSim:
             if costs.prefill_shared and prefill > 0.0:
                 self._prefill_jobs += 1
                 w.in_prefill[self._prefill_jobs] = job
-                priority = self.config.copy_priority if job.copy_of else 0
+                priority = (self.config.copy_priority
+                            if job.copy_of and self.config.priority_engines else 0)
                 self._prefilled(w, w.compute.add(self._prefill_jobs, prefill, now, priority),
                                 now)
                 continue

@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from gateway.app import backend_options
 from gateway.backends.base import Backend, UpstreamRequest
 from gateway.backends.registry import build_backends
+from gateway.contracts.engine_owners import REFERENCE_OWNER
 from gateway.fingerprint import Namespace, fingerprint
 from gateway.kvevents.tokenize import PromptTokenizer, TokenizerOptions
 from gateway.normalize import render_chat
@@ -30,7 +32,7 @@ from gateway.sync import StoreSync
 from gateway.warmup import WarmupManager, WarmupOptions
 from gateway.warmup_sources import WarmPrompt
 from loadtest.tiny_tokenizer import train
-from tests.conftest import FAST_WORKER, MODEL, free_port, serve
+from tests.conftest import FAST_WORKER, MODEL, engine_stub, free_port, serve
 from worker.server import create_app as create_worker
 
 TEXT = "You are the support desk of a bicycle shop. " * 30
@@ -71,7 +73,7 @@ async def setup() -> AsyncIterator[Setup]:
     index = PrefixIndex()
     pool = WorkerPool([f"http://{live}", f"http://{dead}"], index)
     for state in pool.states():
-        pool.mark_up(state.worker.id, frozenset({MODEL}))
+        pool.mark_up(state.worker.id, frozenset({MODEL}), engine=REFERENCE_OWNER)
     settings = GatewaySettings(connect_timeout_s=0.5)
     backends = build_backends(backend_options(settings))
     for backend in backends.values():
@@ -199,7 +201,7 @@ async def test_with_token_keys_a_prewarm_of_token_ids_warms_the_chat(tmp_path: P
     index = PrefixIndex()
     pool = WorkerPool([f"http://{live}", f"http://{dead}"], index)
     for state in pool.states():
-        pool.mark_up(state.worker.id, frozenset({MODEL}))
+        pool.mark_up(state.worker.id, frozenset({MODEL}), engine=REFERENCE_OWNER)
     backends = build_backends(backend_options(GatewaySettings(connect_timeout_s=0.5)))
     for backend in backends.values():
         await backend.start()
@@ -279,7 +281,7 @@ async def test_a_copy_carries_its_priority_only_to_workers_that_take_it(setup: S
         FAST_WORKER, port=port, scheduling_policy="priority")), port)
     try:
         wid = setup.pool.add(f"http://127.0.0.1:{port}")
-        setup.pool.mark_up(wid, frozenset({MODEL}))
+        setup.pool.mark_up(wid, frozenset({MODEL}), engine=REFERENCE_OWNER)
         assert await setup.manager.prewarm(wid, p)
         assert await known(setup.manager, wid)
         assert await setup.manager.prewarm(wid, p)  # now with it
@@ -308,7 +310,7 @@ async def test_with_a_copy_priority_each_worker_is_asked_once_it_serves(setup: S
         wid = setup.pool.add(f"http://127.0.0.1:{port}")  # joins: asked once it serves
         await asyncio.sleep(0.1)
         assert wid not in manager.takes_priority
-        setup.pool.mark_up(wid, frozenset({MODEL}))
+        setup.pool.mark_up(wid, frozenset({MODEL}), engine=REFERENCE_OWNER)
         assert await known(manager, wid)
         assert manager.no_priority == [setup.live]
         # Routing sees which engines run the copies at background priority (the volume
@@ -338,3 +340,37 @@ async def test_any_answer_but_200_counts_as_not_taking_the_priority(setup: Setup
             break
         await asyncio.sleep(0.01)
     assert dead.id not in setup.manager.takes_priority
+
+
+async def test_an_engine_that_reads_priorities_otherwise_is_not_asked(setup: Setup) -> None:
+    """An engine that does not take a priority as vLLM does (here one that names itself
+    SGLang and answers any completion 200, as SGLang does unless started to refuse a priority
+    it does not schedule by) is never asked: its 200 would not say that a copy yields, and
+    SGLang by default runs higher values first. It is known not to take one, and its copies go
+    without; one that does not name itself is not asked either, and stays unknown."""
+    seen: list[dict[str, object]] = []
+    app = engine_stub()
+
+    async def complete(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    app.router.add_post("/v1/completions", complete)
+    port = free_port()
+    runner = await serve(app, port)
+    try:
+        sglang = setup.pool.add(f"http://127.0.0.1:{port}")
+        setup.pool.mark_up(sglang, frozenset({MODEL}), engine="sglang")
+        unnamed = setup.pool.add(f"http://127.0.0.1:{free_port()}")
+        setup.pool.mark_up(unnamed, frozenset({MODEL}))
+        p = dataclasses.replace(prompt(), priority=1)
+        assert await setup.manager.prewarm(sglang, p)
+        assert setup.manager.takes_priority.get(sglang) is False
+        assert setup.manager.no_priority == [sglang]
+        assert not setup.pool.get(sglang).view().copies_yield
+        assert await setup.manager.prewarm(sglang, p)
+        assert [body.get("priority") for body in seen] == [None, None]  # never sent, never asked
+        setup.manager._probe_priority(setup.pool.get(unnamed).worker, MODEL, 1)
+        assert unnamed not in setup.manager.takes_priority
+    finally:
+        await runner.cleanup()

@@ -48,6 +48,12 @@ def test_bounded_uses_decay_and_off() -> None:
     off = HotPrompts(0)
     observe(off, 1, "q", now=0.0)
     assert len(off) == 0
+    # A prompt shorter than one cache block leaves nothing to warm: not kept.
+    short = HotPrompts(2, min_tokens=16)
+    short.observe(CHAT_PATH, chat("s", "q"), "ns-a", "ns-a", [1] * 15, 10, 0.0)
+    assert len(short) == 0
+    short.observe(CHAT_PATH, chat("s", "q"), "ns-a", "ns-a", [1] * 16, 10, 0.0)
+    assert len(short) == 1
 
 
 def test_peer_prompt_is_keyed_like_the_request_it_came_from_or_dropped() -> None:

@@ -24,6 +24,20 @@ def test_worker_args_reach_every_worker_after_the_replay_own() -> None:
     assert "--max-model-len" in flags
 
 
+def test_the_simulator_knows_whether_the_workers_run_priority_scheduling() -> None:
+    """The simulator's engines run session copies at the gateway's copy priority only when
+    the live workers run priority scheduling, as the gateway's probe of them would find."""
+    parser = build_parser()
+
+    def priority(*argv: str) -> bool:
+        return config_from_args(parser, parser.parse_args(["--workers", "2", *argv])) \
+            .priority_engines()
+
+    assert not priority()
+    assert priority("--worker-arg=--scheduling-policy=priority")
+    assert not priority("--worker-arg=--scheduling-policy=fcfs")
+
+
 def test_no_worker_args_by_default() -> None:
     _, flags = _config()
     assert not any(f.startswith("--engine") for f in flags)

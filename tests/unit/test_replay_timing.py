@@ -389,10 +389,11 @@ def test_a_copy_keeps_its_worker_from_another_for_the_live_copy_time() -> None:
 
 
 def test_session_copies_at_a_background_priority_leave_the_prefills_to_the_requests() -> None:
-    # Engines whose prefills share compute, the volume guard copying sessions: sent at
-    # priority 1 (SimConfig.copy_priority, the gateway's --copy-priority) a copy prefills only
-    # while no client request does on its worker, so the requests' slowest first tokens come
-    # sooner and the copies themselves take longer.
+    # Engines whose prefills share compute and that run priority scheduling, the volume guard
+    # copying sessions: sent at priority 1 (SimConfig.copy_priority, the gateway's
+    # --copy-priority) a copy prefills only while no client request does on its worker, so
+    # the requests' slowest first tokens come sooner and the copies themselves take longer.
+    # Engines on first-come-first-served scheduling refuse it: the copies go as before.
     from loadtest.replay_sim import live_units
     from loadtest.trace_workloads import workload_trace
 
@@ -403,7 +404,11 @@ def test_session_copies_at_a_background_priority_leave_the_prefills_to_the_reque
                      costs=dataclasses.replace(config.sim_costs(), prefill_shared=True),
                      block_tokens=config.block_tokens, key_blocks_per_block=1,
                      request_delays=((0.01, 0.007),), decision_gap_s=0.0003,
-                     policy_options=PolicyOptions(volume_guard=1.2))
+                     policy_options=PolicyOptions(volume_guard=1.2), priority_engines=True)
+    fcfs = [ClusterSim(dataclasses.replace(base, copy_priority=priority,
+                                           priority_engines=False)).run(requests).ttft_s
+            for priority in (0, 1)]
+    assert fcfs[0] == fcfs[1]
     tails, copy_s = {}, {}
     for priority in (0, 1):
         sim = ClusterSim(dataclasses.replace(base, copy_priority=priority))
