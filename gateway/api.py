@@ -345,6 +345,9 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "rank": s.worker.rank,
                 # How it joined: static (--worker), registry (the store), kubernetes (a pod).
                 "source": s.source,
+                # The engine, as its model listing names itself ("" unknown): whether it is
+                # asked about the copies' priority (gateway.contracts.engine_owners).
+                "engine": s.engine,
                 "engine_metrics": dict(s.engine_metrics),
                 "scraped_at": s.scraped_at,  # the gateway's monotonic clock, seconds
                 # Requests of this gateway in flight there at that scrape (the engine's

@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 
+from gateway.contracts.engine_owners import REFERENCE_OWNER
 from tests.conftest import FAST_WORKER, MODEL, StartCluster, serve
 from worker.server import create_app as create_worker
 
@@ -335,6 +336,7 @@ async def test_explain_is_a_dry_run_that_predicts_the_decision(
             # first-come-first-served, so none takes it (those that answered refused it).
             refused = prewarm.pop("copy_priority_refused")
             assert set(refused) <= {w["id"] for w in view["workers"]}
+            assert {w["engine"] for w in view["workers"]} == {REFERENCE_OWNER}
             assert prewarm == {"enabled": True, "sent": 0, "placed": 0, "failed": 0,
                                "inflight": 0, "used": 0, "cut": 0, "sessions": 0,
                                "copies_done": 0, "copy_seconds": 0.0,
