@@ -180,7 +180,8 @@ class PrefixCache:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, clock: Callable[[], float] = time.monotonic
+        self, num_blocks: int, block_size: int, clock: Callable[[], float] = time.monotonic,
+        reuse_when_computed: bool = False,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
@@ -188,6 +189,11 @@ class PrefixCache:
             raise ValueError("block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # A request's new blocks are reused by others only once its prefill computed them
+        # (:meth:`computed`), as vLLM caches a block once its tokens are scheduled; False:
+        # from its admission on.
+        self.reuse_when_computed = reuse_when_computed
+        self._pending: dict[int, str] = {}  # block -> the request whose prefill computes it
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
@@ -220,9 +226,10 @@ class PrefixCache:
 
     def _match(self, hashes: Sequence[int]) -> list[int]:
         matched: list[int] = []
+        pending = self._pending
         for h in hashes:
             block = self._block_of.get(h)
-            if block is None:
+            if block is None or block in pending:
                 break
             matched.append(block)
         return matched
@@ -332,6 +339,8 @@ class PrefixCache:
             if i < len(hashes) and not self._register(block, hashes[i], namespace):
                 self._announce(hashes, tokens, namespace, run_start, i)
                 run_start = i + 1
+            elif self.reuse_when_computed and i < len(hashes):
+                self._pending[block] = request_id
             fresh.append(block)
         self._announce(hashes, tokens, namespace, run_start, len(hashes))
         matched_tokens = len(matched) * self.block_size
@@ -361,11 +370,27 @@ class PrefixCache:
         self.listener.stored(hashes[start:end], parent, tokens[start * size : end * size],
                              namespace)
 
+    def computed(self, request_id: str) -> None:
+        """The request's prefill is done: the blocks it added may be reused by others (with
+        ``reuse_when_computed``; before, a request sharing its prefix computes it again)."""
+        alloc = self._requests.get(request_id)
+        if alloc is None or not self._pending:
+            return
+        for block in alloc.block_ids:
+            if self._pending.get(block) == request_id:
+                del self._pending[block]
+
     def release(self, request_id: str) -> None:
-        """Drop the request's references. Full blocks stay cached; partial ones are freed."""
+        """Drop the request's references. Full blocks stay cached; partial ones are freed, and
+        so are blocks it never computed (a request ended before its prefill did)."""
         alloc = self._requests.pop(request_id, None)
         if alloc is None:
             raise KeyError(request_id)
+        if self._pending:
+            for block in alloc.block_ids:
+                if self._pending.get(block) == request_id:
+                    del self._pending[block]
+                    self._unregister(block)
         now = self._clock()
         # Deepest block first so that it is evicted before its ancestors.
         for block in reversed(alloc.block_ids):
@@ -481,6 +506,7 @@ class PrefixCache:
         self._num_evictable -= 1
 
     def _unregister(self, block: int) -> None:
+        self._pending.pop(block, None)
         h = self._hash_of[block]
         if h is not None and self._block_of.get(h) == block:
             del self._block_of[h]

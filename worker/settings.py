@@ -94,6 +94,13 @@ class WorkerSettings:
                   "into an engine's steps do (off: each takes its own time whatever else "
                   "runs, so a loaded worker is no slower than an idle one)."},
     )
+    reuse_when_computed: bool = field(
+        default=False,
+        metadata={"help": "The simulated engine's cache: a request's new blocks are reused by "
+                  "other requests only once its prefill is done, as vLLM caches a block once "
+                  "its tokens are scheduled (a request that shares a prefix still being "
+                  "prefilled computes it again); off: from the request's admission on."},
+    )
     scheduling_policy: str = field(
         default="fcfs",
         metadata={"help": "As vLLM's --scheduling-policy: 'fcfs' refuses a request whose "

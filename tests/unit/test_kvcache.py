@@ -366,3 +366,30 @@ def test_request_fields_map_to_priority_classes() -> None:
     assert chat.prompt.startswith(chat.system_prefix)
     assert chat.system_prefix.endswith("more<|end|>\n")
     assert "hi" not in chat.system_prefix
+
+
+def test_blocks_are_reused_once_computed_when_asked() -> None:
+    """With ``reuse_when_computed`` (vLLM caches a block once its tokens are scheduled), a
+    request that shares a prefix another one is still prefilling computes it again; once
+    that prefill is done, later requests reuse it; a request that ends before its prefill
+    did leaves nothing cached."""
+    cache = PrefixCache(num_blocks=16, block_size=4, reuse_when_computed=True)
+    tokens = list(range(12))
+    assert cache.allocate("a", tokens).matched_blocks == 0
+    assert cache.lookup(tokens) == 0  # a's prefill is not done
+    assert cache.allocate("b", tokens).matched_blocks == 0
+    cache.computed("a")
+    assert cache.lookup(tokens) == 12
+    assert cache.allocate("c", tokens).matched_blocks == 3
+    for rid in ("a", "b", "c"):
+        cache.release(rid)
+    assert cache.lookup(tokens) == 12
+    other = list(range(100, 112))
+    cache.allocate("d", other)
+    cache.release("d")  # ended before its prefill was done
+    assert cache.lookup(other) == 0
+    assert cache.allocate("e", other).matched_blocks == 0
+    # Without it, a block is reused from its request's admission on.
+    eager = PrefixCache(num_blocks=16, block_size=4)
+    eager.allocate("a", tokens)
+    assert eager.allocate("b", tokens).matched_blocks == 3

@@ -111,6 +111,7 @@ class SimGeneration:
         await self._engine.prefill(self._admission.prefill_seconds,
                                    self._request.schedule_priority)
         request = self._request
+        self._engine.cache.computed(request.request_id)
         words = pseudo_words(request.prompt_tokens, request.max_tokens, request.sample)
         for i, word in enumerate(words):
             if i:
