@@ -434,7 +434,7 @@ class GatewaySettings:
                                     "is pre-warmed on its next holder")
     )
     copy_priority: int = field(
-        default=1,
+        default=0,
         metadata=_help("the 'priority' a session copy (the volume guard's, see "
                        "gateway.prewarm) is sent with, to engines that run priority "
                        "scheduling (vLLM --scheduling-policy priority: lower values run "
@@ -443,7 +443,8 @@ class GatewaySettings:
                        "(and reference worker) is asked first with a one-token request; one "
                        "on first-come-first-served scheduling refuses it, and engines that "
                        "read priorities otherwise (SGLang, llama.cpp) are not asked: their "
-                       "copies go without one. 0: never sent, nobody asked"),
+                       "copies go without one. 0: never sent, nobody asked (a session's next "
+                       "turn may reach a yielding copy before it ran, and compute it again)"),
     )
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_help("seconds in-flight requests get to finish on shutdown")
