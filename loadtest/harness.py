@@ -138,19 +138,28 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
 
 async def replay(
     session: aiohttp.ClientSession, url: str | Sequence[str], bodies: Sequence[dict[str, Any]],
-    concurrency: int,
+    concurrency: int, after: Sequence[int] = (),
 ) -> list[Reply]:
     """Send ``bodies`` in order from ``concurrency`` concurrent senders; replies in send order.
 
     ``url`` may be several URLs (gateway replicas): body ``i`` goes to ``url[i % len(url)]``.
+    ``after[i]``: an earlier body that body ``i`` waits for the answer to (-1: none), as an
+    agent sends its next turn once the last one was answered.
     """
     urls = [url] if isinstance(url, str) else list(url)
     replies: list[Reply | None] = [None] * len(bodies)
     order = iter(range(len(bodies)))
+    answered = [asyncio.Event() for _ in bodies] if after else []
 
     async def sender() -> None:
         for i in order:  # shared iterator: each index is taken by exactly one sender
-            replies[i] = await post(session, urls[i % len(urls)], bodies[i])
+            if answered and after[i] >= 0:  # always an earlier body, taken by some sender
+                await answered[after[i]].wait()
+            try:
+                replies[i] = await post(session, urls[i % len(urls)], bodies[i])
+            finally:
+                if answered:
+                    answered[i].set()
 
     await asyncio.gather(*(sender() for _ in range(concurrency)))
     return [r for r in replies if r is not None]

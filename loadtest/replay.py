@@ -117,7 +117,7 @@ from loadtest.peers import (
     running_peer,
 )
 from loadtest.replay_sim import Overrides, sim_overrides, simulate_runs
-from loadtest.sessions import sticky_balance
+from loadtest.sessions import previous_in_session, sticky_balance
 from loadtest.sim.cluster import pooled_bound
 from loadtest.sim.report import max_over_mean
 from loadtest.simulate import DEFAULT_TRACE
@@ -157,6 +157,10 @@ class ReplayConfig:
     restart_worker: tuple[int, float] | None = None
     flush_worker: tuple[int, float] | None = None
     restart_in_place: tuple[int, float] | None = None
+    # Each request waits for the answer to its session's previous one (loadtest.sessions), as
+    # an agent or a chat user does; False: the trace's order alone, so that turns of one
+    # session may overlap.
+    session_order: bool = False
     bucket_s: float = 2.0
     timeout_s: float = 300.0
     extra_worker_args: tuple[str, ...] = ()
@@ -477,7 +481,8 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
 
 async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fleet | None,
                   bodies: Sequence[dict[str, Any]], pooled: float, config: ReplayConfig,
-                  worker_ids: Sequence[str], *, restart: bool = False) -> RunResult:
+                  worker_ids: Sequence[str], *, restart: bool = False,
+                  after: Sequence[int] = ()) -> RunResult:
     """Replay ``bodies`` through ``url``; charge the CPU of process ``pid`` (if known)."""
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
     connector = aiohttp.TCPConnector(limit=max(64, 2 * config.concurrency))
@@ -518,7 +523,8 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
         if config.agreement and ours:
             side.append(asyncio.create_task(sample_agreement(url, bodies, agreed)))
         with own_core([pid]) if config.own_core and pid else contextlib.nullcontext(False):
-            replies = await replay(session, url + config.path, bodies, config.concurrency)
+            replies = await replay(session, url + config.path, bodies, config.concurrency,
+                                   after)
         seconds = time.perf_counter() - started
         cpu_s = proc_tree_cpu_s(pid) - cpu0 if pid and cpu0 is not None else None
         for task in side:
@@ -846,18 +852,19 @@ async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
     bodies = request_bodies(requests, config.block_chars, config.max_tokens,
                             invisible_edits=config.invisible_edits, api=config.api)
     pooled = pooled_bound(requests, config.workers * config.cache_blocks)
+    after = previous_in_session(requests) if config.session_order else []
     results: list[RunResult] = []
     if gateway:
         for r in range(repeats):
             results.append(await measure(f"gateway@{gateway}", r, gateway, None, None, bodies,
-                                         pooled, config, []))
+                                         pooled, config, [], after=after))
         return results
     base = free_port_block(config.workers + 1)
     for r in range(repeats):
         for attempt in range(FLEET_ATTEMPTS):
             try:
                 results += await one_fleet(config, base, r, repeats, policies, peers, bodies,
-                                           pooled, peer_args or {}, gateway_args or {})
+                                           pooled, peer_args or {}, gateway_args or {}, after)
                 break
             except PeerUnavailableError:
                 raise
@@ -879,7 +886,8 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                     policies: Sequence[str], peers: Sequence[str],
                     bodies: Sequence[dict[str, Any]], pooled: float,
                     peer_args: Mapping[str, Sequence[str]],
-                    gateway_args: Mapping[str, Sequence[str]]) -> list[RunResult]:
+                    gateway_args: Mapping[str, Sequence[str]],
+                    after: Sequence[int] = ()) -> list[RunResult]:
     """One fleet on ports ``base``...: every router once, caches flushed between them."""
     results: list[RunResult] = []
     logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="replay-"))
@@ -908,13 +916,13 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                         extra=gateway_args.get(label, ()), label=label,
                     ) as (url, pid):
                         res = await measure(router, r, url, pid, fleet, bodies, pooled,
-                                            config, ids, restart=True)
+                                            config, ids, restart=True, after=after)
                 else:
                     async with running_peer(base_peer(router), fleet.urls, logs,
                                             extra=peer_args.get(router, ()), log_name=router,
                                             request_logs=config.request_logs) as peer:
                         res = await measure(router, r, peer.url, peer.pid, fleet, bodies,
-                                            pooled, config, ids)
+                                            pooled, config, ids, after=after)
                 agree = ("" if res.process_agreement is None else
                          ", dry runs agree " + ", ".join(
                              f"{k} {v:.2f}" for k, v in res.process_agreement.items()
@@ -1082,6 +1090,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make worker I look restarted T seconds into every gateway run "
                    "without taking it down: its cache empty, its counters at zero and a new "
                    "start stamp on its replies (what a restart between two probes shows)")
+    p.add_argument("--session-order", action="store_true",
+                   help="send each request only once its session's previous one was answered "
+                   "(an agent's or a chat user's next turn); without it the trace's order "
+                   "alone, so that turns of one session may overlap")
     p.add_argument("--misreport-worker", type=int, metavar="I",
                    help="worker I reports twice its real cache size")
     p.add_argument("--timeline", type=Path, metavar="DIR",
@@ -1185,7 +1197,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         decode_ms_per_token=args.decode_ms_per_token, max_running=args.max_running,
         report_cache_size=args.report_cache_size, misreport_worker=args.misreport_worker,
         restart_worker=restart, flush_worker=flush, restart_in_place=in_place,
-        bucket_s=args.bucket,
+        session_order=args.session_order, bucket_s=args.bucket,
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
         invisible_edits=args.invisible_edits, agreement=args.agreement,
         request_logs=args.request_logs, api=args.api, own_core=args.own_core,

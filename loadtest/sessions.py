@@ -93,6 +93,18 @@ class RunLosses:
     lost_by_kind: dict[str, float]  # by decision kind ("" where the router gives none)
 
 
+def previous_in_session(requests: Sequence[TraceRequest]) -> list[int]:
+    """For each request, the index of its session's previous request (-1 for a session's
+    first, or a request with an empty prompt): what an agent waits for before sending it."""
+    last: dict[int, int] = {}
+    out: list[int] = []
+    for i, session in enumerate(session_ids(requests)):
+        out.append(last.get(session, -1) if session >= 0 else -1)
+        if session >= 0:
+            last[session] = i
+    return out
+
+
 def run_losses(requests: Sequence[TraceRequest], routed_to: Sequence[str],
                reasons: Sequence[str], workers: int, cache_blocks: int,
                router: str = "", live_hit_over_bound: float = 0.0) -> RunLosses:

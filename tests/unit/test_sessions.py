@@ -83,3 +83,9 @@ def test_losses_put_a_moved_sessions_prefill_on_the_move() -> None:
 def test_session_ids_number_sessions_in_order_of_their_first_request() -> None:
     trace = [_req(0, [1, 2]), _req(1, [5]), _req(2, [1, 2, 3]), _req(3, [5, 6]), _req(4, [7])]
     assert sessions.session_ids(trace) == [0, 1, 0, 1, 2]
+
+
+def test_each_request_waits_for_its_sessions_previous_one() -> None:
+    trace = [_req(0, [1, 2]), _req(1, [5]), _req(2, [1, 2, 3]), _req(3, [5, 6]), _req(4, [7]),
+             _req(5, [1, 2, 3, 4])]
+    assert sessions.previous_in_session(trace) == [-1, -1, 0, 1, -1, 2]
