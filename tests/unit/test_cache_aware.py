@@ -442,8 +442,11 @@ def _volume_route(heavy_turns: int, opts: PolicyOptions | None = None) -> Decisi
     # 424 blocks (w0's 20 and this request included), over half a worker's share (58): it moves.
     pytest.param(3, None, True, id="over-its-share-by-more-than-the-slack-moves"),
     pytest.param(6, PolicyOptions(volume_guard=0.0), False, id="volume-guard-0-never-moves"),
-    # The default moves a session only to a copy of it: until one exists, the holder keeps it.
-    pytest.param(6, PolicyOptions(), False, id="by-default-the-holder-keeps-it-until-a-copy"),
+    # With copies (the guard's default when on) a session moves only to a copy of it: until
+    # one exists, the holder keeps it. Off by default: never moves.
+    pytest.param(6, PolicyOptions(volume_guard=1.2), False,
+                 id="with-copies-the-holder-keeps-it-until-a-copy"),
+    pytest.param(6, PolicyOptions(), False, id="off-by-default"),
 ])
 def test_a_holder_over_its_share_of_the_recent_volume_loses_the_session(
     turns: int, opts: PolicyOptions | None, moved: bool
@@ -551,9 +554,10 @@ def test_a_medium_session_moves_only_where_a_holder_of_its_trunk_has_room(
         assert decision.kind is DecisionKind.PREFIX_HIT
 
 
-# By default (``volume_copy``) a session over the guard moves only to a worker that holds a
-# copy of it: until one does, its holder keeps it and the decision names where to copy it.
-COPY = PolicyOptions()
+# With ``volume_copy`` (its default) a session over the guard moves only to a worker that
+# holds a copy of it: until one does, its holder keeps it and the decision names where to copy
+# it. The guard at the setting it was tuned at (off by default).
+COPY = PolicyOptions(volume_guard=1.1)
 
 
 def test_a_session_over_the_guard_stays_and_is_copied() -> None:

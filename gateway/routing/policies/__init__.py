@@ -130,8 +130,12 @@ class PolicyOptions:
     # cache_aware: a holder whose recent routed prompt blocks (cached or not) are over this x
     # its share of the pool's, by more than twice the request's blocks, gets no credit for a
     # session's next turn, when the session routed at least half a worker's share: one long
-    # session cannot make a worker's volume. 0: never.
-    volume_guard: float = 1.1
+    # session cannot make a worker's volume. 0 (the default): never. Off by default: its
+    # session copies are taken as held from the moment they are sent, and an engine that
+    # reuses a block only once computed (vLLM) makes the session's next turn compute its
+    # history again when it comes before the copy ran (BENCHMARKS.md, "blocks reused only
+    # once computed"); 1.1 was the setting it was tuned at.
+    volume_guard: float = 0.0
     # cache_aware, with the volume guard: a session over it moves only to a worker holding a
     # copy of its prompt, which the pre-warmer makes while its holder keeps serving it (no
     # prefill on a request's path); False: it moves at once and the request redoes its history.
