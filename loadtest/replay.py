@@ -1081,15 +1081,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "simulator option such as prewarm=false, or policy.NAME=VALUE for a "
                    "routing option such as policy.volume_guard=1.1); at the gateway's "
                    "decision instants, what it would have done otherwise (repeatable)")
-    p.add_argument("--restart-worker", metavar="I@T",
-                   help="restart worker I T seconds into every gateway run")
-    p.add_argument("--flush-worker", metavar="I@T",
-                   help="empty worker I's cache T seconds into every gateway run (the process "
-                   "stays up, so only the hit telemetry can tell the gateway)")
-    p.add_argument("--restart-in-place", metavar="I@T",
-                   help="make worker I look restarted T seconds into every gateway run "
-                   "without taking it down: its cache empty, its counters at zero and a new "
-                   "start stamp on its replies (what a restart between two probes shows)")
+    # One disruption of worker I, T seconds into every gateway run.
+    for flag, disruption in (
+        ("--restart-worker", "restart worker I"),
+        ("--flush-worker", "empty worker I's cache (the process stays up, so only the hit "
+         "telemetry can tell the gateway)"),
+        ("--restart-in-place", "make worker I look restarted without taking it down: its "
+         "cache empty, its counters at zero and a new start stamp on its replies (what a "
+         "restart between two probes shows)"),
+    ):
+        p.add_argument(flag, metavar="I@T",
+                       help=f"{disruption}, T seconds into every gateway run")
     p.add_argument("--session-order", action="store_true",
                    help="send each request only once its session's previous one was answered "
                    "(an agent's or a chat user's next turn); without it the trace's order "
