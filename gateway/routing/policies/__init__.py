@@ -42,7 +42,8 @@ left the request is placed like a cold prefix, from the ring anchor past the tru
 trunk's few holders. That holds only for a trunk whose branches grow (the index learns it per
 trunk: later requests extended what went on from it, as sessions' next turns do, at least as
 often as they reused it from inside, as questions on a shared document do); the branches of a
-trunk they reuse stay with the trunk. *Volume* (``volume_guard`` 1.1): sessions stick to
+trunk they reuse stay with the trunk. *Volume* (``volume_guard``, off by default; 1.1 is
+the setting it was built at): sessions stick to
 their worker, so a worker's routed volume over a minute is the sessions it was given, and one
 long-context session can be twice a worker's mean prompt volume while its requests in flight
 look like anyone's. A holder whose recent routed prompt blocks (cached or not, halved every
@@ -65,7 +66,12 @@ moves a session by copying it first"; "the guard at 1.1"). Without copies the se
 worker that can take the most of its next turns: the holder of most of its prompt among those
 with room within ``volume_guard`` times their share, else the worker with the least recent
 volume; that cost agent sessions 5 points of hit rate and, on engines whose prefills share
-compute, 1.4-1.7x p99. 0 turns the guard off. The
+compute, 1.4-1.7x p99. Those figures come from engines that reuse a block from its
+request's admission on; on one that reuses it only once computed (vLLM), with agents that
+wait for each answer, a session's next turn that reaches its copy before the copy ran
+computes the history again, and the guard cost agent sessions 8 points of hit rate and
+doubled their p99: hence 0 (off) by default, until a session moves only once its copy
+answered. The
 guard credits a holder with the prefill a move would redo (its bound grows by the prompt tokens
 it holds for the request): a conversation is not moved off its worker because its own earlier
 turns are in flight there. Its bound also grows by the cached
