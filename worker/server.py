@@ -237,9 +237,14 @@ def _refuse_unscheduled(request: web.Request, job: Job) -> None:
             code="invalid_value")
 
 
-async def _run(request: web.Request, job: Job) -> web.StreamResponse:
+async def _run(request: web.Request, job: Job,
+               sample: tuple[str, dict[str, Any], int] | None = None) -> web.StreamResponse:
+    """Run ``job``; ``sample``: its path, body and prompt length, to keep among the hottest
+    prompts once it is known not to be refused."""
     settings = request.app[SETTINGS_KEY]
     _refuse_unscheduled(request, job)
+    if sample is not None:
+        _sample(request, *sample, job)
     rank = _rank_for(request, job)
     headers = {
         "x-worker-id": settings.effective_worker_id,
@@ -298,13 +303,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         token_lists=tuple(token_lists),
         namespace=_namespace(request, params.common),
     )
-    _refuse_unscheduled(request, job)  # a refused request is no hot prompt
-    if len(params.prompts) == 1 and isinstance(params.prompts[0], str):
-        _sample(request, "/v1/completions", body, job, len(params.prompts[0]))
-    return await _run(request, job)
+    prompt = params.prompts[0] if len(params.prompts) == 1 else None
+    return await _run(request, job, ("/v1/completions", body, len(prompt))
+                      if isinstance(prompt, str) else None)
 
 
-def _sample(request: web.Request, path: str, body: dict[str, Any], job: Job, chars: int) -> None:
+def _sample(request: web.Request, path: str, body: dict[str, Any], chars: int, job: Job) -> None:
     """Keep the request among the hottest prompts (memory only; see worker.hotprompts)."""
     request.app[HOT_PROMPTS_KEY].observe(
         path, body, request.headers.get(NAMESPACE_HEADER, ""), job.namespace,
@@ -337,9 +341,7 @@ async def _chat_job(request: web.Request, chat: dict[str, Any], kind: str, id_pr
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_body(request)
     job, params = await _chat_job(request, body, "chat", "chatcmpl-", "messages")
-    _refuse_unscheduled(request, job)  # a refused request is no hot prompt
-    _sample(request, "/v1/chat/completions", body, job, len(params.prompt))
-    return await _run(request, job)
+    return await _run(request, job, ("/v1/chat/completions", body, len(params.prompt)))
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
