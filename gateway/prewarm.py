@@ -113,6 +113,10 @@ class PreWarmer:
         # from taking another (WorkerView.copies).
         self.copies_done = 0
         self.copy_seconds = 0.0
+        # Copies not asked for again while one of the same session was under way.
+        self.copies_waited = 0
+        # Session copies under way: (worker, key copied).
+        self._copying: list[tuple[str, PrefixKey]] = []
         self._unused: dict[int, str] = {}
         # Session copies not used yet, by the worker they went to: the keys copied there.
         self._unused_copies: dict[str, list[PrefixKey]] = {}
@@ -131,7 +135,8 @@ class PreWarmer:
         session = target == decision.copy_to  # the volume guard's copy of a session: whole
         prompt = WarmPrompt(upstream.path, upstream.body, tenant, request.model, request.key,
                             namespace=upstream.namespace,
-                            priority=self.options.copy_priority if session else 0)
+                            priority=self.options.copy_priority if session else 0,
+                            session_copy=session)
         held = held_prefix(request.key, decision.match_blocks,
                            request.block_tokens or self.options.block_chars)
         later = None
@@ -150,13 +155,14 @@ class PreWarmer:
         task.add_done_callback(self._settled)
         if session:
             started = time.monotonic()
-            task.add_done_callback(lambda _: self._copy_over(target, started))
+            key = request.key
+            task.add_done_callback(lambda _: self._copy_over(target, key, started))
         return target
 
-    def _copy_over(self, target: str, started: float) -> None:
+    def _copy_over(self, target: str, key: PrefixKey, started: float) -> None:
         self.copies_done += 1
         self.copy_seconds += time.monotonic() - started
-        self.copied(target)
+        self.copied(target, key)
 
     async def _held_ids(self, prompt: WarmPrompt, upstream: UpstreamRequest,
                         held: PrefixKey) -> WarmPrompt:
@@ -186,9 +192,15 @@ class PreWarmer:
         volume guard keeps a session on its holder until a copy of it is made elsewhere) is
         pre-warmed there, its whole prompt, whether or not the pre-warm rule is on: that copy
         is how the session moves without a prefill on a request's path; the pool counts it in
-        flight on its worker until :meth:`copied` (``WorkerView.copies``)."""
+        flight on its worker until :meth:`copied` (``WorkerView.copies``). The index records
+        it only when it answered (``WarmPrompt.session_copy``), so the session's next turn
+        may still find no copy and ask again: while a copy of a prompt this request goes on
+        from is under way, none is sent (``copies_waited``)."""
         self._count_use(decision, request)
         if decision.copy_to:
+            if self._copy_under_way(request.key):
+                self.copies_waited += 1
+                return None
             self._copy_started(decision.copy_to, request.key)
             return decision.copy_to
         target = self._choose(decision, request, now, inflight)
@@ -214,8 +226,13 @@ class PreWarmer:
             self._note(request, target, now)
         return target
 
+    def _copy_under_way(self, key: PrefixKey) -> bool:
+        """Whether a session copy of a prompt that ``key`` goes on from is under way."""
+        return any(key.goes_on_from(copied) for _, copied in self._copying)
+
     def _copy_started(self, target: str, key: PrefixKey) -> None:
         self.pool.copying(target, 1)
+        self._copying.append((target, key))
         self.sessions += 1
         self.sent += 1
         copies = self._unused_copies.setdefault(target, [])
@@ -223,10 +240,15 @@ class PreWarmer:
         if len(copies) > _UNUSED_COPIES:  # bounded: the oldest is taken as never used
             del copies[0]
 
-    def copied(self, target: str) -> None:
-        """A session's copy to ``target`` is over (answered or failed): the worker can take
-        another. The simulator calls it when its copy is done."""
+    def copied(self, target: str, key: PrefixKey) -> None:
+        """A session's copy of ``key`` to ``target`` is over (answered or failed): the
+        worker can take another, and the session may be copied again. The simulator calls it
+        when its copy is done."""
         self.pool.copying(target, -1)
+        for i, (wid, copied) in enumerate(self._copying):
+            if wid == target and copied is key:
+                del self._copying[i]
+                break
 
     def _count_use(self, decision: Decision, request: RouteRequest) -> None:
         if decision.match_blocks <= 0:
@@ -374,12 +396,14 @@ class PreWarmer:
         (copies of the held prefix alone; the others copied the whole request), sessions
         (copies of a session the volume guard moves), and of those, copies_done (answered or
         failed) and copy_seconds (what they took, summed: from the decision that asked for
-        each to its end, the time its worker takes no other copy)."""
+        each to its end, the time its worker takes no other copy), and copies_waited (not
+        sent again while one of the same session was under way)."""
         inflight = len(self._tasks)
         return {"enabled": self.options.enabled, "sent": self.sent, "placed": self.placed,
                 "failed": self.sent - self.placed - inflight, "inflight": inflight,
                 "used": self.used, "cut": self.cut, "sessions": self.sessions,
-                "copies_done": self.copies_done, "copy_seconds": round(self.copy_seconds, 6)}
+                "copies_done": self.copies_done, "copy_seconds": round(self.copy_seconds, 6),
+                "copies_waited": self.copies_waited}
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -131,10 +131,10 @@ class GatewaySettings:
                        "request gets no credit for a session's next turn (a request that "
                        "extends a prompt it holds) when the session routed at least half a "
                        "worker's share recently: evens out routed volume (KV memory), the "
-                       "session moving to a copy of it (see volume_copy). 0: never, the "
-                       "default: a session's next turn that reaches its copy before the copy "
-                       "ran computes its history again on an engine that reuses blocks only "
-                       "once computed (vLLM); 1.1 is the setting it was tuned at"),
+                       "session moving to a copy of it once the copy answered (see "
+                       "volume_copy). 0: never, the default: on engines that reuse blocks only "
+                       "once computed (vLLM) copies land a turn or two later and balance little "
+                       "within a window of agent sessions; 1.1 is the setting it was tuned at"),
     )
     volume_copy: bool = field(
         default=_POLICY.volume_copy,

@@ -417,7 +417,10 @@ class WarmupManager:
         serving worker, whose engine admits it ahead of the requests routed after it and
         evicts for it then; recorded at the reply, the index would meanwhile predict blocks
         those evictions took). The awaitable it returns sends it, and forgets it again if it
-        fails. ``later``: the request to send is ready only then (a held prefix's token ids,
+        fails. A session's copy (``prompt.session_copy``) is recorded only once it answered:
+        the session moves there at its next turn after that, and an engine that reuses
+        blocks only once computed would make a turn that came sooner compute the history
+        again. ``later``: the request to send is ready only then (a held prefix's token ids,
         still to be encoded); ``prompt.key`` is what it caches."""
         if wid not in self.pool:
             if later is not None:
@@ -434,7 +437,8 @@ class WarmupManager:
         key = prompt.key
         now = time.monotonic()
         held = self.index.match(key.blocks, now).get(wid, 0)
-        self.index.record(key.blocks, wid, now, key.depths)
+        if not prompt.session_copy:  # a session's copy: at its answer (_prewarmed)
+            self.index.record(key.blocks, wid, now, key.depths)
         if self.exact is not None:
             self.exact.sent(wid, key.blocks, now)
         # Written now, as a routed request is when its decision is made: sent from the task
@@ -460,8 +464,10 @@ class WarmupManager:
         if self.exact is not None:
             self.exact.done(wid, blocks, time.monotonic())
         if ok:
+            if prompt.session_copy:
+                self.index.record(blocks, wid, time.monotonic(), prompt.key.depths)
             self.sync.assigned(prompt.key, wid)
-        else:
+        elif not prompt.session_copy:
             self.index.forget(wid, blocks, held)
             if self.exact is not None:
                 self.exact.unsent(wid, blocks[held:])

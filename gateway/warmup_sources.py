@@ -64,6 +64,10 @@ class WarmPrompt:
     namespace: str = ""  # the cache namespace workers see (derived from tenant and salt)
     # The engine scheduling ``priority`` its replay is sent with (0: the body's own, if any).
     priority: int = 0
+    # A session's copy (the volume guard's): the index records it once the worker answered,
+    # not when it is sent. The engine reuses its blocks only once computed (vLLM), and the
+    # session's next turn, moved there before, would compute its history again.
+    session_copy: bool = False
 
     def rekeyed(self, model_identity: str, opts: FingerprintOptions) -> WarmPrompt:
         """The same prompt keyed as a request for ``model_identity`` (the model and its current

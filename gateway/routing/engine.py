@@ -29,10 +29,13 @@ from gateway.values import value
 # The volume guard (:meth:`RoutingEngine._volume`): its hysteresis, in multiples of the
 # request's blocks; the share of a worker's fair volume a session must have routed recently
 # to be moved; and the smaller share with which it is moved when another holder of part of
-# its prompt has room for it.
+# its prompt has room for it. With copies: the part of what the holder holds that another
+# holder must hold to count as the session's copy (a copy is recorded once it answered, by
+# when the holder has the session's next turn too; the move redoes at most the rest).
 VOLUME_SLACK = 2.0
 VOLUME_SESSION_SHARE = 0.5
 VOLUME_MEDIUM_SHARE = 0.2
+VOLUME_COPY_SHARE = 0.75
 
 
 @value
@@ -317,13 +320,15 @@ class RoutingEngine:
         than the prefill (``cache_cost``).
 
         With ``volume_copy`` a holder over its bound loses its credit only when another
-        holder of at least as much of the prompt is within its own bound: the session moves
-        to its copy and nothing is redone on the request's path. Without such a copy the
-        holder keeps the session (returned as the third mapping) and the decision names
-        where to copy it (:meth:`_copy`); its next turn finds the copy. When several holders
-        are over their bound (a copy made earlier, its worker loaded since), only one keeps
-        the session: the deepest, and of equals the lightest by recent volume per unit of
-        weight; the others lose their credit."""
+        holder of at least ``VOLUME_COPY_SHARE`` of what it holds has room for the request
+        within its own bound: the session moves to its copy (:meth:`_move`) and little is
+        redone on the request's path (a copy is recorded once it answered, by when the
+        holder has usually been given the session's next turn: the copy lacks that turn).
+        Without such a copy the holder keeps the session (returned as the third mapping)
+        and the decision names where to copy it (:meth:`_copy`); a later turn finds the
+        copy. When several holders are over their bound (a copy made earlier, its worker
+        loaded since), only one keeps the session: the deepest, and of equals the lightest
+        by recent volume per unit of weight; the others lose their credit."""
         index = snapshot.index
         key = request.key
         if deepest >= len(key.blocks) or not index.extends(key.blocks[deepest - 1],
@@ -361,9 +366,10 @@ class RoutingEngine:
             elif session >= VOLUME_SESSION_SHARE * fair or (
                     session >= VOLUME_MEDIUM_SHARE * fair
                     and len(room) > (wid in room)):  # another holder has room
-                # Moved when no copy is asked for, or when another holder of as much of the
-                # prompt keeps its credit (``wid`` does not: it is not in ``within``).
-                if not copy or any(matches[other] >= depth for other in within):
+                # Moved when no copy is asked for, or when another holder of (nearly) as
+                # much of the prompt has room for it (where :meth:`_move` takes it).
+                if not copy or any(matches[other] >= VOLUME_COPY_SHARE * depth
+                                   for other in room if other != wid):
                     over[wid] = depth
                 else:
                     kept[wid] = copying[wid] = depth

@@ -258,6 +258,14 @@ class SimConfig:
     # Per request, where the blocks the pooled LRU would reuse went (SimResult.losses); costs
     # a lookup in every worker's cache per request.
     loss_breakdown: bool = False
+    # The engines reuse a request's new blocks only once its prefill computed them, as vLLM
+    # does (the reference worker's --reuse-when-computed); False: from its admission on.
+    reuse_when_computed: bool = False
+    # Per request, by position in the trace: an earlier request whose answer it waits for
+    # (-1: none), as an agent waits for its previous turn (the replay's --session-order:
+    # loadtest.sessions.previous_in_session). A request waiting so holds one of the
+    # ``concurrency`` slots, as a live sender does.
+    after: tuple[int, ...] = ()
     # Blocks each running request holds outside the prefix cache (an engine's partial last
     # block of the prompt, then its output): taken at admission, freed at completion, never
     # cached; the gateway's pool models them as the live gateway does with token-exact keys
@@ -379,6 +387,7 @@ class _Job:
     arrived: float = 0.0  # when it reached the worker (the engine's histograms count from here)
     freed_at: float | None = None  # with engine_holds: when the live engine freed its blocks
     copy_of: str = ""  # the volume guard's copy of a session: the worker it goes to
+    copy_key: PrefixKey | None = None  # ... and the key it copies, recorded once it is done
 
 
 class _Telemetry:
@@ -454,7 +463,9 @@ class ClusterSim:
     def __init__(self, config: SimConfig, router: Router | None = None) -> None:
         self.config = config
         ids = list(config.worker_names) or worker_ids(config.workers, config.ring_seed)
-        caches = {wid: PrefixCache(config.cache_blocks, 1) for wid in ids}
+        caches = {wid: PrefixCache(config.cache_blocks, 1,
+                                   reuse_when_computed=config.reuse_when_computed)
+                  for wid in ids}
         self.workers = {wid: _SimWorker(Worker(wid, f"sim://{wid}"), caches[wid]) for wid in ids}
         self.index = PrefixIndex(config.index_capacity, config.index_ttl_s)
         self.pool = WorkerPool((), self.index, private_blocks=config.private_blocks)
@@ -506,6 +517,11 @@ class ClusterSim:
         self._next_probe = (config.probe_interval_s + self._probe_step
                             if config.probe_interval_s and not config.scrape_log else math.inf)
         self._inflight = 0
+        # With ``after``: requests answered, and those holding a slot until an answer (by the
+        # position of the request they wait for).
+        self._answered: set[int] = set()
+        self._waiting: dict[int, list[tuple[int, TraceRequest]]] = {}
+        self._held = 0
         self._last_decision = -math.inf  # the gateway decides in the order requests reach it
         self._ttft: list[float] = []
         self._decision_us: list[float] = []
@@ -532,6 +548,7 @@ class ClusterSim:
     def _issue(self, pos: int, req: TraceRequest, now: float) -> None:
         if len(req.blocks) + self.config.private_blocks > self.config.cache_blocks:
             self._rejected += 1  # can never fit in one worker's cache
+            self._answer(pos, now)
             return
         self._inflight += 1
         timed = self.config.request_delays
@@ -604,8 +621,11 @@ class ClusterSim:
         replayed there prefill-only (its trace blocks within the cut; it takes cache blocks as
         any request does, and counts in no client figure), one of the pre-warmer's slots held
         for as long as the request that caused it was. ``session``: the volume guard's copy of
-        a session, whose end the pre-warmer is told (``PreWarmer.copied``)."""
-        self.index.record(key.blocks, wid, now, key.depths)
+        a session, recorded in the index when it is done, as the gateway records it at its
+        answer (``WarmPrompt.session_copy``), and whose end the pre-warmer is told
+        (``PreWarmer.copied``)."""
+        if not session:
+            self.index.record(key.blocks, wid, now, key.depths)
         self._prewarms += 1
         w = self.workers[wid]
         copied = req
@@ -618,7 +638,8 @@ class ClusterSim:
         if session and self.config.copy_hold_s > 0:
             settle_at = now + self.config.copy_hold_s
         w.queue.append(_Job(replace(copied, output_tokens=1), f"prewarm-{self.prewarmer.sent}",
-                            now, None, settle_at, arrived=now, copy_of=wid if session else ""))
+                            now, None, settle_at, arrived=now, copy_of=wid if session else "",
+                            copy_key=key if session else None))
         self._pump(w, now)
 
     def _settle(self, job: _Job) -> None:
@@ -716,6 +737,8 @@ class ClusterSim:
         w.first_token_s += first_token - job.arrived
         if self.config.streaming and job.attempt is not None:
             self._at(first_token, functools.partial(self._first_token, job.attempt))
+        if self.config.reuse_when_computed:  # its blocks are reusable from then on
+            self._at(first_token, lambda _t: w.cache.computed(job.rid))
         # The engine frees the blocks when its own work is done (when the live one did, with
         # engine_holds); the gateway settles the request when its reply came back
         # (``_complete``: its live hold, with request_delays).
@@ -740,17 +763,34 @@ class ClusterSim:
         w.running -= 1
         at = (now + self.config.relay_delay_s if job.settle_at is None
               else max(now, job.settle_at))
-        settle = self._settle if job.attempt is not None else self._prewarmed
         if at > now:
-            self._at(at, lambda _t: settle(job))
+            self._at(at, lambda t: self._settled(job, t))
         else:
-            settle(job)
+            self._settled(job, now)
         self._pump(w, now)
 
-    def _prewarmed(self, job: _Job) -> None:
+    def _settled(self, job: _Job, now: float) -> None:
+        if job.attempt is not None:
+            self._settle(job)
+            self._answer(job.pos, now)
+        else:
+            self._prewarmed(job, now)
+
+    def _answer(self, pos: int, now: float) -> None:
+        """Request ``pos`` is answered at ``now``: the requests waiting for it are sent."""
+        if not self.config.after:
+            return
+        self._answered.add(pos)
+        for waiting in self._waiting.pop(pos, ()):
+            self._held -= 1
+            self._issue(*waiting, now)
+
+    def _prewarmed(self, job: _Job, now: float) -> None:
         self._prewarms -= 1
-        if job.copy_of:
-            self.prewarmer.copied(job.copy_of)
+        if job.copy_of and job.copy_key is not None:
+            key = job.copy_key
+            self.index.record(key.blocks, job.copy_of, now, key.depths)
+            self.prewarmer.copied(job.copy_of, key)
 
     # -- the event loop -------------------------------------------------------------------------
 
@@ -783,8 +823,14 @@ class ClusterSim:
                 i += 1
             else:
                 break
-            while ready and self._inflight < limit:
-                self._issue(*ready.popleft(), now)
+            while ready and self._inflight + self._held < limit:
+                pos, req = ready.popleft()
+                before = cfg.after[pos] if pos < len(cfg.after) else -1
+                if before >= 0 and before not in self._answered:
+                    self._held += 1  # its sender waits for that answer
+                    self._waiting.setdefault(before, []).append((pos, req))
+                else:
+                    self._issue(pos, req, now)
         blocked = [w.worker.id for w in self.workers.values() if w.queue]
         if blocked:  # cannot happen: a lone request always fits an empty cache
             raise RuntimeError(f"requests left queued on {blocked}")

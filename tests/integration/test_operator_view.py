@@ -335,8 +335,8 @@ async def test_explain_is_a_dry_run_that_predicts_the_decision(
             assert view["prewarm"] == {"enabled": True, "sent": 0, "placed": 0, "failed": 0,
                                        "inflight": 0, "used": 0, "cut": 0, "sessions": 0,
                                        "copies_done": 0, "copy_seconds": 0.0,
-                                       "copy_priority": 0, "copy_priority_taken": [],
-                                       "copy_priority_refused": []}
+                                       "copies_waited": 0, "copy_priority": 0,
+                                       "copy_priority_taken": [], "copy_priority_refused": []}
         async with http.post(url + "/v1/chat/completions", json={**chat, "max_tokens": 2},
                              headers=auth) as r:
             sent_to = r.headers["x-route-worker"]

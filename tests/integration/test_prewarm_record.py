@@ -1,6 +1,7 @@
 """A pre-warm counts in the prefix index from the decision that chose it, as a routed request
 does, and is written to the worker then, so its engine admits it ahead of the requests routed
-after it; it is forgotten if it fails; a joining worker's warm-up replay counts once answered.
+after it; it is forgotten if it fails; a joining worker's warm-up replay and a session's copy
+count once answered.
 
 A reference worker over real HTTP on 127.0.0.1; the gateway's own backends send the replay.
 """
@@ -131,6 +132,19 @@ async def test_a_late_replay_counts_once_answered(setup: Setup) -> None:
     assert held(setup.index, setup.live, p) == 0  # a joining worker's warm-up: at the reply
     assert await task
     assert held(setup.index, setup.live, p) == len(p.key.blocks)
+
+
+async def test_a_session_copy_counts_once_answered(setup: Setup) -> None:
+    # The volume guard's copy of a session: its engine may reuse its blocks only once
+    # computed, so the session moves there only after its answer.
+    p = dataclasses.replace(prompt(), session_copy=True)
+    task = asyncio.ensure_future(setup.manager.prewarm(setup.live, p))
+    await asyncio.sleep(0)
+    assert held(setup.index, setup.live, p) == 0
+    assert await task
+    assert held(setup.index, setup.live, p) == len(p.key.blocks)
+    assert not await setup.manager.prewarm(setup.dead, p)  # failed: never recorded
+    assert held(setup.index, setup.dead, p) == 0
 
 
 async def test_a_failed_prewarm_is_forgotten(setup: Setup) -> None:

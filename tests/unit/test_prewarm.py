@@ -286,9 +286,20 @@ async def test_a_session_the_volume_guard_moves_is_copied_whole_whatever_the_rul
     warmer._replay = slow
     assert warmer.after_route(kept, request, upstream, "", 0.0) == other
     assert pool.snapshot(0.0).by_id[other].copies == 1  # type: ignore[index]
+    # Meanwhile the session's next turn asks for a copy again (the index records one only
+    # once it answered): none is sent while this one is under way; another session's is.
+    following = RouteRequest(key=fingerprint(prompt + "Observation: done. " * 20,
+                                             Namespace(model="m")),
+                             model="m", cost_tokens=300, prompt_tokens=300)
+    assert warmer.after_route(kept, following, upstream, "", 0.0) is None
+    assert warmer.stats()["copies_waited"] == 1
+    stranger = RouteRequest(key=fingerprint("Another session. " * 40, Namespace(model="m")),
+                            model="m", cost_tokens=300, prompt_tokens=300)
+    assert warmer.after_route(kept, stranger, upstream, "", 0.0) == other
     gate.set()
     await asyncio.sleep(0.01)
     assert pool.snapshot(0.0).by_id[other].copies == 0  # type: ignore[index]
+    assert warmer.after_route(kept, following, upstream, "", 0.0) == other
     # Without ``copy_to`` the rule decides, and it is off.
     plain = Decision(worker=view, policy="cache_aware", kind=DecisionKind.PREFIX_HIT,
                      match_blocks=request.key.total_blocks // 2)
@@ -318,7 +329,7 @@ async def test_a_session_copy_goes_at_the_copy_priority_and_other_prewarms_witho
                                                                copy_priority=priority))
         assert warmer.after_route(kept, request, upstream, "", 0.0) == other
         await asyncio.sleep(0.01)
-        warmer.copied(other)
+        warmer.copied(other, request.key)
     # Without a copy priority the body's own is kept; with one, it replaces it.
     assert [(c.priority, c.replay_body()["priority"]) for c in copies] == [(0, -3), (7, 7)]
     pool, index, request, holder = setup(10)
@@ -351,7 +362,7 @@ def test_a_replayed_copy_of_a_session_counts_as_one_wherever_it_went() -> None:
     assert warmer.replayed(asked, request, 0.0, others[1]) == others[1]
     assert warmer.stats()["sessions"] == 1
     assert pool.snapshot(0.0).by_id[others[1]].copies == 1  # type: ignore[index]
-    warmer.copied(others[1])
+    warmer.copied(others[1], request.key)
     assert pool.snapshot(0.0).by_id[others[1]].copies == 0  # type: ignore[index]
 
 

@@ -67,11 +67,14 @@ worker that can take the most of its next turns: the holder of most of its promp
 with room within ``volume_guard`` times their share, else the worker with the least recent
 volume; that cost agent sessions 5 points of hit rate and, on engines whose prefills share
 compute, 1.4-1.7x p99. Those figures come from engines that reuse a block from its
-request's admission on; on one that reuses it only once computed (vLLM), with agents that
-wait for each answer, a session's next turn that reaches its copy before the copy ran
-computes the history again, and the guard cost agent sessions 8 points of hit rate and
-doubled their p99: hence 0 (off) by default, until a session moves only once its copy
-answered. The
+request's admission on. On one that reuses it only once computed (vLLM), a session's next
+turn that reaches its copy before the copy ran computes the history again (8 points of hit
+rate and twice the p99 on agent sessions that wait for each answer), so a copy counts as
+held only once it answered (``WarmPrompt.session_copy``), a holder of three quarters of what
+the session's holder holds counts as its copy (the holder has had its next turn meanwhile),
+and one copy per session is under way at a time. Copies then land a turn or two later and
+few are used within a window of agent sessions (0.990 of the bound at 2.23 x the mean
+volume, against 0.994 at 2.10 without the guard): hence 0 (off) by default. The
 guard credits a holder with the prefill a move would redo (its bound grows by the prompt tokens
 it holds for the request): a conversation is not moved off its worker because its own earlier
 turns are in flight there. Its bound also grows by the cached
@@ -136,11 +139,10 @@ class PolicyOptions:
     # cache_aware: a holder whose recent routed prompt blocks (cached or not) are over this x
     # its share of the pool's, by more than twice the request's blocks, gets no credit for a
     # session's next turn, when the session routed at least half a worker's share: one long
-    # session cannot make a worker's volume. 0 (the default): never. Off by default: its
-    # session copies are taken as held from the moment they are sent, and an engine that
-    # reuses a block only once computed (vLLM) makes the session's next turn compute its
-    # history again when it comes before the copy ran (BENCHMARKS.md, "blocks reused only
-    # once computed"); 1.1 was the setting it was tuned at.
+    # session cannot make a worker's volume. 0 (the default): never. Off by default: on an
+    # engine that reuses a block only once computed (vLLM) a copy counts only once it
+    # answered, a turn or two later, and balances little within a window of agent sessions
+    # (BENCHMARKS.md, "copies taken as held once answered"); 1.1 was its tuned setting.
     volume_guard: float = 0.0
     # cache_aware, with the volume guard: a session over it moves only to a worker holding a
     # copy of its prompt, which the pre-warmer makes while its holder keeps serving it (no
