@@ -214,6 +214,11 @@ class ReplayConfig:
         --scheduling-policy=priority``), read from their own arguments by their own parser."""
         return parse_worker_settings(self.worker_args()).scheduling_policy == "priority"
 
+    def reuse_when_computed(self) -> bool:
+        """Whether the fleet's workers reuse a block only once computed (``--worker-arg
+        --reuse-when-computed``), read from their own arguments by their own parser."""
+        return parse_worker_settings(self.worker_args()).reuse_when_computed
+
     def sim_costs(self) -> SimCosts:
         """The costs the fleet's workers simulate, read from their own arguments by their own
         parser (``--worker-arg=--prefill-shared`` included)."""

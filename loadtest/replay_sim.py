@@ -38,6 +38,7 @@ from gateway.openai_schema import parse_completion
 from gateway.rebalance import action_from_json
 from gateway.routing.policies import PolicyOptions
 from gateway.settings import GatewaySettings
+from loadtest.sessions import previous_in_session
 from loadtest.sim.cluster import SimConfig, pooled_bound, simulate
 from loadtest.sim.report import max_over_mean, metrics, percentile
 from loadtest.traces import TraceRequest
@@ -304,6 +305,10 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         start_scrapes=() if timed else tuple(start_state),
         prewarm_log=prewarm_log, copy_hold_s=copy_hold_s,
         priority_engines=config.priority_engines(),
+        reuse_when_computed=config.reuse_when_computed(),
+        # At the decision instants the live arrivals already waited for their sessions.
+        after=tuple(previous_in_session(requests)) if config.session_order and not timed
+        else (),
     )
     result = simulate(units, with_overrides(sim, overrides) if overrides else sim)
     assignments = [""] * len(order)

@@ -250,6 +250,40 @@ def test_requests_wait_for_blocks_held_by_running_ones() -> None:
     assert result.ttft_s == pytest.approx((0.1, 0.2))
 
 
+def test_engines_that_reuse_blocks_once_computed_recompute_a_prefix_in_prefill() -> None:
+    # Two requests for one prompt, sent together to one worker: an engine that reuses a
+    # block from its admission on serves the second from the first's blocks; one that reuses
+    # it only once computed (vLLM) computes it again, and reuses it for a third sent later.
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0)
+    reqs = [*trace([1, 2], [1, 2], tokens=1000),
+            TraceRequest(2, 1.0, 1000, 1, prefix_key([1, 2], 1000))]
+    for computed, reused in ((False, (0, 2, 2)), (True, (0, 0, 2))):
+        result = simulate(reqs, config(1, 8, "round_robin", mode="replay", concurrency=None,
+                                       costs=costs, serial_prefill=False,
+                                       reuse_when_computed=computed))
+        assert result.reused == reused, computed
+
+
+def test_a_request_waits_for_the_answer_it_follows_holding_its_slot() -> None:
+    # Two slots; request 1 follows request 0 (a session's next turn), request 2 is another
+    # session's. Request 1's sender waits for request 0's answer, so request 2 waits for a
+    # slot too: both go once request 0 is answered, and request 1 finds its blocks.
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0)
+    reqs = trace([1, 2], [1, 2, 3], [7, 8], tokens=1000)
+    together = simulate(reqs, config(1, 8, "round_robin", concurrency=2, costs=costs,
+                                     serial_prefill=False, reuse_when_computed=True))
+    assert together.reused == (0, 0, 0)
+    waited = simulate(reqs, config(1, 8, "round_robin", concurrency=2, costs=costs,
+                                   serial_prefill=False, reuse_when_computed=True,
+                                   after=(-1, 0, -1)))
+    assert waited.reused == (0, 2, 0)
+    # Request 1 has nothing left to prefill; request 2 starts at 0.1, when a slot frees.
+    assert sorted(waited.ttft_s) == pytest.approx([0.0, 0.1, 0.1])
+    assert waited.sim_seconds == pytest.approx(0.2)
+
+
 def test_cli_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rows = [(i * 0.5, 1024, 4, [0, 1 + i % 3]) for i in range(12)]
     path = tmp_path / "t.jsonl"
