@@ -29,6 +29,7 @@ from loadtest.replay_sim import (
     gateway_keys,
     live_timing,
     request_delays,
+    session_waits,
     sim_overrides,
     simulated,
     start_scrapes,
@@ -614,3 +615,14 @@ def test_engine_holds_come_from_the_decision_and_the_engines_instant() -> None:
     assert engine_holds(said) == [0.25, 0.0625]
     # A reply that did not say (a peer's, a failure): none at all.
     assert engine_holds([*said, Reply(200, "w", 10, 0, 0.1, decided_at=101.0)]) == []
+
+
+def test_each_request_waits_for_its_sessions_previous_one_in_the_simulators_order() -> None:
+    # Two sessions (blocks 1.. and 7..) in trace order 0, 1, 2, 3; the simulator takes them
+    # at the live decision instants, in the order 1, 0, 3, 2 (positions there): each waits
+    # for its session's previous request at that request's new position.
+    requests = [TraceRequest(i, 0.0, 512 * len(ids), 1, prefix_key(ids, 512 * len(ids)))
+                for i, ids in enumerate(([1, 2], [7, 8], [1, 2, 3], [7, 8, 9]))]
+    assert session_waits(requests, [0, 1, 2, 3], timed=False) == (-1, -1, 0, 1)
+    assert session_waits(requests, [1, 0, 3, 2], timed=True) == (-1, -1, 0, 1)
+    assert session_waits(requests, [0, 2, 1, 3], timed=True) == (-1, 0, -1, 2)

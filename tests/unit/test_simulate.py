@@ -284,6 +284,21 @@ def test_a_request_waits_for_the_answer_it_follows_holding_its_slot() -> None:
     assert waited.sim_seconds == pytest.approx(0.2)
 
 
+def test_at_given_instants_a_request_still_waits_for_the_answer_it_follows() -> None:
+    # Arrivals at fixed instants (a live run's decisions): request 1 is due at 0.05 s, before
+    # request 0's answer at 0.1 s. Following it, it goes at 0.1 s and finds its history
+    # computed; without, it computes it again beside request 0.
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0)
+    reqs = [TraceRequest(0, 0.0, 1000, 1, prefix_key([1, 2], 1000)),
+            TraceRequest(1, 0.05, 1500, 1, prefix_key([1, 2, 3], 1500))]
+    for after, reused in (((), (0, 0)), ((-1, 0), (0, 2))):
+        result = simulate(reqs, config(1, 8, "round_robin", mode="replay", concurrency=None,
+                                       costs=costs, serial_prefill=False,
+                                       reuse_when_computed=True, after=after))
+        assert result.reused == reused, after
+
+
 def test_cli_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rows = [(i * 0.5, 1024, 4, [0, 1 + i % 3]) for i in range(12)]
     path = tmp_path / "t.jsonl"
