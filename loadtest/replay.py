@@ -160,7 +160,7 @@ class ReplayConfig:
     # Each request waits for the answer to its session's previous one (loadtest.sessions), as
     # an agent or a chat user does; False: the trace's order alone, so that turns of one
     # session may overlap.
-    session_order: bool = False
+    session_order: bool = True
     bucket_s: float = 2.0
     timeout_s: float = 300.0
     extra_worker_args: tuple[str, ...] = ()
@@ -1097,10 +1097,10 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p.add_argument(flag, metavar="I@T",
                        help=f"{disruption}, T seconds into every gateway run")
-    p.add_argument("--session-order", action="store_true",
+    p.add_argument("--session-order", action=argparse.BooleanOptionalAction, default=True,
                    help="send each request only once its session's previous one was answered "
-                   "(an agent's or a chat user's next turn); without it the trace's order "
-                   "alone, so that turns of one session may overlap")
+                   "(an agent's or a chat user's next turn; the default); --no-session-order: "
+                   "the trace's order alone, so that turns of one session may overlap")
     p.add_argument("--misreport-worker", type=int, metavar="I",
                    help="worker I reports twice its real cache size")
     p.add_argument("--timeline", type=Path, metavar="DIR",

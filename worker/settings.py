@@ -95,11 +95,13 @@ class WorkerSettings:
                   "runs, so a loaded worker is no slower than an idle one)."},
     )
     reuse_when_computed: bool = field(
-        default=False,
+        default=True,
         metadata={"help": "The simulated engine's cache: a request's new blocks are reused by "
                   "other requests only once its prefill is done, as vLLM caches a block once "
                   "its tokens are scheduled (a request that shares a prefix still being "
-                  "prefilled computes it again); off: from the request's admission on."},
+                  "prefilled computes it again); off (--no-reuse-when-computed): from the "
+                  "request's admission on, which flatters any router that sends a prompt "
+                  "where its copy is still being prefilled."},
     )
     scheduling_policy: str = field(
         default="fcfs",
