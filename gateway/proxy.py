@@ -32,6 +32,7 @@ from gateway.contracts.engine_paths import COMPLETION_PATHS
 from gateway.contracts.errors import openai_error
 from gateway.contracts.headers import (
     CACHE_STAT_HEADERS,
+    ENGINE_COMPUTED_HEADER,
     ENGINE_DONE_HEADER,
     INPUT_TOKENS_HEADER,
     MATCHED_TOKENS_HEADER,
@@ -52,7 +53,8 @@ _USAGE_TAIL_BYTES = 8192
 _ID_SEARCH_BYTES = 65536  # a Responses stream's id is in its first event, within this
 _FIRST_BACKOFF_S = 0.05  # before retrying elsewhere after a 429/503; doubles, jittered
 _MAX_BACKOFF_S = 1.0
-_RELAYED_HEADERS = ("Content-Type", *CACHE_STAT_HEADERS, ENGINE_DONE_HEADER)
+_RELAYED_HEADERS = ("Content-Type", *CACHE_STAT_HEADERS, ENGINE_DONE_HEADER,
+                    ENGINE_COMPUTED_HEADER)
 # How a worker's reply can break off once its head came (the backends' own error, aiohttp's).
 _BROKE_OFF = (UpstreamBrokeOff, aiohttp.ClientError, asyncio.IncompleteReadError)
 

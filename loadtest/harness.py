@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.contracts.headers import ENGINE_DONE_HEADER
+from gateway.contracts.headers import ENGINE_COMPUTED_HEADER, ENGINE_DONE_HEADER
 from infra.procs import HOST
 from loadtest.workloads import WorkloadSpec, chat_requests, describe
 from worker.chat import render_chat
@@ -72,6 +72,8 @@ class Reply:
     # When the worker's engine freed the request's blocks, on the same clock (x-engine-done-at,
     # relayed by our gateway from a reference worker; 0: not said).
     engine_done_at: float = 0.0
+    # ... and when it had computed the prompt (its first token; x-engine-computed-at).
+    engine_computed_at: float = 0.0
 
 def reason_kind(reason: str) -> str:
     """``prefix_hit depth=37`` -> ``prefix_hit``; ``diverted: w1 ...`` -> ``diverted``."""
@@ -132,6 +134,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
                 decided_at=_float(response.headers, "x-route-at"),
                 prewarmed_to=response.headers.get("x-route-prewarm", ""),
                 engine_done_at=_float(response.headers, ENGINE_DONE_HEADER),
+                engine_computed_at=_float(response.headers, ENGINE_COMPUTED_HEADER),
             )
     except (aiohttp.ClientError, TimeoutError):
         return Reply(0, "", 0, 0, time.perf_counter() - started, sent_at=started)

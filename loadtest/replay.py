@@ -292,6 +292,9 @@ class RunResult:
     # gateway's decision to the worker's engine freeing the request's blocks
     # (x-engine-done-at - x-route-at), when the simulator's workers free them too.
     engine_held_s: list[float] = field(default_factory=list)
+    # ... and to its engine having computed the prompt (x-engine-computed-at - x-route-at),
+    # from when the simulator's workers reuse its blocks too (blocks reused once computed).
+    engine_computed_s: list[float] = field(default_factory=list)
     # The engine scrapes (health probes' /metrics) the gateway routed on, each at its instant
     # on the decision instants: the view of a worker counts its engine's running and waiting
     # requests at the last scrape (gateway.pool.WorkerState.view).
@@ -433,6 +436,14 @@ def engine_holds(replies: Sequence[Reply]) -> list[float]:
     return [round(r.engine_done_at - r.decided_at, 6) for r in replies]
 
 
+def engine_computes(replies: Sequence[Reply]) -> list[float]:
+    """Each reply's seconds from the gateway's decision to its engine having computed the
+    prompt (its first token); empty unless every reply said both."""
+    if not all(r.decided_at and r.engine_computed_at for r in replies):
+        return []
+    return [round(r.engine_computed_at - r.decided_at, 6) for r in replies]
+
+
 def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float,
               pooled: float, cpu_s: float | None, worker_ids: Sequence[str],
               config: ReplayConfig) -> RunResult:
@@ -475,6 +486,7 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
         prewarmed_to=[r.prewarmed_to for r in replies] if decided else [],
         cached_blocks=[r.matched_tokens // bt for r in replies],
         engine_held_s=engine_holds(replies),
+        engine_computed_s=engine_computes(replies),
         route_reasons=[r.reason for r in replies] if any(r.reason for r in replies) else [],
         worker_ids=list(worker_ids), per_worker=dict(sorted(per_worker.items())),
         gateway_p50_ms=statistics.median(own) if said else None,

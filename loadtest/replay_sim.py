@@ -237,6 +237,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
               scrapes: Sequence[Mapping[str, Any]] = (),
               prewarmed: Sequence[str] = (),
               engine_held: Sequence[float] = (),
+              engine_computed: Sequence[float] = (),
               copy_hold_s: float = 0.0,
               start_state: Sequence[tuple[str, Mapping[str, float]]] = ()) -> dict[str, Any]:
     """The simulator on the live run's fleet (``worker_ids``: its ids, hence its ring), costs,
@@ -249,10 +250,12 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     (``cached``), ``same_cached`` is the share of requests whose simulated worker reused as
     many. With the seconds from each decision to the live engine freeing the request's
     blocks (``engine_held``, :attr:`RunResult.engine_held_s`), the simulated workers free
-    them then. A session copy keeps its worker from another copy for ``copy_hold_s`` from
-    its decision at least (the live run's mean, :attr:`RunResult.copy_ms_mean`). From the
-    client's timing the fleet begins as the live one did (``start_state``:
-    :func:`start_scrapes`), its engines' histograms as the gateway's start-up probes read them.
+    them then; with those to its having computed the prompt (``engine_computed``), engines
+    that reuse blocks once computed let others reuse them then. A session copy keeps its
+    worker from another copy for ``copy_hold_s`` from its decision at least (the live run's
+    mean, :attr:`RunResult.copy_ms_mean`). From the client's timing the fleet begins as the
+    live one did (``start_state``: :func:`start_scrapes`), its engines' histograms as the
+    gateway's start-up probes read them.
 
     With the gateway's own decision instants (``decided_s``, per request in trace order), the
     client is not simulated at all: each request is decided at its live instant, in the live
@@ -279,6 +282,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         keys = [keys[i] for i in order] if len(keys) == len(order) else ()
         engine_held = ([engine_held[i] for i in order] if len(engine_held) == len(order)
                        else ())
+        engine_computed = ([engine_computed[i] for i in order]
+                           if len(engine_computed) == len(order) else ())
     prewarm_log: tuple[str, ...] = ()
     if timed and len(prewarmed) == len(order) and "prewarm" not in (overrides or {}):
         prewarm_log = tuple(prewarmed[i] for i in order)
@@ -299,6 +304,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         route_delay_s=timing[0], relay_delay_s=timing[1], worker_names=tuple(worker_ids),
         request_delays=tuple(delays), route_keys=tuple(keys),
         engine_holds=tuple(engine_held) if len(engine_held) == len(units) else (),
+        engine_computed=tuple(engine_computed) if len(engine_computed) == len(units) else (),
         decision_gap_s=0.0 if timed else decision_gap_s, rebalance_log=logged,
         scrape_log=tuple((float(x["decided_s"]), str(x["worker"]), dict(x["metrics"]),
                           x.get("own")) for x in scrapes) if timed else (),
@@ -418,7 +424,8 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
         samples.append(simulated(requests, config, policy, pooled, timing, run.worker_ids,
                                  jittered, keys, run.routed_to, decision_gap(run),
                                  overrides=overrides, units=units,
-                                 engine_held=run.engine_held_s, copy_hold_s=copy_hold_s,
+                                 engine_held=run.engine_held_s,
+                                 engine_computed=run.engine_computed_s, copy_hold_s=copy_hold_s,
                                  start_state=start))
     out = dict(samples[0])
     for key in SIM_KEYS:
@@ -431,7 +438,8 @@ def simulate_draws(requests: Sequence[TraceRequest], config: ReplayConfig, run: 
                             keys, run.routed_to, decided_s=run.decided_s, overrides=overrides,
                             units=units, cached=run.cached_blocks, rebalanced=run.rebalance,
                             scrapes=run.engine_scrapes, prewarmed=run.prewarmed_to,
-                            engine_held=run.engine_held_s, copy_hold_s=copy_hold_s)
+                            engine_held=run.engine_held_s,
+                            engine_computed=run.engine_computed_s, copy_hold_s=copy_hold_s)
         out["decisions"] = {k: decided[k] for k in (*SIM_KEYS, "same_worker", "same_cached",
                                                     "prewarms", "prewarms_used")}
     return out

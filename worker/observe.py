@@ -28,6 +28,7 @@ class PromptTiming:
     first_token: float = 0.0
     done: float = 0.0
     freed_at: float = 0.0  # time.monotonic() when its KV blocks went back to the cache
+    computed_at: float = 0.0  # time.monotonic() at its first token: its blocks computed
     output_tokens: int = 0
     input_tokens: int = 0
     cached_tokens: int = 0

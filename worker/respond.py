@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.contracts.headers import (
+    ENGINE_COMPUTED_HEADER,
     ENGINE_DONE_HEADER,
     HIT_RATIO_HEADER,
     INPUT_TOKENS_HEADER,
@@ -118,6 +119,7 @@ async def _produce(
             async for piece in pieces:
                 if first:
                     timing.first_token = loop.time()
+                    timing.computed_at = time.monotonic()
                     on_first_token()
                     first = False
                 timing.output_tokens += 1
@@ -276,7 +278,8 @@ async def respond_whole(
     report = CacheReport.of(admissions)
     tokens = sum(end.tokens for end in ends)
     headers = {**headers, **report.headers(),
-               ENGINE_DONE_HEADER: f"{max(p.freed_at for p in trace.prompts):.6f}"}
+               ENGINE_DONE_HEADER: f"{max(p.freed_at for p in trace.prompts):.6f}",
+               ENGINE_COMPUTED_HEADER: f"{max(p.computed_at for p in trace.prompts):.6f}"}
     if job.kind == "response":
         body = response_object(job, "".join(texts[0]), report, tokens)
         if job.on_response is not None:

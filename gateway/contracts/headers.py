@@ -15,6 +15,9 @@ CACHE_STAT_HEADERS = (INPUT_TOKENS_HEADER, MATCHED_TOKENS_HEADER, MATCHED_BLOCKS
 # blocks: seconds on the host's monotonic clock, the clock of the gateway's ``x-route-at``
 # (the reference worker; the live replay's simulator frees the blocks then too).
 ENGINE_DONE_HEADER = "x-engine-done-at"
+# ... and when its prefill was done (its first token), from which an engine that reuses a
+# block only once computed lets other requests reuse the prompt's blocks.
+ENGINE_COMPUTED_HEADER = "x-engine-computed-at"
 
 # The worker process's boot id: a new value means it restarted with a cold cache.
 WORKER_BOOT_HEADER = "x-worker-boot-id"

@@ -188,6 +188,13 @@ class SimConfig:
     # freeing the request's blocks; given, the simulated worker frees them then (or at its
     # cost model's end, if later).
     engine_holds: tuple[float, ...] = ()
+    # Per request, by position in the trace: seconds from the decision to the live engine
+    # having computed the prompt (its first token); given, with ``reuse_when_computed`` the
+    # simulated worker lets others reuse its blocks then (or at its cost model's first token,
+    # if later). A request reaches the live engine a few milliseconds after its decision,
+    # which the cost model does not count: with reuse once computed, a request that shares
+    # a prompt being prefilled found it computed in the simulator and not live.
+    engine_computed: tuple[float, ...] = ()
     # Seconds from its decision that a session copy (the volume guard's, ``copy_to``) keeps
     # its worker from taking another copy at least (``PreWarmer.copied``): a live run's mean
     # (its gateway's ``copy_seconds`` over ``copies_done``). A live copy is a whole history's
@@ -386,6 +393,7 @@ class _Job:
     private: Sequence[int] = ()  # hashes of its private blocks (SimConfig.private_blocks)
     arrived: float = 0.0  # when it reached the worker (the engine's histograms count from here)
     freed_at: float | None = None  # with engine_holds: when the live engine freed its blocks
+    computed_at: float | None = None  # with engine_computed: when the live one computed them
     copy_of: str = ""  # the volume guard's copy of a session: the worker it goes to
     copy_key: PrefixKey | None = None  # ... and the key it copies, recorded once it is done
 
@@ -594,11 +602,12 @@ class ClusterSim:
         w = self.workers[decision.worker_id]
         self._assignments[pos] = w.worker.id
         w.routed += 1
-        freed = self.config.engine_holds
+        freed, computed = self.config.engine_holds, self.config.engine_computed
         w.queue.append(_Job(req, str(req.index), issued, attempt,
                             None if hold is None else now + hold, pos,
                             pooled_blocks=pooled, best_blocks=best, arrived=now,
-                            freed_at=now + freed[pos] if pos < len(freed) else None))
+                            freed_at=now + freed[pos] if pos < len(freed) else None,
+                            computed_at=now + computed[pos] if pos < len(computed) else None))
         w.max_queue = max(w.max_queue, len(w.queue))
         if self.router.uses_prefix_index:  # as the gateway does after each decision
             logged = self.config.prewarm_log
@@ -738,7 +747,8 @@ class ClusterSim:
         if self.config.streaming and job.attempt is not None:
             self._at(first_token, functools.partial(self._first_token, job.attempt))
         if self.config.reuse_when_computed:  # its blocks are reusable from then on
-            self._at(first_token, lambda _t: w.cache.computed(job.rid))
+            at = first_token if job.computed_at is None else max(first_token, job.computed_at)
+            self._at(at, lambda _t: w.cache.computed(job.rid))
         # The engine frees the blocks when its own work is done (when the live one did, with
         # engine_holds); the gateway settles the request when its reply came back
         # (``_complete``: its live hold, with request_delays).

@@ -56,6 +56,7 @@ async def test_chat_completions_and_models_through_openai_client(
     # (relayed from the worker) when its engine freed the request's blocks, after it.
     decided = float(headers["x-route-at"])
     assert 0.0 < decided <= float(headers["x-engine-done-at"]) <= time.monotonic()
+    assert decided <= float(headers["x-engine-computed-at"]) <= float(headers["x-engine-done-at"])
     for name in ("x-cache-input-tokens", "x-cache-matched-tokens", "x-cache-matched-blocks",
                  "x-cache-hit-ratio"):
         assert name in headers

@@ -114,6 +114,10 @@ async def test_completion_reports_cache_stats_in_usage_and_headers(worker: Worke
     # first request's, before this reply was read.
     assert (float(cold.headers["x-engine-done-at"]) < float(warm.headers["x-engine-done-at"])
             <= time.monotonic())
+    # ... and when it had computed the prompt (its first token), before it freed them.
+    assert (float(cold.headers["x-engine-done-at"])
+            < float(warm.headers["x-engine-computed-at"])
+            <= float(warm.headers["x-engine-done-at"]))
 
 
 async def test_cache_salt_and_namespace_header_isolate(worker: Worker) -> None:

@@ -607,6 +607,33 @@ def test_a_worker_frees_a_request_when_its_live_engine_did() -> None:
     assert sim["same_cached"] == 1.0
 
 
+def test_a_worker_lets_others_reuse_a_prompt_when_its_live_engine_had_computed_it() -> None:
+    """Engines that reuse a block once computed (the replay's default): A's 8 blocks are
+    computed 50 ms after its decision live (its engine said so), and B, which shares A's
+    first 4 blocks, is decided 20 ms after A. Live it found none of them; so does the
+    simulated worker with A's live instant, where its free cost model alone had them ready."""
+    a = prefix_key(range(8), 512 * 8)
+    b = prefix_key([0, 1, 2, 3, 300, 301, 302, 303], 512 * 8)
+    reqs = [TraceRequest(0, 0.0, 512 * 8, 1, a), TraceRequest(1, 0.0, 512 * 8, 1, b)]
+    config = ReplayConfig(workers=1, cache_blocks=20, concurrency=4)
+    assert config.reuse_when_computed()
+    holds = [(0.0, 0.06), (0.0, 0.01)]
+    for computed, reused in (((0.05, 0.005), 0), ((), 4)):
+        sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=holds,
+                        decided_s=(0.0, 0.02), cached=(0, 0), engine_computed=computed)
+        assert sim["block_hit_rate"] == pytest.approx(reused / 16), computed
+        assert sim["same_cached"] == (1.0 if not reused else 0.5)
+
+
+def test_engine_computes_come_from_the_decision_and_the_engines_instant() -> None:
+    from loadtest.replay import engine_computes
+
+    said = [Reply(200, "w", 10, 0, 0.1, decided_at=100.0, engine_computed_at=100.125),
+            Reply(200, "w", 10, 0, 0.1, decided_at=100.5, engine_computed_at=100.5)]
+    assert engine_computes(said) == [0.125, 0.0]
+    assert engine_computes([*said, Reply(200, "w", 10, 0, 0.1, decided_at=101.0)]) == []
+
+
 def test_engine_holds_come_from_the_decision_and_the_engines_instant() -> None:
     from loadtest.replay import engine_holds
 
