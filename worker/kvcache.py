@@ -194,6 +194,10 @@ class PrefixCache:
         # from its admission on.
         self.reuse_when_computed = reuse_when_computed
         self._pending: dict[int, str] = {}  # block -> the request whose prefill computes it
+        # With a listener: per request, the runs of its new blocks (start, end), to announce
+        # once computed (a block is announced when others may reuse it).
+        self._unannounced: dict[str, tuple[list[int], Sequence[int], str,
+                                           list[tuple[int, int]]]] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
@@ -331,18 +335,24 @@ class PrefixCache:
             tag = Priority.SYSTEM if i < system_blocks else priority
             self._priority[block] = max(self._priority[block], tag)
         fresh: list[int] = []
-        run_start = len(matched)  # first block of the run of newly stored ones
+        runs: list[tuple[int, int]] = []  # the runs of newly stored blocks (start, end)
+        run_start = len(matched)
         for i in range(len(matched), total):
             block = self._take_block()
             self._ref[block] = 1
             self._priority[block] = Priority.SYSTEM if i < system_blocks else priority
             if i < len(hashes) and not self._register(block, hashes[i], namespace):
-                self._announce(hashes, tokens, namespace, run_start, i)
+                runs.append((run_start, i))
                 run_start = i + 1
             elif self.reuse_when_computed and i < len(hashes):
                 self._pending[block] = request_id
             fresh.append(block)
-        self._announce(hashes, tokens, namespace, run_start, len(hashes))
+        runs.append((run_start, len(hashes)))
+        if self.reuse_when_computed and self.listener is not None:
+            self._unannounced[request_id] = (hashes, tokens, namespace, runs)
+        else:
+            for start, end in runs:
+                self._announce(hashes, tokens, namespace, start, end)
         matched_tokens = len(matched) * self.block_size
         self.queries_tokens += len(tokens)
         self.hit_tokens += matched_tokens
@@ -374,7 +384,13 @@ class PrefixCache:
         """The request's prefill is done: the blocks it added may be reused by others (with
         ``reuse_when_computed``; before, a request sharing its prefix computes it again)."""
         alloc = self._requests.get(request_id)
-        if alloc is None or not self._pending:
+        if alloc is None:
+            return
+        if (unannounced := self._unannounced.pop(request_id, None)) is not None:
+            hashes, tokens, namespace, runs = unannounced
+            for start, end in runs:
+                self._announce(hashes, tokens, namespace, start, end)
+        if not self._pending:
             return
         for block in alloc.block_ids:
             if self._pending.get(block) == request_id:
@@ -386,11 +402,12 @@ class PrefixCache:
         alloc = self._requests.pop(request_id, None)
         if alloc is None:
             raise KeyError(request_id)
+        self._unannounced.pop(request_id, None)
         if self._pending:
             for block in alloc.block_ids:
                 if self._pending.get(block) == request_id:
                     del self._pending[block]
-                    self._unregister(block)
+                    self._unregister(block, announced=False)
         now = self._clock()
         # Deepest block first so that it is evicted before its ancestors.
         for block in reversed(alloc.block_ids):
@@ -505,12 +522,14 @@ class PrefixCache:
         del self._evictable[self._priority[block]][block]
         self._num_evictable -= 1
 
-    def _unregister(self, block: int) -> None:
+    def _unregister(self, block: int, announced: bool = True) -> None:
+        """Forget ``block``'s hash; ``announced``: the listener was told it was stored, and
+        is told it was removed."""
         self._pending.pop(block, None)
         h = self._hash_of[block]
         if h is not None and self._block_of.get(h) == block:
             del self._block_of[h]
-            if self.listener is not None and not self._muted:
+            if announced and self.listener is not None and not self._muted:
                 self.listener.removed((h,))
         self._hash_of[block] = None
         self._namespace_of[block] = None

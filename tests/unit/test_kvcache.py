@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -393,3 +393,44 @@ def test_blocks_are_reused_once_computed_when_asked() -> None:
     eager = PrefixCache(num_blocks=16, block_size=4)
     eager.allocate("a", tokens)
     assert eager.allocate("b", tokens).matched_blocks == 3
+
+
+class _Heard:
+    """A cache listener that keeps what it heard."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def stored(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[int],
+               namespace: str) -> None:
+        self.events.append(("stored", len(hashes)))
+
+    def removed(self, hashes: Sequence[int]) -> None:
+        self.events.append(("removed", len(hashes)))
+
+    def cleared(self) -> None:
+        self.events.append(("cleared", 0))
+
+
+def test_blocks_reused_once_computed_are_announced_then() -> None:
+    """A block is announced (BlockStored) when others may reuse it: with
+    ``reuse_when_computed`` once its request's prefill is done, not at admission; a request
+    that ends before its prefill did announces nothing and removes nothing. Without it, at
+    admission."""
+    cache = PrefixCache(num_blocks=16, block_size=4, reuse_when_computed=True)
+    heard = cache.listener = _Heard()
+    tokens = list(range(12))
+    cache.allocate("a", tokens)
+    assert heard.events == []
+    cache.allocate("b", tokens)  # computes the same blocks privately: never announced
+    cache.computed("a")
+    assert heard.events == [("stored", 3)]
+    cache.computed("b")
+    assert heard.events == [("stored", 3)]
+    cache.allocate("d", list(range(100, 112)))
+    cache.release("d")  # ended before its prefill was done
+    assert heard.events == [("stored", 3)]
+    eager = PrefixCache(num_blocks=16, block_size=4)
+    heard = eager.listener = _Heard()
+    eager.allocate("a", tokens)
+    assert heard.events == [("stored", 3)]
