@@ -133,8 +133,8 @@ class GatewaySettings:
                        "worker's share recently: evens out routed volume (KV memory), the "
                        "session moving to a copy of it once the copy answered (see "
                        "volume_copy). 0: never, the default: on engines that reuse blocks only "
-                       "once computed (vLLM) copies land a turn or two later and balance little "
-                       "within a window of agent sessions; 1.1 is the setting it was tuned at"),
+                       "once computed (vLLM) copies land a turn or two later and buy less "
+                       "balance than they cost; 1.1 is the setting it was tuned at"),
     )
     volume_copy: bool = field(
         default=_POLICY.volume_copy,

@@ -204,7 +204,8 @@ class RoutingEngine:
                 totals[wid] += weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
         if over and max(over.values()) > max((matches.get(w.id, 0) for w in candidates),
                                              default=0):
-            chosen, how = self._move(ctx, candidates)  # the volume guard moved the session
+            # the volume guard moved the session
+            chosen, how = self._move(ctx, candidates, max(over.values()))
         else:
             chosen, how = profile.picker.pick(ctx, candidates, totals)
         decision = self._decision(ctx, chosen, how, dropped, totals, over, known)
@@ -367,9 +368,9 @@ class RoutingEngine:
                     session >= VOLUME_MEDIUM_SHARE * fair
                     and len(room) > (wid in room)):  # another holder has room
                 # Moved when no copy is asked for, or when another holder of (nearly) as
-                # much of the prompt has room for it (where :meth:`_move` takes it).
+                # much of the prompt keeps its credit (where :meth:`_move` takes it).
                 if not copy or any(matches[other] >= VOLUME_COPY_SHARE * depth
-                                   for other in room if other != wid):
+                                   for other in within):
                     over[wid] = depth
                 else:
                     kept[wid] = copying[wid] = depth
@@ -389,7 +390,8 @@ class RoutingEngine:
             copying = {keep: copying[keep]}
         return kept, over, copying
 
-    def _move(self, ctx: Context, candidates: Sequence[WorkerView]) -> tuple[WorkerView, str]:
+    def _move(self, ctx: Context, candidates: Sequence[WorkerView],
+              held: int) -> tuple[WorkerView, str]:
         """Where a session the volume guard moved goes: the worker that can take the most of
         its next turns. Of the candidates holding part of its prompt (the trunk it shares, or
         an earlier part of the session) with room for this request within ``volume_guard``
@@ -411,6 +413,18 @@ class RoutingEngine:
         matches = ctx.matches
 
         lightest = _by_volume(ctx)
+        if self.profile.volume_copy:
+            # The session's copy: a holder of nearly as much as its holder (``held``) within
+            # its own bound and the slack, as :meth:`_volume` found it (its volume counts the
+            # copy already).
+            slack = VOLUME_SLACK * size
+            copies = [w for w in candidates if matches.get(w.id, 0) >= VOLUME_COPY_SHARE * held
+                      and index.recent_blocks(w.id) + size
+                      <= guard * share * w.worker.weight + slack]
+            if copies:
+                most = max(matches[w.id] for w in copies)
+                return (min((w for w in copies if matches[w.id] == most), key=lightest),
+                        "volume: its copy")
         room = [w for w in candidates if matches.get(w.id, 0)
                 and _has_room(index, w.id, w.worker.weight, size, share, guard)]
         if room:

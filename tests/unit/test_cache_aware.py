@@ -633,18 +633,19 @@ def test_a_worker_that_runs_copies_at_background_priority_takes_one_however_busy
 
 
 def _copied(busy: bool, inflight: Mapping[str, int] | None = None,
-            w1_extra: int = 0) -> Decision:
+            w1_extra: int = 0, copied: int = 100) -> Decision:
     """w1 holds the long session (3 turns) and three other 100-block prompts: 600 recent
     blocks; w2 holds a copy of the session (100 blocks) and, when ``busy``, six other
     100-block prompts. Idle, w2 is within its bound with the next turn (204 against
     1.2 x 276 + 208); busy, it is over it like w1 (804 against 1.2 x 426 + 208).
-    ``w1_extra`` more 100-block prompts on w1; ``inflight``: tokens in flight per worker."""
+    ``w1_extra`` more 100-block prompts on w1; ``inflight``: tokens in flight per worker;
+    ``copied``: the session's first blocks the copy on w2 holds."""
     index = PrefixIndex()
     for _ in range(3):
         index.record(LONG, "w1", 0.0)
     for i in range(3 + w1_extra):
         index.record(tuple(range(10000 + 100 * i, 10100 + 100 * i)), "w1", 0.0)
-    index.record(LONG, "w2", 0.0)
+    index.record(LONG[:copied], "w2", 0.0)
     for i in range(6 if busy else 0):
         index.record(tuple(range(20000 + 100 * i, 20100 + 100 * i)), "w2", 0.0)
     loads = inflight or {}
@@ -662,6 +663,22 @@ def test_a_session_over_the_guard_moves_to_its_copy() -> None:
     assert decision.kind is DecisionKind.PREFIX_HIT
     assert decision.match_blocks == 100
     assert decision.copy_to == ""
+
+
+def test_a_session_moves_to_a_copy_that_lacks_its_last_turn() -> None:
+    """A copy counts once it answered, by when the holder has had the session's next turn:
+    w2's copy of the first 80 of the 100 blocks w1 holds (three quarters or more) takes the
+    session, which redoes the last 20 there (diverted by the volume guard); a copy of 60
+    does not, and the holder keeps it."""
+    moved = _copied(busy=False, copied=80)
+    assert moved.worker_id == "w2"
+    assert moved.kind is DecisionKind.DIVERTED
+    assert moved.diverted_by == "volume_guard"
+    assert moved.match_blocks == 80
+    assert moved.placement == "volume: its copy"
+    kept = _copied(busy=False, copied=60)
+    assert kept.worker_id == "w1"
+    assert kept.match_blocks == 100
 
 
 def test_a_copy_on_a_worker_over_its_own_bound_does_not_take_the_session() -> None:

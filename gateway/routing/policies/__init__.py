@@ -71,10 +71,12 @@ request's admission on. On one that reuses it only once computed (vLLM), a sessi
 turn that reaches its copy before the copy ran computes the history again (8 points of hit
 rate and twice the p99 on agent sessions that wait for each answer), so a copy counts as
 held only once it answered (``WarmPrompt.session_copy``), a holder of three quarters of what
-the session's holder holds counts as its copy (the holder has had its next turn meanwhile),
-and one copy per session is under way at a time. Copies then land a turn or two later and
-few are used within a window of agent sessions (0.990 of the bound at 2.23 x the mean
-volume, against 0.994 at 2.10 without the guard): hence 0 (off) by default. The
+the session's holder holds, within its bound and the slack, counts as its copy (the holder
+has had its next turn meanwhile), and one copy per session is under way at a time. Copies
+then land a turn or two later and the guard buys less balance than it costs (agent
+sessions: 0.992 of the bound at 1.53 x the mean volume and p99 262 ms, against 0.994 at
+1.73 and 243 ms without it; on a window three times as long 1.41 against 1.43): hence 0
+(off) by default. The
 guard credits a holder with the prefill a move would redo (its bound grows by the prompt tokens
 it holds for the request): a conversation is not moved off its worker because its own earlier
 turns are in flight there. Its bound also grows by the cached
