@@ -321,10 +321,11 @@ class RoutingEngine:
         than the prefill (``cache_cost``).
 
         With ``volume_copy`` a holder over its bound loses its credit only when another
-        holder of at least ``VOLUME_COPY_SHARE`` of what it holds has room for the request
-        within its own bound: the session moves to its copy (:meth:`_move`) and little is
-        redone on the request's path (a copy is recorded once it answered, by when the
-        holder has usually been given the session's next turn: the copy lacks that turn).
+        holder of at least ``VOLUME_COPY_SHARE`` of what it holds keeps its own credit
+        (within its bound and the slack: its volume counts the copy already): the session
+        moves to its copy (:meth:`_move`) and little is redone on the request's path (a
+        copy is recorded once it answered, by when the holder has usually been given the
+        session's next turn: the copy lacks that turn).
         Without such a copy the holder keeps the session (returned as the third mapping)
         and the decision names where to copy it (:meth:`_copy`); a later turn finds the
         copy. When several holders are over their bound (a copy made earlier, its worker
@@ -398,6 +399,10 @@ class RoutingEngine:
         times their share of the pool's recent volume, the one holding the most, the least
         loaded by volume among equals; with none, the candidate with the least recent volume
         per unit of weight.
+
+        With ``volume_copy`` the session's copy comes first: of the candidates holding at
+        least ``VOLUME_COPY_SHARE`` of what its holder holds (``held``) within their bound
+        and the slack, the one holding the most, the lightest of equals.
 
         Placed like a cold prefix instead (its ring position), a moved session landed on a
         worker near its own bound as often as not, tripped the guard there a few turns later
