@@ -198,6 +198,11 @@ class PrefixCache:
         # once computed (a block is announced when others may reuse it).
         self._unannounced: dict[str, tuple[list[int], Sequence[int], str,
                                            list[tuple[int, int]]]] = {}
+        # Per request, the blocks it computes for content another request is still computing
+        # (whose block holds the hash, pending): (hashes, tokens, namespace, [(index, block)]).
+        # Whichever of the two is computed first is the one cached (:meth:`computed`).
+        self._shadows: dict[str, tuple[list[int], Sequence[int], str,
+                                       list[tuple[int, int]]]] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
@@ -336,6 +341,7 @@ class PrefixCache:
             self._priority[block] = max(self._priority[block], tag)
         fresh: list[int] = []
         runs: list[tuple[int, int]] = []  # the runs of newly stored blocks (start, end)
+        shadows: list[tuple[int, int]] = []  # (index, block) computed beside a pending one
         run_start = len(matched)
         for i in range(len(matched), total):
             block = self._take_block()
@@ -344,10 +350,14 @@ class PrefixCache:
             if i < len(hashes) and not self._register(block, hashes[i], namespace):
                 runs.append((run_start, i))
                 run_start = i + 1
+                if self._block_of.get(hashes[i]) in self._pending:
+                    shadows.append((i, block))
             elif self.reuse_when_computed and i < len(hashes):
                 self._pending[block] = request_id
             fresh.append(block)
         runs.append((run_start, len(hashes)))
+        if shadows:
+            self._shadows[request_id] = (hashes, tokens, namespace, shadows)
         if self.reuse_when_computed and self.listener is not None:
             self._unannounced[request_id] = (hashes, tokens, namespace, runs)
         else:
@@ -388,13 +398,47 @@ class PrefixCache:
             return
         if (unannounced := self._unannounced.pop(request_id, None)) is not None:
             hashes, tokens, namespace, runs = unannounced
-            for start, end in runs:
-                self._announce(hashes, tokens, namespace, start, end)
-        if not self._pending:
-            return
-        for block in alloc.block_ids:
-            if self._pending.get(block) == request_id:
-                del self._pending[block]
+            ids = alloc.block_ids
+            for start, end in runs:  # not the blocks another request's copy took over
+                while start < end:
+                    stop = start
+                    while stop < end and self._hash_of[ids[stop]] is not None:
+                        stop += 1
+                    self._announce(hashes, tokens, namespace, start, stop)
+                    start = stop + 1
+        if self._pending:
+            for block in alloc.block_ids:
+                if self._pending.get(block) == request_id:
+                    del self._pending[block]
+        if (shadowed := self._shadows.pop(request_id, None)) is not None:
+            self._take_over(request_id, *shadowed)
+
+    def _take_over(self, request_id: str, hashes: list[int], tokens: Sequence[int],
+                   namespace: str, shadows: list[tuple[int, int]]) -> None:
+        """Request ``request_id``'s prefill is done, and it computed some blocks beside those
+        of another request still computing the same content (``shadows``): its own are
+        cached now, and the other request's become private, as an engine caches whichever
+        copy of a block is computed first (otherwise, behind a long or low-priority prefill,
+        every request sharing its prefix would compute it again until that one is done)."""
+        taken: list[int] = []
+        for i, block in shadows:
+            h = hashes[i]
+            current = self._block_of.get(h)
+            if current is not None and current not in self._pending:
+                continue  # the other copy was computed first: it stays the cached one
+            if current is not None:  # the other request's, still pending: private now
+                del self._pending[current]
+                self._hash_of[current] = None
+                self._namespace_of[current] = None
+            self._block_of[h] = block
+            self._hash_of[block] = h
+            self._namespace_of[block] = namespace
+            taken.append(i)
+        start = 0
+        for j, i in enumerate(taken):  # announced in runs of consecutive blocks
+            if j + 1 == len(taken) or taken[j + 1] != i + 1:
+                self._announce(hashes, tokens, namespace, taken[start], i + 1)
+                start = j + 1
 
     def release(self, request_id: str) -> None:
         """Drop the request's references. Full blocks stay cached; partial ones are freed, and
@@ -403,6 +447,7 @@ class PrefixCache:
         if alloc is None:
             raise KeyError(request_id)
         self._unannounced.pop(request_id, None)
+        self._shadows.pop(request_id, None)
         if self._pending:
             for block in alloc.block_ids:
                 if self._pending.get(block) == request_id:

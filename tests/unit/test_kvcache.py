@@ -434,3 +434,36 @@ def test_blocks_reused_once_computed_are_announced_then() -> None:
     heard = eager.listener = _Heard()
     eager.allocate("a", tokens)
     assert heard.events == [("stored", 3)]
+
+
+def test_the_copy_of_a_block_computed_first_is_the_one_cached() -> None:
+    """Behind a request still computing a prompt (a long or low-priority prefill), another
+    request computing the same prompt caches its own copy when it is done first, as an
+    engine caches whichever copy of a block is computed first: later requests reuse it, the
+    slow request's copy becomes private, and the content is announced once."""
+    cache = PrefixCache(num_blocks=32, block_size=4, reuse_when_computed=True)
+    heard = cache.listener = _Heard()
+    tokens = list(range(12))
+    cache.allocate("slow", tokens)
+    cache.allocate("quick", tokens)
+    assert cache.lookup(tokens) == 0
+    cache.computed("quick")
+    assert cache.lookup(tokens) == 12
+    assert cache.allocate("later", tokens).matched_blocks == 3
+    cache.computed("slow")
+    assert heard.events == [("stored", 3)]
+    for rid in ("later", "quick", "slow"):
+        cache.release(rid)
+    assert cache.lookup(tokens) == 12
+    assert cache.used_blocks == 3  # the slow request's copy was freed
+    # The other way round: the first one's copy computed first stays the cached one.
+    other = list(range(100, 108))
+    cache.allocate("first", other)
+    cache.allocate("second", other)
+    cache.computed("first")
+    cache.computed("second")
+    cache.release("second")
+    cache.release("first")
+    assert cache.lookup(other) == 8
+    assert heard.events[-1] == ("stored", 2)
+    assert cache.used_blocks == 5
