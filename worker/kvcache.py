@@ -399,13 +399,9 @@ class PrefixCache:
         if (unannounced := self._unannounced.pop(request_id, None)) is not None:
             hashes, tokens, namespace, runs = unannounced
             ids = alloc.block_ids
-            for start, end in runs:  # not the blocks another request's copy took over
-                while start < end:
-                    stop = start
-                    while stop < end and self._hash_of[ids[stop]] is not None:
-                        stop += 1
-                    self._announce(hashes, tokens, namespace, start, stop)
-                    start = stop + 1
+            self._announce_each(hashes, tokens, namespace, [  # not those another copy took over
+                i for start, end in runs for i in range(start, end)
+                if self._hash_of[ids[i]] is not None])
         if self._pending:
             for block in alloc.block_ids:
                 if self._pending.get(block) == request_id:
@@ -434,10 +430,16 @@ class PrefixCache:
             self._hash_of[block] = h
             self._namespace_of[block] = namespace
             taken.append(i)
+        self._announce_each(hashes, tokens, namespace, taken)
+
+    def _announce_each(self, hashes: Sequence[int], tokens: Sequence[int], namespace: str,
+                       indices: Sequence[int]) -> None:
+        """Tell the listener that blocks ``indices`` (ascending) of a prompt were stored, in
+        runs of consecutive blocks."""
         start = 0
-        for j, i in enumerate(taken):  # announced in runs of consecutive blocks
-            if j + 1 == len(taken) or taken[j + 1] != i + 1:
-                self._announce(hashes, tokens, namespace, taken[start], i + 1)
+        for j, i in enumerate(indices):
+            if j + 1 == len(indices) or indices[j + 1] != i + 1:
+                self._announce(hashes, tokens, namespace, indices[start], i + 1)
                 start = j + 1
 
     def release(self, request_id: str) -> None:
