@@ -214,10 +214,10 @@ class ReplayConfig:
         --scheduling-policy=priority``), read from their own arguments by their own parser."""
         return parse_worker_settings(self.worker_args()).scheduling_policy == "priority"
 
-    def reuse_when_computed(self) -> bool:
-        """Whether the fleet's workers reuse a block only once computed (``--worker-arg
-        --reuse-when-computed``), read from their own arguments by their own parser."""
-        return parse_worker_settings(self.worker_args()).reuse_when_computed
+    def cache_reuse(self) -> str:
+        """When the fleet's workers let others reuse a request's blocks (``--worker-arg
+        --cache-reuse=RULE``), read from their own arguments by their own parser."""
+        return parse_worker_settings(self.worker_args()).cache_reuse
 
     def sim_costs(self) -> SimCosts:
         """The costs the fleet's workers simulate, read from their own arguments by their own

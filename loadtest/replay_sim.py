@@ -311,7 +311,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         start_scrapes=() if timed else tuple(start_state),
         prewarm_log=prewarm_log, copy_hold_s=copy_hold_s,
         priority_engines=config.priority_engines(),
-        reuse_when_computed=config.reuse_when_computed(),
+        reuse=config.cache_reuse(),
         after=session_waits(requests, order, timed) if config.session_order else (),
     )
     result = simulate(units, with_overrides(sim, overrides) if overrides else sim)

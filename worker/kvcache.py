@@ -18,8 +18,15 @@ Block states:
 * **cached**: a full block with a registered hash and ``ref_count == 0``; reusable by a later
   request with the same prefix, and evictable (see *Eviction* below).
 
-Full blocks are registered in the hash table as soon as they are allocated (like vLLM, which
-caches blocks at scheduling time), so a concurrent request with the same prefix can share them.
+When a request's new full blocks become reusable by other requests is the cache's
+:class:`Reuse` rule. ``SCHEDULED`` is vLLM's: it caches a block when the scheduler gives the
+engine its tokens to compute (in the same step, other requests of that batch may reuse it, as
+the step writes every token's K/V before any attention reads it), so a request that reuses a
+block still being computed gets it, and its first token comes after that computation
+(:attr:`Allocation.awaits`; the engine calls :meth:`PrefixCache.started` and
+:meth:`PrefixCache.computed`). ``COMPUTED`` makes them reusable only once the request's prefill
+is done (a request arriving before computes them again); ``ADMITTED`` from its admission on,
+whether the engine has begun it or not, which the torch engine's in-order prefills make exact.
 A partial last block is private to its request and goes back to the free list on release.
 
 Eviction only removes cached (unreferenced) blocks, by **priority class** first, then LRU. A block
@@ -61,7 +68,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import Protocol
 
 import xxhash
@@ -84,6 +91,14 @@ class Priority(IntEnum):
         except KeyError:
             choices = ", ".join(p.name.lower() for p in cls)
             raise ValueError(f"unknown cache priority {name!r}; choose one of: {choices}") from None
+
+
+class Reuse(StrEnum):
+    """When a request's newly allocated full blocks may be reused by other requests."""
+
+    SCHEDULED = "scheduled"  # once the engine computes them; a reuser's first token waits
+    COMPUTED = "computed"  # once the request's prefill is done
+    ADMITTED = "admitted"  # from the request's admission on
 
 
 class CacheListener(Protocol):
@@ -140,6 +155,9 @@ class Allocation:
     matched_tokens: int
     new_blocks: int
     reserved_tokens: int = 0
+    # Under Reuse.SCHEDULED: the requests still computing some of the matched blocks (the
+    # engine gives this one its first token only after their computation).
+    awaits: tuple[str, ...] = ()
 
     @property
     def uncached_tokens(self) -> int:
@@ -181,7 +199,7 @@ class PrefixCache:
 
     def __init__(
         self, num_blocks: int, block_size: int, clock: Callable[[], float] = time.monotonic,
-        reuse_when_computed: bool = False,
+        reuse: Reuse | str = Reuse.ADMITTED,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
@@ -189,13 +207,14 @@ class PrefixCache:
             raise ValueError("block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # A request's new blocks are reused by others only once its prefill computed them
-        # (:meth:`computed`), as vLLM caches a block once its tokens are scheduled; False:
-        # from its admission on.
-        self.reuse_when_computed = reuse_when_computed
-        self._pending: dict[int, str] = {}  # block -> the request whose prefill computes it
+        self.reuse = Reuse(reuse)  # when a request's new blocks may be reused by others
+        # Block -> the request that computes it, before others may reuse it (the engine has
+        # not begun it under SCHEDULED; its prefill is not done under COMPUTED).
+        self._pending: dict[int, str] = {}
+        # Under SCHEDULED: block -> the request computing it now (reusable; a reuser waits).
+        self._computing: dict[int, str] = {}
         # With a listener: per request, the runs of its new blocks (start, end), to announce
-        # once computed (a block is announced when others may reuse it).
+        # once others may reuse them.
         self._unannounced: dict[str, tuple[list[int], Sequence[int], str,
                                            list[tuple[int, int]]]] = {}
         # Per request, the blocks it computes for content another request is still computing
@@ -339,6 +358,10 @@ class PrefixCache:
             self._ref[block] += 1
             tag = Priority.SYSTEM if i < system_blocks else priority
             self._priority[block] = max(self._priority[block], tag)
+        computing = self._computing
+        awaits = tuple(dict.fromkeys(
+            computing[b] for b in matched if b in computing)) if computing else ()
+        deferred = self.reuse is not Reuse.ADMITTED
         fresh: list[int] = []
         runs: list[tuple[int, int]] = []  # the runs of newly stored blocks (start, end)
         shadows: list[tuple[int, int]] = []  # (index, block) computed beside a pending one
@@ -352,13 +375,13 @@ class PrefixCache:
                 run_start = i + 1
                 if self._block_of.get(hashes[i]) in self._pending:
                     shadows.append((i, block))
-            elif self.reuse_when_computed and i < len(hashes):
+            elif deferred and i < len(hashes):
                 self._pending[block] = request_id
             fresh.append(block)
         runs.append((run_start, len(hashes)))
         if shadows:
             self._shadows[request_id] = (hashes, tokens, namespace, shadows)
-        if self.reuse_when_computed and self.listener is not None:
+        if deferred and self.listener is not None:
             self._unannounced[request_id] = (hashes, tokens, namespace, runs)
         else:
             for start, end in runs:
@@ -375,6 +398,7 @@ class PrefixCache:
             matched_tokens=matched_tokens,
             new_blocks=len(fresh),
             reserved_tokens=reserve_tokens,
+            awaits=awaits,
         )
         self._requests[request_id] = alloc
         return alloc
@@ -390,33 +414,62 @@ class PrefixCache:
         self.listener.stored(hashes[start:end], parent, tokens[start * size : end * size],
                              namespace)
 
-    def computed(self, request_id: str) -> None:
-        """The request's prefill is done: the blocks it added may be reused by others (with
-        ``reuse_when_computed``; before, a request sharing its prefix computes it again)."""
+    def started(self, request_id: str) -> None:
+        """The engine began computing the request's new blocks (vLLM: scheduled them). Under
+        ``Reuse.SCHEDULED`` others may reuse them from now on, waiting for their computation
+        (:attr:`Allocation.awaits`); under the other rules nothing changes. Idempotent."""
+        if self.reuse is not Reuse.SCHEDULED:
+            return
         alloc = self._requests.get(request_id)
         if alloc is None:
             return
-        if (unannounced := self._unannounced.pop(request_id, None)) is not None:
-            hashes, tokens, namespace, runs = unannounced
-            ids = alloc.block_ids
-            self._announce_each(hashes, tokens, namespace, [  # not those another copy took over
-                i for start, end in runs for i in range(start, end)
-                if self._hash_of[ids[i]] is not None])
-        if self._pending:
+        self._announce_new(request_id, alloc)
+        pending = self._pending
+        if pending:
             for block in alloc.block_ids:
-                if self._pending.get(block) == request_id:
-                    del self._pending[block]
+                if pending.get(block) == request_id:
+                    del pending[block]
+                    self._computing[block] = request_id
+        if (shadowed := self._shadows.pop(request_id, None)) is not None:
+            for block in self._take_over(request_id, *shadowed):
+                self._computing[block] = request_id
+
+    def computed(self, request_id: str) -> None:
+        """The request's prefill is done: the blocks it added may be reused by others without
+        waiting (under ``Reuse.COMPUTED``, from now on: a request arriving before computed
+        them again)."""
+        alloc = self._requests.get(request_id)
+        if alloc is None:
+            return
+        self._announce_new(request_id, alloc)
+        for table in (self._pending, self._computing):
+            if table:
+                for block in alloc.block_ids:
+                    if table.get(block) == request_id:
+                        del table[block]
         if (shadowed := self._shadows.pop(request_id, None)) is not None:
             self._take_over(request_id, *shadowed)
 
+    def _announce_new(self, request_id: str, alloc: Allocation) -> None:
+        """Announce the request's new blocks, once (not those another copy took over)."""
+        if (unannounced := self._unannounced.pop(request_id, None)) is not None:
+            hashes, tokens, namespace, runs = unannounced
+            ids = alloc.block_ids
+            self._announce_each(hashes, tokens, namespace, [
+                i for start, end in runs for i in range(start, end)
+                if self._hash_of[ids[i]] is not None])
+
     def _take_over(self, request_id: str, hashes: list[int], tokens: Sequence[int],
-                   namespace: str, shadows: list[tuple[int, int]]) -> None:
+                   namespace: str, shadows: list[tuple[int, int]]) -> list[int]:
         """Request ``request_id``'s prefill is done, and it computed some blocks beside those
         of another request still computing the same content (``shadows``): its own are
         cached now, and the other request's become private, as an engine caches whichever
         copy of a block is computed first (otherwise, behind a long or low-priority prefill,
-        every request sharing its prefix would compute it again until that one is done)."""
+        every request sharing its prefix would compute it again until that one is done).
+        Under ``Reuse.SCHEDULED`` the copy the engine began first is the cached one. Returns
+        the blocks taken over."""
         taken: list[int] = []
+        blocks: list[int] = []
         for i, block in shadows:
             h = hashes[i]
             current = self._block_of.get(h)
@@ -430,7 +483,9 @@ class PrefixCache:
             self._hash_of[block] = h
             self._namespace_of[block] = namespace
             taken.append(i)
+            blocks.append(block)
         self._announce_each(hashes, tokens, namespace, taken)
+        return blocks
 
     def _announce_each(self, hashes: Sequence[int], tokens: Sequence[int], namespace: str,
                        indices: Sequence[int]) -> None:
@@ -444,7 +499,11 @@ class PrefixCache:
 
     def release(self, request_id: str) -> None:
         """Drop the request's references. Full blocks stay cached; partial ones are freed, and
-        so are blocks it never computed (a request ended before its prefill did)."""
+        so are blocks others could not reuse yet (a request ended before the engine began
+        them, under ``Reuse.SCHEDULED``, or before its prefill was done, under ``COMPUTED``)."""
+        if self._computing and request_id in self._requests and any(
+                self._computing.get(b) == request_id for b in self._requests[request_id].block_ids):
+            self.computed(request_id)  # begun: the engine's step completes its blocks
         alloc = self._requests.pop(request_id, None)
         if alloc is None:
             raise KeyError(request_id)
@@ -573,6 +632,7 @@ class PrefixCache:
         """Forget ``block``'s hash; ``announced``: the listener was told it was stored, and
         is told it was removed."""
         self._pending.pop(block, None)
+        self._computing.pop(block, None)
         h = self._hash_of[block]
         if h is not None and self._block_of.get(h) == block:
             del self._block_of[h]

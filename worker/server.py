@@ -678,7 +678,7 @@ def build_engine(settings: WorkerSettings, tokenizer: Tokenizer) -> Engine:
         )
         return TorchEngine.build(config, detokenizer(tokenizer))
     cache = PrefixCache(settings.cache_blocks or SIM_DEFAULT_CACHE_BLOCKS, settings.block_size,
-                        reuse_when_computed=settings.reuse_when_computed)
+                        reuse=settings.cache_reuse)
     return SimEngine(cache, max_running=settings.max_running, costs=SimCosts.of(settings))
 
 

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 from gateway.contracts.config import SettingsError, load_settings
 from gateway.contracts.registry_signing import load_secret
 from gateway.contracts.tracing import TracingOptions
+from worker.kvcache import Reuse
 from worker.ranks import rank_endpoint
 
 ENGINES = ("sim", "torch", "vllm")
@@ -31,6 +32,7 @@ DESCRIPTION = (
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+CACHE_REUSE = tuple(rule.value for rule in Reuse)
 
 
 @dataclass(frozen=True)
@@ -94,14 +96,16 @@ class WorkerSettings:
                   "into an engine's steps do (off: each takes its own time whatever else "
                   "runs, so a loaded worker is no slower than an idle one)."},
     )
-    reuse_when_computed: bool = field(
-        default=True,
-        metadata={"help": "The simulated engine's cache: a request's new blocks are reused by "
-                  "other requests only once its prefill is done, as vLLM caches a block once "
-                  "its tokens are scheduled (a request that shares a prefix still being "
-                  "prefilled computes it again); off (--no-reuse-when-computed): from the "
-                  "request's admission on, which flatters any router that sends a prompt "
-                  "where its copy is still being prefilled."},
+    cache_reuse: str = field(
+        default="scheduled",
+        metadata={"help": "The simulated engine's cache: when a request's new blocks are "
+                  "reused by other requests. 'scheduled' (vLLM's rule): once the engine "
+                  "begins computing them, a request reusing them getting its first token only "
+                  "after that computation; 'computed': once the request's prefill is done (a "
+                  "request arriving before computes them again, as an engine that caches after "
+                  "each prefill does); 'admitted': from the request's admission on, even while "
+                  "the engine has not begun it (a request of a lower priority), which flatters "
+                  "any router that sends a prompt where its copy has not run yet."},
     )
     scheduling_policy: str = field(
         default="fcfs",
@@ -300,6 +304,7 @@ class WorkerSettings:
             "model_dtype": (self.model_dtype, MODEL_DTYPES),
             "kv_dtype": (self.kv_dtype, KV_DTYPES),
             "scheduling_policy": (self.scheduling_policy, SCHEDULING_POLICIES),
+            "cache_reuse": (self.cache_reuse, CACHE_REUSE),
         }
         for name, (choice, allowed) in choices.items():
             if choice not in allowed:

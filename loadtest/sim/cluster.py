@@ -135,7 +135,7 @@ from loadtest.sim.routers import build_router
 from loadtest.traces import BLOCK_TOKENS, TraceRequest
 from worker.engines.compute import ProcessorSharing
 from worker.engines.sim import SimCosts
-from worker.kvcache import CacheFullError, PrefixCache
+from worker.kvcache import CacheFullError, PrefixCache, Reuse
 
 Mode = Literal["sequential", "replay"]
 
@@ -189,11 +189,12 @@ class SimConfig:
     # cost model's end, if later).
     engine_holds: tuple[float, ...] = ()
     # Per request, by position in the trace: seconds from the decision to the live engine
-    # having computed the prompt (its first token); given, with ``reuse_when_computed`` the
-    # simulated worker lets others reuse its blocks then (or at its cost model's first token,
-    # if later). A request reaches the live engine a few milliseconds after its decision,
-    # which the cost model does not count: with reuse once computed, a request that shares
-    # a prompt being prefilled found it computed in the simulator and not live.
+    # having computed the prompt (its first token); given, with ``reuse`` "scheduled" or
+    # "computed" the simulated worker counts its blocks computed then (or at its cost
+    # model's first token, if later). A request reaches the live engine a few milliseconds
+    # after its decision, which the cost model does not count: with reuse once computed, a
+    # request that shares a prompt being prefilled found it computed in the simulator and
+    # not live (and under "scheduled", a request reusing it answered sooner).
     engine_computed: tuple[float, ...] = ()
     # Seconds from its decision that a session copy (the volume guard's, ``copy_to``) keeps
     # its worker from taking another copy at least (``PreWarmer.copied``): a live run's mean
@@ -265,9 +266,11 @@ class SimConfig:
     # Per request, where the blocks the pooled LRU would reuse went (SimResult.losses); costs
     # a lookup in every worker's cache per request.
     loss_breakdown: bool = False
-    # The engines reuse a request's new blocks only once its prefill computed them, as vLLM
-    # does (the reference worker's --reuse-when-computed); False: from its admission on.
-    reuse_when_computed: bool = False
+    # When the engines let others reuse a request's new blocks (worker.kvcache.Reuse, the
+    # reference worker's --cache-reuse): "scheduled" once the engine begins them, a reuser's
+    # first token after their computation (vLLM's rule); "computed" once its prefill is done;
+    # "admitted" from its admission on.
+    reuse: str = "admitted"
     # Per request, by position in the trace: an earlier request whose answer it waits for
     # (-1: none), as an agent waits for its previous turn (the replay's --session-order:
     # loadtest.sessions.previous_in_session). A request waiting so holds one of the
@@ -394,6 +397,8 @@ class _Job:
     arrived: float = 0.0  # when it reached the worker (the engine's histograms count from here)
     freed_at: float | None = None  # with engine_holds: when the live engine freed its blocks
     computed_at: float | None = None  # with engine_computed: when the live one computed them
+    awaits: tuple[str, ...] = ()  # Reuse.SCHEDULED: requests computing blocks it reused
+    waits: int = 0  # ... of which its first token still waits for this many
     copy_of: str = ""  # the volume guard's copy of a session: the worker it goes to
     copy_key: PrefixKey | None = None  # ... and the key it copies, recorded once it is done
 
@@ -471,9 +476,12 @@ class ClusterSim:
     def __init__(self, config: SimConfig, router: Router | None = None) -> None:
         self.config = config
         ids = list(config.worker_names) or worker_ids(config.workers, config.ring_seed)
-        caches = {wid: PrefixCache(config.cache_blocks, 1,
-                                   reuse_when_computed=config.reuse_when_computed)
+        caches = {wid: PrefixCache(config.cache_blocks, 1, reuse=config.reuse)
                   for wid in ids}
+        # Under Reuse.SCHEDULED: per request whose prefill is under way, what runs once it
+        # computed its blocks (the first tokens of the requests that reused them).
+        self._computing: dict[str, list[Callable[[float], None]]] = {}
+        self._scheduled = Reuse(config.reuse) is Reuse.SCHEDULED
         self.workers = {wid: _SimWorker(Worker(wid, f"sim://{wid}"), caches[wid]) for wid in ids}
         self.index = PrefixIndex(config.index_capacity, config.index_ttl_s)
         self.pool = WorkerPool((), self.index, private_blocks=config.private_blocks)
@@ -699,6 +707,9 @@ class ClusterSim:
             w.running += 1
             req = job.req
             job.matched_blocks = alloc.matched_blocks
+            if self._scheduled:
+                job.awaits = alloc.awaits
+                self._computing[job.rid] = []
             if job.attempt is not None:  # a client's request, not a pre-warm
                 self._reused[job.pos] = alloc.matched_blocks
                 w.blocks += len(req.blocks)
@@ -721,14 +732,23 @@ class ClusterSim:
             first_token = start + prefill
             if self.config.serial_prefill:
                 w.prefill_free_at = first_token
-            self._first_token_at(w, job, first_token)
+            if start > now:
+                self._at(start, functools.partial(self._started, w, job.rid))
+            else:
+                w.cache.started(job.rid)
+            if job.awaits:  # whether they are done is known only then
+                self._at(first_token, functools.partial(self._prefill_done, w, job))
+            else:
+                self._first_token_at(w, job, first_token)
 
     def _prefilled(self, w: _SimWorker, done: Sequence[int], now: float) -> None:
         """Shared prefill compute: the jobs ``done`` by ``now`` have their first token; the
         timer is set again for the next one to end (the requests still in prefill share the
         engine among fewer)."""
+        for number in w.compute.begun():
+            w.cache.started(w.in_prefill[number].rid)
         for number in done:
-            self._first_token_at(w, w.in_prefill.pop(number), now)
+            self._prefill_done(w, w.in_prefill.pop(number), now)
         w.compute_round += 1
         end = w.compute.next_end()
         if end is not None:
@@ -738,6 +758,32 @@ class ClusterSim:
         if round_ == w.compute_round:  # else a request started since: a later timer is set
             self._prefilled(w, w.compute.advance(now), now)
 
+    def _started(self, w: _SimWorker, rid: str, now: float) -> None:
+        w.cache.started(rid)
+
+    def _prefill_done(self, w: _SimWorker, job: _Job, now: float) -> None:
+        """``job``'s own prefill is done at ``now``: its first token, once the requests
+        computing blocks it reused are done with them (Reuse.SCHEDULED)."""
+        w.cache.started(job.rid)  # a job done in the call that began it
+        waiting = [rid for rid in job.awaits if rid in self._computing]
+        if not waiting:
+            self._first_token_at(w, job, now)
+            return
+        job.waits = len(waiting)
+        for rid in waiting:
+            self._computing[rid].append(functools.partial(self._awaited, w, job))
+
+    def _awaited(self, w: _SimWorker, job: _Job, now: float) -> None:
+        job.waits -= 1
+        if job.waits == 0:
+            self._first_token_at(w, job, now)
+
+    def _computed(self, w: _SimWorker, rid: str, now: float) -> None:
+        """Request ``rid`` computed its blocks: the requests waiting for them go on."""
+        w.cache.computed(rid)
+        for then in self._computing.pop(rid, ()):
+            then(now)
+
     def _first_token_at(self, w: _SimWorker, job: _Job, first_token: float) -> None:
         """``job``'s prefill ends at ``first_token``: its first token, then its decode."""
         if job.attempt is not None:
@@ -746,9 +792,9 @@ class ClusterSim:
         w.first_token_s += first_token - job.arrived
         if self.config.streaming and job.attempt is not None:
             self._at(first_token, functools.partial(self._first_token, job.attempt))
-        if self.config.reuse_when_computed:  # its blocks are reusable from then on
+        if self.config.reuse != Reuse.ADMITTED:  # its blocks count as computed from then on
             at = first_token if job.computed_at is None else max(first_token, job.computed_at)
-            self._at(at, lambda _t: w.cache.computed(job.rid))
+            self._at(at, functools.partial(self._computed, w, job.rid))
         # The engine frees the blocks when its own work is done (when the live one did, with
         # engine_holds); the gateway settles the request when its reply came back
         # (``_complete``: its live hold, with request_delays).
@@ -767,6 +813,8 @@ class ClusterSim:
         self.session.first_token(attempt)
 
     def _complete(self, w: _SimWorker, job: _Job, now: float) -> None:
+        if job.rid in self._computing:  # its blocks count as computed when it ends
+            self._computed(w, job.rid, now)
         w.cache.release(job.rid)
         for h in job.private:  # freed, as an engine frees a partial block
             w.cache.discard(h)

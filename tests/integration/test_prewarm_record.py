@@ -69,10 +69,7 @@ class Setup:
 @pytest.fixture
 async def setup() -> AsyncIterator[Setup]:
     port = free_port()
-    # The engine reuses a request's blocks from its admission on, so that the order in which
-    # requests reach it shows in the blocks they find (with vLLM's rule a request admitted
-    # while the pre-warm is still in prefill computes the prompt again).
-    worker = dataclasses.replace(FAST_WORKER, port=port, reuse_when_computed=False)
+    worker = dataclasses.replace(FAST_WORKER, port=port)
     runner = await serve(create_worker(worker), port)
     live, dead = f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"
     index = PrefixIndex()

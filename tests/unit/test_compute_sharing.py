@@ -161,3 +161,41 @@ async def test_the_loop_runs_a_background_prefill_after_the_foreground_ones() ->
     # The background job starts first and is shorter, and still ends last.
     await asyncio.gather(job("background", 0.05, 1), job("foreground", 0.1, 0, after_s=0.02))
     assert ended == ["foreground", "background"]
+
+
+def test_a_job_begins_when_its_class_runs() -> None:
+    """``begun`` reports each job once, when it first progresses: at once in the best class,
+    after the better class is done otherwise."""
+    ps = ProcessorSharing()
+    ps.add(1, 0.5, 0.0)
+    assert ps.begun() == [1]
+    ps.add(2, 1.0, 0.0, priority=1)
+    ps.add(3, 0.5, 0.1)
+    assert ps.begun() == [3]
+    assert ps.advance(0.7) == []  # 1 and 3 share: 1 has 0.5 - 0.1 - 0.3 left
+    assert ps.begun() == []
+    assert sorted(ps.advance(1.0)) == [1, 3]
+    assert ps.begun() == [2]
+    assert ps.begun() == []
+
+
+async def test_the_loop_tells_a_background_prefill_when_it_begins() -> None:
+    compute = SharedCompute()
+    loop = asyncio.get_running_loop()
+    at: dict[str, float] = {}
+
+    async def job(name: str, work_s: float, priority: int, after_s: float = 0.0) -> None:
+        await asyncio.sleep(after_s)
+        def begun() -> None:
+            at.setdefault(f"{name} begins", loop.time())
+
+        await compute.run(work_s, priority, begun=begun)
+        at[f"{name} ends"] = loop.time()
+
+    start = loop.time()
+    await asyncio.gather(job("foreground", 0.05, 0), job("background", 0.02, 1, after_s=0.01))
+    assert at["foreground begins"] == pytest.approx(start, abs=0.005)
+    # The background job, sent at 0.01 s, begins when the foreground one is done (0.05 s).
+    assert at["background begins"] - start >= 0.05 - 0.002
+    assert at["background begins"] <= at["foreground ends"] + 0.002
+    assert at["background ends"] - at["background begins"] >= 0.02 - 0.002

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from worker.kvcache import CacheFullError, PrefixCache, Priority, block_hashes
+from worker.kvcache import CacheFullError, PrefixCache, Priority, Reuse, block_hashes
 
 
 def toks(start: int, n: int) -> list[int]:
@@ -369,11 +369,11 @@ def test_request_fields_map_to_priority_classes() -> None:
 
 
 def test_blocks_are_reused_once_computed_when_asked() -> None:
-    """With ``reuse_when_computed`` (vLLM caches a block once its tokens are scheduled), a
+    """With ``Reuse.COMPUTED`` (an engine that caches a prompt once its prefill is done), a
     request that shares a prefix another one is still prefilling computes it again; once
     that prefill is done, later requests reuse it; a request that ends before its prefill
     did leaves nothing cached."""
-    cache = PrefixCache(num_blocks=16, block_size=4, reuse_when_computed=True)
+    cache = PrefixCache(num_blocks=16, block_size=4, reuse=Reuse.COMPUTED)
     tokens = list(range(12))
     assert cache.allocate("a", tokens).matched_blocks == 0
     assert cache.lookup(tokens) == 0  # a's prefill is not done
@@ -413,11 +413,11 @@ class _Heard:
 
 
 def test_blocks_reused_once_computed_are_announced_then() -> None:
-    """A block is announced (BlockStored) when others may reuse it: with
-    ``reuse_when_computed`` once its request's prefill is done, not at admission; a request
-    that ends before its prefill did announces nothing and removes nothing. Without it, at
+    """A block is announced (BlockStored) when others may reuse it: under ``Reuse.COMPUTED``
+    once its request's prefill is done, not at admission; a request that ends before its
+    prefill did announces nothing and removes nothing. Under ``Reuse.ADMITTED``, at
     admission."""
-    cache = PrefixCache(num_blocks=16, block_size=4, reuse_when_computed=True)
+    cache = PrefixCache(num_blocks=16, block_size=4, reuse=Reuse.COMPUTED)
     heard = cache.listener = _Heard()
     tokens = list(range(12))
     cache.allocate("a", tokens)
@@ -441,7 +441,7 @@ def test_the_copy_of_a_block_computed_first_is_the_one_cached() -> None:
     request computing the same prompt caches its own copy when it is done first, as an
     engine caches whichever copy of a block is computed first: later requests reuse it, the
     slow request's copy becomes private, and the content is announced once."""
-    cache = PrefixCache(num_blocks=32, block_size=4, reuse_when_computed=True)
+    cache = PrefixCache(num_blocks=32, block_size=4, reuse=Reuse.COMPUTED)
     heard = cache.listener = _Heard()
     tokens = list(range(12))
     cache.allocate("slow", tokens)
@@ -467,3 +467,66 @@ def test_the_copy_of_a_block_computed_first_is_the_one_cached() -> None:
     assert cache.lookup(other) == 8
     assert heard.events[-1] == ("stored", 2)
     assert cache.used_blocks == 5
+
+
+def test_blocks_are_reused_once_the_engine_begins_them_and_their_reusers_wait() -> None:
+    """Under ``Reuse.SCHEDULED`` (vLLM caches a block when its tokens are scheduled): a
+    request admitted before the engine began another's prefill computes the prefix again;
+    once begun, the blocks are reusable and announced, and a request reusing them names the
+    request still computing them (``awaits``) until it computed them."""
+    cache = PrefixCache(num_blocks=32, block_size=4, reuse=Reuse.SCHEDULED)
+    heard = cache.listener = _Heard()
+    tokens = list(range(12))
+    a = cache.allocate("a", tokens)
+    assert (a.matched_blocks, a.awaits) == (0, ())
+    assert cache.allocate("early", tokens).matched_blocks == 0  # a not begun yet
+    assert heard.events == []
+    cache.started("a")
+    cache.started("a")  # idempotent
+    assert heard.events == [("stored", 3)]
+    assert cache.lookup(tokens) == 12
+    b = cache.allocate("b", [*tokens, 50, 51, 52, 53])
+    assert (b.matched_blocks, b.awaits) == (3, ("a",))
+    cache.started("b")
+    c = cache.allocate("c", [*tokens, 50, 51, 52, 53, 60])
+    assert (c.matched_blocks, c.awaits) == (4, ("a", "b"))
+    cache.computed("a")
+    d = cache.allocate("d", tokens)
+    assert (d.matched_blocks, d.awaits) == (3, ())
+    assert heard.events == [("stored", 3), ("stored", 1)]
+
+
+def test_a_request_ended_once_begun_leaves_its_blocks_cached() -> None:
+    """Under ``Reuse.SCHEDULED`` a request given up after the engine began it leaves its
+    blocks cached (the engine's step computes them); one given up before leaves nothing."""
+    cache = PrefixCache(num_blocks=32, block_size=4, reuse=Reuse.SCHEDULED)
+    heard = cache.listener = _Heard()
+    begun, never = list(range(8)), list(range(100, 108))
+    cache.allocate("begun", begun)
+    cache.started("begun")
+    cache.release("begun")
+    cache.allocate("never", never)
+    cache.release("never")
+    assert (cache.lookup(begun), cache.lookup(never)) == (8, 0)
+    assert cache.allocate("again", begun).awaits == ()
+    assert heard.events == [("stored", 2)]
+
+
+def test_the_copy_the_engine_begins_first_is_the_one_cached() -> None:
+    """Under ``Reuse.SCHEDULED``, of two requests computing one prompt, the copy of the one
+    the engine began first is cached (the other's stays private), whichever ends first."""
+    cache = PrefixCache(num_blocks=32, block_size=4, reuse=Reuse.SCHEDULED)
+    heard = cache.listener = _Heard()
+    tokens = list(range(12))
+    cache.allocate("waiting", tokens)  # e.g. a copy at a lower priority, not begun
+    cache.allocate("quick", tokens)
+    cache.started("quick")
+    assert cache.allocate("later", tokens).awaits == ("quick",)
+    cache.started("waiting")
+    cache.computed("waiting")
+    cache.computed("quick")
+    assert heard.events == [("stored", 3)]
+    for rid in ("later", "quick", "waiting"):
+        cache.release(rid)
+    assert cache.lookup(tokens) == 12
+    assert cache.used_blocks == 3  # the copy begun later was private, and freed

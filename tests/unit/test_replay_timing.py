@@ -608,15 +608,17 @@ def test_a_worker_frees_a_request_when_its_live_engine_did() -> None:
 
 
 def test_a_worker_lets_others_reuse_a_prompt_when_its_live_engine_had_computed_it() -> None:
-    """Engines that reuse a block once computed (the replay's default): A's 8 blocks are
-    computed 50 ms after its decision live (its engine said so), and B, which shares A's
+    """Engines that reuse a block once computed (``--cache-reuse=computed``): A's 8 blocks
+    are computed 50 ms after its decision live (its engine said so), and B, which shares A's
     first 4 blocks, is decided 20 ms after A. Live it found none of them; so does the
     simulated worker with A's live instant, where its free cost model alone had them ready."""
     a = prefix_key(range(8), 512 * 8)
     b = prefix_key([0, 1, 2, 3, 300, 301, 302, 303], 512 * 8)
     reqs = [TraceRequest(0, 0.0, 512 * 8, 1, a), TraceRequest(1, 0.0, 512 * 8, 1, b)]
-    config = ReplayConfig(workers=1, cache_blocks=20, concurrency=4)
-    assert config.reuse_when_computed()
+    assert ReplayConfig(workers=1, cache_blocks=20).cache_reuse() == "scheduled"
+    config = ReplayConfig(workers=1, cache_blocks=20, concurrency=4,
+                          extra_worker_args=("--cache-reuse=computed",))
+    assert config.cache_reuse() == "computed"
     holds = [(0.0, 0.06), (0.0, 0.01)]
     for computed, reused in (((0.05, 0.005), 0), ((), 4)):
         sim = simulated(reqs, config, "round_robin", pooled=1.0, delays=holds,

@@ -8,7 +8,7 @@ import pytest
 
 from worker.engines import GenerationRequest, RequestRejectedError, SimCosts, SimEngine
 from worker.engines.sim import pseudo_words
-from worker.kvcache import PrefixCache
+from worker.kvcache import PrefixCache, Reuse
 
 NO_WAIT = SimCosts(prefill_us_per_token=0.0, prefill_us_per_cached_token=0.0,
                    decode_ms_per_token=0.0)
@@ -212,3 +212,29 @@ async def test_waiters_cancelled_in_the_tick_a_slot_frees_get_nothing() -> None:
     stats = eng.stats()
     assert (stats.running, stats.waiting) == (0, 0)
     assert stats.cache.referenced_blocks == 0
+
+
+async def test_a_request_reusing_a_prefill_under_way_answers_once_it_is_computed() -> None:
+    """vLLM's rule (``Reuse.SCHEDULED``): B, admitted while A is computing a 96-token prompt,
+    reuses its blocks (and computes only its own 32 tokens), and its first token comes once A
+    computed them; C, admitted before the engine began A's work, would have computed them."""
+    costs = SimCosts(prefill_us_per_token=1000.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0)
+    eng = SimEngine(PrefixCache(64, 16, reuse=Reuse.SCHEDULED), max_running=4, costs=costs)
+    loop = asyncio.get_running_loop()
+    prompt = list(range(96))
+    firsts: dict[str, float] = {}
+    matched: dict[str, int] = {}
+
+    async def answer(rid: str, tokens: list[int], after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        async with eng.admit(req(rid, tokens, max_tokens=1)) as generation:
+            matched[rid] = generation.admission.matched_tokens
+            async for _ in generation.tokens():
+                firsts[rid] = loop.time()
+
+    start = loop.time()
+    await asyncio.gather(answer("a", prompt, 0.0), answer("b", [*prompt, *range(500, 532)], 0.01))
+    assert matched == {"a": 0, "b": 96}
+    assert firsts["a"] - start >= 0.096 - 0.002  # 96 tokens at 1 ms
+    assert firsts["b"] >= firsts["a"]  # its own 32 ms end before A's 96: it waited for A

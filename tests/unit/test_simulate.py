@@ -250,19 +250,41 @@ def test_requests_wait_for_blocks_held_by_running_ones() -> None:
     assert result.ttft_s == pytest.approx((0.1, 0.2))
 
 
-def test_engines_that_reuse_blocks_once_computed_recompute_a_prefix_in_prefill() -> None:
-    # Two requests for one prompt, sent together to one worker: an engine that reuses a
-    # block from its admission on serves the second from the first's blocks; one that reuses
-    # it only once computed (vLLM) computes it again, and reuses it for a third sent later.
+def test_when_engines_let_others_reuse_a_prefix_in_prefill() -> None:
+    # Two requests for one prompt, sent together to one worker, and a third sent later. An
+    # engine that reuses a block from its admission on serves the second from the first's
+    # blocks at once; one that reuses it once scheduled (vLLM) serves it too, its first token
+    # once the first computed them; one that reuses it only once computed computes it again.
     costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
                      decode_ms_per_token=0.0)
     reqs = [*trace([1, 2], [1, 2], tokens=1000),
             TraceRequest(2, 1.0, 1000, 1, prefix_key([1, 2], 1000))]
-    for computed, reused in ((False, (0, 2, 2)), (True, (0, 0, 2))):
+    for reuse, reused, ttft in (("admitted", (0, 2, 2), (0.1, 0.0, 0.0)),
+                                ("scheduled", (0, 2, 2), (0.1, 0.1, 0.0)),
+                                ("computed", (0, 0, 2), (0.1, 0.1, 0.0))):
         result = simulate(reqs, config(1, 8, "round_robin", mode="replay", concurrency=None,
-                                       costs=costs, serial_prefill=False,
-                                       reuse_when_computed=computed))
-        assert result.reused == reused, computed
+                                       costs=costs, serial_prefill=False, reuse=reuse))
+        assert result.reused == reused, reuse
+        assert result.ttft_s == pytest.approx(ttft), reuse
+
+
+def test_on_shared_compute_a_reuser_waits_for_the_prefill_it_reuses() -> None:
+    # Shared compute, vLLM's rule: request 1 (2 blocks) reuses the block request 0 (1 block,
+    # 0.1 s alone) began, and computes its own block beside it (0.1 s alone): both progress
+    # at half speed and end at 0.2 s. A request 2 with request 0's block and a long suffix
+    # (0.3 s alone) ends after it: reused blocks never hold a first token back by themselves.
+    costs = SimCosts(prefill_us_per_token=1e5 / 512, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0, prefill_shared=True)  # 0.1 s a 512-token block
+    reqs = trace([1], [1, 2])
+    result = simulate(reqs, config(1, 8, "round_robin", mode="replay", concurrency=None,
+                                   costs=costs, serial_prefill=False, reuse="scheduled"))
+    assert result.reused == (0, 1)
+    assert result.ttft_s == pytest.approx((0.2, 0.2))
+    late = trace([1], [1, 2, 3, 4])
+    result = simulate(late, config(1, 8, "round_robin", mode="replay", concurrency=None,
+                                   costs=costs, serial_prefill=False, reuse="scheduled"))
+    assert result.reused == (0, 1)
+    assert result.ttft_s == pytest.approx((0.2, 0.4))
 
 
 def test_a_request_waits_for_the_answer_it_follows_holding_its_slot() -> None:
@@ -273,10 +295,10 @@ def test_a_request_waits_for_the_answer_it_follows_holding_its_slot() -> None:
                      decode_ms_per_token=0.0)
     reqs = trace([1, 2], [1, 2, 3], [7, 8], tokens=1000)
     together = simulate(reqs, config(1, 8, "round_robin", concurrency=2, costs=costs,
-                                     serial_prefill=False, reuse_when_computed=True))
+                                     serial_prefill=False, reuse="computed"))
     assert together.reused == (0, 0, 0)
     waited = simulate(reqs, config(1, 8, "round_robin", concurrency=2, costs=costs,
-                                   serial_prefill=False, reuse_when_computed=True,
+                                   serial_prefill=False, reuse="computed",
                                    after=(-1, 0, -1)))
     assert waited.reused == (0, 2, 0)
     # Request 1 has nothing left to prefill; request 2 starts at 0.1, when a slot frees.
@@ -295,7 +317,7 @@ def test_at_given_instants_a_request_still_waits_for_the_answer_it_follows() -> 
     for after, reused in (((), (0, 0)), ((-1, 0), (0, 2))):
         result = simulate(reqs, config(1, 8, "round_robin", mode="replay", concurrency=None,
                                        costs=costs, serial_prefill=False,
-                                       reuse_when_computed=True, after=after))
+                                       reuse="computed", after=after))
         assert result.reused == reused, after
 
 

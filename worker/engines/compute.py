@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 _DONE_S = 1e-9  # work left below this is done (float rounding)
 
@@ -28,6 +29,7 @@ class ProcessorSharing:
     def __init__(self) -> None:
         self._left: dict[int, float] = {}
         self._priority: dict[int, int] = {}
+        self._begun: set[int] = set()  # jobs :meth:`begun` reported
         self._at = 0.0  # when the work left was last brought up to date
 
     def __len__(self) -> int:
@@ -79,9 +81,21 @@ class ProcessorSharing:
             self._drop(job)
         return [other for other in done if other != job]
 
+    def begun(self) -> list[int]:
+        """The jobs that progress now and were not reported before (call after each
+        :meth:`add`, :meth:`advance` and :meth:`remove`): a job of a worse priority begins
+        once no better one is left, as an engine schedules it (a job done within the call that
+        brought it up is not reported)."""
+        if not self._left:
+            return []
+        new = [job for job in self._running() if job not in self._begun]
+        self._begun.update(new)
+        return new
+
     def _drop(self, job: int) -> None:
         del self._left[job]
         del self._priority[job]
+        self._begun.discard(job)
 
     def next_end(self) -> float | None:
         """When the next job ends if none starts before (None: no job)."""
@@ -97,18 +111,25 @@ class SharedCompute:
     def __init__(self) -> None:
         self._jobs = ProcessorSharing()
         self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._on_begin: dict[int, Callable[[], None]] = {}
         self._ids = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
 
-    async def run(self, work_s: float, priority: int = 0) -> None:
+    async def run(self, work_s: float, priority: int = 0,
+                  begun: Callable[[], None] | None = None) -> None:
         """Do ``work_s`` seconds of prefill work, sharing the engine with the others of the
-        lowest ``priority`` present (waiting while any of a lower one is in prefill)."""
+        lowest ``priority`` present (waiting while any of a lower one is in prefill).
+        ``begun`` is called once the work begins to progress (at the latest when it is done)."""
         if work_s <= 0.0:
+            if begun is not None:
+                begun()
             return
         loop = asyncio.get_running_loop()
         job = next(self._ids)
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters[job] = waiter
+        if begun is not None:
+            self._on_begin[job] = begun
         self._finish(self._jobs.add(job, work_s, loop.time(), priority))
         self._schedule(loop)
         try:
@@ -117,10 +138,15 @@ class SharedCompute:
             if self._waiters.pop(job, None) is not None:  # given up before its end
                 self._finish(self._jobs.remove(job, loop.time()))
                 self._schedule(loop)
+            if (call := self._on_begin.pop(job, None)) is not None:
+                call()  # done (or given up) within the call that would have begun it
 
     def _finish(self, done: list[int]) -> None:
         """Wake the requests whose prefill is done (every caller of ``advance`` passes its
-        result here: a job it returns is gone from the bookkeeping)."""
+        result here: a job it returns is gone from the bookkeeping), and tell those that began."""
+        for job in self._jobs.begun():
+            if (call := self._on_begin.pop(job, None)) is not None:
+                call()
         for job in done:
             waiter = self._waiters.pop(job, None)
             if waiter is not None and not waiter.done():

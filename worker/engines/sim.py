@@ -8,7 +8,8 @@ reusing the longest cached prefix. What it does
 NOT do is run a model. Time follows a cost model (:class:`SimCosts`):
 
 * prefill: ``uncached_tokens * prefill_us_per_token + cached_tokens * prefill_us_per_cached_token``;
-  the first output token is emitted right after prefill;
+  the first output token is emitted right after prefill (under ``Reuse.SCHEDULED``, and once
+  the requests still computing blocks it reused are done with them, as an engine's step);
 * decode: ``decode_ms_per_token`` before each further output token.
 
 Running requests do not slow each other down, unless ``prefill_shared``: then the requests in
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import random
 import struct
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ from worker.engines.base import (
     RequestRejectedError,
 )
 from worker.engines.compute import SharedCompute
-from worker.kvcache import Allocation, PrefixCache
+from worker.kvcache import Allocation, PrefixCache, Reuse
 
 if TYPE_CHECKING:
     from worker.settings import WorkerSettings
@@ -97,27 +98,31 @@ def pseudo_words(prompt_tokens: Sequence[int], count: int, sample: int = 0) -> l
 class SimGeneration:
     """One admitted request of the simulated engine."""
 
-    def __init__(self, engine: SimEngine, request: GenerationRequest, admission: Admission):
+    def __init__(self, engine: SimEngine, request: GenerationRequest, admission: Admission,
+                 awaits: Sequence[str] = ()):
         self._engine = engine
         self._request = request
         self._admission = admission
+        self._awaits = awaits  # requests still computing blocks it reused (Reuse.SCHEDULED)
 
     @property
     def admission(self) -> Admission:
         return self._admission
 
     async def tokens(self) -> AsyncGenerator[str, None]:
-        costs = self._engine.costs
-        await self._engine.prefill(self._admission.prefill_seconds,
-                                   self._request.schedule_priority)
-        request = self._request
-        self._engine.cache.computed(request.request_id)
+        engine, request = self._engine, self._request
+        costs, cache, rid = engine.costs, engine.cache, request.request_id
+        await engine.prefill(self._admission.prefill_seconds, request.schedule_priority,
+                             begun=lambda: cache.started(rid))
+        await engine.computed_by(self._awaits)
+        cache.computed(rid)
+        engine.computing_done(rid)
         words = pseudo_words(request.prompt_tokens, request.max_tokens, request.sample)
         for i, word in enumerate(words):
             if i:
                 await asyncio.sleep(costs.decode_ms_per_token / 1e3)
-                self._engine.decode_seconds += costs.decode_ms_per_token / 1e3
-            self._engine.generation_tokens += 1
+                engine.decode_seconds += costs.decode_ms_per_token / 1e3
+            engine.generation_tokens += 1
             yield word
 
 
@@ -128,14 +133,31 @@ class SimEngine(QueuedEngine):
         super().__init__(cache, max_running)
         self.costs = costs
         self._compute = SharedCompute() if costs.prefill_shared else None
+        # Under Reuse.SCHEDULED: the requests whose prefill is under way, each with the
+        # event its computation sets (what a request reusing its blocks waits for).
+        self._computing: dict[str, asyncio.Event] = {}
 
-    async def prefill(self, seconds: float, priority: int = 0) -> None:
+    async def prefill(self, seconds: float, priority: int = 0,
+                      begun: Callable[[], None] | None = None) -> None:
         """A request's prefill: ``seconds`` of the engine alone, shared with the others in
-        prefill when the costs say so (with those of the lowest ``priority`` present)."""
+        prefill when the costs say so (with those of the lowest ``priority`` present);
+        ``begun`` is called when the engine begins it."""
         if self._compute is not None:
-            await self._compute.run(seconds, priority)
-        else:
-            await asyncio.sleep(seconds)
+            await self._compute.run(seconds, priority, begun)
+            return
+        if begun is not None:
+            begun()
+        await asyncio.sleep(seconds)
+
+    async def computed_by(self, requests: Sequence[str]) -> None:
+        """Return once ``requests`` have computed their prompts (or ended)."""
+        for rid in requests:
+            if (event := self._computing.get(rid)) is not None:
+                await event.wait()
+
+    def computing_done(self, request_id: str) -> None:
+        if (event := self._computing.pop(request_id, None)) is not None:
+            event.set()
 
     @property
     def name(self) -> str:
@@ -196,7 +218,10 @@ class SimEngine(QueuedEngine):
         self.requests_admitted += 1
         self.prompt_tokens += alloc.num_tokens
         self.prefill_seconds += admission.prefill_seconds
+        if self.cache.reuse is Reuse.SCHEDULED:
+            self._computing[request.request_id] = asyncio.Event()
         try:
-            yield SimGeneration(self, request, admission)
+            yield SimGeneration(self, request, admission, alloc.awaits)
         finally:
-            self._queue.release(request.request_id)
+            self._queue.release(request.request_id)  # begun blocks count as computed
+            self.computing_done(request.request_id)
