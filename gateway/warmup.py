@@ -417,11 +417,11 @@ class WarmupManager:
         serving worker, whose engine admits it ahead of the requests routed after it and
         evicts for it then; recorded at the reply, the index would meanwhile predict blocks
         those evictions took). The awaitable it returns sends it, and forgets it again if it
-        fails. A session's copy (``prompt.session_copy``) is recorded only once it answered:
-        the session moves there at its next turn after that, and an engine that reuses
-        blocks only once computed would make a turn that came sooner compute the history
-        again. ``later``: the request to send is ready only then (a held prefix's token ids,
-        still to be encoded); ``prompt.key`` is what it caches."""
+        fails. A session's copy sent at a background priority is recorded only once it
+        answered (``prompt.recorded_at_answer``): the engine may not have begun it when the
+        session's next turn comes, and that turn would compute the history again.
+        ``later``: the request to send is ready only then (a held prefix's token ids, still
+        to be encoded); ``prompt.key`` is what it caches."""
         if wid not in self.pool:
             if later is not None:
                 later.close()
@@ -437,7 +437,7 @@ class WarmupManager:
         key = prompt.key
         now = time.monotonic()
         held = self.index.match(key.blocks, now).get(wid, 0)
-        if not prompt.session_copy:  # a session's copy: at its answer (_prewarmed)
+        if not prompt.recorded_at_answer:  # else at its answer (_prewarmed)
             self.index.record(key.blocks, wid, now, key.depths)
         if self.exact is not None:
             self.exact.sent(wid, key.blocks, now)
@@ -464,10 +464,10 @@ class WarmupManager:
         if self.exact is not None:
             self.exact.done(wid, blocks, time.monotonic())
         if ok:
-            if prompt.session_copy:
+            if prompt.recorded_at_answer:
                 self.index.record(blocks, wid, time.monotonic(), prompt.key.depths)
             self.sync.assigned(prompt.key, wid)
-        elif not prompt.session_copy:
+        elif not prompt.recorded_at_answer:
             self.index.forget(wid, blocks, held)
             if self.exact is not None:
                 self.exact.unsent(wid, blocks[held:])

@@ -64,10 +64,17 @@ class WarmPrompt:
     namespace: str = ""  # the cache namespace workers see (derived from tenant and salt)
     # The engine scheduling ``priority`` its replay is sent with (0: the body's own, if any).
     priority: int = 0
-    # A session's copy (the volume guard's): the index records it once the worker answered,
-    # not when it is sent. The engine reuses its blocks only once computed (vLLM), and the
-    # session's next turn, moved there before, would compute its history again.
+    # A session's copy (the volume guard's). At the default priority the index records it
+    # when it is sent, as any pre-warm: the engine admits it ahead of the requests routed
+    # after it and caches its blocks when it begins them (vLLM), so the session's next turn
+    # moved there reuses them. At a background priority (``priority`` > 0) the engine may not
+    # have begun it when that turn comes, and the index records it once it answered.
     session_copy: bool = False
+
+    @property
+    def recorded_at_answer(self) -> bool:
+        """Whether the index records this prompt on its worker only once it answered."""
+        return self.session_copy and self.priority > 0
 
     def rekeyed(self, model_identity: str, opts: FingerprintOptions) -> WarmPrompt:
         """The same prompt keyed as a request for ``model_identity`` (the model and its current

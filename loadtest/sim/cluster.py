@@ -482,6 +482,9 @@ class ClusterSim:
         # computed its blocks (the first tokens of the requests that reused them).
         self._computing: dict[str, list[Callable[[float], None]]] = {}
         self._scheduled = Reuse(config.reuse) is Reuse.SCHEDULED
+        # The volume guard's session copies run at a background priority: the index records
+        # each once it is done (WarmPrompt.recorded_at_answer), else when it is sent.
+        self._background_copies = config.copy_priority > 0 and config.priority_engines
         self.workers = {wid: _SimWorker(Worker(wid, f"sim://{wid}"), caches[wid]) for wid in ids}
         self.index = PrefixIndex(config.index_capacity, config.index_ttl_s)
         self.pool = WorkerPool((), self.index, private_blocks=config.private_blocks)
@@ -641,7 +644,7 @@ class ClusterSim:
         a session, recorded in the index when it is done, as the gateway records it at its
         answer (``WarmPrompt.session_copy``), and whose end the pre-warmer is told
         (``PreWarmer.copied``)."""
-        if not session:
+        if not session or not self._background_copies:  # else once it is done
             self.index.record(key.blocks, wid, now, key.depths)
         self._prewarms += 1
         w = self.workers[wid]
@@ -847,7 +850,8 @@ class ClusterSim:
         self._prewarms -= 1
         if job.copy_of and job.copy_key is not None:
             key = job.copy_key
-            self.index.record(key.blocks, job.copy_of, now, key.depths)
+            if self._background_copies:
+                self.index.record(key.blocks, job.copy_of, now, key.depths)
             self.prewarmer.copied(job.copy_of, key)
 
     # -- the event loop -------------------------------------------------------------------------

@@ -135,16 +135,37 @@ async def test_a_late_replay_counts_once_answered(setup: Setup) -> None:
     assert held(setup.index, setup.live, p) == len(p.key.blocks)
 
 
-async def test_a_session_copy_counts_once_answered(setup: Setup) -> None:
-    # The volume guard's copy of a session: its engine may reuse its blocks only once
-    # computed, so the session moves there only after its answer.
-    p = dataclasses.replace(prompt(), session_copy=True)
+async def test_a_session_copy_at_a_background_priority_counts_once_answered(
+        setup: Setup) -> None:
+    # The volume guard's copy of a session sent at a background priority: its engine may not
+    # have begun it when the session's next turn comes, so the session moves there only
+    # after its answer. At the default priority (here: to an engine that refuses one) it
+    # counts from its send, as any pre-warm.
+    p = dataclasses.replace(prompt(), session_copy=True, priority=1)
+    port = free_port()
+    runner = await serve(create_worker(dataclasses.replace(
+        FAST_WORKER, port=port, scheduling_policy="priority")), port)
+    try:
+        wid = setup.pool.add(f"http://127.0.0.1:{port}")
+        setup.pool.mark_up(wid, frozenset({MODEL}), engine=REFERENCE_OWNER)
+        setup.manager.takes_priority[wid] = True
+        task = asyncio.ensure_future(setup.manager.prewarm(wid, p))
+        await asyncio.sleep(0)
+        assert held(setup.index, wid, p) == 0
+        assert await task
+        assert held(setup.index, wid, p) == len(p.key.blocks)
+    finally:
+        await runner.cleanup()
+    setup.manager.takes_priority[setup.live] = False
     task = asyncio.ensure_future(setup.manager.prewarm(setup.live, p))
     await asyncio.sleep(0)
-    assert held(setup.index, setup.live, p) == 0
-    assert await task
     assert held(setup.index, setup.live, p) == len(p.key.blocks)
-    assert not await setup.manager.prewarm(setup.dead, p)  # failed: never recorded
+    assert await task
+    task = asyncio.ensure_future(setup.manager.prewarm(setup.dead, dataclasses.replace(
+        p, priority=0)))
+    await asyncio.sleep(0)
+    assert held(setup.index, setup.dead, p) == len(p.key.blocks)
+    assert not await task  # failed: forgotten again
     assert held(setup.index, setup.dead, p) == 0
 
 
