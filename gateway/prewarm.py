@@ -192,10 +192,11 @@ class PreWarmer:
         volume guard keeps a session on its holder until a copy of it is made elsewhere) is
         pre-warmed there, its whole prompt, whether or not the pre-warm rule is on: that copy
         is how the session moves without a prefill on a request's path; the pool counts it in
-        flight on its worker until :meth:`copied` (``WorkerView.copies``). The index records
-        it only when it answered (``WarmPrompt.session_copy``), so the session's next turn
-        may still find no copy and ask again: while a copy of a prompt this request goes on
-        from is under way, none is sent (``copies_waited``)."""
+        flight on its worker until :meth:`copied` (``WorkerView.copies``). At a background
+        priority the index records it only when it answered
+        (``WarmPrompt.recorded_at_answer``), so the session's next turn may still find no
+        copy and ask again: while a copy of a prompt this request goes on from is under way,
+        none is sent (``copies_waited``)."""
         self._count_use(decision, request)
         if decision.copy_to:
             if self._copy_under_way(request.key):

@@ -293,7 +293,7 @@ class RunResult:
     # (x-engine-done-at - x-route-at), when the simulator's workers free them too.
     engine_held_s: list[float] = field(default_factory=list)
     # ... and to its engine having computed the prompt (x-engine-computed-at - x-route-at),
-    # from when the simulator's workers reuse its blocks too (blocks reused once computed).
+    # when the simulator's workers count its blocks computed too.
     engine_computed_s: list[float] = field(default_factory=list)
     # The engine scrapes (health probes' /metrics) the gateway routed on, each at its instant
     # on the decision instants: the view of a worker counts its engine's running and waiting

@@ -250,8 +250,9 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
     (``cached``), ``same_cached`` is the share of requests whose simulated worker reused as
     many. With the seconds from each decision to the live engine freeing the request's
     blocks (``engine_held``, :attr:`RunResult.engine_held_s`), the simulated workers free
-    them then; with those to its having computed the prompt (``engine_computed``), engines
-    that reuse blocks once computed let others reuse them then. A session copy keeps its
+    them then; with those to its having computed the prompt (``engine_computed``), they
+    count its blocks computed then (reused without waiting; under ``--cache-reuse
+    computed``, reused at all only from then on). A session copy keeps its
     worker from another copy for ``copy_hold_s`` from its decision at least (the live run's
     mean, :attr:`RunResult.copy_ms_mean`). From the client's timing the fleet begins as the
     live one did (``start_state``: :func:`start_scrapes`), its engines' histograms as the

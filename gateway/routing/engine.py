@@ -30,8 +30,9 @@ from gateway.values import value
 # request's blocks; the share of a worker's fair volume a session must have routed recently
 # to be moved; and the smaller share with which it is moved when another holder of part of
 # its prompt has room for it. With copies: the part of what the holder holds that another
-# holder must hold to count as the session's copy (a copy is recorded once it answered, by
-# when the holder has the session's next turn too; the move redoes at most the rest).
+# holder must hold to count as the session's copy (a copy at a background priority is
+# recorded once it answered, by when the holder has the session's next turn too; the move
+# redoes at most the rest).
 VOLUME_SLACK = 2.0
 VOLUME_SESSION_SHARE = 0.5
 VOLUME_MEDIUM_SHARE = 0.2
@@ -324,8 +325,8 @@ class RoutingEngine:
         holder of at least ``VOLUME_COPY_SHARE`` of what it holds keeps its own credit
         (within its bound and the slack: its volume counts the copy already): the session
         moves to its copy (:meth:`_move`) and little is redone on the request's path (a
-        copy is recorded once it answered, by when the holder has usually been given the
-        session's next turn: the copy lacks that turn).
+        copy at a background priority is recorded once it answered, by when the holder has
+        usually been given the session's next turn: the copy lacks that turn).
         Without such a copy the holder keeps the session (returned as the third mapping)
         and the decision names where to copy it (:meth:`_copy`); a later turn finds the
         copy. When several holders are over their bound (a copy made earlier, its worker

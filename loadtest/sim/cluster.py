@@ -400,7 +400,7 @@ class _Job:
     awaits: tuple[str, ...] = ()  # Reuse.SCHEDULED: requests computing blocks it reused
     waits: int = 0  # ... of which its first token still waits for this many
     copy_of: str = ""  # the volume guard's copy of a session: the worker it goes to
-    copy_key: PrefixKey | None = None  # ... and the key it copies, recorded once it is done
+    copy_key: PrefixKey | None = None  # ... and the key it copies
 
 
 class _Telemetry:
@@ -641,9 +641,9 @@ class ClusterSim:
         replayed there prefill-only (its trace blocks within the cut; it takes cache blocks as
         any request does, and counts in no client figure), one of the pre-warmer's slots held
         for as long as the request that caused it was. ``session``: the volume guard's copy of
-        a session, recorded in the index when it is done, as the gateway records it at its
-        answer (``WarmPrompt.session_copy``), and whose end the pre-warmer is told
-        (``PreWarmer.copied``)."""
+        a session, whose end the pre-warmer is told (``PreWarmer.copied``); at a background
+        priority recorded in the index when it is done, as the gateway records it at its
+        answer (``WarmPrompt.recorded_at_answer``)."""
         if not session or not self._background_copies:  # else once it is done
             self.index.record(key.blocks, wid, now, key.depths)
         self._prewarms += 1

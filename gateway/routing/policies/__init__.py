@@ -66,17 +66,18 @@ moves a session by copying it first"; "the guard at 1.1"). Without copies the se
 worker that can take the most of its next turns: the holder of most of its prompt among those
 with room within ``volume_guard`` times their share, else the worker with the least recent
 volume; that cost agent sessions 5 points of hit rate and, on engines whose prefills share
-compute, 1.4-1.7x p99. Those figures come from engines that reuse a block from its
-request's admission on. On one that reuses it only once computed (vLLM), a session's next
-turn that reaches its copy before the copy ran computes the history again (8 points of hit
-rate and twice the p99 on agent sessions that wait for each answer), so a copy counts as
-held only once it answered (``WarmPrompt.session_copy``), a holder of three quarters of what
-the session's holder holds, within its bound and the slack, counts as its copy (the holder
-has had its next turn meanwhile), and one copy per session is under way at a time. Copies
-then land a turn or two later and the guard buys less balance than it costs (agent
-sessions: 0.992 of the bound at 1.53 x the mean volume and p99 262 ms, against 0.994 at
-1.73 and 243 ms without it; on a window three times as long 1.41 against 1.43): hence 0
-(off) by default. The
+compute, 1.4-1.7x p99. An engine caches a block when it begins computing it (vLLM), and
+admits a copy ahead of the requests routed after it: a session's next turn moved to its copy
+reuses it, waiting for the rest of its computation. A copy at a background priority
+(``copy_priority``) may not have begun when that turn comes, so it counts as held only once
+it answered (``WarmPrompt.recorded_at_answer``); then a holder of three quarters of what the
+session's holder holds, within its bound and the slack, counts as its copy (the holder has
+had its next turn meanwhile). One copy per session is under way at a time. On agent sessions
+that wait for each answer, on engines of that rule, the guard at 1.1 gives 0.992-0.996 of the
+bound at 1.18-1.28x the mean volume against 0.996-0.997 at 1.5-2.9x without it, and p99
+10-35% higher (a turn moved to a copy still being computed waits for it; BENCHMARKS.md,
+"the volume guard on engines that reuse a block once begun"): hence 0 (off) by default,
+the setting for a fleet that wants its KV memory balanced. The
 guard credits a holder with the prefill a move would redo (its bound grows by the prompt tokens
 it holds for the request): a conversation is not moved off its worker because its own earlier
 turns are in flight there. Its bound also grows by the cached
@@ -141,10 +142,9 @@ class PolicyOptions:
     # cache_aware: a holder whose recent routed prompt blocks (cached or not) are over this x
     # its share of the pool's, by more than twice the request's blocks, gets no credit for a
     # session's next turn, when the session routed at least half a worker's share: one long
-    # session cannot make a worker's volume. 0 (the default): never. Off by default: on an
-    # engine that reuses a block only once computed (vLLM) a copy counts only once it
-    # answered, a turn or two later, and balances little within a window of agent sessions
-    # (BENCHMARKS.md, "copies taken as held once answered"); 1.1 was its tuned setting.
+    # session cannot make a worker's volume. 0 (the default): never. 1.1 balances agent
+    # sessions to 1.18-1.28x the mean volume for 0.001-0.004 of hit rate and 10-35% of p99
+    # (BENCHMARKS.md, "the volume guard on engines that reuse a block once begun").
     volume_guard: float = 0.0
     # cache_aware, with the volume guard: a session over it moves only to a worker holding a
     # copy of its prompt, which the pre-warmer makes while its holder keeps serving it (no
