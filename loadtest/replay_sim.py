@@ -42,6 +42,7 @@ from loadtest.sessions import previous_in_session
 from loadtest.sim.cluster import SimConfig, pooled_bound, simulate
 from loadtest.sim.report import max_over_mean, metrics, percentile
 from loadtest.traces import TraceRequest
+from worker.kvcache import Reuse
 
 if TYPE_CHECKING:
     from loadtest.replay import ReplayConfig, RunResult
@@ -58,7 +59,7 @@ def sim_overrides(pairs: Sequence[str]) -> Overrides:
     type, as the gateway reads its settings (:func:`gateway.contracts.config.parse_value`).
     Raises ValueError for an unknown name or an unreadable value."""
     plain = {name: kind for name, kind in typing.get_type_hints(SimConfig).items()
-             if kind in _KINDS and name not in _LIVE_RUN}
+             if (kind in _KINDS or name in _CHOICES) and name not in _LIVE_RUN}
     policy = {name: kind for name, kind in typing.get_type_hints(PolicyOptions).items()
               if kind in _KINDS}
     out: Overrides = {}
@@ -70,6 +71,8 @@ def sim_overrides(pairs: Sequence[str]) -> Overrides:
                              f"{', '.join(sorted(plain))} or policy.NAME with NAME one of "
                              f"{', '.join(sorted(policy))}")
         value = parse_value(text, table[key], f"--sim-set {pair!r}")
+        if table is plain and key in _CHOICES and value not in _CHOICES[key]:
+            raise ValueError(f"--sim-set {pair!r}: {key} is one of {', '.join(_CHOICES[key])}")
         if table is policy:
             out.setdefault("policy_options", {})[key] = value
         else:
@@ -78,6 +81,9 @@ def sim_overrides(pairs: Sequence[str]) -> Overrides:
 
 
 _KINDS = (bool, int, float)
+# Fields of another kind that may be set, with the values they take: the engines' rule for
+# reusing a block (what the fleet would have done on another engine, e.g. reuse=computed).
+_CHOICES = {"reuse": tuple(rule.value for rule in Reuse)}
 # What the live run fixed (its fleet, its timing): not changed after the fact.
 _LIVE_RUN = frozenset({"workers", "cache_blocks", "max_running", "ring_seed", "speedup",
                        "key_blocks_per_block", "decision_gap_s", "route_delay_s",

@@ -207,15 +207,16 @@ def test_sim_set_reads_each_change_as_its_fields_type() -> None:
     from loadtest.sim.cluster import SimConfig
 
     changes = sim_overrides(["prewarm=false", "policy.volume_guard=1.1",
-                             "policy.ring_choices=2", "rebalance_interval_s=0"])
-    assert changes == {"prewarm": False, "rebalance_interval_s": 0.0,
+                             "policy.ring_choices=2", "rebalance_interval_s=0",
+                             "reuse=computed"])
+    assert changes == {"prewarm": False, "rebalance_interval_s": 0.0, "reuse": "computed",
                        "policy_options": {"volume_guard": 1.1, "ring_choices": 2}}
     sim = with_overrides(SimConfig(workers=2, cache_blocks=10, policy="cache_aware"), changes)
     assert (sim.prewarm, sim.rebalance_interval_s) == (False, 0.0)
     assert (sim.policy_options.volume_guard, sim.policy_options.ring_choices) == (1.1, 2)
     assert sim.policy_options.load_factor == SimConfig(2, 10, "x").policy_options.load_factor
     for bad in ("prewarm", "prewarm=maybe", "workers=3", "policy.nope=1",
-                "policy.ring_choices=two"):
+                "policy.ring_choices=two", "reuse=never", "mode=sequential"):
         with pytest.raises(ValueError, match="--sim-set"):
             sim_overrides([bad])
 
