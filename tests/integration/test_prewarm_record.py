@@ -9,6 +9,7 @@ A reference worker over real HTTP on 127.0.0.1; the gateway's own backends send 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -64,6 +65,20 @@ class Setup:
     sent: Sent
     pool: WorkerPool
     backend: Backend  # the live worker's
+
+
+@contextlib.asynccontextmanager
+async def priority_worker(setup: Setup) -> AsyncIterator[str]:
+    """A worker whose engine runs priority scheduling, serving in ``setup``'s pool: its id."""
+    port = free_port()
+    runner = await serve(create_worker(dataclasses.replace(
+        FAST_WORKER, port=port, scheduling_policy="priority")), port)
+    try:
+        wid = setup.pool.add(f"http://127.0.0.1:{port}")
+        setup.pool.mark_up(wid, frozenset({MODEL}), engine=REFERENCE_OWNER)
+        yield wid
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture
@@ -142,20 +157,13 @@ async def test_a_session_copy_at_a_background_priority_counts_once_answered(
     # after its answer. At the default priority (here: to an engine that refuses one) it
     # counts from its send, as any pre-warm.
     p = dataclasses.replace(prompt(), session_copy=True, priority=1)
-    port = free_port()
-    runner = await serve(create_worker(dataclasses.replace(
-        FAST_WORKER, port=port, scheduling_policy="priority")), port)
-    try:
-        wid = setup.pool.add(f"http://127.0.0.1:{port}")
-        setup.pool.mark_up(wid, frozenset({MODEL}), engine=REFERENCE_OWNER)
+    async with priority_worker(setup) as wid:
         setup.manager.takes_priority[wid] = True
         task = asyncio.ensure_future(setup.manager.prewarm(wid, p))
         await asyncio.sleep(0)
         assert held(setup.index, wid, p) == 0
         assert await task
         assert held(setup.index, wid, p) == len(p.key.blocks)
-    finally:
-        await runner.cleanup()
     setup.manager.takes_priority[setup.live] = False
     task = asyncio.ensure_future(setup.manager.prewarm(setup.live, p))
     await asyncio.sleep(0)
@@ -312,20 +320,13 @@ async def test_a_copy_carries_its_priority_only_to_workers_that_take_it(setup: S
     setup.manager.takes_priority[setup.live] = True
     assert not await setup.manager.prewarm(setup.live, p)
     assert setup.manager.no_priority == [setup.live]
-    port = free_port()
-    runner = await serve(create_worker(dataclasses.replace(
-        FAST_WORKER, port=port, scheduling_policy="priority")), port)
-    try:
-        wid = setup.pool.add(f"http://127.0.0.1:{port}")
-        setup.pool.mark_up(wid, frozenset({MODEL}), engine=REFERENCE_OWNER)
+    async with priority_worker(setup) as wid:
         assert await setup.manager.prewarm(wid, p)
         assert await known(setup.manager, wid)
         assert await setup.manager.prewarm(wid, p)  # now with it
         assert setup.manager.no_priority == [setup.live]
         setup.manager.left(setup.live)
         assert setup.manager.no_priority == []
-    finally:
-        await runner.cleanup()
 
 
 async def test_with_a_copy_priority_each_worker_is_asked_once_it_serves(setup: Setup) -> None:
