@@ -208,11 +208,11 @@ class PrefixCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.reuse = Reuse(reuse)  # when a request's new blocks may be reused by others
-        # Block -> the request that computes it, before others may reuse it (the engine has
-        # not begun it under SCHEDULED; its prefill is not done under COMPUTED).
+        # Block -> the request that computes it, until its prefill is done (SCHEDULED and
+        # COMPUTED): others may not reuse it, unless the engine began that request under
+        # SCHEDULED (``_begun``), and then they wait for it.
         self._pending: dict[int, str] = {}
-        # Under SCHEDULED: block -> the request computing it now (reusable; a reuser waits).
-        self._computing: dict[int, str] = {}
+        self._begun: set[str] = set()  # requests whose pending blocks are reusable
         # With a listener: per request, the runs of its new blocks (start, end), to announce
         # once others may reuse them.
         self._unannounced: dict[str, tuple[list[int], Sequence[int], str,
@@ -254,13 +254,29 @@ class PrefixCache:
 
     def _match(self, hashes: Sequence[int]) -> list[int]:
         matched: list[int] = []
-        pending = self._pending
+        pending, block_of = self._pending, self._block_of
+        if not pending:
+            for h in hashes:
+                block = block_of.get(h)
+                if block is None:
+                    break
+                matched.append(block)
+            return matched
+        begun = self._begun
         for h in hashes:
-            block = self._block_of.get(h)
-            if block is None or block in pending:
+            block = block_of.get(h)
+            if block is None:
+                break
+            owner = pending.get(block)
+            if owner is not None and owner not in begun:
                 break
             matched.append(block)
         return matched
+
+    def computing(self, request_id: str) -> bool:
+        """Whether others reuse blocks ``request_id`` is still computing (``Reuse.SCHEDULED``:
+        the engine began it, its prefill is not done); they wait for it."""
+        return request_id in self._begun
 
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> int:
         """Leading tokens of ``tokens`` that are cached (whole blocks only). No state change."""
@@ -358,9 +374,9 @@ class PrefixCache:
             self._ref[block] += 1
             tag = Priority.SYSTEM if i < system_blocks else priority
             self._priority[block] = max(self._priority[block], tag)
-        computing = self._computing
+        pending = self._pending
         awaits = tuple(dict.fromkeys(
-            computing[b] for b in matched if b in computing)) if computing else ()
+            pending[b] for b in matched if b in pending)) if pending else ()
         deferred = self.reuse is not Reuse.ADMITTED
         fresh: list[int] = []
         runs: list[tuple[int, int]] = []  # the runs of newly stored blocks (start, end)
@@ -373,7 +389,7 @@ class PrefixCache:
             if i < len(hashes) and not self._register(block, hashes[i], namespace):
                 runs.append((run_start, i))
                 run_start = i + 1
-                if self._block_of.get(hashes[i]) in self._pending:
+                if self._block_of.get(hashes[i]) in pending:
                     shadows.append((i, block))
             elif deferred and i < len(hashes):
                 self._pending[block] = request_id
@@ -423,16 +439,11 @@ class PrefixCache:
         alloc = self._requests.get(request_id)
         if alloc is None:
             return
+        self._begun.add(request_id)
         self._announce_new(request_id, alloc)
-        pending = self._pending
-        if pending:
-            for block in alloc.block_ids:
-                if pending.get(block) == request_id:
-                    del pending[block]
-                    self._computing[block] = request_id
         if (shadowed := self._shadows.pop(request_id, None)) is not None:
             for block in self._take_over(request_id, *shadowed):
-                self._computing[block] = request_id
+                self._pending[block] = request_id
 
     def computed(self, request_id: str) -> None:
         """The request's prefill is done: the blocks it added may be reused by others without
@@ -442,11 +453,11 @@ class PrefixCache:
         if alloc is None:
             return
         self._announce_new(request_id, alloc)
-        for table in (self._pending, self._computing):
-            if table:
-                for block in alloc.block_ids:
-                    if table.get(block) == request_id:
-                        del table[block]
+        self._begun.discard(request_id)
+        if pending := self._pending:
+            for block in alloc.block_ids:
+                if pending.get(block) == request_id:
+                    del pending[block]
         if (shadowed := self._shadows.pop(request_id, None)) is not None:
             self._take_over(request_id, *shadowed)
 
@@ -473,8 +484,9 @@ class PrefixCache:
         for i, block in shadows:
             h = hashes[i]
             current = self._block_of.get(h)
-            if current is not None and current not in self._pending:
-                continue  # the other copy was computed first: it stays the cached one
+            owner = self._pending.get(current) if current is not None else None
+            if current is not None and (owner is None or owner in self._begun):
+                continue  # the other copy was computed (or begun) first: it stays cached
             if current is not None:  # the other request's, still pending: private now
                 del self._pending[current]
                 self._hash_of[current] = None
@@ -501,8 +513,7 @@ class PrefixCache:
         """Drop the request's references. Full blocks stay cached; partial ones are freed, and
         so are blocks others could not reuse yet (a request ended before the engine began
         them, under ``Reuse.SCHEDULED``, or before its prefill was done, under ``COMPUTED``)."""
-        if self._computing and request_id in self._requests and any(
-                self._computing.get(b) == request_id for b in self._requests[request_id].block_ids):
+        if request_id in self._begun:
             self.computed(request_id)  # begun: the engine's step completes its blocks
         alloc = self._requests.pop(request_id, None)
         if alloc is None:
@@ -632,7 +643,6 @@ class PrefixCache:
         """Forget ``block``'s hash; ``announced``: the listener was told it was stored, and
         is told it was removed."""
         self._pending.pop(block, None)
-        self._computing.pop(block, None)
         h = self._hash_of[block]
         if h is not None and self._block_of.get(h) == block:
             del self._block_of[h]

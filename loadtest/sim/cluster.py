@@ -478,8 +478,8 @@ class ClusterSim:
         ids = list(config.worker_names) or worker_ids(config.workers, config.ring_seed)
         caches = {wid: PrefixCache(config.cache_blocks, 1, reuse=config.reuse)
                   for wid in ids}
-        # Under Reuse.SCHEDULED: per request whose prefill is under way, what runs once it
-        # computed its blocks (the first tokens of the requests that reused them).
+        # Under Reuse.SCHEDULED: per request still computing blocks others reused, what runs
+        # once it computed them (the first tokens of those others).
         self._computing: dict[str, list[Callable[[float], None]]] = {}
         self._scheduled = Reuse(config.reuse) is Reuse.SCHEDULED
         # The volume guard's session copies run at a background priority: the index records
@@ -712,7 +712,6 @@ class ClusterSim:
             job.matched_blocks = alloc.matched_blocks
             if self._scheduled:
                 job.awaits = alloc.awaits
-                self._computing[job.rid] = []
             if job.attempt is not None:  # a client's request, not a pre-warm
                 self._reused[job.pos] = alloc.matched_blocks
                 w.blocks += len(req.blocks)
@@ -768,13 +767,13 @@ class ClusterSim:
         """``job``'s own prefill is done at ``now``: its first token, once the requests
         computing blocks it reused are done with them (Reuse.SCHEDULED)."""
         w.cache.started(job.rid)  # a job done in the call that began it
-        waiting = [rid for rid in job.awaits if rid in self._computing]
+        waiting = [rid for rid in job.awaits if w.cache.computing(rid)]
         if not waiting:
             self._first_token_at(w, job, now)
             return
         job.waits = len(waiting)
         for rid in waiting:
-            self._computing[rid].append(functools.partial(self._awaited, w, job))
+            self._computing.setdefault(rid, []).append(functools.partial(self._awaited, w, job))
 
     def _awaited(self, w: _SimWorker, job: _Job, now: float) -> None:
         job.waits -= 1
@@ -816,7 +815,7 @@ class ClusterSim:
         self.session.first_token(attempt)
 
     def _complete(self, w: _SimWorker, job: _Job, now: float) -> None:
-        if job.rid in self._computing:  # its blocks count as computed when it ends
+        if w.cache.computing(job.rid):  # its blocks count as computed when it ends
             self._computed(w, job.rid, now)
         w.cache.release(job.rid)
         for h in job.private:  # freed, as an engine frees a partial block

@@ -40,7 +40,7 @@ from worker.engines.base import (
     RequestRejectedError,
 )
 from worker.engines.compute import SharedCompute
-from worker.kvcache import Allocation, PrefixCache, Reuse
+from worker.kvcache import Allocation, PrefixCache
 
 if TYPE_CHECKING:
     from worker.settings import WorkerSettings
@@ -133,8 +133,8 @@ class SimEngine(QueuedEngine):
         super().__init__(cache, max_running)
         self.costs = costs
         self._compute = SharedCompute() if costs.prefill_shared else None
-        # Under Reuse.SCHEDULED: the requests whose prefill is under way, each with the
-        # event its computation sets (what a request reusing its blocks waits for).
+        # Under Reuse.SCHEDULED: the requests still computing blocks others reused, each
+        # with the event its computation sets (what those others wait for).
         self._computing: dict[str, asyncio.Event] = {}
 
     async def prefill(self, seconds: float, priority: int = 0,
@@ -152,7 +152,10 @@ class SimEngine(QueuedEngine):
     async def computed_by(self, requests: Sequence[str]) -> None:
         """Return once ``requests`` have computed their prompts (or ended)."""
         for rid in requests:
-            if (event := self._computing.get(rid)) is not None:
+            if self.cache.computing(rid):
+                event = self._computing.get(rid)
+                if event is None:
+                    event = self._computing[rid] = asyncio.Event()
                 await event.wait()
 
     def computing_done(self, request_id: str) -> None:
@@ -218,8 +221,6 @@ class SimEngine(QueuedEngine):
         self.requests_admitted += 1
         self.prompt_tokens += alloc.num_tokens
         self.prefill_seconds += admission.prefill_seconds
-        if self.cache.reuse is Reuse.SCHEDULED:
-            self._computing[request.request_id] = asyncio.Event()
         try:
             yield SimGeneration(self, request, admission, alloc.awaits)
         finally:
