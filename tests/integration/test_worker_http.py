@@ -670,3 +670,45 @@ async def test_priority_needs_priority_scheduling_as_vllm_does(worker: Worker) -
         await runner.cleanup()
     with pytest.raises(SettingsError, match="scheduling_policy"):
         WorkerSettings(scheduling_policy="lifo")
+
+
+async def test_a_prompt_being_computed_is_reused_and_its_reuser_answers_after_it() -> None:
+    """vLLM's rule (``--cache-reuse scheduled``, the default): B, sent while A is computing
+    the same 2,000-character prefix, reuses A's blocks and has its first token only once A
+    computed them; with ``--cache-reuse computed`` it computes them again."""
+    for rule in ("scheduled", "computed"):
+        settings = WorkerSettings(
+            port=0, model=MODEL, cache_blocks=512, block_size=16, max_running=4,
+            prefill_us_per_token=400.0, prefill_us_per_cached_token=0.0,
+            decode_ms_per_token=0.01, max_model_len=4096, prefill_shared=True,
+            cache_reuse=rule)
+        runner = JsonErrorRunner(create_app(settings))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        try:
+            async with aiohttp.ClientSession() as http:
+                (a_matched, a_computed), (b_matched, b_computed) = await asyncio.gather(
+                    _computed_at(http, url, PREFIX, 0.0),
+                    _computed_at(http, url, PREFIX + " And one more question.", 0.05))
+        finally:
+            await runner.cleanup()
+        assert a_matched == 0
+        if rule == "scheduled":
+            assert b_matched >= 16 * 10  # A's full blocks of the prefix
+            assert b_computed >= a_computed
+        else:
+            assert b_matched == 0, rule
+
+
+async def _computed_at(http: aiohttp.ClientSession, url: str, prompt: str,
+                       after_s: float) -> tuple[int, float]:
+    """After ``after_s``, a completion of ``prompt``: the tokens its worker reused, and when
+    its engine had computed the prompt."""
+    await asyncio.sleep(after_s)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    async with http.post(url, json=body) as reply:
+        assert reply.status == 200, await reply.text()
+        return (int(reply.headers["x-cache-matched-tokens"]),
+                float(reply.headers["x-engine-computed-at"]))
