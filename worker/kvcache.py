@@ -96,7 +96,7 @@ class Priority(IntEnum):
 class Reuse(StrEnum):
     """When a request's newly allocated full blocks may be reused by other requests."""
 
-    SCHEDULED = "scheduled"  # once the engine computes them; a reuser's first token waits
+    SCHEDULED = "scheduled"  # once the engine begins them; a reuser's first token waits
     COMPUTED = "computed"  # once the request's prefill is done
     ADMITTED = "admitted"  # from the request's admission on
 
