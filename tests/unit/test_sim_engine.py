@@ -238,3 +238,29 @@ async def test_a_request_reusing_a_prefill_under_way_answers_once_it_is_computed
     assert matched == {"a": 0, "b": 96}
     assert firsts["a"] - start >= 0.096 - 0.002  # 96 tokens at 1 ms
     assert firsts["b"] >= firsts["a"]  # its own 32 ms end before A's 96: it waited for A
+
+
+async def test_a_reuser_goes_on_when_the_request_it_waits_for_is_given_up() -> None:
+    """B reuses the blocks A began computing and waits for A; A's client goes away before A
+    is done: A's blocks stay cached (the engine's step completes them), and B answers."""
+    costs = SimCosts(prefill_us_per_token=1000.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0)
+    cache = PrefixCache(64, 16, reuse=Reuse.SCHEDULED)
+    eng = SimEngine(cache, max_running=4, costs=costs)
+    prompt = list(range(96))
+
+    async def answer(rid: str, tokens: list[int]) -> int:
+        async with eng.admit(req(rid, tokens, max_tokens=1)) as generation:
+            async for _ in generation.tokens():
+                pass
+            return generation.admission.matched_tokens
+
+    a = asyncio.create_task(answer("a", prompt))
+    await asyncio.sleep(0.01)
+    b = asyncio.create_task(answer("b", [*prompt, *range(500, 516)]))
+    await asyncio.sleep(0.01)
+    assert cache.computing("a")
+    a.cancel()
+    assert await asyncio.wait_for(b, 1.0) == 96
+    assert not cache.computing("a")
+    assert cache.lookup(prompt) == 96
