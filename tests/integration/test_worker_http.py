@@ -234,6 +234,7 @@ async def test_models_health_stats(worker: Worker) -> None:
     assert stats["worker_id"] == "w-test"
     assert stats["cache"]["num_blocks"] == 512
     assert stats["running"] == 0
+    assert stats["engine_info"]["cache_reuse"] == "scheduled"  # vLLM's rule, the default
 
 
 async def test_metrics_use_vllm_names_and_count_tokens(worker: Worker) -> None:

@@ -173,7 +173,7 @@ class SimEngine(QueuedEngine):
         return self.cache.flush(namespace)
 
     def info(self) -> dict[str, Any]:
-        return {"costs": asdict(self.costs)}
+        return {"costs": asdict(self.costs), "cache_reuse": str(self.cache.reuse)}
 
     def admission_for(self, alloc: Allocation) -> Admission:
         """The admission record (with its modelled prefill cost) of an allocation."""
