@@ -141,27 +141,34 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
 
 async def replay(
     session: aiohttp.ClientSession, url: str | Sequence[str], bodies: Sequence[dict[str, Any]],
-    concurrency: int, after: Sequence[int] = (),
+    concurrency: int, after: Sequence[int] = (), think: Sequence[float] = (),
 ) -> list[Reply]:
     """Send ``bodies`` in order from ``concurrency`` concurrent senders; replies in send order.
 
     ``url`` may be several URLs (gateway replicas): body ``i`` goes to ``url[i % len(url)]``.
     ``after[i]``: an earlier body that body ``i`` waits for the answer to (-1: none), as an
-    agent sends its next turn once the last one was answered.
+    agent sends its next turn once the last one was answered; ``think[i]``: it is sent no
+    sooner than that many seconds after that answer (an agent's think time), its sender
+    waiting meanwhile.
     """
     urls = [url] if isinstance(url, str) else list(url)
     replies: list[Reply | None] = [None] * len(bodies)
     order = iter(range(len(bodies)))
     answered = [asyncio.Event() for _ in bodies] if after else []
+    answered_at = [0.0] * len(bodies) if think else []
 
     async def sender() -> None:
         for i in order:  # shared iterator: each index is taken by exactly one sender
             if answered and after[i] >= 0:  # always an earlier body, taken by some sender
                 await answered[after[i]].wait()
+                if think and (wait := answered_at[after[i]] + think[i] - time.monotonic()) > 0:
+                    await asyncio.sleep(wait)
             try:
                 replies[i] = await post(session, urls[i % len(urls)], bodies[i])
             finally:
                 if answered:
+                    if think:
+                        answered_at[i] = time.monotonic()
                     answered[i].set()
 
     await asyncio.gather(*(sender() for _ in range(concurrency)))

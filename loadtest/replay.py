@@ -117,7 +117,7 @@ from loadtest.peers import (
     running_peer,
 )
 from loadtest.replay_sim import Overrides, sim_overrides, simulate_runs
-from loadtest.sessions import previous_in_session, sticky_balance
+from loadtest.sessions import previous_in_session, sticky_balance, think_times
 from loadtest.sim.cluster import pooled_bound
 from loadtest.sim.report import max_over_mean
 from loadtest.simulate import DEFAULT_TRACE
@@ -161,6 +161,10 @@ class ReplayConfig:
     # an agent or a chat user does; False: the trace's order alone, so that turns of one
     # session may overlap.
     session_order: bool = True
+    # With session_order: a request waits this times the trace's time between it and its
+    # session's previous request after that one's answer (loadtest.sessions.think_times: an
+    # agent's think time or tool call); 0: none, the next turn leaves at the answer.
+    think_scale: float = 0.0
     bucket_s: float = 2.0
     timeout_s: float = 300.0
     extra_worker_args: tuple[str, ...] = ()
@@ -499,7 +503,7 @@ def summarize(router: str, repeat: int, replies: Sequence[Reply], seconds: float
 async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fleet | None,
                   bodies: Sequence[dict[str, Any]], pooled: float, config: ReplayConfig,
                   worker_ids: Sequence[str], *, restart: bool = False,
-                  after: Sequence[int] = ()) -> RunResult:
+                  after: Sequence[int] = (), think: Sequence[float] = ()) -> RunResult:
     """Replay ``bodies`` through ``url``; charge the CPU of process ``pid`` (if known)."""
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
     connector = aiohttp.TCPConnector(limit=max(64, 2 * config.concurrency))
@@ -541,7 +545,7 @@ async def measure(router: str, repeat: int, url: str, pid: int | None, fleet: Fl
             side.append(asyncio.create_task(sample_agreement(url, bodies, agreed)))
         with own_core([pid]) if config.own_core and pid else contextlib.nullcontext(False):
             replies = await replay(session, url + config.path, bodies, config.concurrency,
-                                   after)
+                                   after, think)
         seconds = time.perf_counter() - started
         cpu_s = proc_tree_cpu_s(pid) - cpu0 if pid and cpu0 is not None else None
         for task in side:
@@ -870,18 +874,20 @@ async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
                             invisible_edits=config.invisible_edits, api=config.api)
     pooled = pooled_bound(requests, config.workers * config.cache_blocks)
     after = previous_in_session(requests) if config.session_order else []
+    think = think_times(requests, after, config.think_scale) if config.think_scale > 0 else []
     results: list[RunResult] = []
     if gateway:
         for r in range(repeats):
             results.append(await measure(f"gateway@{gateway}", r, gateway, None, None, bodies,
-                                         pooled, config, [], after=after))
+                                         pooled, config, [], after=after, think=think))
         return results
     base = free_port_block(config.workers + 1)
     for r in range(repeats):
         for attempt in range(FLEET_ATTEMPTS):
             try:
                 results += await one_fleet(config, base, r, repeats, policies, peers, bodies,
-                                           pooled, peer_args or {}, gateway_args or {}, after)
+                                           pooled, peer_args or {}, gateway_args or {}, after,
+                                           think)
                 break
             except PeerUnavailableError:
                 raise
@@ -904,7 +910,8 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                     bodies: Sequence[dict[str, Any]], pooled: float,
                     peer_args: Mapping[str, Sequence[str]],
                     gateway_args: Mapping[str, Sequence[str]],
-                    after: Sequence[int] = ()) -> list[RunResult]:
+                    after: Sequence[int] = (), think: Sequence[float] = ()
+                    ) -> list[RunResult]:
     """One fleet on ports ``base``...: every router once, caches flushed between them."""
     results: list[RunResult] = []
     logs = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="replay-"))
@@ -933,13 +940,14 @@ async def one_fleet(config: ReplayConfig, base: int, r: int, repeats: int,
                         extra=gateway_args.get(label, ()), label=label,
                     ) as (url, pid):
                         res = await measure(router, r, url, pid, fleet, bodies, pooled,
-                                            config, ids, restart=True, after=after)
+                                            config, ids, restart=True, after=after,
+                                            think=think)
                 else:
                     async with running_peer(base_peer(router), fleet.urls, logs,
                                             extra=peer_args.get(router, ()), log_name=router,
                                             request_logs=config.request_logs) as peer:
                         res = await measure(router, r, peer.url, peer.pid, fleet, bodies,
-                                            pooled, config, ids, after=after)
+                                            pooled, config, ids, after=after, think=think)
                 agree = ("" if res.process_agreement is None else
                          ", dry runs agree " + ", ".join(
                              f"{k} {v:.2f}" for k, v in res.process_agreement.items()
@@ -1113,6 +1121,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send each request only once its session's previous one was answered "
                    "(an agent's or a chat user's next turn; the default); --no-session-order: "
                    "the trace's order alone, so that turns of one session may overlap")
+    p.add_argument("--think-scale", type=float, default=0.0, metavar="X",
+                   help="with --session-order, each request also waits X times the trace's "
+                   "time between it and its session's previous request after that one's "
+                   "answer (an agent's think time or tool call; default 0: it leaves at the "
+                   "answer)")
     p.add_argument("--misreport-worker", type=int, metavar="I",
                    help="worker I reports twice its real cache size")
     p.add_argument("--timeline", type=Path, metavar="DIR",
@@ -1208,6 +1221,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
     for index in (*(d[0] for d in (restart, flush, in_place) if d), args.misreport_worker):
         if index is not None and not 0 <= index < args.workers:
             p.error(f"worker index {index} is not in 0..{args.workers - 1}")
+    if args.think_scale < 0 or (args.think_scale > 0 and not args.session_order):
+        p.error("--think-scale needs a value >= 0, and --session-order")
     return ReplayConfig(
         workers=args.workers, cache_blocks=args.cache_blocks, concurrency=args.concurrency,
         block_chars=args.block_chars, max_tokens=args.max_tokens,
@@ -1216,7 +1231,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         decode_ms_per_token=args.decode_ms_per_token, max_running=args.max_running,
         report_cache_size=args.report_cache_size, misreport_worker=args.misreport_worker,
         restart_worker=restart, flush_worker=flush, restart_in_place=in_place,
-        session_order=args.session_order, bucket_s=args.bucket,
+        session_order=args.session_order, think_scale=args.think_scale, bucket_s=args.bucket,
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
         invisible_edits=args.invisible_edits, agreement=args.agreement,
         request_logs=args.request_logs, api=args.api, own_core=args.own_core,

@@ -38,7 +38,7 @@ from gateway.openai_schema import parse_completion
 from gateway.rebalance import action_from_json
 from gateway.routing.policies import PolicyOptions
 from gateway.settings import GatewaySettings
-from loadtest.sessions import previous_in_session
+from loadtest.sessions import previous_in_session, think_times
 from loadtest.sim.cluster import SimConfig, pooled_bound, simulate
 from loadtest.sim.report import max_over_mean, metrics, percentile
 from loadtest.traces import TraceRequest
@@ -299,6 +299,8 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
             and "rebalance_interval_s" not in (overrides or {})):
         logged = tuple((float(a["decided_s"]), action) for a in rebalanced
                        if (action := action_from_json(a)) is not None)
+    think = (think_times(requests, previous_in_session(requests), config.think_scale)
+             if config.session_order and config.think_scale > 0 else [])
     sim = SimConfig(
         workers=config.workers, cache_blocks=config.cache_blocks, policy=policy,
         mode="replay" if timed else "sequential",
@@ -320,6 +322,7 @@ def simulated(requests: Sequence[TraceRequest], config: ReplayConfig, policy: st
         priority_engines=config.priority_engines(),
         reuse=config.cache_reuse(),
         after=session_waits(requests, order, timed) if config.session_order else (),
+        think_s=tuple(think[pos] for pos in order) if think else (),
     )
     result = simulate(units, with_overrides(sim, overrides) if overrides else sim)
     assignments = [""] * len(order)

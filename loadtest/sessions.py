@@ -105,6 +105,16 @@ def previous_in_session(requests: Sequence[TraceRequest]) -> list[int]:
     return out
 
 
+def think_times(requests: Sequence[TraceRequest], before: Sequence[int],
+                scale: float) -> list[float]:
+    """For each request, the seconds its sender waits after the answer to its session's
+    previous request (``before[i]``, -1: none) before sending it: ``scale`` times the time the
+    trace puts between the two (an agent's think time or tool call, a chat user's reading),
+    0 for a session's first request."""
+    return [scale * max(0.0, requests[i].arrival_s - requests[b].arrival_s) if b >= 0 else 0.0
+            for i, b in enumerate(before)]
+
+
 def run_losses(requests: Sequence[TraceRequest], routed_to: Sequence[str],
                reasons: Sequence[str], workers: int, cache_blocks: int,
                router: str = "", live_hit_over_bound: float = 0.0) -> RunLosses:

@@ -276,6 +276,9 @@ class SimConfig:
     # loadtest.sessions.previous_in_session). A request waiting so holds one of the
     # ``concurrency`` slots, as a live sender does.
     after: tuple[int, ...] = ()
+    # Per request, by position in the trace: seconds its sender waits after the answer it
+    # follows (``after``) before sending it, holding its slot (loadtest.sessions.think_times).
+    think_s: tuple[float, ...] = ()
     # Blocks each running request holds outside the prefix cache (an engine's partial last
     # block of the prompt, then its output): taken at admission, freed at completion, never
     # cached; the gateway's pool models them as the live gateway does with token-exact keys
@@ -540,6 +543,7 @@ class ClusterSim:
         # position of the request they wait for).
         self._answered: set[int] = set()
         self._waiting: dict[int, list[tuple[int, TraceRequest]]] = {}
+        self._answered_at: dict[int, float] = {}  # with think_s: when each was answered
         self._held = 0
         self._last_decision = -math.inf  # the gateway decides in the order requests reach it
         self._ttft: list[float] = []
@@ -841,9 +845,21 @@ class ClusterSim:
         if not self.config.after:
             return
         self._answered.add(pos)
+        think = self.config.think_s
+        if think:
+            self._answered_at[pos] = now
         for waiting in self._waiting.pop(pos, ()):
-            self._held -= 1
-            self._issue(*waiting, now)
+            gap = think[waiting[0]] if waiting[0] < len(think) else 0.0
+            if gap > 0.0:
+                self._at(now + gap, functools.partial(self._issue_held, *waiting))
+            else:
+                self._held -= 1
+                self._issue(*waiting, now)
+
+    def _issue_held(self, pos: int, req: TraceRequest, now: float) -> None:
+        """A request whose sender waited out its think time after the answer it followed."""
+        self._held -= 1
+        self._issue(pos, req, now)
 
     def _prewarmed(self, job: _Job, now: float) -> None:
         self._prewarms -= 1
@@ -890,6 +906,10 @@ class ClusterSim:
                 if before >= 0 and before not in self._answered:
                     self._held += 1  # its sender waits for that answer
                     self._waiting.setdefault(before, []).append((pos, req))
+                elif before >= 0 and pos < len(cfg.think_s) and (
+                        due := self._answered_at[before] + cfg.think_s[pos]) > now:
+                    self._held += 1  # ... and then its think time
+                    self._at(due, functools.partial(self._issue_held, pos, req))
                 else:
                     self._issue(pos, req, now)
         blocked = [w.worker.id for w in self.workers.values() if w.queue]

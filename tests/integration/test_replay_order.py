@@ -40,5 +40,10 @@ async def test_a_request_is_sent_after_the_answer_it_waits_for() -> None:
             answered.clear()
             await replay(session, url, bodies, 3)  # the trace's order alone: all at once
             assert arrived[1] < answered[0]
+            arrived.clear()
+            answered.clear()
+            await replay(session, url, bodies, 3, after=[-1, 0, -1], think=[0.0, 0.15, 0.0])
+            assert arrived[1] - answered[0] >= 0.15 - 0.005  # and then thought it over
+            assert arrived[2] < answered[0]
     finally:
         await runner.cleanup()

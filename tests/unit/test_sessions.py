@@ -89,3 +89,12 @@ def test_each_request_waits_for_its_sessions_previous_one() -> None:
     trace = [_req(0, [1, 2]), _req(1, [5]), _req(2, [1, 2, 3]), _req(3, [5, 6]), _req(4, [7]),
              _req(5, [1, 2, 3, 4])]
     assert sessions.previous_in_session(trace) == [-1, -1, 0, 1, -1, 2]
+
+
+def test_a_turn_waits_the_traces_time_since_its_previous_one_scaled() -> None:
+    # Arrivals 0..5 s (request i at i s): request 5 follows request 2 by 3 s, 3 follows 1 by 2.
+    trace = [_req(0, [1, 2]), _req(1, [5]), _req(2, [1, 2, 3]), _req(3, [5, 6]), _req(4, [7]),
+             _req(5, [1, 2, 3, 4])]
+    before = sessions.previous_in_session(trace)
+    assert sessions.think_times(trace, before, 0.5) == [0.0, 0.0, 1.0, 1.0, 0.0, 1.5]
+    assert sessions.think_times(trace, before, 0.0) == [0.0] * 6

@@ -306,6 +306,20 @@ def test_a_request_waits_for_the_answer_it_follows_holding_its_slot() -> None:
     assert waited.sim_seconds == pytest.approx(0.2)
 
 
+def test_a_request_following_an_answer_waits_its_think_time_too() -> None:
+    # Request 1 follows request 0 (answered at 0.1 s) and thinks 0.05 s more, holding its
+    # slot: with one slot, request 2 goes only after request 1.
+    costs = SimCosts(prefill_us_per_token=100.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=0.0)
+    reqs = trace([1, 2], [1, 2, 3], [7, 8], tokens=1000)
+    result = simulate(reqs, config(1, 8, "round_robin", concurrency=1, costs=costs,
+                                   serial_prefill=False, reuse="computed", after=(-1, 0, -1),
+                                   think_s=(0.0, 0.05, 0.0)))
+    assert result.reused == (0, 2, 0)
+    # 0.1 for request 0, 0.05 thinking, request 1 all cached, 0.1 for request 2 (0.2 without).
+    assert result.sim_seconds == pytest.approx(0.25)
+
+
 def test_at_given_instants_a_request_still_waits_for_the_answer_it_follows() -> None:
     # Arrivals at fixed instants (a live run's decisions): request 1 is due at 0.05 s, before
     # request 0's answer at 0.1 s. Following it, it goes at 0.1 s and finds its history
