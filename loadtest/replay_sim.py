@@ -42,7 +42,7 @@ from loadtest.sessions import previous_in_session, think_times
 from loadtest.sim.cluster import SimConfig, pooled_bound, simulate
 from loadtest.sim.report import max_over_mean, metrics, percentile
 from loadtest.traces import TraceRequest
-from worker.kvcache import Reuse
+from worker.settings import CACHE_REUSE
 
 if TYPE_CHECKING:
     from loadtest.replay import ReplayConfig, RunResult
@@ -83,7 +83,7 @@ def sim_overrides(pairs: Sequence[str]) -> Overrides:
 _KINDS = (bool, int, float)
 # Fields of another kind that may be set, with the values they take: the engines' rule for
 # reusing a block (what the fleet would have done on another engine, e.g. reuse=computed).
-_CHOICES = {"reuse": tuple(rule.value for rule in Reuse)}
+_CHOICES = {"reuse": CACHE_REUSE}
 # What the live run fixed (its fleet, its timing): not changed after the fact.
 _LIVE_RUN = frozenset({"workers", "cache_blocks", "max_running", "ring_seed", "speedup",
                        "key_blocks_per_block", "decision_gap_s", "route_delay_s",

@@ -484,7 +484,6 @@ class ClusterSim:
         # Under Reuse.SCHEDULED: per request still computing blocks others reused, what runs
         # once it computed them (the first tokens of those others).
         self._computing: dict[str, list[Callable[[float], None]]] = {}
-        self._scheduled = Reuse(config.reuse) is Reuse.SCHEDULED
         # The volume guard's session copies run at a background priority: the index records
         # each once it is done (WarmPrompt.recorded_at_answer), else when it is sent.
         self._background_copies = config.copy_priority > 0 and config.priority_engines
@@ -714,8 +713,7 @@ class ClusterSim:
             w.running += 1
             req = job.req
             job.matched_blocks = alloc.matched_blocks
-            if self._scheduled:
-                job.awaits = alloc.awaits
+            job.awaits = alloc.awaits  # empty but under Reuse.SCHEDULED
             if job.attempt is not None:  # a client's request, not a pre-warm
                 self._reused[job.pos] = alloc.matched_blocks
                 w.blocks += len(req.blocks)
