@@ -133,7 +133,7 @@ class GatewaySettings:
                        "worker's share recently: evens out routed volume (KV memory), the "
                        "session moving to a copy of it (see volume_copy). 0: never, the "
                        "default; 1.1 balances agent sessions to 1.2-1.3x the mean volume for "
-                       "a few thousandths of hit rate and 10-35 percent of p99 (a turn moved to a "
+                       "a few thousandths of hit rate and 3-37 percent of p99 (a turn moved to a "
                        "copy still being computed waits for it)"),
     )
     volume_copy: bool = field(

@@ -75,11 +75,11 @@ session's holder holds, within its bound and the slack, counts as its copy (the 
 had its next turn meanwhile). One copy per session is under way at a time. On agent sessions
 that wait for each answer, on engines of that rule, the guard at 1.1 gives 0.992-0.996 of the
 bound at 1.18-1.28x the mean volume against 0.996-0.997 at 1.5-2.9x without it, and p99
-10-35% higher (a turn moved to a copy still being computed waits for it; BENCHMARKS.md,
-"the volume guard on engines that reuse a block once begun"): hence 0 (off) by default,
-the setting for a fleet that wants its KV memory balanced. The
-guard credits a holder with the prefill a move would redo (its bound grows by the prompt tokens
-it holds for the request): a conversation is not moved off its worker because its own earlier
+3-37% higher by window (a turn moved to a copy still being computed waits for it;
+BENCHMARKS.md, "the volume guard on engines that reuse a block once begun"): hence 0 (off)
+by default, the setting for a fleet that wants its KV memory balanced. The guard credits a
+holder with the prefill a move would redo (its bound grows by the prompt tokens it holds for
+the request): a conversation is not moved off its worker because its own earlier
 turns are in flight there. Its bound also grows by the cached
 context of the other prompts it has in flight (not of those that share the part it holds of this
 one): other sessions' long histories served from its cache do not send a session away from its
@@ -143,7 +143,7 @@ class PolicyOptions:
     # its share of the pool's, by more than twice the request's blocks, gets no credit for a
     # session's next turn, when the session routed at least half a worker's share: one long
     # session cannot make a worker's volume. 0 (the default): never. 1.1 balances agent
-    # sessions to 1.18-1.28x the mean volume for 0.001-0.004 of hit rate and 10-35% of p99
+    # sessions to 1.18-1.28x the mean volume for 0.001-0.004 of hit rate and 3-37% of p99
     # (BENCHMARKS.md, "the volume guard on engines that reuse a block once begun").
     volume_guard: float = 0.0
     # cache_aware, with the volume guard: a session over it moves only to a worker holding a
