@@ -182,6 +182,12 @@ class WorkerPool:
         self.private_blocks = private_blocks
         self._ring = Ring({})
         self._ring_dirty = False
+        # Where a ring made stale by a change is rebuilt: given a callable, this schedules it
+        # (the gateway passes its event loop's ``call_soon``, so that the rebuild, 1.3 ms at 16
+        # workers and 5 ms at 64, runs between requests instead of inside one's decision);
+        # None: at the next snapshot.
+        self.defer: Callable[[Callable[[], None]], object] | None = None
+        self._ring_due = False
         # Views for routing, refreshed only for the workers that changed since the last
         # snapshot, with pool-wide (in-flight tokens, weight) of the healthy ones kept alongside.
         self._views: dict[str, WorkerView] = {}
@@ -353,8 +359,23 @@ class WorkerPool:
         return {wid: s.inflight_tokens for wid, s in self._workers.items() if s.inflight_tokens}
 
     def _rebuild_ring(self) -> None:
-        # Lazily, at the next snapshot: a burst of membership changes costs one rebuild.
+        # Lazily: a burst of membership changes costs one rebuild, made where ``defer`` runs
+        # it, or else at the next snapshot.
         self._ring_dirty = True
+        if self.defer is not None and not self._ring_due:
+            self._ring_due = True
+            self.defer(self.prepare_ring)
+
+    @property
+    def ring_stale(self) -> bool:
+        """Whether a change waits for its ring rebuild (``defer``'s, or the next snapshot's)."""
+        return self._ring_dirty
+
+    def prepare_ring(self) -> None:
+        """Build the ring now if a change left it stale (else the next snapshot would)."""
+        self._ring_due = False
+        if self._ring_dirty:
+            _ = self.ring
 
     def __contains__(self, wid: str) -> bool:
         return wid in self._workers or wid in self._ranks

@@ -107,9 +107,17 @@ async def _discovery(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _first_health_round(app: web.Application) -> AsyncIterator[None]:
-    """Workers are probed once before the first request (nothing to close)."""
+    """Workers are probed once before the first request, and the ring is built from them then,
+    not in the first request's decision; later changes rebuild it between requests
+    (``WorkerPool.defer``) until shutdown."""
     await app[HEALTH_KEY].probe_all()
-    yield
+    pool = app[POOL_KEY]
+    pool.defer = asyncio.get_running_loop().call_soon
+    pool.prepare_ring()
+    try:
+        yield
+    finally:
+        pool.defer = None
 
 
 async def _kv_events(app: web.Application) -> AsyncIterator[None]:

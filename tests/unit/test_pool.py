@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 
+from gateway import pool as pool_module
 from gateway.pool import WorkerPool
 from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.ring import Ring
 
 URL = "http://10.0.0.1:8001"
 WID = "10.0.0.1:8001"
@@ -89,6 +91,43 @@ def test_ring_is_rebuilt_once_per_burst_of_changes() -> None:
     assert pool.ring is ring  # no change, no rebuild
     pool.set_weights({"10.0.0.0:8001": 2.0})
     assert pool.ring is not ring
+
+
+def test_a_deferred_rebuild_is_scheduled_once_per_burst_and_builds_the_ring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: list[Ring] = []
+
+    class CountedRing(Ring):
+        def __init__(self, weights: Mapping[str, float]) -> None:
+            super().__init__(weights)
+            built.append(self)
+
+    monkeypatch.setattr(pool_module, "Ring", CountedRing)
+    pool = WorkerPool([], PrefixIndex())
+    scheduled: list[Callable[[], None]] = []
+    pool.defer = scheduled.append
+    for i in range(3):
+        pool.add(f"http://10.0.0.{i}:8001")
+    pool.set_weights({"10.0.0.0:8001": 2.0})
+    assert len(scheduled) == 1  # one rebuild for the burst ...
+    assert len(built) == 1  # ... not made yet (the first: the empty pool's)
+    scheduled.pop()()
+    assert len(built) == 2  # made by the deferred call ...
+    assert pool.snapshot(0.0).ring is built[-1]  # ... so the next decision makes none
+    assert built[-1].members == ("10.0.0.0:8001", "10.0.0.1:8001", "10.0.0.2:8001")
+    pool.remove("10.0.0.2:8001")  # the next change schedules the next rebuild
+    assert len(scheduled) == 1
+    scheduled.pop()()
+    assert len(built) == 3
+    assert pool.ring.members == ("10.0.0.0:8001", "10.0.0.1:8001")
+
+
+def test_a_ring_change_made_before_its_deferred_rebuild_runs_is_seen_at_once() -> None:
+    pool = WorkerPool(["http://10.0.0.0:8001"], PrefixIndex())
+    pool.defer = lambda rebuild: None  # never runs: the snapshot still sees the change
+    pool.add("http://10.0.0.1:8001")
+    assert pool.ring.members == ("10.0.0.0:8001", "10.0.0.1:8001")
 
 
 def test_snapshot_totals_follow_every_change() -> None:
