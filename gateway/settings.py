@@ -111,6 +111,12 @@ class GatewaySettings:
         metadata=_help("cache_aware: weight of cache turnover against recent requests when "
                        "placing a cold prefix (0: requests only)"),
     )
+    walk_past_queued: bool = field(
+        default=_POLICY.walk_past_queued,
+        metadata=_help("cache_aware: when each of those k would make a new session off a "
+                       "shared trunk wait (a prefill queued there), take a worker further along "
+                       "the ring with none"),
+    )
     candidate_limit: int = field(
         default=_POLICY.candidate_limit,
         metadata=_help("cache_aware: look at the prefix's holders and the first k workers on "

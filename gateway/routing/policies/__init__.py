@@ -42,8 +42,12 @@ left the request is placed like a cold prefix, from the ring anchor past the tru
 trunk's few holders. That holds only for a trunk whose branches grow (the index learns it per
 trunk: later requests extended what went on from it, as sessions' next turns do, at least as
 often as they reused it from inside, as questions on a shared document do); the branches of a
-trunk they reuse stay with the trunk. *Volume* (``volume_guard``, off by default; 1.1 is
-the setting it was built at): sessions stick to
+trunk they reuse stay with the trunk. When each of a branch's ring choices has a prefill
+queued (``walk_past_queued``), it goes to a worker further along the ring with none, unless
+the trunk the choices hold costs more prefill than that wait: agents' new sessions doubled up
+on one worker while others idled, their first turns setting the p99 (a cold prefix, which may
+be a document many requests will share, keeps its choices). *Volume* (``volume_guard``, off
+by default; 1.1 is the setting it was built at): sessions stick to
 their worker, so a worker's routed volume over a minute is the sessions it was given, and one
 long-context session can be twice a worker's mean prompt volume while its requests in flight
 look like anyone's. A holder whose recent routed prompt blocks (cached or not, halved every
@@ -129,6 +133,10 @@ class PolicyOptions:
     ring_choices: int = 4
     spread_guard: float = 1.5  # cache_aware: skip choices over 1.5 x their mean in flight
     pressure_weight: float = 4.0  # cache_aware: cache turnover against recent requests
+    # cache_aware: when each ring choice for a new session off a shared trunk would make it
+    # wait (a prefill queued), a worker further along the ring with none, if what it must
+    # prefill more (the trunk the choices hold) is less than that wait.
+    walk_past_queued: bool = True
     candidate_limit: int = 16
     # Requests sharing a prefix (halved every 30 s) to call it hot; 0: never (a prefix spreads
     # only when waiting on its holder costs more than the prefill elsewhere: wait_weight).
@@ -191,7 +199,8 @@ def build_engine(name: str, opts: PolicyOptions = PolicyOptions()) -> RoutingEng
             )
             profile = Profile(
                 name, (*base, guard), ((scorer, 1.0),), SpreadPicker(
-                    opts.ring_choices, opts.spread_guard, opts.pressure_weight
+                    opts.ring_choices, opts.spread_guard, opts.pressure_weight,
+                    opts.walk_past_queued, opts.quick_first_token_s,
                 ),
                 uses_prefix_index=True, min_match_blocks=opts.min_match_blocks,
                 candidate_limit=opts.candidate_limit, hot_threshold=opts.hot_threshold,

@@ -7,7 +7,7 @@ replicas: equal candidates resolve the same way everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from gateway.routing.engine import Context
 from gateway.routing.types import WorkerView
@@ -41,7 +41,8 @@ class RingPicker:
         best = max(totals.values())
         by_id = {w.id: w for w in candidates if totals[w.id] >= best - _EPS}
         seen: list[tuple[int, WorkerView]] = []
-        for skipped, wid in enumerate(ctx.snapshot.ring.walk(ctx.anchor)):
+        walk = enumerate(ctx.snapshot.ring.walk(ctx.anchor))
+        for skipped, wid in walk:
             view = by_id.get(wid)
             if view is None:
                 continue
@@ -50,6 +51,10 @@ class RingPicker:
                 break
         if seen:
             skipped, chosen = seen[0] if len(seen) == 1 else self.choose(ctx, seen)
+            further = self.beyond(ctx, seen, walk, by_id)
+            if further is not None:
+                skipped, chosen = further
+                return chosen, f"ring skip={skipped} past queued choices"
             return chosen, "ring" if skipped == 0 else f"ring skip={skipped}"
         # A candidate the ring does not know yet (membership changed since it was built).
         chosen = by_id[min(by_id)]
@@ -60,3 +65,11 @@ class RingPicker:
     ) -> tuple[int, WorkerView]:
         """One of ``seen`` (ring position, view; two or more, in ring order): the lightest."""
         return min(seen, key=_lightest)
+
+    def beyond(
+        self, ctx: Context, seen: Sequence[tuple[int, WorkerView]],
+        walk: Iterator[tuple[int, str]], by_id: Mapping[str, WorkerView],
+    ) -> tuple[int, WorkerView] | None:
+        """A worker further along the ring (``walk``, where it stopped past ``seen``; of the
+        equals ``by_id``) to take instead of the one :meth:`choose` took; None: none."""
+        return None

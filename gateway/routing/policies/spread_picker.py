@@ -41,7 +41,7 @@ in flight, then ring order, so replicas that see the same index and loads agree.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from gateway.routing.engine import Context
 from gateway.routing.policies.ring_picker import RingPicker
@@ -51,7 +51,8 @@ from gateway.routing.types import WorkerView
 class SpreadPicker(RingPicker):
     name = "spread"
 
-    def __init__(self, choices: int = 4, guard: float = 1.5, pressure_weight: float = 4.0) -> None:
+    def __init__(self, choices: int = 4, guard: float = 1.5, pressure_weight: float = 4.0,
+                 past_queued: bool = True, quick_s: float = 0.0) -> None:
         super().__init__(choices)
         if guard < 1.0:
             raise ValueError("guard must be >= 1")
@@ -59,6 +60,56 @@ class SpreadPicker(RingPicker):
             raise ValueError("pressure_weight must be >= 0")
         self.guard = guard
         self.pressure_weight = pressure_weight
+        self.past_queued = past_queued
+        self.quick_s = quick_s  # an engine this quick to a first token makes nobody wait
+
+    def beyond(
+        self, ctx: Context, seen: Sequence[tuple[int, WorkerView]],
+        walk: Iterator[tuple[int, str]], by_id: Mapping[str, WorkerView],
+    ) -> tuple[int, WorkerView] | None:
+        """With ``past_queued``, for a new session off a shared trunk (a branch, placed from
+        the ring past the trunk), when every choice would make the prompt wait (a prefill
+        queued there, or requests its engine has waiting for admission, unless its engine
+        reports first tokens within ``quick_s``, as the load bound's exemption reads them:
+        there nothing waits however much is queued), the first worker
+        further along the ring with no wait, if the prefill it adds (the part of the prompt
+        the choices hold that it does not: the shared trunk of a new session) is less than
+        the least wait among the choices (of as many such as there were choices, the one
+        :meth:`choose` takes); None otherwise.
+
+        The choices keep cold placement tied to the anchor and the caches' turnover even,
+        which no request waits for; a prompt sent where a prefill is under way waits for it
+        (or, on an engine whose prefills share compute, both slow down). With most workers
+        busy, all of a few choices often are while others idle: agents' new sessions doubled
+        up on one worker that way, their first turns (thousands of tokens each) setting the
+        p99. Only a branch: what it places is one session's own context, which its next
+        turns follow wherever it is. A cold prefix may be a document many later requests
+        share, whose place the choices' balance matters more for than its first request's
+        wait: walked past its choices, the new documents of a RAG workload's opening went to
+        the one idle worker in turn, and its p99 rose 7-10% (BENCHMARKS.md)."""
+        if not self.past_queued or ctx.branch_anchor is None:
+            return None
+        prompt = max(ctx.request.prompt_tokens, 1)
+        quick = self.quick_s
+        least = min(_wait(view, prompt, quick) for _, view in seen)
+        if least <= 0 or len(by_id) <= len(seen) or all(
+                _wait(view, prompt, quick) for view in by_id.values()):
+            return None  # a choice makes it wait for nothing, or every worker would
+        matches = ctx.matches
+        held = max(matches.get(view.id, 0) for _, view in seen)
+        blocks = max(ctx.request.key.total_blocks, 1)
+        free: list[tuple[int, WorkerView]] = []
+        for skipped, wid in walk:
+            view = by_id.get(wid)
+            if view is None or _wait(view, prompt, quick) > 0:
+                continue
+            if prompt * (held - matches.get(wid, 0)) / blocks < least:
+                free.append((skipped, view))
+                if len(free) == len(seen):
+                    break
+        if not free:
+            return None
+        return free[0] if len(free) == 1 else self.choose(ctx, free)
 
     def choose(
         self, ctx: Context, seen: Sequence[tuple[int, WorkerView]]
@@ -103,6 +154,16 @@ class SpreadPicker(RingPicker):
             if best is None or cost < best:
                 best, chosen = cost, sv
         return chosen
+
+
+def _wait(view: WorkerView, prompt: int, quick_s: float) -> int:
+    """What a prompt of ``prompt`` tokens waits for on ``view``, in prefill tokens: its
+    queued prefill, and one prefill of the prompt per request its engine has waiting
+    (as ``cache_cost`` prices them); nothing where its engine reports giving its requests
+    their first token within ``quick_s`` on average (as the load bound exempts it)."""
+    if quick_s > 0 and view.first_token_s is not None and view.first_token_s <= quick_s:
+        return 0
+    return view.inflight_prefill + prompt * view.waiting_requests
 
 
 def _pressure(tail_age: float) -> float:
