@@ -137,10 +137,10 @@ class GatewaySettings:
                        "request gets no credit for a session's next turn (a request that "
                        "extends a prompt it holds) when the session routed at least half a "
                        "worker's share recently: evens out routed volume (KV memory), the "
-                       "session moving to a copy of it (see volume_copy). 0: never, the "
-                       "default; 1.1 balances agent sessions to 1.2-1.3x the mean volume for "
-                       "a few thousandths of hit rate and 3-37 percent of p99 (a turn moved to a "
-                       "copy still being computed waits for it)"),
+                       "session moving to a copy of it (see volume_copy), made only while at "
+                       "most a quarter of the pool has prefill queued. 1.1, the default: agent "
+                       "sessions with seconds between turns balanced to 1.3x the mean volume "
+                       "at no p99 cost; a saturated pool makes no copies. 0: never"),
     )
     volume_copy: bool = field(
         default=_POLICY.volume_copy,

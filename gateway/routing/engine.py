@@ -37,6 +37,9 @@ VOLUME_SLACK = 2.0
 VOLUME_SESSION_SHARE = 0.5
 VOLUME_MEDIUM_SHARE = 0.2
 VOLUME_COPY_SHARE = 0.75
+# A copy is made only while at most this share of the pool's workers has prefill queued
+# (requests waiting for admission, a copy under way): capacity nobody else needs.
+COPY_BUSY_SHARE = 0.25
 
 
 @value
@@ -459,9 +462,24 @@ class RoutingEngine:
         background priority gives it only the capacity its requests leave: there it slows no
         request, and waiting for an idle worker only made the session move later (agent
         sessions, simulated on the live runs' timing: routed max/mean 1.38 -> 1.26, p99 time
-        to first token 265 -> 254 ms)."""
+        to first token 265 -> 254 ms).
+
+        Elsewhere a copy is made only while the pool has capacity to spare: at most
+        ``COPY_BUSY_SHARE`` (a quarter) of its healthy workers with prefill queued, requests
+        waiting or a copy under way. An idle worker in a busy pool does not stay idle for the
+        length of a copy: requests placed there meanwhile shared its compute, and a turn moved
+        to the copy waited for it (agent sessions back to back, with a decision finding about
+        half of the workers busy: p99 1.18x that of sessions kept whole). With seconds between
+        turns (3-6% of the workers busy at a decision) copies are made as before, during the
+        sessions' think time, and cost no p99 (BENCHMARKS.md, "the ring off the request path,
+        agents with seconds between turns")."""
         others = [w for w in candidates if ctx.matches.get(w.id, 0) < depth and (
             w.copies_yield or (not w.copies and not w.inflight_prefill))]
+        healthy = [w for w in ctx.snapshot.workers if w.healthy]
+        busy = sum(1 for w in healthy if w.inflight_prefill or w.waiting_requests or w.copies)
+        if busy > COPY_BUSY_SHARE * len(healthy):
+            # No capacity to spare: only an engine that yields to its requests takes a copy.
+            others = [w for w in others if w.copies_yield]
         if not others:
             return decision
         return dataclasses.replace(decision, copy_to=min(others, key=_by_volume(ctx)).id)

@@ -594,6 +594,28 @@ def test_a_copy_goes_only_where_no_prefill_is_queued(busy: tuple[str, ...]) -> N
     assert decision.copy_to == ("w0" if len(busy) == 1 else "")
 
 
+@pytest.mark.parametrize(("busy", "expected"), [((), "w0"), (("w3",), "w0"),
+                                                 (("w2", "w3"), "")])
+def test_a_copy_is_made_only_while_the_pool_has_capacity_to_spare(
+    busy: tuple[str, ...], expected: str
+) -> None:
+    """w0 is idle and has the least recent volume of the idle workers, but a copy is made
+    only while at most a quarter of the pool is prefilling (one worker of four here): with
+    two of four busy, an idle worker would not stay idle for the length of a whole
+    history's prefill, and the session stays whole for now."""
+    index = PrefixIndex()
+    for _ in range(3):
+        index.record(LONG, "w1", 0.0)
+    for i, wid in enumerate(("w0", "w2", "w2", "w3", "w3", "w3")):
+        index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}"), inflight_prefill=500 * (w in busy))
+                  for w in IDS)
+    decision = build_engine("cache_aware", COPY).route(
+        _session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
+    assert decision.worker_id == "w1"
+    assert decision.copy_to == expected
+
+
 def test_a_worker_making_a_copy_gets_no_other() -> None:
     """As above, with w0 (where the copy would go) already making a copy of another session:
     the copy goes to the next choice, the worker with the least recent volume."""

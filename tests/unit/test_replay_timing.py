@@ -310,13 +310,14 @@ def test_the_simulator_moves_sessions_by_copies_as_the_gateway_does() -> None:
     # Long agent sessions with the volume guard on: the simulated gateway copies sessions
     # whole (the request's own key, every block) to where they move, never two at once to one
     # worker, and then routes their next turns there; the guard evens the routed volume out
-    # with fewer misses than cold moves (the same guard moving sessions at once).
+    # with fewer misses than cold moves (the same guard moving sessions at once). Four
+    # sessions at a time on sixteen workers: the pool has the capacity copies are made with.
     from loadtest.replay_sim import live_units
     from loadtest.trace_workloads import workload_trace
 
-    config = ReplayConfig(workers=16, cache_blocks=2000, concurrency=32)
+    config = ReplayConfig(workers=16, cache_blocks=2000, concurrency=4)
     requests = live_units(workload_trace("agent-sessions", 2400, 0)[2000:], config)
-    base = SimConfig(workers=16, cache_blocks=2000, policy="cache_aware", concurrency=32,
+    base = SimConfig(workers=16, cache_blocks=2000, policy="cache_aware", concurrency=4,
                      costs=config.sim_costs(), key_blocks_per_block=1,
                      request_delays=((0.01, 0.007),), decision_gap_s=0.0003)
     results = {}
@@ -398,14 +399,15 @@ def test_session_copies_at_a_background_priority_leave_the_prefills_to_the_reque
     # copying sessions: sent at priority 1 (SimConfig.copy_priority, the gateway's
     # --copy-priority) a copy prefills only while no client request does on its worker, so
     # the copies themselves take longer. Engines on first-come-first-served scheduling
-    # refuse it: the copies go as before.
+    # refuse it: the copies go as before (four sessions at a time on sixteen workers: the
+    # pool has capacity to spare, so the first-come-first-served engines take copies too).
     from loadtest.replay_sim import live_units
     from loadtest.trace_workloads import workload_trace
 
-    config = ReplayConfig(workers=16, cache_blocks=2000, concurrency=32,
+    config = ReplayConfig(workers=16, cache_blocks=2000, concurrency=4,
                           prefill_us_per_token=50.0)
     requests = live_units(workload_trace("agent-sessions", 2400, 0)[2000:], config)
-    base = SimConfig(workers=16, cache_blocks=2000, policy="cache_aware", concurrency=32,
+    base = SimConfig(workers=16, cache_blocks=2000, policy="cache_aware", concurrency=4,
                      costs=dataclasses.replace(config.sim_costs(), prefill_shared=True),
                      block_tokens=config.block_tokens, key_blocks_per_block=1,
                      request_delays=((0.01, 0.007),), decision_gap_s=0.0003,

@@ -46,8 +46,8 @@ trunk they reuse stay with the trunk. When each of a branch's ring choices has a
 queued (``walk_past_queued``), it goes to a worker further along the ring with none, unless
 the trunk the choices hold costs more prefill than that wait: agents' new sessions doubled up
 on one worker while others idled, their first turns setting the p99 (a cold prefix, which may
-be a document many requests will share, keeps its choices). *Volume* (``volume_guard``, off
-by default; 1.1 is the setting it was built at): sessions stick to
+be a document many requests will share, keeps its choices). *Volume* (``volume_guard``, 1.1
+by default): sessions stick to
 their worker, so a worker's routed volume over a minute is the sessions it was given, and one
 long-context session can be twice a worker's mean prompt volume while its requests in flight
 look like anyone's. A holder whose recent routed prompt blocks (cached or not, halved every
@@ -77,11 +77,18 @@ reuses it, waiting for the rest of its computation. A copy at a background prior
 it answered (``WarmPrompt.recorded_at_answer``); then a holder of three quarters of what the
 session's holder holds, within its bound and the slack, counts as its copy (the holder has
 had its next turn meanwhile). One copy per session is under way at a time. On agent sessions
-that wait for each answer, on engines of that rule, the guard at 1.1 gives 0.992-0.996 of the
+that wait for each answer, on engines of that rule, the guard at 1.1 gave 0.992-0.996 of the
 bound at 1.18-1.28x the mean volume against 0.996-0.997 at 1.5-2.9x without it, and p99
-3-37% higher by window (a turn moved to a copy still being computed waits for it;
-BENCHMARKS.md, "the volume guard on engines that reuse a block once begun"): hence 0 (off)
-by default, the setting for a fleet that wants its KV memory balanced. The guard credits a
+3-37% higher by window (a turn moved to a copy still being computed waits for it; the copies'
+prefills shared the compute of the requests placed beside them; BENCHMARKS.md, "the volume
+guard on engines that reuse a block once begun"). So a copy is made only while at most a
+quarter of the pool's workers has prefill queued (``COPY_BUSY_SHARE``; an engine running
+copies at background priority takes one however busy): back to back, with half the workers
+busy at a decision, hardly any copy is made and the routing is that of sessions kept whole;
+with seconds between turns, as agents take them (3-6% of the workers busy), the copies are
+made during the sessions' think time and the guard balances them to 1.3x the mean volume at
+no p99 cost (BENCHMARKS.md, "the ring off the request path, agents with seconds between
+turns"). The guard credits a
 holder with the prefill a move would redo (its bound grows by the prompt tokens it holds for
 the request): a conversation is not moved off its worker because its own earlier
 turns are in flight there. Its bound also grows by the cached
@@ -150,10 +157,12 @@ class PolicyOptions:
     # cache_aware: a holder whose recent routed prompt blocks (cached or not) are over this x
     # its share of the pool's, by more than twice the request's blocks, gets no credit for a
     # session's next turn, when the session routed at least half a worker's share: one long
-    # session cannot make a worker's volume. 0 (the default): never. 1.1 balances agent
-    # sessions to 1.18-1.28x the mean volume for 0.001-0.004 of hit rate and 3-37% of p99
-    # (BENCHMARKS.md, "the volume guard on engines that reuse a block once begun").
-    volume_guard: float = 0.0
+    # session cannot make a worker's volume. Its copies are made only while the pool has
+    # capacity to spare (engine.COPY_BUSY_SHARE). 1.1 (the default): agent sessions with
+    # seconds between turns at 1.3x the mean volume instead of 1.9x, for 0.003 of hit rate
+    # and no p99; back to back it makes no copies (BENCHMARKS.md, "the ring off the request
+    # path, agents with seconds between turns"). 0: never.
+    volume_guard: float = 1.1
     # cache_aware, with the volume guard: a session over it moves only to a worker holding a
     # copy of its prompt, which the pre-warmer makes while its holder keeps serving it (no
     # prefill on a request's path); False: it moves at once and the request redoes its history.
