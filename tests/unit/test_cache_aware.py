@@ -576,22 +576,30 @@ def test_a_session_over_the_guard_stays_and_is_copied() -> None:
     assert _volume_route(2, COPY).copy_to == ""
 
 
-@pytest.mark.parametrize("busy", [("w2",), ("w0", "w2", "w3")])
-def test_a_copy_goes_only_where_no_prefill_is_queued(busy: tuple[str, ...]) -> None:
-    """w2 has the least recent volume but is prefilling a prompt; w0 and w3, with more
-    volume, are not: the copy (a whole history's prefill) goes to the lighter of those two,
-    not beside w2's prefill. With every other worker prefilling, nothing is copied now."""
+def _copy_to(others: tuple[str, ...], busy: tuple[str, ...]) -> str:
+    """Where the session w1 holds (over the guard: 3 turns) is copied, with ``others``
+    listing the holder of each other 20-block prompt recorded (their recent volume) and
+    ``busy`` the workers prefilling 500 tokens."""
     index = PrefixIndex()
     for _ in range(3):
         index.record(LONG, "w1", 0.0)
-    for i, wid in enumerate(("w0", "w0", "w2", "w3", "w3", "w3")):
+    for i, wid in enumerate(others):
         index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
     views = tuple(WorkerView(Worker(w, f"http://{w}"), inflight_prefill=500 * (w in busy))
                   for w in IDS)
     decision = build_engine("cache_aware", COPY).route(
         _session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
     assert decision.worker_id == "w1"
-    assert decision.copy_to == ("w0" if len(busy) == 1 else "")
+    return decision.copy_to
+
+
+@pytest.mark.parametrize("busy", [("w2",), ("w0", "w2", "w3")])
+def test_a_copy_goes_only_where_no_prefill_is_queued(busy: tuple[str, ...]) -> None:
+    """w2 has the least recent volume but is prefilling a prompt; w0 and w3, with more
+    volume, are not: the copy (a whole history's prefill) goes to the lighter of those two,
+    not beside w2's prefill. With every other worker prefilling, nothing is copied now."""
+    copy_to = _copy_to(("w0", "w0", "w2", "w3", "w3", "w3"), busy)
+    assert copy_to == ("w0" if len(busy) == 1 else "")
 
 
 @pytest.mark.parametrize(("busy", "expected"), [((), "w0"), (("w3",), "w0"),
@@ -603,17 +611,7 @@ def test_a_copy_is_made_only_while_the_pool_has_capacity_to_spare(
     only while at most a quarter of the pool is prefilling (one worker of four here): with
     two of four busy, an idle worker would not stay idle for the length of a whole
     history's prefill, and the session stays whole for now."""
-    index = PrefixIndex()
-    for _ in range(3):
-        index.record(LONG, "w1", 0.0)
-    for i, wid in enumerate(("w0", "w2", "w2", "w3", "w3", "w3")):
-        index.record(tuple(range(3000 + 100 * i, 3020 + 100 * i)), wid, 0.0)
-    views = tuple(WorkerView(Worker(w, f"http://{w}"), inflight_prefill=500 * (w in busy))
-                  for w in IDS)
-    decision = build_engine("cache_aware", COPY).route(
-        _session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
-    assert decision.worker_id == "w1"
-    assert decision.copy_to == expected
+    assert _copy_to(("w0", "w2", "w2", "w3", "w3", "w3"), busy) == expected
 
 
 def test_a_worker_making_a_copy_gets_no_other() -> None:
