@@ -86,7 +86,7 @@ class SpreadPicker(RingPicker):
         turns follow wherever it is. A cold prefix may be a document many later requests
         share, whose place the choices' balance matters more for than its first request's
         wait: walked past its choices, the new documents of a RAG workload's opening went to
-        the one idle worker in turn, and its p99 rose 7-10% (BENCHMARKS.md)."""
+        the one idle worker in turn, and its p99 rose 9-16% (BENCHMARKS.md)."""
         if not self.past_queued or ctx.branch_anchor is None:
             return None
         prompt = max(ctx.request.prompt_tokens, 1)
