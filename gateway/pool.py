@@ -375,7 +375,7 @@ class WorkerPool:
         """Build the ring now if a change left it stale (else the next snapshot would)."""
         self._ring_due = False
         if self._ring_dirty:
-            _ = self.ring
+            self._build_ring()
 
     def __contains__(self, wid: str) -> bool:
         return wid in self._workers or wid in self._ranks
@@ -586,10 +586,12 @@ class WorkerPool:
     @property
     def ring(self) -> Ring:
         if self._ring_dirty:
-            self._ring = Ring(
-                {wid: s.worker.weight * s.ramp for wid, s in self._workers.items()})
-            self._ring_dirty = False
+            self._build_ring()
         return self._ring
+
+    def _build_ring(self) -> None:
+        self._ring = Ring({wid: s.worker.weight * s.ramp for wid, s in self._workers.items()})
+        self._ring_dirty = False
 
     def _refresh_views(self) -> None:
         """Recompute the views (and the healthy totals) of the workers that changed."""

@@ -61,6 +61,12 @@ def _cached_elsewhere(key: PrefixKey, held: int, view: WorkerView) -> int:
                if len(blocks) <= i or blocks[i] != mark)
 
 
+def starts_at_once(view: WorkerView, quick_s: float) -> bool:
+    """Whether ``view``'s engine reports giving its requests their first token within
+    ``quick_s`` on average (0: never): tokens in flight there make nobody wait."""
+    return bool(quick_s) and view.first_token_s is not None and view.first_token_s < quick_s
+
+
 def load_bound(
     c: float, total_tokens: int, cost_tokens: int, share: float, floor_requests: float = 0.0
 ) -> float:
@@ -107,6 +113,7 @@ class BoundedLoadFilter:
         quick = 0.0 if ctx.hot else self.quick_s
         kept: list[WorkerView] = []
         for w in candidates:
+            # starts_at_once(w, quick), inline: once per candidate.
             if quick and w.first_token_s is not None and w.first_token_s < quick:
                 kept.append(w)  # no bound: requests start there at once
                 continue

@@ -44,6 +44,8 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 
 from gateway.routing.engine import Context
+from gateway.routing.policies.bounded_load import starts_at_once
+from gateway.routing.policies.cache_cost import excess_wait
 from gateway.routing.policies.ring_picker import RingPicker
 from gateway.routing.types import WorkerView
 
@@ -156,14 +158,13 @@ class SpreadPicker(RingPicker):
         return chosen
 
 
-def _wait(view: WorkerView, prompt: int, quick_s: float) -> int:
-    """What a prompt of ``prompt`` tokens waits for on ``view``, in prefill tokens: its
-    queued prefill, and one prefill of the prompt per request its engine has waiting
-    (as ``cache_cost`` prices them); nothing where its engine reports giving its requests
-    their first token within ``quick_s`` on average (as the load bound exempts it)."""
-    if quick_s > 0 and view.first_token_s is not None and view.first_token_s <= quick_s:
+def _wait(view: WorkerView, prompt: int, quick_s: float) -> float:
+    """What a prompt of ``prompt`` tokens waits for on ``view``, in prefill tokens, as
+    ``cache_cost`` prices it against an idle worker; nothing where its engine starts
+    requests at once (as the load bound exempts it)."""
+    if starts_at_once(view, quick_s):
         return 0
-    return view.inflight_prefill + prompt * view.waiting_requests
+    return excess_wait(view.inflight_prefill, view.waiting_requests, 0, 0, prompt)
 
 
 def _pressure(tail_age: float) -> float:
