@@ -150,6 +150,13 @@ class GatewaySettings:
                        "session's history (false: the session moves at once, its next "
                        "request prefills the history there)"),
     )
+    volume_refresh: bool = field(
+        default=_POLICY.volume_refresh,
+        metadata=_help("cache_aware, with volume_copy: an earlier copy of a session that "
+                       "lacks turns its holder has had since is copied again (only those turns "
+                       "computed there) before the session moves to it, so the move redoes at "
+                       "most the last answer (false: the session moves to it as it is)"),
+    )
     quick_first_token_s: float = field(
         default=_POLICY.quick_first_token_s,
         metadata=_help("cache_aware: a worker whose engine reports a mean time to first token "

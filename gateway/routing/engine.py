@@ -123,6 +123,11 @@ class Profile:
     # the worker to copy the prompt to (``Decision.copy_to``), so a move is never a prefill
     # on a request's path. False: the session moves at once and the request redoes it.
     volume_copy: bool = False
+    # With copies: a copy recorded when it was sent that lacks turns its holder has had since
+    # is brought up to date (copied again, only the difference computed there) before the
+    # session moves to it, unless it cannot take the copy now. False: the session moves to a
+    # copy of three quarters of its holder's part, redoing the rest on a request's path.
+    volume_refresh: bool = False
 
 
 def _pool_weight(snapshot: Snapshot) -> float:
@@ -157,6 +162,14 @@ def _by_volume(ctx: Context) -> Callable[[WorkerView], tuple[float, int]]:
     return key
 
 
+def _copies_yield(snapshot: Snapshot, wid: str) -> bool:
+    """Whether ``wid``'s engine runs copies at background priority (recorded once answered)."""
+    if snapshot.by_id is not None:
+        view = snapshot.by_id.get(wid)
+        return view is not None and view.copies_yield
+    return any(w.id == wid and w.copies_yield for w in snapshot.workers)
+
+
 def _weight(by_id: Mapping[str, WorkerView] | None, wid: str) -> float:
     view = by_id.get(wid) if by_id is not None else None
     return view.worker.weight if view is not None else 1.0
@@ -182,8 +195,9 @@ class RoutingEngine:
             branch, matches = self._branch(request, snapshot, matches, deepest)
         over: Mapping[str, int] = {}
         copying: Mapping[str, int] = {}
+        stale: Mapping[str, str] = {}
         if matches and branch is None and profile.volume_guard > 0:
-            matches, over, copying = self._volume(request, snapshot, matches, deepest)
+            matches, over, copying, stale = self._volume(request, snapshot, matches, deepest)
         anchor = request.key.anchor if branch is None else branch
         dropped: dict[str, str] = dict.fromkeys(exclude, "failed")
         limit = profile.candidate_limit
@@ -214,7 +228,14 @@ class RoutingEngine:
             chosen, how = profile.picker.pick(ctx, candidates, totals)
         decision = self._decision(ctx, chosen, how, dropped, totals, over, known)
         if chosen.id in copying:
-            return self._copy(ctx, decision, candidates, copying[chosen.id])
+            copied = self._copy(ctx, decision, candidates, copying[chosen.id],
+                                stale.get(chosen.id, ""))
+            if copied is not None:
+                return copied
+            # Its stale copy cannot be brought up to date now: the session moves to it.
+            over = {chosen.id: copying[chosen.id]}
+            chosen, how = self._move(ctx, candidates, over[chosen.id])
+            return self._decision(ctx, chosen, how, dropped, totals, over, known)
         return decision
 
     def _matches(
@@ -288,7 +309,7 @@ class RoutingEngine:
 
     def _volume(
         self, request: RouteRequest, snapshot: Snapshot, matches: dict[str, int], deepest: int
-    ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    ) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, str]]:
         """The matches that keep their credit under the volume guard, those that lose it,
         and (``volume_copy``) those that keep it only until a copy of the session is made.
 
@@ -329,7 +350,11 @@ class RoutingEngine:
         (within its bound and the slack: its volume counts the copy already): the session
         moves to its copy (:meth:`_move`) and little is redone on the request's path (a
         copy at a background priority is recorded once it answered, by when the holder has
-        usually been given the session's next turn: the copy lacks that turn).
+        usually been given the session's next turn: the copy lacks that turn). With
+        ``volume_refresh`` a copy recorded when it was sent counts only when it holds all
+        that the holder does; one that lacks turns the holder has had since is brought up
+        to date first: the holder keeps the session, and the fourth mapping names that
+        copy's worker, where :meth:`_copy` sends the new copy.
         Without such a copy the holder keeps the session (returned as the third mapping)
         and the decision names where to copy it (:meth:`_copy`); a later turn finds the
         copy. When several holders are over their bound (a copy made earlier, its worker
@@ -339,7 +364,7 @@ class RoutingEngine:
         key = request.key
         if deepest >= len(key.blocks) or not index.extends(key.blocks[deepest - 1],
                                                             key.depth_at(deepest)):
-            return matches, {}, {}  # not a session's next turn
+            return matches, {}, {}, {}  # not a session's next turn
         size = key.total_blocks
         share = _volume_share(snapshot, size)
         guard = self.profile.volume_guard
@@ -359,12 +384,14 @@ class RoutingEngine:
             if used <= bound + slack:
                 within.add(wid)
         if len(within) == len(matches):
-            return matches, {}, {}
+            return matches, {}, {}, {}
         session = index.session_blocks(key.blocks[deepest - 1]) + size
         copy = self.profile.volume_copy
+        refresh = self.profile.volume_refresh
         kept: dict[str, int] = {}
         over: dict[str, int] = {}
         copying: dict[str, int] = {}
+        stale: dict[str, str] = {}
         for wid, depth in matches.items():
             fair = share * weights[wid]
             if wid in within:
@@ -373,12 +400,18 @@ class RoutingEngine:
                     session >= VOLUME_MEDIUM_SHARE * fair
                     and len(room) > (wid in room)):  # another holder has room
                 # Moved when no copy is asked for, or when another holder of (nearly) as
-                # much of the prompt keeps its credit (where :meth:`_move` takes it).
-                if not copy or any(matches[other] >= VOLUME_COPY_SHARE * depth
-                                   for other in within):
+                # much of the prompt keeps its credit (where :meth:`_move` takes it): with
+                # refreshes, one holding all of it or recorded only once it answered.
+                copies = [other for other in within
+                          if matches[other] >= VOLUME_COPY_SHARE * depth] if copy else []
+                if not copy or (copies and not refresh) or any(
+                        matches[other] >= depth or _copies_yield(snapshot, other)
+                        for other in copies):
                     over[wid] = depth
                 else:
                     kept[wid] = copying[wid] = depth
+                    if copies:  # it lacks the turns its holder had since: brought up to date
+                        stale[wid] = max(copies, key=lambda other: (matches[other], other))
             else:
                 kept[wid] = depth
         if len(copying) > 1:
@@ -393,7 +426,8 @@ class RoutingEngine:
                     del kept[wid]
                     over[wid] = depth
             copying = {keep: copying[keep]}
-        return kept, over, copying
+            stale = {keep: stale[keep]} if keep in stale else {}
+        return kept, over, copying, stale
 
     def _move(self, ctx: Context, candidates: Sequence[WorkerView],
               held: int) -> tuple[WorkerView, str]:
@@ -443,7 +477,7 @@ class RoutingEngine:
         return min(candidates, key=lightest), "volume: least recent volume"
 
     def _copy(self, ctx: Context, decision: Decision, candidates: Sequence[WorkerView],
-              depth: int) -> Decision:
+              depth: int, stale: str = "") -> Decision | None:
         """``decision`` kept a session on a holder over the volume guard (``volume_copy``):
         the same decision, naming the worker to copy the session's prompt to. Of the
         candidates that hold less of it and either run copies at background priority
@@ -451,6 +485,14 @@ class RoutingEngine:
         and have no prefill queued, the one with the least recent volume per unit of weight,
         then the first in ring order from the request's anchor; with none such, no copy now
         (the session stays, and its next turn asks again).
+
+        ``stale``: the worker of an earlier copy of the session that lacks the turns its
+        holder had since (``volume_refresh``). The copy goes there, where only those turns
+        are computed, and the session's next turn moves to it having lost at most the last
+        answer; moved at once, the turn redid every turn the copy lacked on its own path
+        (agent sessions with seconds between turns: 20-74 blocks of a 200-370 block prompt
+        on half of the moves). When that worker cannot take a copy now, None: the session
+        moves to its copy as it is.
 
         A copy is a prefill of the session's whole history, made with capacity nothing else
         uses: sent where other prompts are being prefilled (the holders of the trunk new
@@ -480,6 +522,10 @@ class RoutingEngine:
         if busy > COPY_BUSY_SHARE * len(healthy):
             # No capacity to spare: only an engine that yields to its requests takes a copy.
             others = [w for w in others if w.copies_yield]
+        if stale:
+            if all(w.id != stale for w in others):
+                return None
+            return dataclasses.replace(decision, copy_to=stale)
         if not others:
             return decision
         return dataclasses.replace(decision, copy_to=min(others, key=_by_volume(ctx)).id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
@@ -653,13 +654,16 @@ def test_a_worker_that_runs_copies_at_background_priority_takes_one_however_busy
 
 
 def _copied(busy: bool, inflight: Mapping[str, int] | None = None,
-            w1_extra: int = 0, copied: int = 100) -> Decision:
+            w1_extra: int = 0, copied: int = 100, yields: bool = False,
+            prefilling: tuple[str, ...] = (), opts: PolicyOptions = COPY) -> Decision:
     """w1 holds the long session (3 turns) and three other 100-block prompts: 600 recent
     blocks; w2 holds a copy of the session (100 blocks) and, when ``busy``, six other
     100-block prompts. Idle, w2 is within its bound with the next turn (204 against
     1.2 x 276 + 208); busy, it is over it like w1 (804 against 1.2 x 426 + 208).
     ``w1_extra`` more 100-block prompts on w1; ``inflight``: tokens in flight per worker;
-    ``copied``: the session's first blocks the copy on w2 holds."""
+    ``copied``: the session's first blocks the copy on w2 holds; ``yields``: the engines
+    run copies at background priority; ``prefilling``: workers with 500 tokens of prefill
+    queued."""
     index = PrefixIndex()
     for _ in range(3):
         index.record(LONG, "w1", 0.0)
@@ -670,8 +674,9 @@ def _copied(busy: bool, inflight: Mapping[str, int] | None = None,
         index.record(tuple(range(20000 + 100 * i, 20100 + 100 * i)), "w2", 0.0)
     loads = inflight or {}
     views = tuple(WorkerView(Worker(w, f"http://{w}"), True, 1 if loads.get(w) else 0,
-                             loads.get(w, 0)) for w in IDS)
-    engine = build_engine("cache_aware", COPY)
+                             loads.get(w, 0), inflight_prefill=500 * (w in prefilling),
+                             copies_yield=yields) for w in IDS)
+    engine = build_engine("cache_aware", opts)
     return engine.route(_session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
 
 
@@ -685,20 +690,43 @@ def test_a_session_over_the_guard_moves_to_its_copy() -> None:
     assert decision.copy_to == ""
 
 
-def test_a_session_moves_to_a_copy_that_lacks_its_last_turn() -> None:
-    """A copy counts once it answered, by when the holder has had the session's next turn:
-    w2's copy of the first 80 of the 100 blocks w1 holds (three quarters or more) takes the
-    session, which redoes the last 20 there (diverted by the volume guard); a copy of 60
-    does not, and the holder keeps it."""
-    moved = _copied(busy=False, copied=80)
+@pytest.mark.parametrize("why", ["background-priority", "no-refresh", "copy-worker-busy"])
+def test_a_session_moves_to_a_copy_that_lacks_its_last_turn(why: str) -> None:
+    """w2's copy holds the first 80 of the 100 blocks w1 holds (three quarters or more). It
+    takes the session, which redoes the last 20 there (diverted by the volume guard), where
+    the engines run copies at background priority (a copy counts once it answered, by when
+    the holder has had the session's next turn: it always lacks one), where copies are not
+    brought up to date (``volume_refresh`` off), and where w2 cannot take a copy now (a
+    prefill queued there). A copy of 60 does not take it, and the holder keeps it."""
+    cases: dict[str, dict[str, Any]] = {
+        "background-priority": {"yields": True},
+        "no-refresh": {"opts": PolicyOptions(volume_guard=1.1, volume_refresh=False)},
+        "copy-worker-busy": {"prefilling": ("w2",)},
+    }
+    args = cases[why]
+    moved = _copied(busy=False, copied=80, **args)
     assert moved.worker_id == "w2"
     assert moved.kind is DecisionKind.DIVERTED
     assert moved.diverted_by == "volume_guard"
     assert moved.match_blocks == 80
     assert moved.placement == "volume: its copy"
-    kept = _copied(busy=False, copied=60)
+    assert moved.copy_to == ""
+    kept = _copied(busy=False, copied=60, **args)
     assert kept.worker_id == "w1"
     assert kept.match_blocks == 100
+
+
+def test_a_copy_that_lacks_turns_is_brought_up_to_date_before_the_session_moves() -> None:
+    """With the copy recorded when it was sent (an engine that runs it as any request) and
+    w2 free to take one, w2's copy of 80 of the 100 blocks is copied again instead: the
+    holder keeps this turn (a prefix hit of all 100) and the copy goes to w2, where only the
+    last 20 blocks are computed. The next turn finds the copy whole and moves there, a
+    prefix hit with nothing redone (test above: the session moves to its copy)."""
+    decision = _copied(busy=False, copied=80)
+    assert decision.worker_id == "w1"
+    assert decision.kind is DecisionKind.PREFIX_HIT
+    assert decision.match_blocks == 100
+    assert decision.copy_to == "w2"
 
 
 def test_a_copy_on_a_worker_over_its_own_bound_does_not_take_the_session() -> None:

@@ -310,8 +310,10 @@ def test_the_simulator_moves_sessions_by_copies_as_the_gateway_does() -> None:
     # Long agent sessions with the volume guard on: the simulated gateway copies sessions
     # whole (the request's own key, every block) to where they move, never two at once to one
     # worker, and then routes their next turns there; the guard evens the routed volume out
-    # with fewer misses than cold moves (the same guard moving sessions at once). Four
-    # sessions at a time on sixteen workers: the pool has the capacity copies are made with.
+    # with fewer misses than cold moves (the same guard moving sessions at once), and fewer
+    # again where a copy that lacks turns is brought up to date before the session moves
+    # (volume_refresh). Four sessions at a time on sixteen workers: the pool has the
+    # capacity copies are made with.
     from loadtest.replay_sim import live_units
     from loadtest.trace_workloads import workload_trace
 
@@ -321,8 +323,8 @@ def test_the_simulator_moves_sessions_by_copies_as_the_gateway_does() -> None:
                      costs=config.sim_costs(), key_blocks_per_block=1,
                      request_delays=((0.01, 0.007),), decision_gap_s=0.0003)
     results = {}
-    for copy in (True, False):
-        options = PolicyOptions(volume_guard=1.2, volume_copy=copy)
+    for copy, refresh in ((True, True), (True, False), (False, False)):
+        options = PolicyOptions(volume_guard=1.2, volume_copy=copy, volume_refresh=refresh)
         sim = ClusterSim(dataclasses.replace(base, policy_options=options))
         copies: list[tuple[str, TraceRequest, PrefixKey]] = []
         busy: dict[str, int] = {}
@@ -345,19 +347,19 @@ def test_the_simulator_moves_sessions_by_copies_as_the_gateway_does() -> None:
         sim._prewarm = spy  # type: ignore[method-assign]
         sim._prewarmed = finished  # type: ignore[method-assign]
         result = sim.run(requests)
-        results[copy] = result
+        results[copy, refresh] = result
         assert bool(copies) is copy
         for _, req, key in copies:
             assert key.blocks == gateway_key(req.key, 1).blocks  # whole
         if copy:
             assert sum(w == dest for dest, *_ in copies for w in result.assignments) > 0
-    moved = results[True]
-    cold = results[False]
-    # A session moves to its copy once that answered, by when the holder has its next turn
-    # too: a move redoes that turn (diverted), where a cold move redoes the whole history.
-    assert 0 < moved.reasons.get("diverted:volume_guard", 0) < cold.reasons.get(
-        "diverted:volume_guard", 0)
-    assert moved.matched_blocks > cold.matched_blocks
+    refreshed, moved, cold = results[True, True], results[True, False], results[False, False]
+    # Moved to a copy made some turns before, a session redoes those turns (diverted), where
+    # a cold move redoes the whole history; brought up to date first, it redoes none of
+    # them (its copy holds all its holder's index knows of).
+    diverted = [r.reasons.get("diverted:volume_guard", 0) for r in (refreshed, moved, cold)]
+    assert diverted[0] < diverted[1] < diverted[2]
+    assert refreshed.matched_blocks > moved.matched_blocks > cold.matched_blocks
 
 
 def test_a_copy_keeps_its_worker_from_another_for_the_live_copy_time() -> None:
