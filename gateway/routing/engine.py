@@ -354,7 +354,10 @@ class RoutingEngine:
         ``volume_refresh`` a copy recorded when it was sent counts only when it holds all
         that the holder does; one that lacks turns the holder has had since is brought up
         to date first: the holder keeps the session, and the fourth mapping names that
-        copy's worker, where :meth:`_copy` sends the new copy.
+        copy's worker, where :meth:`_copy` sends the new copy. A holder over its bound
+        but within the slack keeps the session, unless another holder of all of it (a whole
+        copy recorded at its send) has room: the slack waits for an excess worth a move's
+        prefill, and a move to a whole copy redoes nothing.
         Without such a copy the holder keeps the session (returned as the third mapping)
         and the decision names where to copy it (:meth:`_copy`); a later turn finds the
         copy. When several holders are over their bound (a copy made earlier, its worker
@@ -383,22 +386,31 @@ class RoutingEngine:
                 room.add(wid)
             if used <= bound + slack:
                 within.add(wid)
-        if len(within) == len(matches):
+        copy = self.profile.volume_copy
+        refresh = copy and self.profile.volume_refresh
+        if len(within) == len(matches) and (not refresh or len(room) == len(matches)):
             return matches, {}, {}, {}
         session = index.session_blocks(key.blocks[deepest - 1]) + size
-        copy = self.profile.volume_copy
-        refresh = self.profile.volume_refresh
         kept: dict[str, int] = {}
         over: dict[str, int] = {}
         copying: dict[str, int] = {}
         stale: dict[str, str] = {}
         for wid, depth in matches.items():
             fair = share * weights[wid]
+            heavy = session >= VOLUME_SESSION_SHARE * fair or (
+                session >= VOLUME_MEDIUM_SHARE * fair
+                and len(room) > (wid in room))  # another holder has room
             if wid in within:
-                kept[wid] = depth
-            elif session >= VOLUME_SESSION_SHARE * fair or (
-                    session >= VOLUME_MEDIUM_SHARE * fair
-                    and len(room) > (wid in room)):  # another holder has room
+                # Over its bound but within the slack: kept, unless another holder of all of
+                # it has room (a whole copy, recorded at its send): a move there redoes
+                # nothing, which is what the slack waits for.
+                if refresh and heavy and wid not in room and any(
+                        other in room and matches[other] >= depth
+                        and not _copies_yield(snapshot, other) for other in matches):
+                    over[wid] = depth
+                else:
+                    kept[wid] = depth
+            elif heavy:
                 # Moved when no copy is asked for, or when another holder of (nearly) as
                 # much of the prompt keeps its credit (where :meth:`_move` takes it): with
                 # refreshes, one holding all of it or recorded only once it answered.

@@ -729,6 +729,38 @@ def test_a_copy_that_lacks_turns_is_brought_up_to_date_before_the_session_moves(
     assert decision.copy_to == "w2"
 
 
+@pytest.mark.parametrize("refresh", [True, False])
+def test_a_whole_copy_with_room_takes_the_session_from_a_holder_within_the_slack(
+    refresh: bool
+) -> None:
+    """w1 holds the session (100 blocks) and another 100-block prompt: 304 recent blocks with
+    the next turn, over its bound (1.1 x 1,004 / 4 = 276) but within the slack (+ 208), which
+    keeps a session whose move would redo part of it. w2 holds all of it too (its copy,
+    recorded at its send) with room (204). A move there redoes nothing, so the session goes
+    to w2 although w1 is not past the slack, and although w2 has a request in flight that
+    would make the queue-based cost keep it on w1. Without refreshes (a copy counted at three
+    quarters of the holder's part) w1 keeps it within the slack."""
+    index = PrefixIndex()
+    index.record(LONG, "w1", 0.0)
+    index.record(tuple(range(10000, 10100)), "w1", 0.0)
+    index.record(LONG, "w2", 0.0)
+    for i in range(6):
+        index.record(tuple(range(20000 + 100 * i, 20100 + 100 * i)), "w0" if i < 3 else "w3",
+                     0.0)
+    views = tuple(WorkerView(Worker(w, f"http://{w}"), True, int(w == "w2"),
+                             500 * (w == "w2")) for w in IDS)
+    opts = PolicyOptions(volume_guard=1.1, volume_refresh=refresh)
+    decision = build_engine("cache_aware", opts).route(
+        _session_request(NEXT_TURN), Snapshot(views, index.at(0.0), RING))
+    assert decision.match_blocks == 100
+    assert decision.copy_to == ""
+    if refresh:
+        assert decision.worker_id == "w2"
+        assert decision.kind is DecisionKind.PREFIX_HIT
+    else:
+        assert decision.worker_id == "w1"
+
+
 def test_a_copy_on_a_worker_over_its_own_bound_does_not_take_the_session() -> None:
     """w2's copy does not take the session where w2 is over its own bound too (804 recent
     blocks against w1's 704): the holder keeps it, and it is copied to a worker that holds
