@@ -155,7 +155,9 @@ class GatewaySettings:
         metadata=_help("cache_aware, with volume_copy: an earlier copy of a session that "
                        "lacks turns its holder has had since is copied again (only those turns "
                        "computed there) before the session moves to it, so the move redoes at "
-                       "most the last answer (false: the session moves to it as it is)"),
+                       "most the last answer, and a whole copy with room takes the session from "
+                       "a holder over the guard within its slack (false: the session moves to "
+                       "a copy of three quarters as it is)"),
     )
     quick_first_token_s: float = field(
         default=_POLICY.quick_first_token_s,

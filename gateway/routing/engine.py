@@ -125,8 +125,9 @@ class Profile:
     volume_copy: bool = False
     # With copies: a copy recorded when it was sent that lacks turns its holder has had since
     # is brought up to date (copied again, only the difference computed there) before the
-    # session moves to it, unless it cannot take the copy now. False: the session moves to a
-    # copy of three quarters of its holder's part, redoing the rest on a request's path.
+    # session moves to it, unless it cannot take the copy now; a whole copy with room takes
+    # the session from a holder over its bound within the slack. False: the session moves to
+    # a copy of three quarters of its holder's part, redoing the rest on a request's path.
     volume_refresh: bool = False
 
 

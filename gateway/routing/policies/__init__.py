@@ -92,10 +92,13 @@ turns"). A copy recorded when it was sent that lacks turns its holder has had si
 some turns before the session's holder tripped its bound again, or on a worker the session
 left) is copied again first (``volume_refresh``): the copy goes to that worker, which computes
 only the turns it lacks, the holder keeps this turn, and the next moves to a copy holding all
-the index knows of the session (moved at once, the turn redid those turns on its own path:
-agent sessions with seconds between turns 0.9930 -> 0.9964 of the bound, at 1.33 -> 1.30x
-the mean volume; BENCHMARKS.md, "stale copies brought up to date"). When that worker cannot
-take a copy now, the session moves to the copy as it is. The guard credits a
+the index knows of the session (moved at once, the turn redid those turns on its own path).
+When that worker cannot take a copy now, the session moves to the copy as it is. A holder
+over its bound but within the slack loses the session to another holder of all of it with
+room: the slack waits for an excess worth a move's prefill, and a move to a whole copy
+redoes nothing. Agent sessions with seconds between turns, skip 2000: 0.9930 @ 1.33 ->
+0.9967 @ 1.20 of the bound and the mean volume (BENCHMARKS.md, "stale session copies
+brought up to date before a session moves"). The guard credits a
 holder with the prefill a move would redo (its bound grows by the prompt tokens it holds for
 the request): a conversation is not moved off its worker because its own earlier
 turns are in flight there. Its bound also grows by the cached
@@ -176,8 +179,9 @@ class PolicyOptions:
     volume_copy: bool = True
     # cache_aware, with copies: an earlier copy of a session that lacks turns its holder has
     # had since is copied again (only those turns computed there) before the session moves
-    # to it, so the move redoes at most the last answer; False: the session moves to it as it
-    # is, redoing the turns it lacks on a request's path.
+    # to it, so the move redoes at most the last answer, and a whole copy with room takes
+    # the session from a holder over its bound within the slack; False: the session moves to
+    # a copy of three quarters as it is, redoing the turns it lacks on a request's path.
     volume_refresh: bool = True
     # cache_aware: a worker whose engine's recent requests got their first token within this
     # many seconds on average is exempt from the hard bound (tokens in flight there make
