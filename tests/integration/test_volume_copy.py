@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.conftest import MODEL, StartCluster, admin_workers, until
 
@@ -44,9 +45,10 @@ async def test_a_session_over_the_volume_guard_moves_to_a_copy_of_itself(
         prompt = BASE
         holder, _, _, _ = await _complete(http, gateway, prompt)
         copied_to = ""
+        copied_tokens = 0  # the copied prompt's tokens, as the holder's engine counted them
         for _ in range(8):  # the session's turns, each extending the last, until one is copied
             prompt += TURN
-            worker, reason, _, _ = await _complete(http, gateway, prompt)
+            worker, reason, _, copied_tokens = await _complete(http, gateway, prompt)
             assert worker == holder, reason  # never moved cold
             if "session copied to " in reason:
                 copied_to = reason.rsplit("session copied to ", 1)[1].rstrip(")")
@@ -62,7 +64,6 @@ async def test_a_session_over_the_volume_guard_moves_to_a_copy_of_itself(
         stats = await _prewarm_stats(http, gateway)
         assert (stats["sessions"], stats["used"], stats["copies_done"]) == (1, 0, 1)
         assert stats["copy_seconds"] > 0  # the time from its decision to its answer
-        copied_tokens = len(prompt) // 4  # the chars tokenizer: one token per 4 characters
 
         prompt += TURN  # the next turn goes to the copy, which holds the whole last turn
         worker, reason, cached, sent = await _complete(http, gateway, prompt)
@@ -76,3 +77,50 @@ async def test_a_session_over_the_volume_guard_moves_to_a_copy_of_itself(
 async def _all_up(http: aiohttp.ClientSession, gateway: str) -> bool:
     workers = await admin_workers(http, gateway)
     return len(workers) == 4 and all(w["healthy"] for w in workers.values())
+
+
+@pytest.mark.parametrize("refresh", [True, False], ids=["refresh", "no-refresh"])
+async def test_a_session_moves_only_to_a_copy_holding_all_of_it(
+        start_cluster: StartCluster, refresh: bool) -> None:
+    """A long session over the guard moves from copy to copy. A copy made some turns ago
+    lacks the turns since: with ``volume_refresh`` the holder keeps the turn and the copy is
+    brought up to date first (sent to that copy's worker again), so every move finds the
+    whole last prompt cached; without it the session moves to the stale copy at once and
+    that turn redoes what the copy lacks."""
+    cluster = await start_cluster(workers=4, volume_guard=1.2, volume_refresh=refresh)
+    gateway = cluster.gateway_url
+    async with aiohttp.ClientSession() as http:
+        await until(lambda: _all_up(http, gateway))
+
+        async def copies_over() -> bool:  # every session copy sent has been answered
+            stats = await _prewarm_stats(http, gateway)
+            return bool(stats["sessions"] == stats["copies_done"])
+
+        held: dict[str, int] = {}  # the most of the session's prompt each worker was sent
+        prompt, last_worker, last_tokens = BASE, "", 0
+        refreshed = diverted = 0
+        redone: list[int] = []  # tokens a move's worker lacked of the last turn's prompt
+        for _ in range(30):
+            worker, reason, cached, tokens = await _complete(http, gateway, prompt)
+            if last_worker and worker != last_worker:
+                redone.append(last_tokens - cached)
+            if "session copied to " in reason:
+                copied_to = reason.rsplit("session copied to ", 1)[1].rstrip(")")
+                assert copied_to != worker
+                if 0 < held.get(copied_to, 0) < tokens:
+                    refreshed += 1  # an earlier copy or holder, brought up to date
+                held[copied_to] = tokens
+            diverted += reason.startswith("diverted")
+            held[worker] = tokens
+            last_worker, last_tokens = worker, tokens
+            await until(copies_over)  # a copy is answered before the next turn
+            prompt += TURN
+        assert len(redone) >= 3  # the session moved
+        assert (await _prewarm_stats(http, gateway))["copies_waited"] == 0  # each one sent
+        if refresh:
+            assert refreshed >= 1
+            assert diverted == 0
+            assert max(redone) < 16  # at most a partial block of the last prompt redone
+        else:
+            assert diverted >= 1
+            assert max(redone) >= 16 * 10  # a stale copy's lacking turns redone on the path
