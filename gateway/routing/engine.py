@@ -396,6 +396,10 @@ class RoutingEngine:
         over: dict[str, int] = {}
         copying: dict[str, int] = {}
         stale: dict[str, str] = {}
+        # The most of the prompt a holder with room holds as a copy recorded at its send:
+        # read once, not per holder over its bound (the trunk's holders can be the pool).
+        whole = max((matches[other] for other in room
+                     if not _copies_yield(snapshot, other)), default=-1) if refresh else -1
         for wid, depth in matches.items():
             fair = share * weights[wid]
             heavy = session >= VOLUME_SESSION_SHARE * fair or (
@@ -405,9 +409,7 @@ class RoutingEngine:
                 # Over its bound but within the slack: kept, unless another holder of all of
                 # it has room (a whole copy, recorded at its send): a move there redoes
                 # nothing, which is what the slack waits for.
-                if refresh and heavy and wid not in room and any(
-                        other in room and matches[other] >= depth
-                        and not _copies_yield(snapshot, other) for other in matches):
+                if heavy and wid not in room and whole >= depth:
                     over[wid] = depth
                 else:
                     kept[wid] = depth
