@@ -290,6 +290,7 @@ def backend_options(settings: GatewaySettings) -> BackendOptions:
         read_timeout_s=settings.read_timeout_s,
         max_connections=settings.max_connections,
         max_connections_per_worker=settings.max_connections_per_worker,
+        warm_connections=settings.warm_connections,
         api_keys=worker_keys(settings.worker),
         default_api_key=read_secret(
             settings.worker_api_key, settings.worker_api_key_file, "worker API key"),

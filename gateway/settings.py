@@ -307,6 +307,13 @@ class GatewaySettings:
     max_connections_per_worker: int = field(
         default=256, metadata=_help("connection pool limit towards one worker")
     )
+    warm_connections: int = field(
+        default=2,
+        metadata=_help("connections to each healthy HTTP worker opened ahead of any request, "
+                       "at each health probe: a burst after the connections went idle (4 s) "
+                       "writes its first requests at once, not after the connects of the "
+                       "whole burst (0: none)"),
+    )
     first_byte_timeout_s: float = field(
         default=0.0,
         metadata=_help("give up on a worker that sent no reply (status line; for a stream, its "
@@ -665,6 +672,8 @@ class GatewaySettings:
         if self.body_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.idle_timeout_s <= 0:
             raise ValueError("body_timeout_s, queue_timeout_s and idle_timeout_s must be "
                              "positive")
+        if self.warm_connections < 0:
+            raise ValueError("warm_connections must be >= 0")
         if self.response_pin_ttl_s < 0:
             raise ValueError("response_pin_ttl_s must be >= 0")
         if self.max_attempts < 1 or self.max_body_bytes < 1 or self.chars_per_token <= 0:

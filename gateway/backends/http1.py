@@ -444,6 +444,7 @@ class Http1Client:
         self._waiting: dict[_Origin, deque[_Waiting]] = {}
         self._connects: set[asyncio.Task[None]] = set()
         self._connecting: dict[_Origin, int] = {}  # connects under way per origin
+        self._warming: dict[_Origin, int] = {}  # of those, opened ahead of any request
         self._heads: dict[tuple[str, URL], tuple[_Origin, bytes]] = {}
         # TLS to https:// origins: the given context, else the system's defaults (made once).
         self._ssl: ssl.SSLContext | None = ssl_context
@@ -541,6 +542,53 @@ class Http1Client:
         self._connects.add(task)
         task.add_done_callback(self._connects.discard)
         return waiter
+
+    def keep_warm(self, url: URL, count: int) -> int:
+        """Open connections to ``url``'s origin until ``count`` are idle (and not past
+        ``idle_timeout_s``) or being opened; returns how many connects this started. No
+        I/O here: the connects run as tasks, and a connection they make goes to the first
+        request waiting for one, else stays idle.
+
+        A request that finds an idle connection is written in its own step of the event
+        loop. One that must connect first is written only once the connect is through,
+        several passes of the loop later, and in a burst of requests each pass first reads,
+        parses and routes every other request of the burst: the first requests of a burst
+        after the connections went idle reached their workers last (about 20 ms late in the
+        opening burst of 32 agent prompts, BENCHMARKS.md)."""
+        if self._closed:
+            return 0
+        origin = self._request_start(url, "GET")[0]
+        wanted = min(count, self._max_idle) - self.idle(url) - self._warming.get(origin, 0)
+        for _ in range(wanted):
+            self._warming[origin] = self._warming.get(origin, 0) + 1
+            task = asyncio.get_running_loop().create_task(self._warm(origin))
+            self._connects.add(task)
+            task.add_done_callback(self._connects.discard)
+        return max(wanted, 0)
+
+    def idle(self, url: URL) -> int:
+        """Connections to ``url``'s origin idle now, within ``idle_timeout_s``. Those idle
+        past it are closed here, before their server closes them."""
+        idle = self._idle.get(self._request_start(url, "GET")[0])
+        if not idle:
+            return 0
+        now = asyncio.get_running_loop().time()
+        while idle and (idle[0][1].closed or now - idle[0][0] > self.idle_timeout_s):
+            idle.popleft()[1].close()  # the oldest first: the rest are newer
+        return sum(not conn.closed for _, conn in idle)
+
+    async def _warm(self, origin: _Origin) -> None:
+        try:
+            conn = await self._connect(origin)
+        except BackendUnavailable:
+            return  # the health probes tell whether the worker is there
+        finally:
+            left = self._warming.get(origin, 1) - 1
+            if left > 0:
+                self._warming[origin] = left
+            else:
+                self._warming.pop(origin, None)
+        self._hand(origin, conn, False)
 
     def _take_idle(self, origin: _Origin) -> _Connection | None:
         idle = self._idle.get(origin)

@@ -23,6 +23,7 @@ class BackendOptions:
     read_timeout_s: float
     max_connections: int
     max_connections_per_worker: int
+    warm_connections: int = 0  # relay connections kept open to each healthy worker
     api_keys: Mapping[str, str] = field(default_factory=dict)  # worker id -> key it expects
     default_api_key: str = ""
     admin_token: str = ""

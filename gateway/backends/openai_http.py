@@ -165,6 +165,7 @@ class OpenAIHTTPBackend:
         max_connections: int,
         max_connections_per_worker: int,
         probe_timeout_s: float = 2.0,
+        warm_connections: int = 0,
         namespace_in_body: bool = False,
         api_keys: Mapping[str, str] | None = None,
         default_api_key: str = "",
@@ -177,6 +178,10 @@ class OpenAIHTTPBackend:
         self._api_keys = dict(api_keys or {})  # worker id -> key it expects
         self._default_api_key = default_api_key
         self._limits = (max_connections, max_connections_per_worker)
+        # Relay connections opened ahead of any request at each healthy probe of a worker
+        # (Http1Client.keep_warm): the relay closes an idle one after 4 s, within a health
+        # interval (5 s), so a burst after quiet writes its first requests at once.
+        self._warm_connections = warm_connections
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
         )
@@ -315,18 +320,25 @@ class OpenAIHTTPBackend:
         ] if isinstance(payload, dict) else []
         models = frozenset(str(m["id"]) for m in entries)
         text = page.decode("utf-8", "replace") if status == 200 else ""
+        if self._warm_connections:
+            self._relay.keep_warm(self._url(worker, ""), self._warm_connections)
         return WorkerProbe(True, models, versions=model_versions(entries),
                            engine=owner_of(entries)), text
 
-    async def _get(self, worker: Worker, path: str,
-                   headers: Mapping[str, str]) -> tuple[int, bytes]:
-        """``GET path`` of ``worker``'s server through the probes' client: the status and the
-        whole body, within the probe timeout."""
+    def _url(self, worker: Worker, path: str) -> URL:
+        """``path`` on ``worker``'s server, parsed once."""
         url = self._urls.get((worker.url, path))
         if url is None:
             if len(self._urls) >= 4096:
                 self._urls.clear()
             url = self._urls[worker.url, path] = URL(worker.url + path)
+        return url
+
+    async def _get(self, worker: Worker, path: str,
+                   headers: Mapping[str, str]) -> tuple[int, bytes]:
+        """``GET path`` of ``worker``'s server through the probes' client: the status and the
+        whole body, within the probe timeout."""
+        url = self._url(worker, path)
         async with asyncio.timeout(self._probe_timeout_s):
             reply = await self._prober.send(url, headers, b"", "GET")
             try:
@@ -404,6 +416,7 @@ def _builder(namespace_in_body: bool) -> Callable[[BackendOptions], OpenAIHTTPBa
             read_timeout_s=options.read_timeout_s,
             max_connections=options.max_connections,
             max_connections_per_worker=options.max_connections_per_worker,
+            warm_connections=options.warm_connections,
             namespace_in_body=namespace_in_body,
             api_keys=options.api_keys,
             default_api_key=options.default_api_key,

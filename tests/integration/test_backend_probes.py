@@ -9,11 +9,13 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
+from gateway.backends.base import UpstreamRequest
 from gateway.backends.openai_http import OpenAIHTTPBackend
 from gateway.contracts.httpserver import JsonErrorRunner
 from gateway.routing.types import Worker
 from tests.conftest import MODEL, Handler, free_port, probed_engine, serve
 
+WARM_CONNECTIONS = 2
 PAGE = ('# HELP vllm:num_requests_running Requests running.\n'
         'vllm:num_requests_running{model_name="m"} 3.0\n'
         'vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n')
@@ -23,6 +25,7 @@ PAGE = ('# HELP vllm:num_requests_running Requests running.\n'
 async def backend() -> AsyncIterator[OpenAIHTTPBackend]:
     probes = OpenAIHTTPBackend(connect_timeout_s=1.0, read_timeout_s=5.0, max_connections=8,
                                max_connections_per_worker=2, probe_timeout_s=0.5,
+                               warm_connections=WARM_CONNECTIONS,
                                default_api_key="sk-worker")
     await probes.start()
     yield probes
@@ -146,5 +149,38 @@ async def test_probe_connections_outlive_a_health_interval(backend: OpenAIHTTPBa
         probe = await backend.probe(worker)
         assert probe.healthy, probe.error
         assert ports[2] != ports[1]
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_healthy_probe_keeps_relay_connections_ready(backend: OpenAIHTTPBackend) -> None:
+    # A request that finds no idle connection to its worker waits for a connect, several
+    # passes of the event loop: a healthy probe opens the relay's connections ahead of it.
+    ports: list[int] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        ports.append(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
+        return web.json_response({"choices": []})
+
+    worker, runner = await engine({("POST", "/v1/completions"): completions})
+    server = runner.server
+    assert server is not None
+    try:
+        assert (await backend.probe(worker)).healthy
+        for _ in range(200):  # the probes' connection and the relay's two
+            if len(server.connections) == 1 + WARM_CONNECTIONS:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # both handed to the relay's idle connections
+        opened = {h.transport.get_extra_info("peername")[1]  # type: ignore[union-attr]
+                  for h in server.connections}
+        assert len(opened) == 1 + WARM_CONNECTIONS
+        reply = await backend.send(worker, UpstreamRequest("/v1/completions",
+                                                           {"model": MODEL, "prompt": "hi"}))
+        assert reply.status == 200
+        await reply.read()
+        reply.release()
+        assert ports[0] in opened  # written on a connection opened before it
+        assert len(server.connections) == 1 + WARM_CONNECTIONS
     finally:
         await runner.cleanup()

@@ -485,3 +485,41 @@ async def test_a_request_after_close_is_unavailable_at_once(serve: Serve) -> Non
     client.close()
     with pytest.raises(BackendUnavailable, match="closed"):
         await asyncio.wait_for(client.post(server.url, {}, b"{}"), 5)
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    for _ in range(200):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+async def test_connections_kept_warm_serve_requests_without_a_connect(serve: Serve) -> None:
+    server = await serve(lambda c, n, body: _ok(b"%d" % c))  # answers its connection's number
+    client = Http1Client(connect_timeout_s=2.0, read_timeout_s=5.0, idle_timeout_s=0.5)
+    assert client.keep_warm(server.url, 2) == 2
+    assert client.keep_warm(server.url, 2) == 0  # two on their way already
+    await _until(lambda: client.idle(server.url) == 2)
+    assert server.connections == 2
+    replies = await asyncio.gather(*(client.post(server.url, {}, b"{}") for _ in range(2)))
+    assert sorted([await reply.read() for reply in replies]) == [b"0", b"1"]
+    for reply in replies:
+        reply.release()
+    assert server.connections == 2  # no connect on the requests' way
+    await asyncio.sleep(0.6)  # both idle past the limit: closed here, and two new ones opened
+    assert client.keep_warm(server.url, 2) == 2
+    await _until(lambda: server.connections == 4)
+    client.close()
+
+
+async def test_a_worker_not_there_is_not_kept_warm_and_fails_no_request() -> None:
+    client = _client()
+    url = URL(f"http://127.0.0.1:{free_port()}/v1/completions")
+    assert client.keep_warm(url, 1) == 1
+    # The connect fails quietly, and the next call tries again.
+    await _until(lambda: client.keep_warm(url, 1) == 1)
+    assert client.idle(url) == 0
+    with pytest.raises(BackendUnavailable):
+        await client.post(url, {}, b"{}")
+    client.close()
