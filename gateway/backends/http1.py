@@ -9,6 +9,8 @@ relaying a POST to a known worker takes:
   One idle longer than ``idle_timeout_s`` is closed instead of reused (servers close idle
   connections after a few seconds: uvicorn after 5 s, so the default is 4 s). The number of
   connections in use is bounded by the caller (:class:`gateway.guard.ConnectionSlots`).
+  :meth:`Http1Client.keep_warm` opens some ahead of any request (the OpenAI backend does at
+  each healthy probe), so that a burst after quiet finds them.
 * **Requests to one origin are written in the order they were posted.** With no idle
   connection a request starts a connect and waits in line; whichever comes first, a connection
   given back or a connect finished (its own or an earlier request's), is the first waiting
