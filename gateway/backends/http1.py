@@ -560,7 +560,7 @@ class Http1Client:
         if self._closed:
             return 0
         origin = self._request_start(url, "GET")[0]
-        wanted = min(count, self._max_idle) - self.idle(url) - self._warming.get(origin, 0)
+        wanted = min(count, self._max_idle) - self._idle_at(origin) - self._warming.get(origin, 0)
         for _ in range(wanted):
             self._warming[origin] = self._warming.get(origin, 0) + 1
             task = asyncio.get_running_loop().create_task(self._warm(origin))
@@ -571,7 +571,11 @@ class Http1Client:
     def idle(self, url: URL) -> int:
         """Connections to ``url``'s origin idle now, within ``idle_timeout_s``. Those idle
         past it are closed here, before their server closes them."""
-        idle = self._idle.get(self._request_start(url, "GET")[0])
+        return self._idle_at(self._request_start(url, "GET")[0])
+
+    def _idle_at(self, origin: _Origin) -> int:
+        """:meth:`idle` for an origin."""
+        idle = self._idle.get(origin)
         if not idle:
             return 0
         now = asyncio.get_running_loop().time()
