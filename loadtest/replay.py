@@ -123,7 +123,7 @@ from loadtest.sim.report import max_over_mean
 from loadtest.simulate import DEFAULT_TRACE
 from loadtest.tails import RouterTails, tails
 from loadtest.tails import markdown as tails_markdown
-from loadtest.textgen import TextSynth, invisible_edit
+from loadtest.textgen import LINE_WORDS, TextSynth, invisible_edit
 from loadtest.timeline import timeline, write_timeline
 from loadtest.trace_workloads import TRACE_WORKLOADS, workload_trace
 from loadtest.traces import TraceRequest, read_mooncake
@@ -176,6 +176,9 @@ class ReplayConfig:
     kv_events: bool = False
     # Share of requests whose prompt carries one invisible edit (the block bound ignores it).
     invisible_edits: float = 0.0
+    # The synthesized text laid out in lines (loadtest.textgen.LINE_WORDS words a line), so
+    # that an invisible edit may be trailing spaces on an inner line.
+    text_lines: bool = False
     # Sample whether two processes of our gateway (--procs N) would route a request alike.
     agreement: bool = False
     # Every router logs each request as it does by default (ours one JSON access line, the
@@ -839,12 +842,12 @@ async def gateway_running(fleet: Fleet, policy: str, events: bool = False,
 
 def request_bodies(requests: Sequence[TraceRequest], block_chars: int, max_tokens: int,
                    seed: int = 0, invisible_edits: float = 0.0,
-                   api: str = "completions") -> list[dict[str, Any]]:
-    """One non-streaming completions body per trace request: its blocks as text chunks; a
-    seeded ``invisible_edits`` share of them carries one edit a reader cannot see
-    (:func:`loadtest.textgen.invisible_edit`), as re-rendered contexts do. With ``api``
-    "responses", a Responses API body whose input is that text."""
-    synth = TextSynth(chars=block_chars, seed=seed)
+                   api: str = "completions", lines: bool = False) -> list[dict[str, Any]]:
+    """One non-streaming completions body per trace request: its blocks as text chunks (laid
+    out in lines with ``lines``); a seeded ``invisible_edits`` share of them carries one edit
+    a reader cannot see (:func:`loadtest.textgen.invisible_edit`), as re-rendered contexts
+    do. With ``api`` "responses", a Responses API body whose input is that text."""
+    synth = TextSynth(chars=block_chars, seed=seed, lines=lines)
     spec = LiveSpec(model=MODEL, max_tokens=max_tokens, stream=False)
     rng = random.Random(f"{seed}:invisible-edits")
     bodies = []
@@ -871,7 +874,8 @@ async def run_replay(config: ReplayConfig, requests: Sequence[TraceRequest],
     ``gateway_args``: our gateway's variants, label -> extra arguments, each run with every
     policy as ``ours[label]:policy``."""
     bodies = request_bodies(requests, config.block_chars, config.max_tokens,
-                            invisible_edits=config.invisible_edits, api=config.api)
+                            invisible_edits=config.invisible_edits, api=config.api,
+                            lines=config.text_lines)
     pooled = pooled_bound(requests, config.workers * config.cache_blocks)
     after = previous_in_session(requests) if config.session_order else []
     think = think_times(requests, after, config.think_scale) if config.think_scale > 0 else []
@@ -1146,7 +1150,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "models completions only")
     p.add_argument("--invisible-edits", type=float, default=0.0, metavar="SHARE",
                    help="share of requests with one invisible edit in their prompt (a "
-                   "zero-width or no-break space, a soft hyphen, trailing spaces)")
+                   "zero-width or no-break space, a soft hyphen, trailing spaces; with "
+                   "--text-lines also trailing spaces on an inner line)")
+    p.add_argument("--text-lines", action="store_true",
+                   help=f"lay the synthesized text out in lines of {LINE_WORDS} words, as code "
+                   "and documents come (the same words and blocks)")
     p.add_argument("--request-logs", action="store_true",
                    help="every router logs each request as it does by default (ours one JSON "
                    "access line, the peers at --log-level info); without it none does (ours "
@@ -1233,7 +1241,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Re
         restart_worker=restart, flush_worker=flush, restart_in_place=in_place,
         session_order=args.session_order, think_scale=args.think_scale, bucket_s=args.bucket,
         tokenizer_file=args.tokenizer_file, kv_events=args.kv_events,
-        invisible_edits=args.invisible_edits, agreement=args.agreement,
+        invisible_edits=args.invisible_edits, text_lines=args.text_lines,
+        agreement=args.agreement,
         request_logs=args.request_logs, api=args.api, own_core=args.own_core,
         worker_nice=args.worker_nice, extra_worker_args=tuple(args.worker_arg),
     )

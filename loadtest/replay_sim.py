@@ -110,7 +110,8 @@ def gateway_keys(requests: Sequence[TraceRequest], config: ReplayConfig,
     normalize, opts = settings.normalize_options(), settings.fingerprint_options()
     keys = []
     for body in request_bodies(requests, config.block_chars, config.max_tokens,
-                               invisible_edits=config.invisible_edits):
+                               invisible_edits=config.invisible_edits,
+                               lines=config.text_lines):
         parsed = parse_completion(body, normalize)
         keys.append(fingerprint(parsed.fingerprint_text,
                                 Namespace(model=model, cache_salt=parsed.cache_salt), opts))
@@ -151,7 +152,8 @@ def token_units(requests: Sequence[TraceRequest],
     units, keys = [], []
     try:
         bodies = request_bodies(requests, config.block_chars, config.max_tokens,
-                                invisible_edits=config.invisible_edits)
+                                invisible_edits=config.invisible_edits,
+                                lines=config.text_lines)
         for r, body in zip(requests, bodies, strict=True):
             parsed = parse_completion(body, normalize)
             salt = engine_namespace(hasher.namespace("", parsed.cache_salt), parsed.cache_salt)

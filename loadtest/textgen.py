@@ -21,6 +21,7 @@ sharing relation and shrinks the prompts.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterable
 
 from loadtest.traces import TraceRequest
@@ -35,17 +36,21 @@ from loadtest.workloads import (
 
 DEFAULT_BLOCK_CHARS = 2048
 _MIN_BLOCK_CHARS = 32  # room for the id marker and a few words
+# Text laid out in lines (``TextSynth(lines=True)``): a chunk's every fifth word starts a new
+# line, lines of about 35 characters, as code comes (a 64-character chunk has one or two).
+LINE_WORDS = 5
 
 
 class TextSynth:
     """Block id -> text chunk, with a bounded memo (chunks repeat a lot in a trace)."""
 
     def __init__(self, chars: int = DEFAULT_BLOCK_CHARS, seed: int = 0,
-                 memo_size: int = 65536) -> None:
+                 memo_size: int = 65536, lines: bool = False) -> None:
         if chars < _MIN_BLOCK_CHARS:
             raise ValueError(f"chars must be >= {_MIN_BLOCK_CHARS}")
         self.chars = chars
         self.seed = seed
+        self.lines = lines
         self._memo_size = max(0, memo_size)
         self._memo: dict[int, str] = {}
 
@@ -53,7 +58,7 @@ class TextSynth:
         """The chunk of ``block_id``: exactly ``chars`` characters, leading space, no trailing."""
         text = self._memo.get(block_id)
         if text is None:
-            text = block_text(block_id, self.chars, self.seed)
+            text = block_text(block_id, self.chars, self.seed, self.lines)
             if len(self._memo) >= self._memo_size:
                 self._memo.clear()  # simple and bounded; a trace's hot ids come back quickly
             if self._memo_size:
@@ -65,8 +70,10 @@ class TextSynth:
         return "".join(self.block(b) for b in block_ids)
 
 
-def block_text(block_id: int, chars: int = DEFAULT_BLOCK_CHARS, seed: int = 0) -> str:
-    """The text chunk of one block id (see module docstring); pure."""
+def block_text(block_id: int, chars: int = DEFAULT_BLOCK_CHARS, seed: int = 0,
+               lines: bool = False) -> str:
+    """The text chunk of one block id (see module docstring); pure. ``lines``: the same words,
+    every :data:`LINE_WORDS`-th of them on a new line (a line break for the space before it)."""
     if chars < _MIN_BLOCK_CHARS:
         raise ValueError(f"chars must be >= {_MIN_BLOCK_CHARS}")
     rng = random.Random(f"{seed}:block:{block_id}")
@@ -74,7 +81,7 @@ def block_text(block_id: int, chars: int = DEFAULT_BLOCK_CHARS, seed: int = 0) -
     length = len(parts[0])
     while length < chars:
         word = rng.choice(VOCABULARY)
-        parts.append(" " + word)
+        parts.append(("\n" if lines and len(parts) % LINE_WORDS == 0 else " ") + word)
         length += len(word) + 1
     text = "".join(parts)[:chars]
     if text[-1].isspace():
@@ -84,16 +91,23 @@ def block_text(block_id: int, chars: int = DEFAULT_BLOCK_CHARS, seed: int = 0) -
 
 # Edits a reader cannot see, each undone by the gateway's normalization (gateway.normalize):
 # a format character inserted (zero-width space, word joiner, soft hyphen, BOM), a space turned
-# into a no-break or narrow no-break space, or trailing spaces at the end of the prompt.
+# into a no-break or narrow no-break space, trailing spaces at the end of the prompt, or, in
+# text laid out in lines, trailing spaces at the end of an inner line.
 _INSERTED = ("\u200b", "\u2060", "\u00ad", "\ufeff")
 _SPACES = ("\u00a0", "\u202f")
 
 
 def invisible_edit(text: str, rng: random.Random) -> str:
     """``text`` with one invisible edit at a position drawn uniformly: what an editor, a
-    rich-text paste or an agent framework's re-render does to a context it sends again."""
-    kind = rng.randrange(len(_INSERTED) + len(_SPACES) + 1)
-    if kind == len(_INSERTED) + len(_SPACES) or not text:
+    rich-text paste or an agent framework's re-render does to a context it sends again. Text
+    without a line break draws from the same kinds, in the same way, as before there was an
+    edit of inner lines."""
+    ends = len(_INSERTED) + len(_SPACES)  # the kind: trailing spaces at the end
+    kind = rng.randrange(ends + 2 if "\n" in text else ends + 1)
+    if kind > ends:  # trailing spaces on an inner line, before one of its line breaks
+        at = rng.choice([m.start() for m in re.finditer("\n", text)])
+        return text[:at] + " " * rng.randint(1, 3) + text[at:]
+    if kind == ends or not text:
         return text + " " * rng.randint(1, 3)
     if kind < len(_INSERTED):
         at = rng.randrange(len(text) + 1)

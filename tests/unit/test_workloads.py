@@ -149,8 +149,9 @@ def test_same_ids_give_the_same_text_and_different_ids_differ() -> None:
         TextSynth(chars=8)
 
 
-def test_shared_ids_are_shared_text_and_token_prefixes() -> None:
-    synth = TextSynth(chars=128, seed=3)
+@pytest.mark.parametrize("lines", [False, True])
+def test_shared_ids_are_shared_text_and_token_prefixes(lines: bool) -> None:
+    synth = TextSynth(chars=128, seed=3, lines=lines)
     tokenizer = HashTokenizer()
     first, second = [1, 2, 3, 4], [1, 2, 3, 9, 10]
     p1, p2 = synth.prompt(first), synth.prompt(second)
