@@ -182,7 +182,8 @@ class SimConfig:
     # seconds from the decision to settlement, the worker's own time included), as a live run
     # measured them. Given, they replace both delays above; a request's worker runs it for its
     # cost model's time (or until its live engine was done: engine_holds), and the gateway
-    # settles it when its hold ends (or when the worker is done, if that is later).
+    # settles it when its hold ends (or when the worker is done, if that is later; in mode
+    # "replay", the live decision instants, when its hold ends once the engine took it in).
     request_delays: tuple[tuple[float, float], ...] = ()
     # Per request, by position in the trace: seconds from the decision to the live engine
     # freeing the request's blocks; given, the simulated worker frees them then (or at its
@@ -404,6 +405,8 @@ class _Job:
     waits: int = 0  # ... of which its first token still waits for this many
     copy_of: str = ""  # the volume guard's copy of a session: the worker it goes to
     copy_key: PrefixKey | None = None  # ... and the key it copies
+    admitted: bool = False  # the engine took it in (what it reused is known)
+    settled: bool = False  # the gateway had its reply
 
 
 class _Telemetry:
@@ -617,11 +620,13 @@ class ClusterSim:
         self._assignments[pos] = w.worker.id
         w.routed += 1
         freed, computed = self.config.engine_holds, self.config.engine_computed
-        w.queue.append(_Job(req, str(req.index), issued, attempt,
-                            None if hold is None else now + hold, pos,
-                            pooled_blocks=pooled, best_blocks=best, arrived=now,
-                            freed_at=now + freed[pos] if pos < len(freed) else None,
-                            computed_at=now + computed[pos] if pos < len(computed) else None))
+        job = _Job(req, str(req.index), issued, attempt, None if hold is None else now + hold,
+                   pos, pooled_blocks=pooled, best_blocks=best, arrived=now,
+                   freed_at=now + freed[pos] if pos < len(freed) else None,
+                   computed_at=now + computed[pos] if pos < len(computed) else None)
+        w.queue.append(job)
+        if job.settle_at is not None and self.config.mode == "replay":
+            self._at(job.settle_at, functools.partial(self._hold_ended, job))
         w.max_queue = max(w.max_queue, len(w.queue))
         if self.router.uses_prefix_index:  # as the gateway does after each decision
             logged = self.config.prewarm_log
@@ -664,6 +669,19 @@ class ClusterSim:
                             now, None, settle_at, arrived=now, copy_of=wid if session else "",
                             copy_key=key if session else None))
         self._pump(w, now)
+
+    def _hold_ended(self, job: _Job, now: float) -> None:
+        """At the live gateway's decision instants (mode "replay" with each request's hold):
+        the live gateway had ``job``'s reply at ``now``, so it is settled then, as the gateway's
+        own count of requests in flight had it, even while the simulated engine is still
+        running it. The cost model runs longer than the live engine did where prefills share
+        compute (RAG: 29% of requests sent elsewhere, the first where a request the live
+        gateway had settled 0.6 ms before still counted in flight). One the engine has not
+        taken in yet is settled when it ends: what it reused is not known before. From the
+        client's timing the engine's end stays in the loop: the client simulated there sends
+        its next request on the answer, which cannot come before the engine is done."""
+        if job.admitted:
+            self._settled(job, now)
 
     def _settle(self, job: _Job) -> None:
         # What the worker reports, in blocks (one trace block = one cache block).
@@ -711,6 +729,7 @@ class ClusterSim:
                 job.private = w.cache.hashes(held)[-private:]
             w.queue.popleft()
             w.running += 1
+            job.admitted = True
             req = job.req
             job.matched_blocks = alloc.matched_blocks
             job.awaits = alloc.awaits  # empty but under Reuse.SCHEDULED
@@ -801,7 +820,8 @@ class ClusterSim:
             self._at(at, functools.partial(self._computed, w, job.rid))
         # The engine frees the blocks when its own work is done (when the live one did, with
         # engine_holds); the gateway settles the request when its reply came back
-        # (``_complete``: its live hold, with request_delays).
+        # (``_complete``: its live hold, with request_delays; at the live decision instants
+        # ``_hold_ended``, however long the engine here still runs it).
         done = first_token + self.config.costs.decode_seconds(job.req.output_tokens)
         if job.freed_at is not None:
             done = max(done, job.freed_at)
@@ -832,6 +852,9 @@ class ClusterSim:
         self._pump(w, now)
 
     def _settled(self, job: _Job, now: float) -> None:
+        if job.settled:  # at its live hold's end already (_hold_ended)
+            return
+        job.settled = True
         if job.attempt is not None:
             self._settle(job)
             self._answer(job.pos, now)

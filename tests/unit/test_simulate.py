@@ -471,6 +471,41 @@ def test_a_request_holds_its_worker_for_its_live_hold_or_its_simulated_time() ->
     assert short_hold.sim_seconds == pytest.approx(0.3)
 
 
+class _Watched(ClusterSim):
+    """The simulator, noting the requests in flight per worker that each decision saw."""
+
+    seen: list[dict[str, int]]
+
+    def _dispatch(self, req: TraceRequest, now: float, *args: Any) -> None:
+        views = self.pool.snapshot(now).workers
+        self.seen.append({w.id: w.inflight_requests for w in views})
+        super()._dispatch(req, now, *args)
+
+
+def _in_flight_at_second_decision(mode: str, hold_s: float) -> int:
+    """Requests in flight the second request's decision saw (0.1 s after the first's), on
+    the first's worker: the first held ``hold_s`` by the live gateway, its engine busy 0.2 s."""
+    costs = SimCosts(prefill_us_per_token=0.0, prefill_us_per_cached_token=0.0,
+                     decode_ms_per_token=200.0)
+    reqs = trace([1], [2], output=2, gap_s=0.1)  # one decode step: the engine takes 0.2 s
+    sim = _Watched(config(2, 4, "least_load", mode=mode, concurrency=2, costs=costs,
+                          request_delays=((0.0, hold_s), (0.0, hold_s))))
+    sim.seen = []
+    result = sim.run(reqs)
+    first = result.assignments[0]
+    return sim.seen[1][first]
+
+
+def test_at_the_live_decision_instants_the_gateway_settles_at_its_live_hold() -> None:
+    # At the gateway's own decision instants (mode "replay"), a request counts in flight for
+    # its live hold, even where the simulated engine runs longer: the live gateway had the
+    # reply then. From the client's timing (mode "sequential") the engine's end stays in the
+    # loop: an answer cannot come before the engine is done.
+    assert _in_flight_at_second_decision("replay", 0.05) == 0
+    assert _in_flight_at_second_decision("replay", 0.5) == 1  # a hold past the decision
+    assert _in_flight_at_second_decision("sequential", 0.05) == 1
+
+
 def test_rebalancer_shrinks_an_unknown_cache_that_mispredicts() -> None:
     # Two workers of 4 blocks, six 2-block prompts in turn: each worker is sent three prompts
     # (6 blocks), so the index, which does not know the size, predicts hits the worker
