@@ -100,8 +100,7 @@ _SPACES = ("\u00a0", "\u202f")
 def invisible_edit(text: str, rng: random.Random) -> str:
     """``text`` with one invisible edit at a position drawn uniformly: what an editor, a
     rich-text paste or an agent framework's re-render does to a context it sends again. Text
-    without a line break draws from the same kinds, in the same way, as before there was an
-    edit of inner lines."""
+    without a line break draws from the other kinds only."""
     ends = len(_INSERTED) + len(_SPACES)  # the kind: trailing spaces at the end
     kind = rng.randrange(ends + 2 if "\n" in text else ends + 1)
     if kind > ends:  # trailing spaces on an inner line, before one of its line breaks
